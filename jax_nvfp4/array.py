@@ -1,0 +1,267 @@
+"""The packed ``NVFP4Array`` pytree and ``quantize`` / ``dequantize``.
+
+Layout of one matrix ``[rows, cols]`` (axes before the last two are batch axes, one matrix
+each, each with its own amax):
+
+- ``data``  ``[..., rows, ceil(cols/2)] uint8``: element ``2k`` in the low nibble.
+- ``scale`` ``[..., ceil(rows/16), ceil(cols/16)] float8_e4m3fn`` for 2D tiles ``(16, 16)``,
+  ``[..., rows, ceil(cols/16)]`` for 1D blocks ``(1, 16)``; compact, row-major.
+- ``amax``  ``[...] float32``: the global amax of each matrix.
+
+Shapes that are not multiples of the block are zero-padded for quantization; zeros change
+neither the amax nor a block scale, and the logical shape is kept.
+
+Non-finite input: a matrix holding NaN or +-Inf gets a non-finite ``amax`` (NaN for NaN,
++Inf otherwise); :func:`dequantize` then returns NaN for every element of that matrix, so a
+poisoned tensor never passes for a valid weight. ``q.isfinite()`` is the cheap check (one
+float per matrix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_nvfp4 import numerics as nx
+
+BLOCK_2D = (16, 16)
+BLOCK_1D = (1, 16)
+_BLOCKS = (BLOCK_2D, BLOCK_1D)
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _check_block(block) -> Tuple[int, int]:
+    block = tuple(int(b) for b in block)
+    if block not in _BLOCKS:
+        raise ValueError(f"block must be (16, 16) or (1, 16), got {block}")
+    return block
+
+
+def packed_shapes(shape, block=BLOCK_2D):
+    """``(data_shape, scale_shape, amax_shape)`` of the NVFP4 storage of a logical ``shape``."""
+    block = _check_block(block)
+    if len(shape) < 2:
+        raise ValueError(f"NVFP4 needs at least 2 axes [..., rows, cols], got shape {tuple(shape)}")
+    *batch, rows, cols = (int(d) for d in shape)
+    data = (*batch, rows, _ceil_to(cols, 2) // 2)
+    scale = (*batch, _ceil_to(rows, block[0]) // block[0], _ceil_to(cols, block[1]) // block[1])
+    return data, scale, tuple(batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Array:
+    """A tensor stored in NVFP4: packed E2M1 codes, E4M3 block scales, float32 global amax.
+
+    A registered pytree: ``data``, ``scale`` and ``amax`` are its leaves; ``matrix_shape``
+    (the logical ``(rows, cols)`` of each matrix) and ``block`` are static. The batch axes are
+    read from ``data``, so the array stays consistent under ``vmap`` and ``tree_map``.
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    amax: jax.Array
+    matrix_shape: Tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+    block: Tuple[int, int] = dataclasses.field(default=BLOCK_2D, metadata=dict(static=True))
+
+    # -- shape information ---------------------------------------------------------------
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """The logical shape ``[..., rows, cols]``."""
+        return tuple(self.data.shape[:-2]) + tuple(self.matrix_shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of storage: packed data + one byte per scale + 4 bytes per amax."""
+        return int(
+            math.prod(self.data.shape) + math.prod(self.scale.shape) + 4 * math.prod(jnp.shape(self.amax))
+        )
+
+    @property
+    def T(self) -> "NVFP4Array":
+        return transpose(self)
+
+    def isfinite(self) -> jax.Array:
+        """``[...] bool``: False for each matrix whose source held NaN or Inf."""
+        return jnp.isfinite(self.amax)
+
+    def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
+        return dequantize(self, dtype)
+
+    @classmethod
+    def abstract(cls, shape, block=BLOCK_2D, sharding=None) -> "NVFP4Array":
+        """An ``NVFP4Array`` of ``jax.ShapeDtypeStruct`` leaves for a logical ``shape``.
+
+        ``sharding`` is an optional ``NVFP4Array``-shaped tree (or one sharding for all leaves).
+        """
+        block = _check_block(block)
+        dshape, sshape, ashape = packed_shapes(shape, block)
+        sh = sharding if isinstance(sharding, NVFP4Array) else None
+        one = None if isinstance(sharding, NVFP4Array) else sharding
+        return cls(
+            data=jax.ShapeDtypeStruct(dshape, jnp.uint8, sharding=sh.data if sh else one),
+            scale=jax.ShapeDtypeStruct(sshape, jnp.float8_e4m3fn, sharding=sh.scale if sh else one),
+            amax=jax.ShapeDtypeStruct(ashape, jnp.float32, sharding=sh.amax if sh else one),
+            matrix_shape=tuple(int(d) for d in shape[-2:]),
+            block=block,
+        )
+
+    def __repr__(self) -> str:
+        return f"NVFP4Array(shape={self.shape}, block={self.block})"
+
+
+jax.tree_util.register_dataclass(
+    NVFP4Array, data_fields=["data", "scale", "amax"], meta_fields=["matrix_shape", "block"]
+)
+
+
+def is_nvfp4(x) -> bool:
+    return isinstance(x, NVFP4Array)
+
+
+def quantize(
+    x: jax.Array,
+    *,
+    block=BLOCK_2D,
+    rounding: str = "nearest",
+    key: Optional[jax.Array] = None,
+    amax: Optional[jax.Array] = None,
+    index_offset: Optional[jax.Array] = None,
+) -> NVFP4Array:
+    """Quantize ``x [..., rows, cols]`` (float32 or bfloat16) to NVFP4.
+
+    Args:
+      x: the tensor; axes before the last two are batch axes (one amax per matrix).
+      block: ``(16, 16)`` 2D tiles (weights) or ``(1, 16)`` 1D blocks (activations, gradients).
+      rounding: ``"nearest"`` (round to nearest, ties to even) or ``"stochastic"``.
+      key: a JAX PRNG key, required for stochastic rounding. The random draw of each element
+        depends only on the key and the element's index in the logical tensor.
+      amax: the global amax ``[...]`` (or a scalar) to use instead of ``max(|x|)`` — for
+        sharded quantization, where it is the maximum across shards.
+      index_offset: for stochastic rounding of a shard: the flat index of its first element
+        in the whole tensor is ``index_offset + local index`` (advanced use by ``sharding``).
+
+    Returns:
+      An :class:`NVFP4Array` bit-identical to the reference recipe's quantizer.
+    """
+    block = _check_block(block)
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if rounding == "stochastic" and key is None:
+        raise ValueError("rounding='stochastic' needs a PRNG key (key=...)")
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"quantize expects a floating-point array, got dtype {x.dtype}")
+    if x.ndim < 2:
+        raise ValueError(f"quantize needs at least 2 axes [..., rows, cols], got shape {x.shape}")
+    *batch, rows, cols = x.shape
+    if rows == 0 or cols == 0:
+        raise ValueError(f"quantize needs a non-empty matrix, got shape {x.shape}")
+    br, bc = block
+    rp, cp = _ceil_to(rows, br), _ceil_to(cols, bc)
+    xf = x.astype(jnp.float32)
+    if (rp, cp) != (rows, cols):
+        xf = jnp.pad(xf, [(0, 0)] * len(batch) + [(0, rp - rows), (0, cp - cols)])
+
+    if amax is None:
+        amax = nx.abs_max(x, axis=(-2, -1))
+    else:
+        amax = jnp.broadcast_to(jnp.asarray(amax, jnp.float32), tuple(batch))
+    enc = nx.global_encode_scale(amax)
+    dec = np.float32(1.0) / enc
+
+    tiles = xf.reshape(*batch, rp // br, br, cp // bc, bc)
+    scale = nx.block_scales(nx.abs_max(tiles, axis=(-3, -1)), enc[..., None, None])
+    e = nx.block_encode_multiplier(scale, dec[..., None, None])
+    v = jnp.clip(tiles * e[..., :, None, :, None], -nx.E2M1_MAX, nx.E2M1_MAX).reshape(*batch, rp, cp)
+    # Only the logical rows and (even-rounded) columns are stored.
+    v = v[..., :rows, : _ceil_to(cols, 2)]
+    if rounding == "nearest":
+        codes = nx.encode_e2m1(v)
+    else:
+        codes = nx.encode_e2m1_stochastic(v, _uniform_like(key, v.shape, cols, index_offset))
+    return NVFP4Array(
+        data=nx.pack_codes(codes), scale=scale, amax=amax, matrix_shape=(rows, cols), block=block
+    )
+
+
+def _uniform_like(key, shape, cols, index_offset):
+    """Uniform draws indexed by each element's flat position in the logical tensor."""
+    *batch, rows, cpad = shape
+    r = jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 2)
+    c = jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1)
+    idx = r * np.uint32(cols) + c
+    stride = rows * cols
+    for ax in range(len(batch)):
+        stride_ax = stride * math.prod(batch[ax + 1:])
+        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, ax) * np.uint32(stride_ax % 2**32)
+    if index_offset is not None:
+        idx = idx + jnp.asarray(index_offset).astype(jnp.uint32)
+    return nx.uniform_from_index(key, idx)
+
+
+def dequantize(q: NVFP4Array, dtype=jnp.bfloat16) -> jax.Array:
+    """``[..., rows, cols]`` values ``e2m1(code) * float32(scale) * D`` cast to ``dtype``.
+
+    The product is formed in float32 as ``(e2m1 * scale) * D`` (the first product is exact).
+    Matrices with a non-finite amax decode to NaN.
+    """
+    if not isinstance(q, NVFP4Array):
+        raise TypeError(f"dequantize expects an NVFP4Array, got {type(q).__name__}")
+    *batch, rows, _ = q.data.shape
+    _, cols = q.matrix_shape
+    br, bc = q.block
+    rp, cp = _ceil_to(rows, br), _ceil_to(cols, bc)
+    vals = nx.decode_e2m1(nx.unpack_codes(q.data))
+    vals = jnp.pad(vals, [(0, 0)] * len(batch) + [(0, rp - rows), (0, cp - vals.shape[-1])])
+    tiles = vals.reshape(*batch, rp // br, br, cp // bc, bc)
+    dec = nx.global_decode_scale(q.amax)
+    out = (tiles * q.scale.astype(jnp.float32)[..., :, None, :, None]) * dec[..., None, None, None, None]
+    return out.reshape(*batch, rp, cp)[..., :rows, :cols].astype(dtype)
+
+
+def codes(q: NVFP4Array) -> jax.Array:
+    """The unpacked E2M1 codes ``[..., rows, cols] uint8`` of ``q``."""
+    return nx.unpack_codes(q.data)[..., : q.matrix_shape[1]]
+
+
+def from_codes(codes_: jax.Array, scale, amax, block) -> NVFP4Array:
+    """Build an ``NVFP4Array`` from unpacked codes ``[..., rows, cols]``, scales and amax."""
+    rows, cols = codes_.shape[-2:]
+    if cols % 2:
+        codes_ = jnp.pad(codes_, [(0, 0)] * (codes_.ndim - 1) + [(0, 1)])
+    return NVFP4Array(nx.pack_codes(codes_), scale, amax, (rows, cols), tuple(block))
+
+
+def transpose(q: NVFP4Array) -> NVFP4Array:
+    """Swap the last two axes of a 2D-tiled array without re-quantizing.
+
+    With 16x16 tiles, the codes of ``W.T`` are the transposed codes of ``W`` and its tile
+    scales the transposed scales, so the result is bit-identical to ``quantize(W.T)``.
+    """
+    if q.block != BLOCK_2D:
+        raise ValueError(
+            "transpose without re-quantization needs 2D (16, 16) tiles; 1D blocks run along a "
+            f"single axis (got block={q.block})"
+        )
+    return from_codes(jnp.swapaxes(codes(q), -1, -2), jnp.swapaxes(q.scale, -1, -2), q.amax, q.block)
+
+
+def isfinite(q: NVFP4Array) -> jax.Array:
+    """``[...] bool``: False for each matrix whose source held NaN or Inf."""
+    return q.isfinite()

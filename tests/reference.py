@@ -1,0 +1,88 @@
+"""An independent NumPy reference of the NVFP4 recipe, written from the numeric contract.
+
+Element rounding uses explicit interval tests (as the recipe's reference quantizer does), not
+a dtype conversion, so it shares no code path with the library.
+"""
+
+import ml_dtypes
+import numpy as np
+
+F32 = np.float32
+F32_MAX = np.finfo(np.float32).max
+
+
+def _e2m1_code(x):
+    x = np.asarray(x, np.float32)
+    r = np.zeros(x.shape, np.uint8)
+    r[(x > 0.25) & (x < 0.75)] = 1
+    r[(x >= 0.75) & (x <= 1.25)] = 2
+    r[(x > 1.25) & (x < 1.75)] = 3
+    r[(x >= 1.75) & (x <= 2.5)] = 4
+    r[(x > 2.5) & (x < 3.5)] = 5
+    r[(x >= 3.5) & (x <= 5.0)] = 6
+    r[x > 5.0] = 7
+    r[(x >= -0.25) & (x < -0.0)] = 8
+    r[(x < -0.25) & (x > -0.75)] = 9
+    r[(x <= -0.75) & (x >= -1.25)] = 10
+    r[(x < -1.25) & (x > -1.75)] = 11
+    r[(x <= -1.75) & (x >= -2.5)] = 12
+    r[(x < -2.5) & (x > -3.5)] = 13
+    r[(x <= -3.5) & (x >= -5.0)] = 14
+    r[x < -5.0] = 15
+    return r
+
+
+def quantize_matrix(x, block=(16, 16), amax=None):
+    """Reference quantization of one 2D matrix: (data u8 [r, ceil(c/2)], scale u8, amax f32)."""
+    x = np.asarray(x).astype(np.float32)
+    rows, cols = x.shape
+    br, bc = block
+    rp, cp = -(-rows // br) * br, -(-cols // bc) * bc
+    xp = np.zeros((rp, cp), np.float32)
+    xp[:rows, :cols] = x
+    with np.errstate(all="ignore"):
+        if amax is None:
+            amax = np.max(np.abs(x)).astype(np.float32)
+        amax = F32(amax)
+        S = np.minimum(F32(448.0) * F32(6.0) / amax, F32_MAX).astype(np.float32)
+        if S == 0:
+            S = F32(1.0)
+        D = F32(1.0) / S
+        mult = S * (F32(1.0) / F32(6.0))
+        tiles = xp.reshape(rp // br, br, cp // bc, bc)
+        bam = np.abs(tiles).max(axis=(1, 3)).astype(np.float32)
+        s = np.clip(np.minimum(bam * mult, F32_MAX), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+        e = np.minimum(F32(1.0) / (s.astype(np.float32) * D), F32_MAX).astype(np.float32)
+        v = np.clip(tiles * e[:, None, :, None], -6, 6).astype(np.float32).reshape(rp, cp)
+    codes = _e2m1_code(v)[:rows]
+    if cols % 2:
+        codes = codes[:, : cols + 1]
+    else:
+        codes = codes[:, :cols]
+    data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    return data, s.view(np.uint8), amax
+
+
+def quantize(x, block=(16, 16)):
+    x = np.asarray(x)
+    lead = x.shape[:-2]
+    flat = x.reshape(-1, *x.shape[-2:])
+    outs = [quantize_matrix(m, block) for m in flat]
+    data = np.stack([o[0] for o in outs]).reshape(*lead, *outs[0][0].shape)
+    scale = np.stack([o[1] for o in outs]).reshape(*lead, *outs[0][1].shape)
+    amax = np.array([o[2] for o in outs], np.float32).reshape(lead)
+    return data, scale, amax
+
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def dequantize_matrix(data, scale_u8, amax, shape, block=(16, 16)):
+    rows, cols = shape
+    codes = np.stack([data & 0xF, data >> 4], -1).reshape(rows, -1)[:, :cols]
+    vals = E2M1[codes]
+    s = scale_u8.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    s = np.repeat(np.repeat(s, block[0], 0), block[1], 1)[:rows, :cols]
+    S = np.minimum(F32(2688.0) / F32(amax), F32_MAX)
+    S = F32(1.0) if S == 0 else S
+    return (vals * s) * (F32(1.0) / S)

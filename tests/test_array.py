@@ -1,0 +1,245 @@
+import ml_dtypes
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import given, strategies as st
+
+import jax_nvfp4 as nv
+import reference as ref
+
+
+def as_bytes(a):
+    return np.atleast_1d(np.asarray(a)).view(np.uint8)
+
+quantize_jit = jax.jit(nv.quantize, static_argnames=("block", "rounding"))
+
+
+def assert_matches_reference(x, block):
+    q = quantize_jit(jnp.asarray(x), block=block)
+    d, s, a = ref.quantize(np.asarray(x), block)
+    np.testing.assert_array_equal(np.asarray(q.data), d)
+    np.testing.assert_array_equal(np.asarray(q.scale).view(np.uint8), s)
+    np.testing.assert_array_equal(np.asarray(q.amax), a)
+    return q
+
+
+BLOCKS = [(16, 16), (1, 16)]
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_layout_and_fields(block):
+    x = jnp.ones((3, 50, 72), jnp.float32)
+    q = nv.quantize(x, block=block)
+    assert q.data.dtype == jnp.uint8 and q.data.shape == (3, 50, 36)
+    assert q.scale.dtype == jnp.float8_e4m3fn
+    assert q.scale.shape == ((3, 4, 5) if block == (16, 16) else (3, 50, 5))
+    assert q.amax.dtype == jnp.float32 and q.amax.shape == (3,)
+    assert q.shape == (3, 50, 72) and q.block == block
+    assert q.nbytes == 3 * 50 * 36 + int(np.prod(q.scale.shape)) + 12
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_bit_exact_random(block, dtype):
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((64, 96)) * 0.02).astype(dtype)
+    assert_matches_reference(x, block)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_bit_exact_edge_cases(block):
+    rng = np.random.default_rng(2)
+    zeros = np.zeros((32, 48), np.float32)
+    q = assert_matches_reference(zeros, block)
+    assert not np.asarray(q.data).any() and not np.asarray(q.scale).view(np.uint8).any()
+    np.testing.assert_array_equal(np.asarray(nv.dequantize(q, jnp.float32)), zeros)
+    # All-zero blocks inside a non-zero tensor.
+    x = rng.standard_normal((32, 48)).astype(np.float32)
+    x[:16, :16] = 0
+    x[20] = 0
+    assert_matches_reference(x, block)
+    # Values exactly on the E2M1 rounding ties after scaling: amax 6 -> S*D == 1, s == 448/448.
+    ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0], np.float32)
+    t = np.tile(np.concatenate([ties, -ties]), (16, 3))
+    assert_matches_reference(t, block)
+    # Huge and tiny magnitudes, together and alone.
+    unit = x / np.abs(x).max()
+    for scale in (1e30, 1e-30, 3e38, 1e-33):
+        assert_matches_reference(unit * np.float32(scale), block)
+    mixed = x.copy()
+    mixed[::2] *= np.float32(1e30)
+    mixed[1::2] *= np.float32(1e-30)
+    assert_matches_reference(mixed, block)
+    # Rows whose ranges differ by 2^40: E4M3 subnormal and zero block scales.
+    ranged = x * np.exp2(-np.arange(32, dtype=np.float32) * 40 / 31)[:, None]
+    q = assert_matches_reference(ranged, block)
+    sc = np.asarray(q.scale).view(np.uint8)
+    assert ((sc & 0x78) == 0).any(), "expected E4M3 subnormal or zero block scales"
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_bf16_input_equals_its_float32_value(block):
+    rng = np.random.default_rng(3)
+    xb = jnp.asarray(rng.standard_normal((33, 40)), jnp.bfloat16)
+    qa, qb = nv.quantize(xb, block=block), nv.quantize(xb.astype(jnp.float32), block=block)
+    for a, b in zip(jax.tree.leaves(qa), jax.tree.leaves(qb)):
+        np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
+    assert_matches_reference(np.asarray(xb), block)
+
+
+def test_non_finite_input_is_flagged_and_decodes_to_nan():
+    x = np.ones((32, 32), np.float32)
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        y[5, 7] = bad
+        q = nv.quantize(jnp.asarray(y))
+        assert not bool(q.isfinite()) and not bool(nv.isfinite(q))
+        assert np.isnan(np.asarray(nv.dequantize(q, jnp.float32))).all()
+    # Batched: only the poisoned matrix is flagged.
+    xs = np.ones((3, 16, 16), np.float32)
+    xs[1, 0, 0] = np.nan
+    q = nv.quantize(jnp.asarray(xs))
+    np.testing.assert_array_equal(np.asarray(q.isfinite()), [True, False, True])
+    dq = np.asarray(nv.dequantize(q, jnp.float32))
+    assert np.isfinite(dq[0]).all() and np.isnan(dq[1]).all()
+
+
+def test_explicit_amax_is_used():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((32, 32)).astype(np.float32)
+    q = nv.quantize(jnp.asarray(x), amax=8.0)
+    d, s, a = ref.quantize_matrix(x, amax=np.float32(8.0))
+    np.testing.assert_array_equal(np.asarray(q.data), d)
+    np.testing.assert_array_equal(np.asarray(q.scale).view(np.uint8), s)
+    assert float(q.amax) == 8.0
+
+
+def test_batch_axes_have_their_own_amax():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, 20, 40)).astype(np.float32) * np.float32([1, 100, 1e-3])[None, :, None, None]
+    q = assert_matches_reference(x, (16, 16))
+    assert q.amax.shape == (2, 3)
+    for i in range(2):
+        for j in range(3):
+            qi = nv.quantize(jnp.asarray(x[i, j]))
+            np.testing.assert_array_equal(np.asarray(q.data[i, j]), np.asarray(qi.data))
+
+
+def test_errors_are_clear():
+    with pytest.raises(ValueError, match="block"):
+        nv.quantize(jnp.ones((16, 16)), block=(8, 8))
+    with pytest.raises(ValueError, match="key"):
+        nv.quantize(jnp.ones((16, 16)), rounding="stochastic")
+    with pytest.raises(ValueError, match="rounding"):
+        nv.quantize(jnp.ones((16, 16)), rounding="up")
+    with pytest.raises(TypeError, match="floating"):
+        nv.quantize(jnp.ones((16, 16), jnp.int32))
+    with pytest.raises(ValueError, match="2 axes"):
+        nv.quantize(jnp.ones((16,)))
+    with pytest.raises(ValueError, match="2D"):
+        nv.transpose(nv.quantize(jnp.ones((16, 16)), block=(1, 16)))
+    with pytest.raises(TypeError):
+        nv.dequantize(jnp.ones((16, 16)))
+
+
+def test_pytree_jit_vmap_eval_shape():
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((4, 32, 48)), jnp.float32)
+    q = nv.quantize(x)
+    leaves, treedef = jax.tree.flatten(q)
+    assert len(leaves) == 3
+    q2 = jax.tree.unflatten(treedef, leaves)
+    assert q2.shape == q.shape
+    # vmap over the batch axis equals the batched quantize.
+    qv = jax.vmap(nv.quantize)(x)
+    assert qv.shape == (4, 32, 48)
+    for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(qv)):
+        np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
+    # vmap of dequantize too.
+    np.testing.assert_array_equal(
+        np.asarray(jax.vmap(lambda t: nv.dequantize(t, jnp.float32))(q)), np.asarray(nv.dequantize(q, jnp.float32))
+    )
+    # eval_shape gives ShapeDtypeStructs matching NVFP4Array.abstract.
+    abs_q = jax.eval_shape(nv.quantize, x)
+    ref_abs = nv.NVFP4Array.abstract((4, 32, 48))
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), abs_q) == jax.tree.map(lambda a: (a.shape, a.dtype), ref_abs)
+    # tree_map keeps the type; jit round trip through arguments and outputs.
+    doubled = jax.tree.map(lambda a: a, q)
+    assert isinstance(doubled, nv.NVFP4Array)
+    out = jax.jit(lambda t: nv.dequantize(t, jnp.float32))(q)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(nv.dequantize(q, jnp.float32)))
+
+
+def test_with_sharding_constraint_on_leaves():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = jnp.ones((128, 64), jnp.float32)
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+    @jax.jit
+    def f(x):
+        q = nv.quantize(x)
+        return jax.lax.with_sharding_constraint(q, nv.NVFP4Array(spec, spec, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), q.matrix_shape, q.block))
+
+    q = f(x)
+    assert q.data.sharding.spec == jax.sharding.PartitionSpec("data")
+
+
+# ---------------------------------------------------------------- property tests
+shapes = st.tuples(st.integers(1, 3), st.integers(1, 70), st.integers(1, 70))
+
+
+def _arrays(draw, shape):
+    seed = draw(st.integers(0, 2**31 - 1))
+    log_range = draw(st.floats(-10, 10))
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape) * np.exp2(log_range)).astype(np.float32)
+
+
+@given(st.data(), shapes, st.sampled_from(BLOCKS))
+def test_roundtrip_error_bound_and_padding(data, shape, block):
+    x = _arrays(data.draw, shape)
+    q = nv.quantize(jnp.asarray(x), block=block)
+    assert q.shape == shape
+    dq = np.asarray(nv.dequantize(q, jnp.float32))
+    # Per-element bound: half the largest E2M1 gap (1 step of 2 at the top, relative to the
+    # scaled range 6) times the block's E4M3 decode scale, plus the E4M3 resolution floor.
+    br, bc = block
+    rp, cp = -(-shape[1] // br) * br, -(-shape[2] // bc) * bc
+    xp = np.zeros((shape[0], rp, cp), np.float32)
+    xp[:, : shape[1], : shape[2]] = np.abs(x)
+    bam = xp.reshape(shape[0], rp // br, br, cp // bc, bc).max(axis=(2, 4))
+    bam = np.repeat(np.repeat(bam, br, 1), bc, 2)[:, : shape[1], : shape[2]]
+    amax = np.abs(x).max(axis=(1, 2))[:, None, None]
+    bound = bam * (1.0 / 6.0) * (17.0 / 16.0) + 6 * 2.0**-10 * amax / 2688 * 2
+    assert (np.abs(dq - x) <= bound * (1 + 1e-6)).all()
+    assert_matches_reference(x, block)
+
+
+@given(st.data(), st.integers(1, 50), st.integers(1, 50))
+def test_transpose_equals_quantizing_the_transpose(data, rows, cols):
+    x = _arrays(data.draw, (rows, cols))
+    qt = nv.transpose(nv.quantize(jnp.asarray(x)))
+    q2 = nv.quantize(jnp.asarray(x.T))
+    assert qt.shape == (cols, rows)
+    for a, b in zip(jax.tree.leaves(qt), jax.tree.leaves(q2)):
+        np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
+    np.testing.assert_array_equal(np.asarray(nv.dequantize(qt, jnp.float32)), np.asarray(nv.dequantize(q2, jnp.float32)))
+
+
+@given(st.data(), st.sampled_from(BLOCKS))
+def test_stochastic_rounding_unbiased_and_reproducible(data, block):
+    x = _arrays(data.draw, (16, 32))
+    key = jax.random.key(data.draw(st.integers(0, 1000)))
+    qs = jax.vmap(lambda k: nv.quantize(jnp.asarray(x), block=block, rounding="stochastic", key=k))(
+        jax.random.split(key, 1000)
+    )
+    dq = np.asarray(jax.vmap(lambda t: nv.dequantize(t, jnp.float32))(qs), np.float64)
+    mean = dq.mean(0)
+    # Elementwise standard error <= gap/2/sqrt(n); the gap is at most 2 * decode scale.
+    q_near = nv.quantize(jnp.asarray(x), block=block)
+    step = np.abs(np.asarray(nv.dequantize(q_near, jnp.float32), np.float64)).max() / 3
+    assert np.abs(mean - x).max() <= 6 * step / np.sqrt(1000) + 1e-12 * np.abs(x).max()
+    # Reproducible from the key.
+    a = nv.quantize(jnp.asarray(x), block=block, rounding="stochastic", key=key)
+    b = nv.quantize(jnp.asarray(x), block=block, rounding="stochastic", key=key)
+    np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))

@@ -6,7 +6,9 @@ each, each with its own amax):
 - ``data``  ``[..., rows, ceil(cols/2)] uint8``: element ``2k`` in the low nibble.
 - ``scale`` ``[..., ceil(rows/16), ceil(cols/16)] float8_e4m3fn`` for 2D tiles ``(16, 16)``,
   ``[..., rows, ceil(cols/16)]`` for 1D blocks ``(1, 16)``; compact, row-major.
-- ``amax``  ``[...] float32``: the global amax of each matrix.
+- ``amax``  ``[...] float32``: the global amax of each matrix, stored as its bit pattern
+  (``amax_bits``, uint32) so that every leaf is an unsigned integer or an E4M3 scale and an
+  optimizer update can be applied exactly (see ``jax_nvfp4.optim``); read it through ``.amax``.
 
 Shapes that are not multiples of the block are zero-padded for quantization; zeros change
 neither the amax nor a block scale, and the logical shape is kept.
@@ -60,16 +62,28 @@ def packed_shapes(shape, block=BLOCK_2D):
 class NVFP4Array:
     """A tensor stored in NVFP4: packed E2M1 codes, E4M3 block scales, float32 global amax.
 
-    A registered pytree: ``data``, ``scale`` and ``amax`` are its leaves; ``matrix_shape``
-    (the logical ``(rows, cols)`` of each matrix) and ``block`` are static. The batch axes are
-    read from ``data``, so the array stays consistent under ``vmap`` and ``tree_map``.
+    A registered pytree: ``data``, ``scale`` and ``amax_bits`` are its leaves;
+    ``matrix_shape`` (the logical ``(rows, cols)`` of each matrix) and ``block`` are static.
+    The batch axes are read from ``data``, so the array stays consistent under ``vmap`` and
+    ``tree_map``. Build one with :func:`quantize` or :meth:`NVFP4Array.create`.
     """
 
     data: jax.Array
     scale: jax.Array
-    amax: jax.Array
+    amax_bits: jax.Array
     matrix_shape: Tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     block: Tuple[int, int] = dataclasses.field(default=BLOCK_2D, metadata=dict(static=True))
+
+    @classmethod
+    def create(cls, data, scale, amax, matrix_shape, block=BLOCK_2D) -> "NVFP4Array":
+        """From packed data, E4M3 scales and a float32 amax."""
+        bits = jax.lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.uint32)
+        return cls(data, scale, bits, tuple(int(d) for d in matrix_shape), _check_block(block))
+
+    @property
+    def amax(self) -> jax.Array:
+        """``[...] float32`` global amax of each matrix."""
+        return jax.lax.bitcast_convert_type(self.amax_bits, jnp.float32)
 
     # -- shape information ---------------------------------------------------------------
     @property
@@ -89,7 +103,7 @@ class NVFP4Array:
     def nbytes(self) -> int:
         """Bytes of storage: packed data + one byte per scale + 4 bytes per amax."""
         return int(
-            math.prod(self.data.shape) + math.prod(self.scale.shape) + 4 * math.prod(jnp.shape(self.amax))
+            math.prod(self.data.shape) + math.prod(self.scale.shape) + 4 * math.prod(jnp.shape(self.amax_bits))
         )
 
     @property
@@ -116,7 +130,7 @@ class NVFP4Array:
         return cls(
             data=jax.ShapeDtypeStruct(dshape, jnp.uint8, sharding=sh.data if sh else one),
             scale=jax.ShapeDtypeStruct(sshape, jnp.float8_e4m3fn, sharding=sh.scale if sh else one),
-            amax=jax.ShapeDtypeStruct(ashape, jnp.float32, sharding=sh.amax if sh else one),
+            amax_bits=jax.ShapeDtypeStruct(ashape, jnp.uint32, sharding=sh.amax_bits if sh else one),
             matrix_shape=tuple(int(d) for d in shape[-2:]),
             block=block,
         )
@@ -126,7 +140,7 @@ class NVFP4Array:
 
 
 jax.tree_util.register_dataclass(
-    NVFP4Array, data_fields=["data", "scale", "amax"], meta_fields=["matrix_shape", "block"]
+    NVFP4Array, data_fields=["data", "scale", "amax_bits"], meta_fields=["matrix_shape", "block"]
 )
 
 
@@ -141,7 +155,6 @@ def quantize(
     rounding: str = "nearest",
     key: Optional[jax.Array] = None,
     amax: Optional[jax.Array] = None,
-    index_offset: Optional[jax.Array] = None,
 ) -> NVFP4Array:
     """Quantize ``x [..., rows, cols]`` (float32 or bfloat16) to NVFP4.
 
@@ -150,20 +163,16 @@ def quantize(
       block: ``(16, 16)`` 2D tiles (weights) or ``(1, 16)`` 1D blocks (activations, gradients).
       rounding: ``"nearest"`` (round to nearest, ties to even) or ``"stochastic"``.
       key: a JAX PRNG key, required for stochastic rounding. The random draw of each element
-        depends only on the key and the element's index in the logical tensor.
+        depends only on the key and the element's flat index in the logical tensor, so a
+        sharded quantization draws the same numbers.
       amax: the global amax ``[...]`` (or a scalar) to use instead of ``max(|x|)`` — for
         sharded quantization, where it is the maximum across shards.
-      index_offset: for stochastic rounding of a shard: the flat index of its first element
-        in the whole tensor is ``index_offset + local index`` (advanced use by ``sharding``).
 
     Returns:
       An :class:`NVFP4Array` bit-identical to the reference recipe's quantizer.
     """
     block = _check_block(block)
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    if rounding == "stochastic" and key is None:
-        raise ValueError("rounding='stochastic' needs a PRNG key (key=...)")
+    check_rounding(rounding, key)
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"quantize expects a floating-point array, got dtype {x.dtype}")
@@ -172,47 +181,71 @@ def quantize(
     *batch, rows, cols = x.shape
     if rows == 0 or cols == 0:
         raise ValueError(f"quantize needs a non-empty matrix, got shape {x.shape}")
-    br, bc = block
-    rp, cp = _ceil_to(rows, br), _ceil_to(cols, bc)
-    xf = x.astype(jnp.float32)
-    if (rp, cp) != (rows, cols):
-        xf = jnp.pad(xf, [(0, 0)] * len(batch) + [(0, rp - rows), (0, cp - cols)])
-
     if amax is None:
         amax = nx.abs_max(x, axis=(-2, -1))
-    else:
-        amax = jnp.broadcast_to(jnp.asarray(amax, jnp.float32), tuple(batch))
+    xp = pad_to_block(x.astype(jnp.float32), block)
+    uniform = None
+    if rounding == "stochastic":
+        uniform = nx.uniform_from_index(key, element_index(xp.shape, (rows, cols)))
+    codes_, scale = quantize_padded(xp, amax, block, uniform)
+    codes_ = codes_[..., :rows, : _ceil_to(cols, 2)]
+    amax = jnp.broadcast_to(jnp.asarray(amax, jnp.float32), tuple(batch))
+    return NVFP4Array.create(nx.pack_codes(codes_), scale, amax, (rows, cols), block)
+
+
+def check_rounding(rounding: str, key) -> None:
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if rounding == "stochastic" and key is None:
+        raise ValueError("rounding='stochastic' needs a PRNG key (key=...)")
+
+
+def pad_to_block(x: jax.Array, block, multiple=(1, 1)) -> jax.Array:
+    """Zero-pad the last two axes to multiples of ``block * multiple``."""
+    rows, cols = x.shape[-2:]
+    rp = _ceil_to(rows, block[0] * multiple[0])
+    cp = _ceil_to(cols, block[1] * multiple[1])
+    if (rp, cp) == (rows, cols):
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, rp - rows), (0, cp - cols)])
+
+
+def element_index(shape, logical, offset=(0, 0)) -> jax.Array:
+    """uint32 flat index, in the logical ``[..., rows, cols]`` tensor, of each element of a
+    (padded, possibly local) block of ``shape`` whose first element sits at ``offset``.
+
+    ``offset`` entries may be traced (a shard's position inside ``shard_map``).
+    """
+    rows, cols = logical
+    nd = len(shape)
+    r = jax.lax.broadcasted_iota(jnp.uint32, shape, nd - 2) + jnp.asarray(offset[0]).astype(jnp.uint32)
+    c = jax.lax.broadcasted_iota(jnp.uint32, shape, nd - 1) + jnp.asarray(offset[1]).astype(jnp.uint32)
+    idx = r * np.uint32(cols) + c
+    stride = rows * cols
+    for ax in reversed(range(nd - 2)):
+        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, ax) * np.uint32(stride % 2**32)
+        stride *= shape[ax]
+    return idx
+
+
+def quantize_padded(xp: jax.Array, amax: jax.Array, block, uniform=None):
+    """The recipe on a float32 array whose last two axes are multiples of the block.
+
+    Returns ``(codes [..., rp, cp] uint8, scale)``; ``amax`` broadcasts to the batch axes.
+    This is the whole numeric core: :func:`quantize` and the sharded re-quantization call it.
+    """
+    *batch, rp, cp = xp.shape
+    br, bc = block
+    amax = jnp.broadcast_to(jnp.asarray(amax, jnp.float32), tuple(batch))
     enc = nx.global_encode_scale(amax)
     dec = np.float32(1.0) / enc
-
-    tiles = xf.reshape(*batch, rp // br, br, cp // bc, bc)
+    tiles = xp.reshape(*batch, rp // br, br, cp // bc, bc)
     scale = nx.block_scales(nx.abs_max(tiles, axis=(-3, -1)), enc[..., None, None])
     e = nx.block_encode_multiplier(scale, dec[..., None, None])
     v = jnp.clip(tiles * e[..., :, None, :, None], -nx.E2M1_MAX, nx.E2M1_MAX).reshape(*batch, rp, cp)
-    # Only the logical rows and (even-rounded) columns are stored.
-    v = v[..., :rows, : _ceil_to(cols, 2)]
-    if rounding == "nearest":
-        codes = nx.encode_e2m1(v)
-    else:
-        codes = nx.encode_e2m1_stochastic(v, _uniform_like(key, v.shape, cols, index_offset))
-    return NVFP4Array(
-        data=nx.pack_codes(codes), scale=scale, amax=amax, matrix_shape=(rows, cols), block=block
-    )
-
-
-def _uniform_like(key, shape, cols, index_offset):
-    """Uniform draws indexed by each element's flat position in the logical tensor."""
-    *batch, rows, cpad = shape
-    r = jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 2)
-    c = jax.lax.broadcasted_iota(jnp.uint32, shape, len(shape) - 1)
-    idx = r * np.uint32(cols) + c
-    stride = rows * cols
-    for ax in range(len(batch)):
-        stride_ax = stride * math.prod(batch[ax + 1:])
-        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, ax) * np.uint32(stride_ax % 2**32)
-    if index_offset is not None:
-        idx = idx + jnp.asarray(index_offset).astype(jnp.uint32)
-    return nx.uniform_from_index(key, idx)
+    if uniform is None:
+        return nx.encode_e2m1(v), scale
+    return nx.encode_e2m1_stochastic(v, uniform), scale
 
 
 def dequantize(q: NVFP4Array, dtype=jnp.bfloat16) -> jax.Array:
@@ -245,7 +278,7 @@ def from_codes(codes_: jax.Array, scale, amax, block) -> NVFP4Array:
     rows, cols = codes_.shape[-2:]
     if cols % 2:
         codes_ = jnp.pad(codes_, [(0, 0)] * (codes_.ndim - 1) + [(0, 1)])
-    return NVFP4Array(nx.pack_codes(codes_), scale, amax, (rows, cols), tuple(block))
+    return NVFP4Array.create(nx.pack_codes(codes_), scale, amax, (rows, cols), block)
 
 
 def transpose(q: NVFP4Array) -> NVFP4Array:

@@ -1,4 +1,9 @@
-"""jax_nvfp4: model weights that live in NVFP4 during data-parallel training in JAX."""
+"""jax_nvfp4: model weights that live in NVFP4 during data-parallel training in JAX.
+
+Core format (``quantize``, ``dequantize``, ``NVFP4Array``), parameter policies
+(``quantize_params``, ``dequantize_params``), mesh layout (``shardings``, ``gather``), the
+master-weight optimizer wrapper (``master_weights``) and HLO accounting (``collective_bytes``).
+"""
 
 from jax_nvfp4.array import (
     BLOCK_1D,
@@ -13,22 +18,53 @@ from jax_nvfp4.array import (
     quantize,
     transpose,
 )
+from jax_nvfp4.comm import collective_bytes, total_bytes
 from jax_nvfp4.numerics import hadamard_matrix, hadamard_transform
+from jax_nvfp4.optim import MasterWeightsState, apply_updates, find_state, master_weights, raise_if_skipped
+from jax_nvfp4.params import DEFAULT_POLICY, Policy, dequantize_params, path_str, quantize_params
+from jax_nvfp4.sharding import (
+    MasterArray,
+    Rules,
+    gather,
+    partition_specs,
+    reduce_scatter_grads,
+    requantize,
+    shardings,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BLOCK_1D",
     "BLOCK_2D",
+    "DEFAULT_POLICY",
+    "MasterArray",
+    "MasterWeightsState",
     "NVFP4Array",
+    "Policy",
+    "Rules",
+    "apply_updates",
     "codes",
+    "collective_bytes",
     "dequantize",
+    "dequantize_params",
     "from_codes",
+    "gather",
     "hadamard_matrix",
     "hadamard_transform",
     "is_nvfp4",
     "isfinite",
+    "master_weights",
+    "raise_if_skipped",
+    "find_state",
     "packed_shapes",
+    "partition_specs",
+    "path_str",
     "quantize",
+    "quantize_params",
+    "reduce_scatter_grads",
+    "requantize",
+    "shardings",
+    "total_bytes",
     "transpose",
 ]

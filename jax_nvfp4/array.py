@@ -5,10 +5,14 @@ each, each with its own amax):
 
 - ``data``  ``[..., rows, ceil(cols/2)] uint8``: element ``2k`` in the low nibble.
 - ``scale`` ``[..., ceil(rows/16), ceil(cols/16)] float8_e4m3fn`` for 2D tiles ``(16, 16)``,
-  ``[..., rows, ceil(cols/16)]`` for 1D blocks ``(1, 16)``; compact, row-major.
+  ``[..., rows, ceil(cols/16)]`` for 1D blocks ``(1, 16)``; compact, row-major. Stored as its
+  bytes (``scale_bits``, uint8) and read as E4M3 through ``.scale``.
 - ``amax``  ``[...] float32``: the global amax of each matrix, stored as its bit pattern
-  (``amax_bits``, uint32) so that every leaf is an unsigned integer or an E4M3 scale and an
-  optimizer update can be applied exactly (see ``jax_nvfp4.optim``); read it through ``.amax``.
+  (``amax_bits``, uint32); read it through ``.amax``.
+
+Every leaf is thus an unsigned integer: an optimizer update to a re-quantized weight is an
+exact wrap-around delta (see ``jax_nvfp4.optim``), and collectives move plain bytes (some
+backends widen float8 collectives to float16).
 
 Shapes that are not multiples of the block are zero-padded for quantization; zeros change
 neither the amax nor a block scale, and the logical shape is kept.
@@ -62,23 +66,31 @@ def packed_shapes(shape, block=BLOCK_2D):
 class NVFP4Array:
     """A tensor stored in NVFP4: packed E2M1 codes, E4M3 block scales, float32 global amax.
 
-    A registered pytree: ``data``, ``scale`` and ``amax_bits`` are its leaves;
+    A registered pytree: ``data``, ``scale_bits`` and ``amax_bits`` are its leaves;
     ``matrix_shape`` (the logical ``(rows, cols)`` of each matrix) and ``block`` are static.
     The batch axes are read from ``data``, so the array stays consistent under ``vmap`` and
     ``tree_map``. Build one with :func:`quantize` or :meth:`NVFP4Array.create`.
     """
 
     data: jax.Array
-    scale: jax.Array
+    scale_bits: jax.Array
     amax_bits: jax.Array
     matrix_shape: Tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     block: Tuple[int, int] = dataclasses.field(default=BLOCK_2D, metadata=dict(static=True))
 
     @classmethod
     def create(cls, data, scale, amax, matrix_shape, block=BLOCK_2D) -> "NVFP4Array":
-        """From packed data, E4M3 scales and a float32 amax."""
+        """From packed data, E4M3 scales (or their bytes) and a float32 amax."""
         bits = jax.lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.uint32)
+        scale = jnp.asarray(scale)
+        if scale.dtype != jnp.uint8:
+            scale = jax.lax.bitcast_convert_type(scale.astype(jnp.float8_e4m3fn), jnp.uint8)
         return cls(data, scale, bits, tuple(int(d) for d in matrix_shape), _check_block(block))
+
+    @property
+    def scale(self) -> jax.Array:
+        """Block scales as ``float8_e4m3fn``."""
+        return jax.lax.bitcast_convert_type(self.scale_bits, jnp.float8_e4m3fn)
 
     @property
     def amax(self) -> jax.Array:
@@ -103,7 +115,7 @@ class NVFP4Array:
     def nbytes(self) -> int:
         """Bytes of storage: packed data + one byte per scale + 4 bytes per amax."""
         return int(
-            math.prod(self.data.shape) + math.prod(self.scale.shape) + 4 * math.prod(jnp.shape(self.amax_bits))
+            math.prod(self.data.shape) + math.prod(self.scale_bits.shape) + 4 * math.prod(jnp.shape(self.amax_bits))
         )
 
     @property
@@ -129,7 +141,7 @@ class NVFP4Array:
         one = None if isinstance(sharding, NVFP4Array) else sharding
         return cls(
             data=jax.ShapeDtypeStruct(dshape, jnp.uint8, sharding=sh.data if sh else one),
-            scale=jax.ShapeDtypeStruct(sshape, jnp.float8_e4m3fn, sharding=sh.scale if sh else one),
+            scale_bits=jax.ShapeDtypeStruct(sshape, jnp.uint8, sharding=sh.scale_bits if sh else one),
             amax_bits=jax.ShapeDtypeStruct(ashape, jnp.uint32, sharding=sh.amax_bits if sh else one),
             matrix_shape=tuple(int(d) for d in shape[-2:]),
             block=block,
@@ -140,7 +152,7 @@ class NVFP4Array:
 
 
 jax.tree_util.register_dataclass(
-    NVFP4Array, data_fields=["data", "scale", "amax_bits"], meta_fields=["matrix_shape", "block"]
+    NVFP4Array, data_fields=["data", "scale_bits", "amax_bits"], meta_fields=["matrix_shape", "block"]
 )
 
 

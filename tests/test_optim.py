@@ -1,0 +1,383 @@
+"""The master-weight wrapper across data-axis sizes: bit-identity, HLO traffic, memory."""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_nvfp4 as nv
+
+SHAPES = {"a": (48, 80), "b": (50, 72), "c": (16, 16), "stacked": (4, 256, 96)}
+
+
+def make_mesh(n):
+    return jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+
+
+def init_params(seed=0):
+    rng = np.random.default_rng(seed)
+    tree = {k: jnp.asarray(rng.standard_normal(s) * 0.05, jnp.float32) for k, s in SHAPES.items()}
+    tree["bias"] = jnp.asarray(rng.standard_normal(80) * 0.01, jnp.float32)
+    return tree
+
+
+def grads_at(step, like):
+    rng = np.random.default_rng(1000 + step)
+    return {k: jnp.asarray(rng.standard_normal(like[k].shape) * 0.1, jnp.float32) for k in sorted(like)}
+
+
+def loss_of(weights):
+    return sum(jnp.sum(w.astype(jnp.float32) ** 2) for w in jax.tree.leaves(weights))
+
+
+def tree_bytes(tree):
+    return [np.atleast_1d(np.asarray(x)).view(np.uint8) for x in jax.tree.leaves(tree)]
+
+
+def run_sharded(n, steps, inner, **kw):
+    mesh = make_mesh(n)
+    fp32 = init_params()
+    with jax.set_mesh(mesh):
+        params = nv.quantize_params(fp32)
+        tx = nv.master_weights(inner, **kw)
+        state = tx.init(fp32)
+        params = jax.device_put(params, nv.shardings(params, mesh))
+        state = jax.device_put(state, nv.shardings(state, mesh))
+
+        @jax.jit
+        def step(params, state, grads):
+            w = nv.dequantize_params(nv.gather(params), jnp.float32)
+            loss = loss_of(w)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, loss
+
+        losses = []
+        for i in range(steps):
+            params, state, loss = step(params, state, grads_at(i, fp32))
+            losses.append(float(loss))
+    return params, state, losses
+
+
+def run_reference(steps, inner):
+    """Replicated float32 master, whole-tensor quantization every step."""
+    master = init_params()
+    inner_state = inner.init(master)
+    params = nv.quantize_params(master)
+
+    @jax.jit
+    def step(master, inner_state, params, grads):
+        loss = loss_of(nv.dequantize_params(params, jnp.float32))
+        updates, inner_state = inner.update(grads, inner_state, master)
+        master = optax.apply_updates(master, updates)
+        new = nv.quantize_params(master)
+        # Float leaves follow the wrapper's definition: p + (master - p).
+        new = jax.tree.map(lambda n, p: n if nv.is_nvfp4(n) else p + (n - p), new, params, is_leaf=nv.is_nvfp4)
+        return master, inner_state, new, loss
+
+    losses = []
+    for i in range(steps):
+        master, inner_state, params, loss = step(master, inner_state, params, grads_at(i, master))
+        losses.append(float(loss))
+    return params, master, losses
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_reference(4, optax.adamw(3e-2, weight_decay=0.1))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 6, 8])
+def test_bit_identical_to_unsharded_reference(n, reference):
+    ref_params, ref_master, ref_losses = reference
+    params, state, losses = run_sharded(n, 4, optax.adamw(3e-2, weight_decay=0.1))
+    assert losses == ref_losses
+    for a, b in zip(tree_bytes(params), tree_bytes(ref_params)):
+        np.testing.assert_array_equal(a, b)
+    for k in SHAPES:
+        np.testing.assert_array_equal(np.asarray(state.master[k].logical()), np.asarray(ref_master[k]))
+    # Params really are re-quantizations of the master.
+    for k in SHAPES:
+        q = nv.quantize(ref_master[k])
+        np.testing.assert_array_equal(np.asarray(params[k].data), np.asarray(q.data))
+
+
+def test_stochastic_rounding_sharded_equals_unsharded():
+    p8, s8, _ = run_sharded(8, 2, optax.sgd(0.1), stochastic_rounding=True, key=jax.random.key(7))
+    p1, s1, _ = run_sharded(1, 2, optax.sgd(0.1), stochastic_rounding=True, key=jax.random.key(7))
+    for a, b in zip(tree_bytes(p8), tree_bytes(p1)):
+        np.testing.assert_array_equal(a, b)
+    # And it differs from nearest rounding of the same master.
+    pn, _, _ = run_sharded(1, 2, optax.sgd(0.1))
+    assert not np.array_equal(np.asarray(p1["stacked"].data), np.asarray(pn["stacked"].data))
+
+
+def test_cast_master_bf16_option():
+    params, state, _ = run_sharded(2, 1, optax.sgd(0.1), cast_master_bf16=True)
+    m = state.master["a"].logical()
+    q = nv.quantize(m.astype(jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(params["a"].data), np.asarray(q.data))
+
+
+# ------------------------------------------------------------------------------------ HLO
+def _model_step(n, aligned=True):
+    mesh = make_mesh(n)
+    rng = np.random.default_rng(0)
+    d = 32 * n  # rows of every weight a multiple of 16 x n: each device owns whole tiles
+    shapes = {"w1": (d, d), "w2": (d, 64), "stack": (2, d, d)} if aligned else {"w1": (50, 72), "w2": (72, 40)}
+    fp32 = {k: jnp.asarray(rng.standard_normal(s) * 0.05, jnp.float32) for k, s in shapes.items()}
+    fp32["b"] = jnp.zeros((shapes["w1"][1],), jnp.float32)
+    d_in = shapes["w1"][0]
+
+    def loss_fn(w, x):
+        h = jax.nn.relu(x.astype(jnp.bfloat16) @ w["w1"] + w["b"])
+        if "stack" in w:
+            for i in range(w["stack"].shape[0]):
+                h = jax.nn.relu(h @ w["stack"][i])
+        return jnp.mean((h @ w["w2"]).astype(jnp.float32) ** 2)
+
+    with jax.set_mesh(mesh):
+        params = nv.quantize_params(fp32)
+        tx = nv.master_weights(optax.adamw(1e-3))
+        state = tx.init(fp32)
+        params = jax.device_put(params, nv.shardings(params, mesh))
+        state = jax.device_put(state, nv.shardings(state, mesh))
+        x = jax.device_put(jnp.ones((8 * n, d_in), jnp.float32), NamedSharding(mesh, P("data")))
+
+        @jax.jit
+        def step(params, state, batch):
+            weights = nv.dequantize_params(nv.gather(params), jnp.bfloat16)
+            loss, grads = jax.value_and_grad(loss_fn)(weights, batch)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, loss
+
+        hlo = step.lower(params, state, x).compile().as_text()
+    return hlo, fp32, params, state
+
+
+@pytest.mark.parametrize("n", [8, 6])
+def test_hlo_gathers_only_packed_bytes(n):
+    hlo, fp32, params, _ = _model_step(n)
+    counts = nv.collective_bytes(hlo)
+    gathers = {dt: b for (op, dt), b in counts.items() if op == "all-gather"}
+    assert set(gathers) == {"u8"}, counts
+    weights = [v for k, v in fp32.items() if v.ndim >= 2]
+    bf16_gather = sum(w.size * 2 for w in weights)
+    ratio = gathers["u8"] / bf16_gather
+    # Physical limit for 16x16 tiles: (0.5 + 1/256) / 2 = 0.2520 of bf16.
+    assert ratio <= 0.2525, ratio
+    assert ratio >= 0.25
+    for line in hlo.splitlines():
+        if "all-gather(" in line and "=" in line:
+            assert " u8[" in line, line
+
+
+def test_hlo_unaligned_shapes_still_gather_no_floats():
+    hlo, *_ = _model_step(3, aligned=False)
+    counts = nv.collective_bytes(hlo)
+    # Every all-gather (forward gather and the reshuffle from master layout to params layout)
+    # moves bytes; only gradients travel as floats (all-reduce, collective-permute of padding).
+    assert {dt for (op, dt) in counts if op == "all-gather"} == {"u8"}, counts
+
+
+def test_memory_is_sharded():
+    n = 8
+    _, fp32, params, state = _model_step(n)
+
+    def per_device(tree):
+        total = 0
+        for leaf in jax.tree.leaves(tree):
+            shard = leaf.addressable_shards[0].data
+            total += shard.size * shard.dtype.itemsize
+        return total
+
+    got = per_device(params) + per_device(state)
+    n_el = sum(v.size for v in fp32.values())
+    packed = sum(p.nbytes for p in jax.tree.leaves(params, is_leaf=nv.is_nvfp4) if nv.is_nvfp4(p))
+    expect = (packed + 4 * n_el * 3) / n  # packed+scales, f32 master, adam mu and nu
+    assert abs(got - expect) / expect < 0.05, (got, expect)
+
+
+# ---------------------------------------------------------------------- optax composition
+def _single_step_setup(inner, n=2, **kw):
+    mesh = make_mesh(n)
+    fp32 = init_params()
+    params = nv.quantize_params(fp32)
+    tx = nv.master_weights(inner, mesh=mesh, **kw)
+    state = tx.init(fp32)
+    return mesh, fp32, params, tx, state
+
+
+def test_apply_updates_is_exact_for_every_leaf():
+    mesh, fp32, params, tx, state = _single_step_setup(optax.adam(0.5))
+    with jax.set_mesh(mesh):
+        updates, state = jax.jit(tx.update)(grads_at(0, fp32), state, params)
+    new = jax.jit(optax.apply_updates)(params, updates)
+    for k in SHAPES:
+        q = nv.quantize(state.master[k].logical())
+        for a, b in zip(tree_bytes(new[k]), tree_bytes(q)):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(np.asarray(new["bias"]), np.asarray(state.master["bias"].logical()))
+    again = nv.apply_updates(params, updates)
+    for a, b in zip(tree_bytes(new), tree_bytes(again)):
+        np.testing.assert_array_equal(a, b)
+    # flax TrainState.apply_gradients works unchanged.
+    from flax.training import train_state
+
+    ts = train_state.TrainState(step=0, apply_fn=None, params=params, tx=tx, opt_state=tx.init(fp32))
+    with jax.set_mesh(mesh):
+        ts = jax.jit(lambda t, g: t.apply_gradients(grads=g))(ts, grads_at(0, fp32))
+    for a, b in zip(tree_bytes(ts.params), tree_bytes(new)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_chain_multisteps_inject_hyperparams():
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    mesh, fp32, params, tx, state = _single_step_setup(inner)
+    updates, state = jax.jit(tx.update)(grads_at(0, fp32), state, params)
+    assert int(state.skipped) == 0
+
+    sched = optax.inject_hyperparams(optax.adamw)(learning_rate=optax.linear_schedule(1e-2, 0.0, 10))
+    mesh, fp32, params, tx, state = _single_step_setup(sched)
+    upd = jax.jit(tx.update)
+    for i in range(3):
+        updates, state = upd(grads_at(i, fp32), state, params)
+        params = optax.apply_updates(params, updates)
+    # The schedule is read back from the state: the value used by the third step (count 2).
+    assert np.isclose(float(state.inner_state.hyperparams["learning_rate"]), 1e-2 * (1 - 2 / 10))
+
+    # Gradient accumulation outside the wrapper: k-1 mini-steps leave params untouched.
+    acc = optax.MultiSteps(nv.master_weights(optax.sgd(0.1)), every_k_schedule=2)
+    fp32 = init_params()
+    params = nv.quantize_params(fp32)
+    st = acc.init(fp32)
+    g0, g1 = grads_at(0, fp32), grads_at(1, fp32)
+    upd = jax.jit(acc.update)
+    u, st = upd(g0, st, params)
+    p1 = optax.apply_updates(params, u)
+    for a, b in zip(tree_bytes(p1), tree_bytes(params)):
+        np.testing.assert_array_equal(a, b)
+    u, st = upd(g1, st, p1)
+    p2 = optax.apply_updates(p1, u)
+    expect = nv.quantize(fp32["a"] - 0.1 * (g0["a"] + g1["a"]) / 2)
+    np.testing.assert_array_equal(np.asarray(p2["a"].data), np.asarray(expect.data))
+    # ... and inside the wrapper.
+    tx = nv.master_weights(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
+    st = tx.init(fp32)
+    upd = jax.jit(tx.update)
+    u, st = upd(g0, st, params)
+    p1 = optax.apply_updates(params, u)
+    np.testing.assert_array_equal(np.asarray(p1["a"].data), np.asarray(params["a"].data))
+    u, st = upd(g1, st, p1)
+    p2b = optax.apply_updates(p1, u)
+    np.testing.assert_array_equal(np.asarray(p2b["a"].data), np.asarray(expect.data))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_step_is_skipped_bit_identically(bad):
+    mesh, fp32, params, tx, state = _single_step_setup(optax.adamw(1e-2), n=4)
+    with jax.set_mesh(mesh):
+        state = jax.device_put(state, nv.shardings(state, mesh))
+        upd = jax.jit(tx.update)
+        u, state = upd(grads_at(0, fp32), state, params)
+        params = optax.apply_updates(params, u)
+        g = grads_at(1, fp32)
+        g["b"] = g["b"].at[3, 5].set(bad)
+        u, state2 = upd(g, state, params)
+    params2 = optax.apply_updates(params, u)
+    for a, b in zip(tree_bytes(params2), tree_bytes(params)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(tree_bytes((state2.master, state2.inner_state)), tree_bytes((state.master, state.inner_state))):
+        np.testing.assert_array_equal(a, b)
+    assert int(state2.skipped) == 1 and int(state.skipped) == 0
+
+
+def test_non_finite_error_mode():
+    mesh, fp32, params, tx, state = _single_step_setup(optax.sgd(0.1), nonfinite="error")
+    upd = jax.jit(tx.update)
+    u, state = upd(grads_at(0, fp32), state, params)
+    nv.raise_if_skipped(state)  # finite: no error
+    g = grads_at(1, fp32)
+    g["a"] = g["a"].at[0, 0].set(np.nan)
+    u2, state2 = upd(g, state, params)
+    with pytest.raises(FloatingPointError, match="non-finite gradients"):
+        nv.raise_if_skipped(state2)
+    # Nothing was applied, so the caller can stop with a clean state.
+    for a, b in zip(tree_bytes(state2.master), tree_bytes(state.master)):
+        np.testing.assert_array_equal(a, b)
+    # Found inside wrappers too.
+    with pytest.raises(FloatingPointError):
+        nv.raise_if_skipped((optax.EmptyState(), state2))
+
+
+def test_clear_errors():
+    mesh, fp32, params, tx, state = _single_step_setup(optax.sgd(0.1))
+    with pytest.raises(ValueError, match="needs the current params"):
+        tx.update(grads_at(0, fp32), state)
+    bad = dict(grads_at(0, fp32))
+    bad["a"] = jnp.zeros((3, 3))
+    with pytest.raises(ValueError, match="shape"):
+        tx.update(bad, state, params)
+    with pytest.raises(ValueError, match="same policy"):
+        tx2 = nv.master_weights(optax.sgd(0.1), policy=nv.Policy(keep=("a",)))
+        tx2.update(grads_at(0, fp32), tx2.init(fp32), params)
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.float32])
+def test_explicit_reduce_scatter_in_shard_map(dtype):
+    """Per-device partial gradients summed straight into the master shards (psum_scatter),
+    in the gradient dtype or float32; same result as the automatic path."""
+    n = 4
+    mesh = make_mesh(n)
+    fp32 = init_params()
+    with jax.set_mesh(mesh):
+        params = nv.quantize_params(fp32)
+        tx = nv.master_weights(optax.sgd(0.5))
+        state = jax.device_put(tx.init(fp32), nv.shardings(tx.init(fp32), mesh))
+        g_full = grads_at(0, fp32)
+        # Each device holds a quarter of the gradient as its partial sum, in bf16.
+        parts = jax.tree.map(lambda g: jnp.stack([g / n] * n).astype(jnp.bfloat16), g_full)
+        mspecs = nv.partition_specs(state.master, mesh)
+
+        def local(parts, masters):
+            local_grads = jax.tree.map(lambda p: p[0], parts)
+            return nv.reduce_scatter_grads(local_grads, masters, "data", dtype=dtype)
+
+        rs = jax.jit(jax.shard_map(local, in_specs=(P("data"), mspecs), out_specs=mspecs))
+        lowered = rs.lower(parts, state.master)
+        hlo = lowered.compile().as_text()
+        jaxpr = str(jax.make_jaxpr(rs)(parts, state.master))
+        sharded = rs(parts, state.master)
+        u1, s1 = jax.jit(tx.update)(sharded, state, params)
+        auto = jax.tree.map(lambda p: p.astype(jnp.float32).sum(0) if dtype is not None else p.sum(0), parts)
+        u2, s2 = jax.jit(tx.update)(auto, state, params)
+    counts = nv.collective_bytes(hlo)
+    assert any(op == "reduce-scatter" for op, _ in counts), counts
+    # The program asks for the reduction in the requested dtype (XLA:CPU itself widens bf16
+    # reductions to f32 when it compiles; GPUs reduce in bf16).
+    want = "f32" if dtype is not None else "bf16"
+    rs_lines = [l for l in jaxpr.splitlines() if "reduce_scatter" in l]
+    assert rs_lines and all(f":{want}[" in l.split("=")[0] for l in rs_lines), rs_lines[:2]
+    assert not any(op == "all-reduce" and dt in ("bf16", "f32") and b > 4096 for (op, dt), b in counts.items()), counts
+    for k in SHAPES:
+        np.testing.assert_allclose(np.asarray(s1.master[k].value), np.asarray(s2.master[k].value), rtol=1e-2, atol=1e-3)
+
+
+def test_collective_bytes_parser():
+    hlo = """
+  %ag = u8[256,64]{1,0} all-gather(%p), channel_id=1, dimensions={0}
+  %ags = (u8[32,64]{1,0}, u8[256,64]{1,0}) all-gather-start(%p2), channel_id=2
+  %agd = u8[256,64]{1,0} all-gather-done(%ags)
+  %ar = (f32[], f32[128,256]{1,0}) all-reduce(%a, %b), channel_id=3, to_apply=%add
+  %rs = bf16[16,128]{1,0} reduce-scatter(%g), channel_id=4, dimensions={0}
+  %cp = f32[13,72]{1,0} collective-permute(%x), source_target_pairs={{0,1}}
+"""
+    counts = nv.collective_bytes(hlo)
+    assert counts == {
+        ("all-gather", "u8"): 2 * 256 * 64,
+        ("all-reduce", "f32"): 4 + 128 * 256 * 4,
+        ("reduce-scatter", "bf16"): 16 * 128 * 2,
+        ("collective-permute", "f32"): 13 * 72 * 4,
+    }
+    assert nv.total_bytes(counts, "all-gather") == 2 * 256 * 64

@@ -1,0 +1,258 @@
+"""train.config: YAML, gin, overrides, and one-line errors that name the key."""
+
+import dataclasses
+import os
+import textwrap
+
+import pytest
+import yaml
+
+from train.config import (
+    SECTIONS,
+    Config,
+    ConfigError,
+    ModelConfig,
+    apply_overrides,
+    from_dict,
+    load_config,
+    resolve_mesh_axes,
+    save_config,
+    to_dict,
+    to_yaml,
+    validate_for_devices,
+)
+
+CONFIGS = os.path.join(os.path.dirname(__file__), os.pardir, "train", "configs")
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def _error(overrides=(), path=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# -- defaults and files -------------------------------------------------------------------------
+
+
+def test_defaults():
+    cfg = load_config(None, [])
+    assert cfg == Config()
+    assert (cfg.model.d_model, cfg.model.layers, cfg.model.mlp_hidden) == (128, 4, 352)
+    assert cfg.nvfp4.keep_bf16 == ("embed", "head", "norm")
+    assert cfg.data.batch_size == 32 and cfg.optim.lr == 3e-3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model.layers = 3
+
+
+def test_shipped_configs_load():
+    # default.yaml and default.gin spell out the dataclass defaults; keep the three in sync.
+    assert load_config(os.path.join(CONFIGS, "default.yaml")) == Config()
+    assert load_config(os.path.join(CONFIGS, "default.gin")) == Config()
+    tiny = load_config(os.path.join(CONFIGS, "tiny.yaml"))
+    assert (tiny.model.d_model, tiny.model.layers, tiny.train.steps) == (64, 2, 50)
+    assert tiny.optim == Config().optim.__class__(warmup_steps=5)  # inherited from base
+
+
+def test_yaml_base_inheritance_and_floats(tmp_path):
+    _write(tmp_path, "base.yaml", """
+        model: {layers: 6, heads: 8, d_model: 256}
+        optim: {lr: 1e-3}
+        """)
+    os.mkdir(tmp_path / "sub")
+    path = _write(tmp_path, "sub/run.yaml", """
+        base: ../base.yaml
+        model: {layers: 2}
+        train: {steps: 7}
+        """)
+    cfg = load_config(path, [])
+    assert (cfg.model.layers, cfg.model.heads, cfg.model.d_model) == (2, 8, 256)
+    assert cfg.optim.lr == 1e-3 and isinstance(cfg.optim.lr, float)  # YAML 1.1 would say "1e-3"
+    assert cfg.train.steps == 7
+
+
+def test_yaml_base_cycle(tmp_path):
+    _write(tmp_path, "a.yaml", "base: b.yaml\n")
+    _write(tmp_path, "b.yaml", "base: a.yaml\n")
+    assert "loops" in _error(path=str(tmp_path / "a.yaml"))
+
+
+def test_gin(tmp_path):
+    path = _write(tmp_path, "run.gin", """
+        ModelConfig.layers = 2
+        OptimConfig.lr = 1e-3
+        NVFP4Config.weights = "bf16"
+        NVFP4Config.keep_bf16 = ("embed",)
+        CheckpointConfig.dir = "/tmp/ck"
+        """)
+    cfg = load_config(path, ["model.layers=3"])
+    assert cfg.model.layers == 3  # overrides come after the file
+    assert cfg.optim.lr == 1e-3 and cfg.nvfp4.weights == "bf16"
+    assert cfg.nvfp4.keep_bf16 == ("embed",) and cfg.checkpoint.dir == "/tmp/ck"
+    # Bindings do not leak into the next load.
+    assert load_config(_write(tmp_path, "empty.gin", "# nothing\n"), []) == Config()
+
+
+def test_gin_errors(tmp_path):
+    msg = _error(path=_write(tmp_path, "a.gin", "ModelConfig.layer = 2\n"))
+    assert "model.layer" in msg and "model.layers" in msg
+    msg = _error(path=_write(tmp_path, "b.gin", "ModelConfg.layers = 2\n"))
+    assert "ModelConfg" in msg and "ModelConfig" in msg
+    msg = _error(path=_write(tmp_path, "c.gin", "ModelConfig.layers = \"four\"\n"))
+    assert msg.startswith("model.layers: expected int")
+    assert "c.gin" in _error(path=_write(tmp_path, "c.gin", "ModelConfig.layers = 2 +\n"))
+
+
+def test_overrides():
+    cfg = load_config(None, ["model.layers=2", "nvfp4.weights=bf16", "optim.lr=1e-3",
+                             "nvfp4.keep_bf16=[embed,head]", "data.path=null",
+                             "checkpoint.async_save=true", "optim.clip_norm=0"])
+    assert cfg.model.layers == 2 and cfg.nvfp4.weights == "bf16" and cfg.optim.lr == 1e-3
+    assert cfg.nvfp4.keep_bf16 == ("embed", "head") and cfg.data.path is None
+    assert cfg.checkpoint.async_save is True
+    assert cfg.optim.clip_norm == 0.0 and isinstance(cfg.optim.clip_norm, float)  # int -> float
+    # Overrides merge before validation: together they may fix what each alone breaks.
+    cfg = load_config(None, ["nvfp4.keep_first_blocks=2", "nvfp4.keep_last_blocks=2",
+                             "model.layers=4"])
+    assert cfg.nvfp4.keep_first_blocks == 2
+    assert apply_overrides(Config(), ["train.steps=5"]).train.steps == 5
+
+
+def test_round_trip(tmp_path):
+    cfg = load_config(None, ["model.layers=2", "nvfp4.keep_bf16=[x, y]", "data.path=/d"])
+    path = str(tmp_path / "out" / "config.yaml")
+    save_config(cfg, path)
+    assert load_config(path) == cfg
+    assert from_dict(to_dict(cfg)) == cfg
+    assert yaml.safe_load(to_yaml(cfg))["nvfp4"]["keep_bf16"] == ["x", "y"]
+    assert list(to_dict(cfg)) == list(SECTIONS)
+
+
+# -- every class of error names its key ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, expect", [
+    # unknown section / key, with a close match suggested
+    (["modle.layers=2"], "unknown section 'modle' (did you mean model?)"),
+    (["model.layer=2"], "unknown key model.layer (did you mean model.layers?)"),
+    (["optim.learning_rate=1"], "unknown key optim.learning_rate"),
+    # wrong types
+    (["model.layers=four"], "model.layers: expected int, got str 'four'"),
+    (["model.layers=2.5"], "model.layers: expected int, got float"),
+    (["model.layers=true"], "model.layers: expected int, got bool"),
+    (["train.out_dir=3"], "train.out_dir: expected str, got int 3"),
+    (["optim.lr=fast"], "optim.lr: expected float, got str"),
+    (["nvfp4.stochastic_rounding=1"], "nvfp4.stochastic_rounding: expected bool, got int"),
+    (["nvfp4.keep_bf16=embed"], "nvfp4.keep_bf16: expected list of str"),
+    (["nvfp4.keep_bf16=[1]"], "nvfp4.keep_bf16[0]: expected str, got int"),
+    (["data.path=5"], "data.path: expected str or null, got int 5"),
+    (["model=3"], "override 'model=3': expected section.key=value"),
+    # choices
+    (["data.source=web"], "data.source='web': must be one of 'markov', 'file'"),
+    (["mesh.layout=nvl"], "mesh.layout='nvl': must be one of"),
+    (["optim.name=adagrad"], "optim.name='adagrad': must be one of"),
+    (["optim.schedule=step"], "optim.schedule='step'"),
+    (["nvfp4.weights=fp8"], "nvfp4.weights='fp8'"),
+    (["nvfp4.param_gather=x"], "nvfp4.param_gather='x'"),
+    (["nvfp4.compute=x"], "nvfp4.compute='x'"),
+    (["nvfp4.nonfinite=ignore"], "nvfp4.nonfinite='ignore'"),
+    (["nvfp4.grad_reduce_dtype=bf16"], "nvfp4.grad_reduce_dtype='bf16'"),
+    (["nvfp4.keep_bf16=['(']"], "nvfp4.keep_bf16[0]='(': not a regex"),
+    # ranges
+    (["model.vocab=0"], "model.vocab=0: must be > 0"),
+    (["model.layers=0"], "model.layers=0: must be > 0"),
+    (["model.mlp_hidden=0"], "model.mlp_hidden=0: must be > 0"),
+    (["model.seq_len=-1"], "model.seq_len=-1: must be > 0"),
+    (["data.batch_size=0"], "data.batch_size=0: must be > 0"),
+    (["optim.lr=0"], "optim.lr=0.0: must be > 0"),
+    (["optim.lr=.nan"], "optim.lr=nan: must be finite"),
+    (["optim.b2=1"], "optim.b2=1.0: must be < 1"),
+    (["optim.grad_accum=0"], "optim.grad_accum=0: must be >= 1"),
+    (["optim.clip_norm=-1"], "optim.clip_norm=-1.0: must be >= 0"),
+    (["train.steps=0"], "train.steps=0: must be > 0"),
+    (["checkpoint.keep=0"], "checkpoint.keep=0: must be > 0"),
+    (["mesh.data=0"], "mesh.data=0: must be a positive size or -1"),
+    (["mesh.tensor=-2"], "mesh.tensor=-2: must be >= -1"),
+    (["mesh.tensor=-1"], "mesh.data=-1 and mesh.tensor=-1"),
+    # cross-field rules
+    (["model.d_model=130"], "model.d_model=130: must be divisible by model.heads=4"),
+    (["model.d_model=12", "model.heads=4"], "model.heads=4: head size"),
+    (["nvfp4.keep_first_blocks=3", "nvfp4.keep_last_blocks=2"],
+     "nvfp4.keep_first_blocks=3 + nvfp4.keep_last_blocks=2: exceeds model.layers=4"),
+    (["data.source=file"], "data.path: required when data.source='file'"),
+    (["data.source=file", "data.path=x", "model.vocab=100"], "model.vocab=100"),
+    (["data.markov_states=300"], "data.markov_states=300: exceeds model.vocab=256"),
+])
+def test_errors_name_the_key(overrides, expect):
+    assert expect in _error(overrides)
+
+
+def test_file_errors(tmp_path):
+    assert "not found" in _error(path=str(tmp_path / "missing.yaml"))
+    assert "unknown extension" in _error(path=_write(tmp_path, "c.toml", "x = 1\n"))
+    assert "invalid YAML" in _error(path=_write(tmp_path, "bad.yaml", "model: [1,\n"))
+    assert "expected a mapping" in _error(path=_write(tmp_path, "list.yaml", "- 1\n"))
+    assert "model: expected a mapping" in _error(path=_write(tmp_path, "s.yaml", "model: 3\n"))
+    msg = _error(path=_write(tmp_path, "k.yaml", "model:\n  dmodel: 64\n"))
+    assert msg == "unknown key model.dmodel (did you mean model.d_model?)"
+
+
+def test_sections_validate_on_construction():
+    with pytest.raises(ConfigError, match="model.heads=3"):
+        ModelConfig(d_model=128, heads=3)
+    with pytest.raises(ConfigError, match="optim.lr"):
+        dataclasses.replace(Config().optim, lr=-1.0)
+
+
+# -- device-dependent checks --------------------------------------------------------------------
+
+
+def test_resolve_mesh_axes():
+    mesh = Config().mesh
+    assert resolve_mesh_axes(mesh, 8) == {"data": 8, "tensor": 1}
+    m = dataclasses.replace(mesh, tensor=2)
+    assert resolve_mesh_axes(m, 8) == {"data": 4, "tensor": 2}
+    m = dataclasses.replace(mesh, data=2, tensor=-1)
+    assert resolve_mesh_axes(m, 8) == {"data": 2, "tensor": 4}
+    assert resolve_mesh_axes(dataclasses.replace(mesh, data=4, tensor=2), 8) == {
+        "data": 4, "tensor": 2}
+
+
+@pytest.mark.parametrize("overrides, n, expect", [
+    (["mesh.tensor=3"], 8, "mesh.tensor=3: does not divide the 8 devices"),
+    (["mesh.data=3", "mesh.tensor=-1"], 8, "mesh.data=3: does not divide the 8 devices"),
+    (["mesh.data=4", "mesh.tensor=4"], 8, "mesh.data=4 x mesh.tensor=4 = 16: must equal the 8"),
+    (["data.batch_size=36"], 8, "data.batch_size=36: must be divisible by mesh data axis (8)"),
+    (["optim.grad_accum=8"], 8, "data.batch_size=32: must be divisible by mesh data axis (8) "
+                                "x optim.grad_accum (8) = 64"),
+    (["mesh.layout=gb200", "mesh.nvl_domain=6", "mesh.tensor=4"], 8, "mesh.tensor=4: must divide"
+                                                                     " mesh.nvl_domain=6"),
+    (["mesh.layout=gb200", "mesh.nvl_domain=4", "mesh.tensor=8"], 8, "mesh.tensor=8"),
+    (["mesh.layout=gb200", "mesh.nvl_domain=3"], 8, "mesh.nvl_domain=3"),
+    (["mesh.tensor=4"], 8, "model.mlp_hidden=352: must be divisible by 16 x mesh tensor axis "
+                           "(4) = 64"),
+    (["mesh.tensor=2", "model.d_model=120", "model.heads=2"], 8, "model.d_model=120"),
+    (["mesh.tensor=2", "model.heads=1"], 8, "model.heads=1: must be divisible by the mesh"),
+])
+def test_device_errors(overrides, n, expect):
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError) as info:
+        validate_for_devices(cfg, n)
+    assert expect in str(info.value) and "\n" not in str(info.value)
+
+
+def test_device_checks_pass():
+    assert validate_for_devices(Config(), 8) == {"data": 8, "tensor": 1}
+    cfg = load_config(None, ["mesh.tensor=2", "mesh.layout=gb200", "data.batch_size=8",
+                             "optim.grad_accum=2"])
+    assert validate_for_devices(cfg, 8) == {"data": 4, "tensor": 2}
+    cfg = load_config(None, ["mesh.tensor=4", "mesh.layout=gb200", "model.mlp_hidden=384",
+                             "data.batch_size=72"])
+    assert validate_for_devices(cfg, 144) == {"data": 36, "tensor": 4}

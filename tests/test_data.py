@@ -1,0 +1,165 @@
+"""train.data: the Markov corpus's exact entropy rate, determinism, resume, sharding, files."""
+
+import os
+
+import numpy as np
+import pytest
+
+from train.config import ConfigError, load_config
+from train.data import (
+    DataIterator,
+    MarkovSource,
+    TextFileSource,
+    make_data_iterator,
+    make_source,
+    split_batch,
+)
+
+
+@pytest.fixture(scope="module")
+def markov():
+    return MarkovSource(vocab=256, states=64, seed=0)
+
+
+def test_markov_structure(markov):
+    p = markov.transition
+    np.testing.assert_allclose(p.sum(axis=1), 1.0, atol=1e-12)
+    succ = (p > 0).sum(axis=1)
+    assert succ.min() >= 4 and succ.max() <= 8
+    pi = markov.stationary
+    np.testing.assert_allclose(pi @ p, pi, atol=1e-12)
+    assert pi.min() > 0 and abs(pi.sum() - 1) < 1e-12
+    # The loss floor the default run prints; pinned so a change to the generator is visible.
+    assert markov.entropy_rate() == pytest.approx(1.5988, abs=1e-4)
+    assert 1.0 < markov.entropy_rate() < 1.7
+
+
+def test_entropy_rate_matches_long_sample(markov):
+    x = markov.sample(300_000, np.random.default_rng(1))
+    assert x.dtype == np.int32 and x.min() >= 0 and x.max() < 64
+    h = markov.entropy_rate()
+    # Ergodic average of -log P(x_t | x_{t-1}) under the true chain.
+    nll = -np.mean(np.log(markov.transition[x[:-1], x[1:]]))
+    assert nll == pytest.approx(h, rel=0.01)
+    # Plug-in estimate from bigram counts alone: nothing borrowed from the true chain.
+    counts = np.zeros((64, 64))
+    np.add.at(counts, (x[:-1], x[1:]), 1)
+    cond = np.where(counts > 0, counts / counts.sum(axis=1, keepdims=True), 1.0)
+    plug_in = -(counts * np.log(cond)).sum() / counts.sum()
+    assert plug_in == pytest.approx(h, rel=0.01)
+    np.testing.assert_allclose(np.bincount(x, minlength=64) / len(x), markov.stationary,
+                               atol=0.005)
+
+
+def test_windows_are_stationary_chains(markov):
+    rngs = [np.random.default_rng([9, i]) for i in range(2000)]
+    w = markov.windows(rngs, 65)
+    assert w.shape == (2000, 65) and w.dtype == np.int32
+    nll = -np.mean(np.log(markov.transition[w[:, :-1], w[:, 1:]]))  # every step is legal
+    assert nll == pytest.approx(markov.entropy_rate(), rel=0.02)
+    np.testing.assert_allclose(np.bincount(w[:, 0], minlength=64) / 2000, markov.stationary,
+                               atol=0.03)
+
+
+def test_markov_seeded():
+    a, b, c = MarkovSource(256, 32, 1), MarkovSource(256, 32, 1), MarkovSource(256, 32, 2)
+    np.testing.assert_array_equal(a.transition, b.transition)
+    assert not np.array_equal(a.transition, c.transition)
+    np.testing.assert_array_equal(a.sample(100, np.random.default_rng(3)),
+                                  b.sample(100, np.random.default_rng(3)))
+    with pytest.raises(ConfigError, match="data.markov_states=300"):
+        MarkovSource(256, 300, 0)
+
+
+def test_iterator_deterministic_and_resumable(markov):
+    it = DataIterator(markov, batch_size=8, seq_len=16, seed=5)
+    batches = [next(it) for _ in range(4)]
+    assert batches[0].shape == (8, 17) and batches[0].dtype == np.int32
+    assert not np.array_equal(batches[0], batches[1])
+    assert it.get_state() == {"step": 4, "seed": 5}
+    # A fresh iterator restored to step 2 reproduces batches 2 and 3 exactly.
+    other = DataIterator(markov, batch_size=8, seq_len=16, seed=0)
+    other.set_state({"step": 2, "seed": 5})
+    np.testing.assert_array_equal(next(other), batches[2])
+    np.testing.assert_array_equal(next(other), batches[3])
+    np.testing.assert_array_equal(it.batch_at(1), batches[1])  # pure in (seed, step)
+    assert not np.array_equal(DataIterator(markov, 8, 16, seed=6).batch_at(0), batches[0])
+    eval_it = DataIterator(markov, 8, 16, seed=5, stream=1)
+    assert not np.array_equal(eval_it.batch_at(0), batches[0])
+    inputs, targets = split_batch(batches[0])
+    assert inputs.shape == targets.shape == (8, 16)
+    np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
+    with pytest.raises(ValueError, match="lacks"):
+        other.set_state({"step": 1})
+
+
+@pytest.mark.parametrize("process_count", [2, 4])
+def test_process_shards_union_is_the_batch(markov, tmp_path, process_count):
+    path = tmp_path / "corpus.bin"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8).tobytes())
+    for source in (markov, TextFileSource(path)):
+        whole = DataIterator(source, 8, 32, seed=3).batch_at(7)
+        parts = []
+        for p in range(process_count):
+            it = DataIterator(source, 8, 32, seed=3, process_index=p,
+                              process_count=process_count)
+            assert it.local_batch_size == 8 // process_count
+            assert list(it.rows) == list(range(p * 8 // process_count,
+                                               (p + 1) * 8 // process_count))
+            parts.append(it.batch_at(7))
+        np.testing.assert_array_equal(np.concatenate(parts), whole)
+    with pytest.raises(ConfigError, match="data.batch_size=8: must be divisible by the 3"):
+        DataIterator(markov, 8, 32, process_index=0, process_count=3)
+
+
+def test_text_file_source(tmp_path):
+    text = b"hello, byte-level world! " * 40
+    path = tmp_path / "t.txt"
+    path.write_bytes(text)
+    src = TextFileSource(path, min_tokens=17)
+    assert len(src) == len(text) and src.vocab == 256 and src.entropy_rate() is None
+    it = DataIterator(src, 4, 16, seed=1)
+    batch = next(it)
+    assert batch.shape == (4, 17) and batch.dtype == np.int32
+    for row in batch:  # every row is a contiguous window of the file
+        assert bytes(row.astype(np.uint8)) in text
+    np.testing.assert_array_equal(it.batch_at(0), batch)
+
+
+def test_text_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="file not found"):
+        TextFileSource(tmp_path / "missing.txt")
+    with pytest.raises(ConfigError, match="not a regular file"):
+        TextFileSource(tmp_path)
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(ConfigError, match="file is empty"):
+        TextFileSource(empty)
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"abc")
+    with pytest.raises(ConfigError, match="3 bytes, too short for one window of 129"):
+        TextFileSource(short, min_tokens=129)
+    with pytest.raises(ConfigError, match="too short"):
+        DataIterator(TextFileSource(short), 2, 8).batch_at(0)
+    if os.geteuid() != 0:  # root reads anything
+        locked = tmp_path / "locked.txt"
+        locked.write_bytes(b"x" * 100)
+        locked.chmod(0)
+        with pytest.raises(ConfigError, match="not readable"):
+            TextFileSource(locked)
+    assert issubclass(ConfigError, ValueError)  # one error class for the CLI to catch
+
+
+def test_make_source_from_config(tmp_path):
+    cfg = load_config(None, ["data.markov_states=32", "data.seed=4"])
+    src = make_source(cfg.data, cfg.model)
+    assert isinstance(src, MarkovSource) and src.states == 32 and src.seed == 4
+    it = make_data_iterator(cfg, process_index=1, process_count=2)
+    assert it.batch_at(0).shape == (16, 129)
+    path = tmp_path / "c.txt"
+    path.write_bytes(b"z" * 100)
+    cfg = load_config(None, ["data.source=file", f"data.path={path}"])
+    with pytest.raises(ConfigError, match="100 bytes, too short for one window of 129"):
+        make_source(cfg.data, cfg.model)
+    cfg = load_config(None, ["data.source=file", f"data.path={path}", "model.seq_len=50"])
+    assert isinstance(make_source(cfg.data, cfg.model), TextFileSource)

@@ -1,0 +1,267 @@
+"""train.mesh: (data, tensor) meshes, GB200 NVL72 layouts, multi-process launch.
+
+In-process tests use the 8 simulated CPU devices from conftest.py; the two-rack (144-device)
+layout and the multi-process launch run in subprocesses, since a process's device count is
+fixed when its backend starts.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from train.config import ConfigError, MeshConfig
+from train.mesh import (
+    build_mesh,
+    describe_mesh,
+    device_domains,
+    device_grid,
+    resolve_axes,
+)
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+
+
+def _ids(mesh_or_grid) -> np.ndarray:
+    grid = getattr(mesh_or_grid, "devices", mesh_or_grid)
+    return np.vectorize(lambda d: d.id, otypes=[int])(grid)
+
+
+def _check_hybrid(ids: np.ndarray, domain: int) -> None:
+    """Tensor groups inside one domain; data runs across domains first, then within."""
+    dom = ids // domain
+    assert (dom == dom[:, :1]).all(), "a tensor group crosses NVLink domains"
+    n_dom = len(np.unique(dom))
+    per = ids.shape[0] // n_dom
+    # Data index i is on domain i // per: consecutive data indices share a domain.
+    np.testing.assert_array_equal(dom[:, 0], np.repeat(np.arange(n_dom), per))
+
+
+def test_resolve_axes():
+    assert resolve_axes(MeshConfig(), 8) == {"data": 8, "tensor": 1}
+    assert resolve_axes(MeshConfig(data=2, tensor=-1), 8) == {"data": 2, "tensor": 4}
+    with pytest.raises(ConfigError, match=r"^mesh.tensor=3: does not divide the 8 devices$"):
+        resolve_axes(MeshConfig(tensor=3), 8)
+    with pytest.raises(ConfigError, match=r"mesh.data=2 x mesh.tensor=2 = 4: must equal the 8"):
+        resolve_axes(MeshConfig(data=2, tensor=2), 8)
+
+
+def test_default_mesh_is_auto_and_constrainable():
+    assert jax.device_count() == 8
+    mesh = build_mesh(MeshConfig())
+    assert dict(mesh.shape) == {"data": 8, "tensor": 1}
+    assert mesh.axis_names == ("data", "tensor")
+    assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
+    sharding = NamedSharding(mesh, P("data", "tensor"))
+
+    # The trap: with Explicit axes, with_sharding_constraint refuses the mesh.
+    @jax.jit
+    def f(x):
+        return jax.lax.with_sharding_constraint(x * 2, sharding)
+
+    y = f(jnp.ones((8, 4)))
+    assert y.sharding.is_equivalent_to(sharding, 2)
+    assert float(y.sum()) == 64.0
+
+
+def test_gb200_layout_in_process():
+    # 8 simulated devices as two "racks" of 4: ids 0-3 and 4-7.
+    cfg = MeshConfig(tensor=2, layout="gb200", nvl_domain=4)
+    mesh = build_mesh(cfg)
+    assert dict(mesh.shape) == {"data": 4, "tensor": 2}
+    ids = _ids(mesh)
+    _check_hybrid(ids, 4)
+    np.testing.assert_array_equal(ids, [[0, 1], [2, 3], [4, 5], [6, 7]])
+    assert describe_mesh(mesh, 4) == (
+        "mesh data=4 x tensor=2 on 8 cpu devices, 2 NVLink domain(s) of 4; "
+        "data: spans 2 domains; tensor: within one domain")
+    # auto picks the same layout once devices span several domains ...
+    np.testing.assert_array_equal(_ids(build_mesh(dataclasses.replace(cfg, layout="auto"))), ids)
+    # ... and a plain one inside a single domain.
+    plain = build_mesh(MeshConfig(tensor=2))
+    assert "1 NVLink domain(s) of 8; data: within one domain" in describe_mesh(plain, 72)
+    # An explicit device subset (here reversed) is honoured.
+    sub = build_mesh(MeshConfig(tensor=2, layout="gb200", nvl_domain=2),
+                     devices=jax.devices()[:4][::-1])
+    _check_hybrid(_ids(sub), 2)
+
+
+@pytest.mark.parametrize("cfg, n, expect", [
+    (MeshConfig(tensor=8, layout="gb200", nvl_domain=4), 8, "mesh.tensor=8: must divide "
+                                                            "mesh.nvl_domain=4"),
+    (MeshConfig(tensor=2, layout="gb200", nvl_domain=3), 6, "mesh.tensor=2: must divide"),
+    (MeshConfig(tensor=2, layout="gb200", nvl_domain=4), 6, "unequal sizes [2, 4]"),
+    (MeshConfig(tensor=3), 8, "mesh.tensor=3: does not divide the 8 devices"),
+])
+def test_mesh_errors(cfg, n, expect):
+    with pytest.raises(ConfigError) as info:
+        build_mesh(cfg, devices=jax.devices()[:n])
+    assert expect in str(info.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    """What the layout code reads from a device; real GPUs are not needed to check placement."""
+
+    id: int
+    process_index: int
+    slice_index: int | None = None
+    platform: str = "gpu"
+    device_kind: str = "fake GB200"
+
+
+def test_domains_from_slice_index_use_hybrid_mesh():
+    # 2 slices x 8 GPUs, listed interleaved so that only grouping by slice_index is right.
+    devs = [FakeDevice(id=i, process_index=i // 4, slice_index=(i // 4) % 2) for i in range(16)]
+    assert device_domains(devs, 8) == [d.slice_index for d in devs]
+    grid = device_grid(MeshConfig(tensor=4, layout="gb200", nvl_domain=8), devs)
+    assert grid.shape == (4, 4)
+    sl = np.vectorize(lambda d: d.slice_index)(grid)
+    assert (sl == sl[:, :1]).all()
+    np.testing.assert_array_equal(sl[:, 0], [0, 0, 1, 1])
+
+
+def test_domains_from_process_index():
+    # 8 processes x 2 GPUs with the gapped ids of multi-process runtimes; domain = 4 GPUs.
+    devs = [FakeDevice(id=p * 1024 + j, process_index=p) for p in range(8) for j in range(2)]
+    assert device_domains(devs, 4) == [p // 2 for p in range(8) for _ in range(2)]
+    grid = device_grid(MeshConfig(tensor=2, layout="gb200", nvl_domain=4), devs)
+    procs = np.vectorize(lambda d: d.process_index)(grid)
+    np.testing.assert_array_equal(procs, np.repeat(np.arange(8), 2).reshape(8, 2))
+    dom = procs // 2
+    assert (dom == dom[:, :1]).all()
+    # A slice_index every device shares, over more devices than a domain, tells nothing.
+    same = [dataclasses.replace(d, slice_index=0) for d in devs]
+    assert device_domains(same, 4) == device_domains(devs, 4)
+    with pytest.raises(ConfigError, match="mesh.nvl_domain=3: not a multiple of the 2 devices"):
+        device_domains(devs, 3)
+    # One process, no slice_index: simulated devices, domain = id // nvl_domain.
+    single = [FakeDevice(id=i, process_index=0, platform="cpu") for i in range(8)]
+    assert device_domains(single, 4) == [0] * 4 + [1] * 4
+
+
+_RACKS_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax
+    from train.config import MeshConfig
+    from train.mesh import build_mesh, describe_mesh
+    def ids(m): return [[d.id for d in row] for row in m.devices]
+    out = {"n": jax.device_count()}
+    m = build_mesh(MeshConfig(tensor=4, layout="gb200", nvl_domain=72))
+    out["gb200"] = ids(m); out["shape"] = dict(m.shape); out["describe"] = describe_mesh(m, 72)
+    out["auto"] = ids(build_mesh(MeshConfig(tensor=4, nvl_domain=72)))
+    m16 = build_mesh(MeshConfig(tensor=2, layout="gb200", nvl_domain=8), jax.devices()[:16])
+    out["nvl8"] = ids(m16); out["describe8"] = describe_mesh(m16, 8)
+    json.dump(out, sys.stdout)
+""")
+
+
+def test_two_nvl72_racks_simulated():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=144",
+               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", _RACKS_SCRIPT], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["n"] == 144 and out["shape"] == {"data": 36, "tensor": 4}
+    ids = np.array(out["gb200"])
+    assert sorted(ids.ravel().tolist()) == list(range(144))
+    _check_hybrid(ids, 72)
+    assert set((ids[:, 0] // 72).tolist()) == {0, 1}  # data spans both racks
+    np.testing.assert_array_equal(np.array(out["auto"]), ids)
+    assert out["describe"] == ("mesh data=36 x tensor=4 on 144 cpu devices, 2 NVLink domain(s) "
+                               "of 72; data: spans 2 domains; tensor: within one domain")
+    ids8 = np.array(out["nvl8"])
+    assert ids8.shape == (8, 2)
+    _check_hybrid(ids8, 8)
+    assert "2 NVLink domain(s) of 8" in out["describe8"]
+
+
+_PROBE = textwrap.dedent("""
+    import json, os, sys
+    import jax
+    jax.distributed.initialize(num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                               process_id=int(os.environ["JAX_PROCESS_ID"]))
+    import numpy as np
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from train.config import MeshConfig
+    from train.mesh import build_mesh, describe_mesh
+    mesh = build_mesh(MeshConfig(tensor=2, layout="gb200", nvl_domain=4))
+    rows = mesh.shape["data"] // jax.process_count()
+    local = np.full((rows, 1), jax.process_index() + 1, np.float32)
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), local)
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x)
+    if jax.process_index() == 0:
+        procs = [[d.process_index for d in row] for row in mesh.devices]
+        with open(sys.argv[1], "w") as f:
+            json.dump({"procs": procs, "total": float(total), "n": jax.device_count(),
+                       "describe": describe_mesh(mesh, 4)}, f)
+""")
+
+
+def _launch(tmp_path, n, body, *args, timeout=120):
+    pkg = tmp_path / "probe"
+    pkg.mkdir(exist_ok=True)
+    (pkg / "__main__.py").write_text(body)
+    env = dict(os.environ, PYTHON=sys.executable, LAUNCH_MODULE="probe",
+               PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    return subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), str(n),
+                           *args], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_launch_local_two_processes_gloo(tmp_path):
+    # Two processes x 4 CPU devices, one "NVLink domain" each: the domain comes from
+    # process_index (the CPU runtime gives every device slice_index 0).
+    out_file = tmp_path / "out.json"
+    proc = _launch(tmp_path, 2, _PROBE, str(out_file))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(out_file.read_text())
+    assert out["n"] == 8
+    assert out["procs"] == [[0, 0], [0, 0], [1, 1], [1, 1]]
+    assert out["total"] == 2 * 1 + 2 * 2  # a cross-process reduction over gloo
+    assert "2 NVLink domain(s) of 4; data: spans 2 domains; tensor: within one domain" in (
+        out["describe"])
+
+
+def test_launch_local_stops_all_on_failure(tmp_path):
+    body = textwrap.dedent("""
+        import os, sys, time
+        if os.environ["JAX_PROCESS_ID"] == "1":
+            sys.exit(3)
+        time.sleep(60)  # would block the launcher for a minute if not killed
+    """)
+    proc = _launch(tmp_path, 3, body, timeout=30)
+    assert proc.returncode == 3
+    assert "exited with status 3" in proc.stderr
+    usage = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh")],
+                           capture_output=True, text=True)
+    assert usage.returncode == 2 and "usage" in usage.stderr
+
+
+def test_configure_host_devices():
+    from train.mesh import configure_host_devices
+
+    # conftest.py set XLA_FLAGS: the user's choice wins, nothing changes.
+    assert configure_host_devices(MeshConfig(simulate_devices=4)) is None
+    script = ("import jax; from train.config import MeshConfig; "
+              "from train.mesh import configure_host_devices as c; "
+              "print(c(MeshConfig(simulate_devices=3)), jax.device_count(), "
+              "c(MeshConfig(simulate_devices=5)))")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # The second call comes after the backend started: it leaves the count alone.
+    assert proc.stdout.split() == ["3", "3", "None"]

@@ -1,0 +1,595 @@
+"""Experiment configuration: nested frozen dataclasses, loaded from YAML or gin, validated on load.
+
+A config is plain data. Every section validates its own fields when constructed (types, choices,
+ranges), :class:`Config` validates the rules that tie sections together, and
+:func:`validate_for_devices` adds the rules that need the device count. Every failure is a
+:class:`ConfigError` whose message is ONE line naming the offending key, so a typo in a 2000-GPU
+launch fails in the first second with a message that fits in a SLURM log line.
+
+Sources, applied in order (later wins):
+
+1. the defaults below (a small model that trains in minutes on 2 CPU cores);
+2. a file: ``.yaml``/``.yml`` (``{section: {key: value}}``; ``base: other.yaml`` inherits, relative
+   to the file) or ``.gin`` (bindings such as ``ModelConfig.layers = 2``);
+3. overrides ``section.key=value``, values parsed as YAML (``optim.lr=1e-3``,
+   ``nvfp4.keep_bf16=[embed,head]``, ``data.path=null``).
+
+Merging happens on plain dicts before anything is constructed, so an override may fix a file
+that is invalid on its own (e.g. lower ``model.layers`` and ``nvfp4.keep_last_blocks`` together).
+
+This module does not import jax: the CLI loads and checks the config before JAX starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import typing
+from typing import Any, ClassVar, Mapping, Optional, Sequence, Tuple
+
+import yaml
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "MeshConfig",
+    "ModelConfig",
+    "NVFP4Config",
+    "OptimConfig",
+    "SECTIONS",
+    "TrainConfig",
+    "apply_overrides",
+    "from_dict",
+    "load_config",
+    "resolve_mesh_axes",
+    "save_config",
+    "to_dict",
+    "to_yaml",
+    "validate_for_devices",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration error; the message is one line naming the key (``section.key``)."""
+
+    def __init__(self, message: str):
+        # One line, always: multi-line messages get interleaved in multi-process logs.
+        super().__init__(" ".join(str(message).split()))
+
+
+# -- field helpers ------------------------------------------------------------------------------
+
+
+def _field(default: Any, *, choices: Sequence[Any] | None = None, ge: float | None = None,
+           gt: float | None = None, lt: float | None = None, doc: str = "") -> Any:
+    """A dataclass field whose constraints are data, checked by :func:`_check_section`."""
+    meta = {"choices": tuple(choices) if choices else None, "ge": ge, "gt": gt, "lt": lt,
+            "doc": doc}
+    if isinstance(default, (list, dict)):
+        raise TypeError("use tuples for sequence defaults: the config is frozen")
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def _type_name(hint: Any) -> str:
+    if hint is bool:
+        return "bool"
+    if hint is int:
+        return "int"
+    if hint is float:
+        return "float"
+    if hint is str:
+        return "str"
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple:
+        return f"list of {_type_name(args[0])}"
+    if origin is typing.Union or (origin is not None and type(None) in args):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    return getattr(hint, "__name__", str(hint))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """``value`` checked against the type hint ``hint``; int -> float and list -> tuple widen."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or (origin is not None and type(None) in args):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        try:
+            return _coerce(key, value, inner)
+        except ConfigError:
+            raise ConfigError(f"{key}: expected {_type_name(hint)}, got "
+                              f"{type(value).__name__} {_short(value)}") from None
+    ok = False
+    # bool is a subclass of int: `layers: true` must not pass for 1, nor `1` for true.
+    if hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok:
+            value = float(value)
+    elif hint is str:
+        ok = isinstance(value, str)
+    elif origin is tuple:
+        if isinstance(value, (list, tuple)):
+            return tuple(_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value))
+    if not ok:
+        raise ConfigError(f"{key}: expected {_type_name(hint)}, got "
+                          f"{type(value).__name__} {_short(value)}")
+    return value
+
+
+def _check_section(obj: Any) -> None:
+    """Type-checks and range-checks every field of a section dataclass, in place."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        key = f"{obj.section}.{f.name}"
+        value = _coerce(key, getattr(obj, f.name), hints[f.name])
+        # Frozen: widening (int -> float, list -> tuple) is written once, here, at construction.
+        object.__setattr__(obj, f.name, value)
+        m = f.metadata
+        if m.get("choices") and value not in m["choices"]:
+            options = ", ".join(repr(c) for c in m["choices"])
+            raise ConfigError(f"{key}={value!r}: must be one of {options}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value!r}: must be finite")
+        if m.get("ge") is not None and value < m["ge"]:
+            raise ConfigError(f"{key}={value!r}: must be >= {m['ge']}")
+        if m.get("gt") is not None and value <= m["gt"]:
+            raise ConfigError(f"{key}={value!r}: must be > {m['gt']}")
+        if m.get("lt") is not None and value >= m["lt"]:
+            raise ConfigError(f"{key}={value!r}: must be < {m['lt']}")
+
+
+# -- sections -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer (pre-norm, rotary positions)."""
+
+    section: ClassVar[str] = "model"
+    vocab: int = _field(256, gt=0)
+    d_model: int = _field(128, gt=0)
+    layers: int = _field(4, gt=0)
+    heads: int = _field(4, gt=0)
+    mlp_hidden: int = _field(352, gt=0)
+    seq_len: int = _field(128, gt=0)
+    rope_theta: float = _field(10000.0, gt=0)
+    init_std: float = _field(0.02, gt=0)
+
+    def __post_init__(self):
+        _check_section(self)
+        if self.d_model % self.heads:
+            raise ConfigError(f"model.d_model={self.d_model}: must be divisible by "
+                              f"model.heads={self.heads}")
+        if (self.d_model // self.heads) % 2:
+            # Rotary embeddings rotate pairs of channels within each head.
+            raise ConfigError(f"model.heads={self.heads}: head size model.d_model/model.heads="
+                              f"{self.d_model // self.heads} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from. ``batch_size`` is global: sequences per optimizer step."""
+
+    section: ClassVar[str] = "data"
+    source: str = _field("markov", choices=("markov", "file"))
+    path: Optional[str] = _field(None)
+    batch_size: int = _field(32, gt=0)
+    # Size of the Markov chain's alphabet (tokens 0..states-1), see train.data.MarkovSource.
+    markov_states: int = _field(64, ge=2)
+    seed: int = _field(0, ge=0)
+
+    def __post_init__(self):
+        _check_section(self)
+        if self.source == "file" and not self.path:
+            raise ConfigError("data.path: required when data.source='file'")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh ``(data, tensor)``; -1 on one axis means "all remaining devices"."""
+
+    section: ClassVar[str] = "mesh"
+    data: int = _field(-1, ge=-1)
+    tensor: int = _field(1, ge=-1)
+    layout: str = _field("auto", choices=("auto", "gb200"))
+    nvl_domain: int = _field(72, gt=0)
+    # CPU only: simulated host devices to request when XLA_FLAGS does not say (0 = don't).
+    simulate_devices: int = _field(8, ge=0)
+
+    def __post_init__(self):
+        _check_section(self)
+        for name in ("data", "tensor"):
+            if getattr(self, name) == 0:
+                raise ConfigError(f"mesh.{name}=0: must be a positive size or -1 (the rest)")
+        if self.data == -1 and self.tensor == -1:
+            raise ConfigError("mesh.data=-1 and mesh.tensor=-1: at most one axis may be -1")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """The inner optax optimizer applied to the float32 master weights."""
+
+    section: ClassVar[str] = "optim"
+    name: str = _field("adamw", choices=("adamw", "adam", "sgd", "lion"))
+    lr: float = _field(3e-3, gt=0)
+    schedule: str = _field("cosine", choices=("cosine", "constant", "linear"))
+    warmup_steps: int = _field(20, ge=0)
+    weight_decay: float = _field(0.01, ge=0)
+    b1: float = _field(0.9, ge=0, lt=1)
+    b2: float = _field(0.95, ge=0, lt=1)
+    clip_norm: float = _field(1.0, ge=0, doc="global-norm clipping; 0 = off")
+    grad_accum: int = _field(1, ge=1)
+
+    def __post_init__(self):
+        _check_section(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Config:
+    """Which weights live in NVFP4 and how they move and compute."""
+
+    section: ClassVar[str] = "nvfp4"
+    weights: str = _field("nvfp4", choices=("nvfp4", "bf16"))
+    param_gather: str = _field("packed", choices=("packed", "dequantized"))
+    compute: str = _field("dequant", choices=("dequant", "nvfp4"))
+    # Regexes searched in parameter paths; matching leaves stay bf16.
+    keep_bf16: Tuple[str, ...] = _field(("embed", "head", "norm"))
+    keep_first_blocks: int = _field(0, ge=0)
+    keep_last_blocks: int = _field(0, ge=0)
+    stochastic_rounding: bool = _field(False)
+    cast_master_bf16: bool = _field(False)
+    nonfinite: str = _field("skip", choices=("skip", "error"))
+    grad_reduce_dtype: str = _field("grad", choices=("grad", "float32"))
+
+    def __post_init__(self):
+        _check_section(self)
+        for i, pattern in enumerate(self.keep_bf16):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ConfigError(f"nvfp4.keep_bf16[{i}]={pattern!r}: not a regex ({e})") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    section: ClassVar[str] = "train"
+    steps: int = _field(300, gt=0)
+    log_every: int = _field(10, gt=0)
+    eval_every: int = _field(0, ge=0, doc="0 = no evaluation")
+    out_dir: str = _field("runs/default")
+    seed: int = _field(0, ge=0)
+
+    def __post_init__(self):
+        _check_section(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    section: ClassVar[str] = "checkpoint"
+    dir: Optional[str] = _field(None)
+    every: int = _field(0, ge=0, doc="0 = no periodic checkpoints")
+    keep: int = _field(3, gt=0)
+    async_save: bool = _field(False)
+
+    def __post_init__(self):
+        _check_section(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    nvfp4: NVFP4Config = dataclasses.field(default_factory=NVFP4Config)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+    def __post_init__(self):
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"{name}: expected a {cls.__name__}, got "
+                                  f"{type(getattr(self, name)).__name__}")
+        m, n = self.model, self.nvfp4
+        if n.keep_first_blocks + n.keep_last_blocks > m.layers:
+            raise ConfigError(
+                f"nvfp4.keep_first_blocks={n.keep_first_blocks} + nvfp4.keep_last_blocks="
+                f"{n.keep_last_blocks}: exceeds model.layers={m.layers}")
+        if self.data.source == "markov" and self.data.markov_states > m.vocab:
+            raise ConfigError(f"data.markov_states={self.data.markov_states}: exceeds "
+                              f"model.vocab={m.vocab} (Markov tokens are 0..states-1)")
+        if self.data.source == "file" and m.vocab < 256:
+            raise ConfigError(f"model.vocab={m.vocab}: data.source='file' yields byte "
+                              "tokens 0..255, needs model.vocab >= 256")
+
+
+# Section name -> dataclass, in the order configs are printed.
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "mesh": MeshConfig, "optim": OptimConfig,
+    "nvfp4": NVFP4Config, "train": TrainConfig, "checkpoint": CheckpointConfig,
+}
+
+
+# -- dicts <-> configs --------------------------------------------------------------------------
+
+
+def _suggest(name: str, options: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def from_dict(raw: Mapping[str, Any] | None) -> Config:
+    """A validated :class:`Config` from ``{section: {key: value}}``; missing keys take defaults."""
+    raw = {} if raw is None else raw
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config: expected a mapping of sections, got {type(raw).__name__}")
+    sections = {}
+    for name, values in raw.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown section {name!r}{_suggest(str(name), list(SECTIONS))}; "
+                              f"sections are {', '.join(SECTIONS)}")
+        if values is None:
+            values = {}
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{name}: expected a mapping of keys, got "
+                              f"{type(values).__name__} {_short(values)}")
+        cls = SECTIONS[name]
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in values:
+            if key not in known:
+                options = [f"{name}.{k}" for k in known]
+                raise ConfigError(f"unknown key {name}.{key}{_suggest(f'{name}.{key}', options)}")
+        sections[name] = cls(**values)
+    return Config(**sections)
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """Plain nested dict (tuples as lists), safe for YAML/JSON and for :func:`from_dict`."""
+    out = {}
+    for name in SECTIONS:
+        sec = getattr(cfg, name)
+        out[name] = {f.name: list(v) if isinstance(v := getattr(sec, f.name), tuple) else v
+                     for f in dataclasses.fields(sec)}
+    return out
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML, loadable by :func:`load_config`; also the log format."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(to_yaml(cfg))
+
+
+# -- YAML ---------------------------------------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads ``1e-3`` as a float.
+
+    PyYAML implements YAML 1.1, where a float needs a dot (``1.0e-3``), so ``lr: 1e-3`` would
+    arrive as the string "1e-3" and fail the type check. Same resolver as YAML 1.2 core.
+    """
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                   |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                   |\.[0-9_]+(?:[eE][-+][0-9]+)?
+                   |[-+]?\.(?:inf|Inf|INF)
+                   |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def _yaml_load(text: str, where: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: invalid YAML: {e}") from None
+
+
+def _merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """Section-wise merge: keys of ``top`` replace keys of ``base``; lists are replaced."""
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in base.items()}
+    for k, v in top.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = {**out[k], **v}
+        else:
+            out[k] = dict(v) if isinstance(v, Mapping) else v
+    return out
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+
+
+def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
+    real = os.path.realpath(path)
+    if real in chain:
+        raise ConfigError(f"{path}: 'base' chain loops back to itself")
+    raw = _yaml_load(_read_text(path), path)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
+    raw = dict(raw)
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base: expected a file name, got {_short(base)}")
+    base_path = os.path.join(os.path.dirname(path), base)
+    return _merge(_read_yaml(base_path, chain + (real,)), raw)
+
+
+# -- gin ----------------------------------------------------------------------------------------
+
+_GIN_COLLECTORS: dict[str, Any] = {}
+
+
+def _gin_collectors() -> dict[str, Any]:
+    """One gin configurable per section, named like the dataclass (``ModelConfig``).
+
+    Each collector takes ``**kwargs`` and returns them, so gin only parses and stores the
+    bindings while unknown keys get the same checks and did-you-mean hints as YAML keys.
+    Registered once per process: gin's registry is global and rejects duplicates.
+    """
+    import gin
+
+    if not _GIN_COLLECTORS:
+        for name, cls in SECTIONS.items():
+            def collect(**kwargs):
+                return kwargs
+            collect.__name__ = cls.__name__
+            _GIN_COLLECTORS[name] = gin.external_configurable(
+                collect, name=cls.__name__, module="train.config")
+    return _GIN_COLLECTORS
+
+
+def _read_gin(path: str) -> dict[str, Any]:
+    import gin
+
+    collectors = _gin_collectors()
+    text = _read_text(path)
+    # Bindings are global gin state: start clean and leave clean so loads do not leak.
+    gin.clear_config()
+    try:
+        gin.parse_config(text)
+        return {name: dict(fn()) for name, fn in collectors.items()}
+    except ConfigError:
+        raise
+    except Exception as e:  # gin raises ValueError / SyntaxError with multi-line messages
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        match = re.search(r"No configurable matching '([^']+)'", first)
+        if match:
+            names = [cls.__name__ for cls in SECTIONS.values()]
+            first = (f"unknown gin configurable {match.group(1)!r}"
+                     f"{_suggest(match.group(1), names)}; use one of {', '.join(names)}")
+        raise ConfigError(f"{path}: {first}") from None
+    finally:
+        gin.clear_config()
+
+
+# -- overrides and loading ----------------------------------------------------------------------
+
+
+def _parse_override(text: str) -> tuple[str, str, Any]:
+    key, sep, value = str(text).partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override {text!r}: expected section.key=value, e.g. model.layers=4")
+    return parts[0], parts[1], _yaml_load(value, f"override {key}")
+
+
+def _overrides_to_dict(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
+    if isinstance(overrides, str):
+        overrides = [overrides]  # a lone string would otherwise be split into characters
+    out: dict[str, dict[str, Any]] = {}
+    for text in overrides:
+        section, key, value = _parse_override(text)
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
+    """``cfg`` with ``section.key=value`` overrides applied, validated as a whole."""
+    return from_dict(_merge(to_dict(cfg), _overrides_to_dict(overrides)))
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
+    """The validated config from defaults, then ``path`` (YAML or gin), then ``overrides``.
+
+    Raises:
+      ConfigError: one line naming the offending key, file or override.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = os.fspath(path)
+        ext = os.path.splitext(path)[1].lower()
+        if ext in (".yaml", ".yml"):
+            raw = _read_yaml(path)
+        elif ext == ".gin":
+            raw = _read_gin(path)
+        else:
+            raise ConfigError(f"config file {path}: unknown extension {ext!r}; "
+                              "use .yaml, .yml or .gin")
+    return from_dict(_merge(raw, _overrides_to_dict(overrides)))
+
+
+# -- device-dependent checks --------------------------------------------------------------------
+
+
+def resolve_mesh_axes(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
+    """``{"data": d, "tensor": t}`` with ``d * t == n_devices``; a -1 takes the rest."""
+    if n_devices < 1:
+        raise ConfigError(f"mesh: need at least one device, got {n_devices}")
+    data, tensor = mesh.data, mesh.tensor
+    if data == -1 or tensor == -1:
+        known_name, known = ("mesh.tensor", tensor) if data == -1 else ("mesh.data", data)
+        if n_devices % known:
+            raise ConfigError(f"{known_name}={known}: does not divide the {n_devices} devices")
+        rest = n_devices // known
+        data, tensor = (rest, tensor) if data == -1 else (data, rest)
+    if data * tensor != n_devices:
+        raise ConfigError(f"mesh.data={data} x mesh.tensor={tensor} = {data * tensor}: "
+                          f"must equal the {n_devices} devices")
+    return {"data": data, "tensor": tensor}
+
+
+def validate_for_devices(cfg: Config, n_devices: int) -> dict[str, int]:
+    """Checks the rules that need the device count; returns the resolved mesh axes."""
+    axes = resolve_mesh_axes(cfg.mesh, n_devices)
+    data, tensor = axes["data"], axes["tensor"]
+    per = data * cfg.optim.grad_accum
+    if cfg.data.batch_size % per:
+        raise ConfigError(
+            f"data.batch_size={cfg.data.batch_size}: must be divisible by mesh data axis "
+            f"({data}) x optim.grad_accum ({cfg.optim.grad_accum}) = {per}")
+    dom = cfg.mesh.nvl_domain
+    if cfg.mesh.layout == "gb200":
+        if tensor > dom or dom % tensor:
+            raise ConfigError(f"mesh.tensor={tensor}: must divide mesh.nvl_domain={dom} so "
+                              "each tensor group stays inside one NVLink domain")
+        if n_devices > dom and n_devices % dom:
+            raise ConfigError(f"mesh.nvl_domain={dom}: {n_devices} devices span several "
+                              "domains but are not a whole number of them")
+    if tensor > 1:
+        m = cfg.model
+        # 16 = the NVFP4 block: each tensor shard must hold whole blocks.
+        for name, size in (("model.d_model", m.d_model), ("model.mlp_hidden", m.mlp_hidden)):
+            if size % (16 * tensor):
+                raise ConfigError(f"{name}={size}: must be divisible by 16 x mesh tensor axis "
+                                  f"({tensor}) = {16 * tensor}")
+        if m.heads % tensor:
+            raise ConfigError(f"model.heads={m.heads}: must be divisible by the mesh tensor "
+                              f"axis ({tensor}) to shard attention heads")
+    return axes

@@ -1,0 +1,185 @@
+"""Device meshes ``("data", "tensor")``, including GB200 NVL72 (NVLink-domain-aware) layouts.
+
+On GB200 NVL72 one rack is one NVLink domain of 72 GPUs (18 trays x 4); racks talk over
+InfiniBand. The tensor axis talks every layer, so each tensor group must sit inside one domain;
+the data axis runs across domains (outer, the "DCN" part) and then within a domain (inner, the
+"ICI" part), like ``mesh_utils.create_hybrid_device_mesh`` does for TPU slices.
+
+The domain of a device, in order of preference:
+
+1. ``device.slice_index`` when it tells domains apart (several values, or no more devices than
+   one domain); XLA sets it from the partition index of multi-host NVLink domains, and
+   ``create_hybrid_device_mesh`` groups by it. A single value over more devices than a domain
+   (what multi-process CPU, or GPU without a partition index, reports) is ignored;
+2. else, across several processes: ``process_index // (nvl_domain / local devices per
+   process)`` (one process per GPU -> 72 processes per rack; one per tray -> 18);
+3. else (one process, e.g. simulated CPU devices): ``device.id // nvl_domain``.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from train.config import ConfigError, MeshConfig, resolve_mesh_axes
+
+__all__ = [
+    "AXES",
+    "build_mesh",
+    "configure_host_devices",
+    "describe_mesh",
+    "device_domains",
+    "device_grid",
+    "resolve_axes",
+]
+
+AXES = ("data", "tensor")
+
+
+def resolve_axes(cfg_mesh: MeshConfig, n_devices: int) -> dict[str, int]:
+    """``{"data": d, "tensor": t}`` with ``d * t == n_devices`` (one -1 takes the rest)."""
+    return resolve_mesh_axes(cfg_mesh, n_devices)
+
+
+def _has_slice_index(devices: Sequence[Any], nvl_domain: int) -> bool:
+    """Whether ``slice_index`` tells domains apart.
+
+    Runtimes that know no domains still report one: multi-process CPU (and GPU without a
+    partition index) give every device ``slice_index == 0``. One value over more devices than a
+    domain holds says nothing, so it is ignored.
+    """
+    values = [getattr(d, "slice_index", None) for d in devices]
+    if any(v is None for v in values):
+        return False
+    return len(set(values)) > 1 or len(values) <= nvl_domain
+
+
+def device_domains(devices: Sequence[Any], nvl_domain: int) -> list[int]:
+    """The NVLink domain index of each device (see the module docstring for the rules)."""
+    devices = list(devices)
+    if _has_slice_index(devices, nvl_domain):
+        return [int(d.slice_index) for d in devices]
+    per_process = collections.Counter(d.process_index for d in devices)
+    if len(per_process) > 1:
+        local = max(per_process.values())
+        if nvl_domain % local:
+            raise ConfigError(f"mesh.nvl_domain={nvl_domain}: not a multiple of the {local} "
+                              "devices per process, cannot place processes in domains")
+        processes_per_domain = nvl_domain // local
+        return [d.process_index // processes_per_domain for d in devices]
+    return [d.id // nvl_domain for d in devices]
+
+
+def _hybrid_grid(axes: dict[str, int], devices: Sequence[Any], nvl_domain: int,
+                 strict: bool) -> np.ndarray | None:
+    """``[data, tensor]`` device array with tensor groups inside domains, data across first.
+
+    Returns None (auto layout) or raises (gb200 layout, ``strict``) when domains cannot hold
+    the tensor axis evenly.
+    """
+    data, tensor = axes["data"], axes["tensor"]
+    domains = device_domains(devices, nvl_domain)
+    groups: dict[int, list[Any]] = collections.defaultdict(list)
+    for dom, dev in zip(domains, devices):
+        groups[dom].append(dev)
+    sizes = {len(g) for g in groups.values()}
+    n_dom = len(groups)
+
+    def fail(msg: str) -> None:
+        if strict:
+            raise ConfigError(msg)
+
+    if len(sizes) != 1:
+        return fail(f"mesh.nvl_domain={nvl_domain}: devices fall into NVLink domains of unequal "
+                    f"sizes {sorted(sizes)}")
+    (size,) = sizes
+    if size % tensor:
+        return fail(f"mesh.tensor={tensor}: does not divide the NVLink domain size {size}, a "
+                    "tensor group would cross domains")
+    ici_data = size // tensor
+    assert n_dom * ici_data == data
+    if _has_slice_index(devices, nvl_domain):
+        # JAX's own grouping by slice_index; per-slice order is the platform's preferred one.
+        return mesh_utils.create_hybrid_device_mesh(
+            (ici_data, tensor), (n_dom, 1), list(devices), allow_split_physical_axes=True)
+    # Within a domain, consecutive devices (same tray / process first) form a tensor group.
+    blocks = [np.array(sorted(groups[k], key=lambda d: (d.process_index, d.id)),
+                       dtype=object).reshape(ici_data, tensor) for k in sorted(groups)]
+    return np.concatenate(blocks, axis=0)
+
+
+def device_grid(cfg_mesh: MeshConfig, devices: Sequence[Any] | None = None) -> np.ndarray:
+    """The ``[data, tensor]`` object array of devices that :func:`build_mesh` uses."""
+    devices = list(jax.devices() if devices is None else devices)
+    axes = resolve_axes(cfg_mesh, len(devices))
+    if cfg_mesh.layout == "gb200":
+        if axes["tensor"] > cfg_mesh.nvl_domain or cfg_mesh.nvl_domain % axes["tensor"]:
+            raise ConfigError(f"mesh.tensor={axes['tensor']}: must divide mesh.nvl_domain="
+                              f"{cfg_mesh.nvl_domain} so each tensor group stays in one domain")
+        return _hybrid_grid(axes, devices, cfg_mesh.nvl_domain, strict=True)
+    if len(set(device_domains(devices, cfg_mesh.nvl_domain))) > 1:
+        grid = _hybrid_grid(axes, devices, cfg_mesh.nvl_domain, strict=False)
+        if grid is not None:
+            return grid
+    shape = (axes["data"], axes["tensor"])
+    try:
+        return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError, AttributeError, KeyError):
+        # Topology-aware placement is an optimisation; fall back to the given order.
+        return np.array(devices, dtype=object).reshape(shape)
+
+
+def build_mesh(cfg_mesh: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
+    """A ``Mesh`` over ``devices`` (default: all) with axes ``("data", "tensor")``.
+
+    Both axes are ``AxisType.Auto``: ``jax.make_mesh`` defaults to Explicit axes in recent JAX,
+    and ``with_sharding_constraint`` rejects those.
+    """
+    grid = device_grid(cfg_mesh, devices)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _axis_domain_spread(domains: np.ndarray, axis: int) -> int:
+    """The most domains any single group along ``axis`` touches."""
+    moved = np.moveaxis(domains, axis, -1).reshape(-1, domains.shape[axis])
+    return max(len(set(row.tolist())) for row in moved)
+
+
+def describe_mesh(mesh: Mesh, nvl_domain: int) -> str:
+    """One line: axis sizes, NVLink domains, and whether each axis stays inside a domain."""
+    devs = mesh.devices
+    domains = np.array(device_domains(list(devs.flat), nvl_domain)).reshape(devs.shape)
+    n_dom = len(set(domains.ravel().tolist()))
+    dom_sizes = sorted(collections.Counter(domains.ravel().tolist()).values())
+    size_text = (f"{dom_sizes[0]}" if dom_sizes[0] == dom_sizes[-1]
+                 else f"{dom_sizes[0]}..{dom_sizes[-1]}")
+    parts = [f"mesh {' x '.join(f'{n}={s}' for n, s in mesh.shape.items())} on {devs.size} "
+             f"{devs.flat[0].platform} devices, {n_dom} NVLink domain(s) of {size_text}"]
+    for i, name in enumerate(mesh.axis_names):
+        spread = _axis_domain_spread(domains, i)
+        where = "within one domain" if spread == 1 else f"spans {spread} domains"
+        parts.append(f"{name}: {where}")
+    return "; ".join(parts)
+
+
+def configure_host_devices(cfg_mesh: MeshConfig) -> int | None:
+    """Asks for ``mesh.simulate_devices`` CPU devices unless XLA_FLAGS already says.
+
+    Call right after ``import jax``, before anything touches a device: the count is fixed when
+    the CPU backend starts. Returns the count requested, or None when nothing was changed.
+    """
+    n = cfg_mesh.simulate_devices
+    if n <= 0 or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return None
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        # Backend already up (e.g. inside tests or a notebook): keep what is there.
+        return None
+    return n

@@ -19,6 +19,8 @@ from jax_nvfp4.array import (
     transpose,
 )
 from jax_nvfp4.comm import collective_bytes, total_bytes
+from jax_nvfp4.gemm import BackendUnavailableError, dot, last_backend, resolve_backend
+from jax_nvfp4.nn import NVFP4Dense
 from jax_nvfp4.numerics import hadamard_matrix, hadamard_transform
 from jax_nvfp4.optim import MasterWeightsState, apply_updates, find_state, master_weights, raise_if_skipped
 from jax_nvfp4.params import DEFAULT_POLICY, Policy, dequantize_params, path_str, quantize_params
@@ -26,6 +28,7 @@ from jax_nvfp4.sharding import (
     MasterArray,
     Rules,
     gather,
+    gather_dequantized,
     partition_specs,
     reduce_scatter_grads,
     requantize,
@@ -37,6 +40,11 @@ __version__ = "0.1.0"
 __all__ = [
     "BLOCK_1D",
     "BLOCK_2D",
+    "BackendUnavailableError",
+    "NVFP4Dense",
+    "dot",
+    "last_backend",
+    "resolve_backend",
     "DEFAULT_POLICY",
     "MasterArray",
     "MasterWeightsState",
@@ -50,6 +58,7 @@ __all__ = [
     "dequantize_params",
     "from_codes",
     "gather",
+    "gather_dequantized",
     "hadamard_matrix",
     "hadamard_transform",
     "is_nvfp4",

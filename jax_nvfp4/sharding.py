@@ -38,14 +38,17 @@ class Rules:
       tensor: ``(regex, dim)`` pairs: a weight whose path matches is split over the tensor axis
         along ``dim`` (-1: columns, e.g. QKV and MLP-in kernels; -2: rows, e.g. attention-out
         and MLP-out kernels). The data axis then shards the other of the last two axes.
-      min_shard_size: plain (non-NVFP4) leaves smaller than this keep a replicated master, so
-        their update needs no collective (biases, norms).
+      min_shard_size: plain (non-NVFP4) leaves smaller than this keep a replicated master and
+        param, so their update needs no collective (biases, norms).
+      shard_params: also store large plain (e.g. bf16) params sharded over the data axis and
+        gather them in :func:`gather` (FSDP-style, as for NVFP4 leaves); default: replicated.
     """
 
     data_axis: str = "data"
     tensor_axis: Optional[str] = "tensor"
     tensor: Tuple[Tuple[str, int], ...] = ()
     min_shard_size: int = 1 << 14
+    shard_params: bool = False
 
     def tensor_dim(self, path: str) -> Optional[int]:
         for pat, dim in self.tensor:
@@ -152,12 +155,27 @@ def master_layout(path: str, shape: Sequence[int], nvfp4: bool, mesh, rules: Rul
         padded[other] = _ceil_to(shape[other], 16)
         return tuple(padded), ddim, tdim
     # Plain leaves: no padding; shard a divisible axis when the leaf is big enough.
-    if math.prod(shape) < rules.min_shard_size or n_data == 1:
-        return shape, None, None
-    for d in range(len(shape)):
-        if shape[d] % n_data == 0:
-            return shape, d - len(shape), None
-    return shape, None, None
+    ddim, tdim = plain_layout(path, shape, mesh, rules)
+    return shape, ddim, tdim
+
+
+def plain_layout(path: str, shape: Sequence[int], mesh, rules: Rules = DEFAULT_RULES):
+    """``(data_dim, tensor_dim)`` of a plain (non-NVFP4) leaf: the tensor axis where a rule
+    says (and it divides), the data axis on the rows (else columns) when the leaf has at least
+    ``min_shard_size`` elements and the axis divides; None where not split."""
+    n_data = axis_size(mesh, rules.data_axis)
+    n_tensor = axis_size(mesh, rules.tensor_axis)
+    tdim = None
+    if n_tensor > 1 and len(shape) >= 2:
+        t = rules.tensor_dim(path)
+        if t is not None and shape[t] % n_tensor == 0:
+            tdim = t
+    if n_data == 1 or math.prod(shape) < rules.min_shard_size:
+        return None, tdim
+    for d in ((-2, -1) if len(shape) >= 2 else (-1,)):
+        if d != tdim and shape[d] % n_data == 0:
+            return d, tdim
+    return None, tdim
 
 
 def to_master(path: str, leaf, mesh, rules: Rules = DEFAULT_RULES, nvfp4: Optional[bool] = None) -> MasterArray:
@@ -199,6 +217,15 @@ def _nvfp4_specs(path: str, q: NVFP4Array, mesh, rules: Rules):
     return specs
 
 
+def _plain_param_spec(path: str, leaf, mesh, rules: Rules) -> P:
+    shape = jnp.shape(leaf)
+    if not rules.shard_params or len(shape) == 0:
+        return P()
+    ddim, tdim = plain_layout(path, shape, mesh, rules)
+    return _spec(len(shape), {**({ddim: rules.data_axis} if ddim is not None else {}),
+                              **({tdim: rules.tensor_axis} if tdim is not None else {})})
+
+
 def _without(spec: P, axis: str) -> P:
     out = []
     for e in spec:
@@ -224,7 +251,7 @@ def partition_specs(tree, mesh=None, rules: Rules = DEFAULT_RULES):
             return NVFP4Array(d, s, a, leaf.matrix_shape, leaf.block)
         if is_master(leaf):
             return MasterArray(master_spec(leaf, rules), leaf.shape, leaf.data_dim, leaf.tensor_dim, leaf.nvfp4)
-        return P()
+        return _plain_param_spec(p, leaf, mesh, rules)
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=lambda x: is_nvfp4(x) or is_master(x))
 
@@ -247,7 +274,8 @@ def gather(tree, mesh=None, rules: Optional[Rules] = None, data_axis: str = "dat
     bytes (uint8).
 
     Call inside ``jit``; ``mesh`` defaults to the context mesh (``jax.set_mesh``). Other leaves
-    are returned unchanged. Tensor-axis splits are kept.
+    are returned unchanged (gathered in their dtype when ``rules.shard_params``). Tensor-axis
+    splits are kept.
     """
     rules = rules or dataclasses.replace(DEFAULT_RULES, data_axis=data_axis)
     mesh = context_mesh(mesh)
@@ -255,9 +283,12 @@ def gather(tree, mesh=None, rules: Optional[Rules] = None, data_axis: str = "dat
         return tree
 
     def one(path, leaf):
-        if not is_nvfp4(leaf):
-            return leaf
         p = path_str(path)
+        if not is_nvfp4(leaf):
+            if not rules.shard_params or not hasattr(leaf, "shape"):
+                return leaf
+            spec = _plain_param_spec(p, leaf, mesh, rules)
+            return _gather_as_bytes(leaf, _named(mesh, _without(spec, rules.data_axis)))
         ds, ss, _ = _nvfp4_specs(p, leaf, mesh, rules)
         data = jax.lax.with_sharding_constraint(leaf.data, _named(mesh, _without(ds, rules.data_axis)))
         scale = jax.lax.with_sharding_constraint(leaf.scale_bits, _named(mesh, _without(ss, rules.data_axis)))
@@ -265,6 +296,18 @@ def gather(tree, mesh=None, rules: Optional[Rules] = None, data_axis: str = "dat
         return NVFP4Array(data, scale, amax, leaf.matrix_shape, leaf.block)
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_nvfp4)
+
+
+def _gather_as_bytes(x, sharding):
+    """Reshard a narrow float array (bf16, f16, float8) through its same-width unsigned bits,
+    so the collective moves exactly its bytes: XLA:CPU widens such collectives to f32/f16.
+    The optimization barriers stop XLA from folding the bitcasts back into the collective."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize >= 4:
+        return jax.lax.with_sharding_constraint(x, sharding)
+    uint = {1: jnp.uint8, 2: jnp.uint16}[jnp.dtype(x.dtype).itemsize]
+    bits = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(x, uint))
+    bits = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(bits, sharding))
+    return jax.lax.bitcast_convert_type(bits, x.dtype)
 
 
 # ----------------------------------------------------------------------------- re-quantization
@@ -358,3 +401,30 @@ def reduce_scatter_grads(grads, masters, data_axis: str = "data", dtype=None):
         return MasterArray(g, m.shape, m.data_dim, m.tensor_dim, m.nvfp4)
 
     return jax.tree.map(one, grads, masters, is_leaf=is_master)
+
+
+def gather_dequantized(tree, dtype=jnp.bfloat16, mesh=None, rules: Optional[Rules] = None):
+    """The reference to :func:`gather`: each device dequantizes its own shard of every NVFP4
+    leaf to ``dtype`` and the *dequantized* weights are all-gathered (``dtype`` bytes, about
+    4x the packed bytes). Values are bit-identical to ``dequantize_params(gather(tree))``.
+    Other leaves: cast to ``dtype`` (floats) and gathered like :func:`gather` does."""
+    from jax_nvfp4.params import dequantize_params
+
+    rules = rules or DEFAULT_RULES
+    mesh = context_mesh(mesh)
+    if mesh is None or axis_size(mesh, rules.data_axis) == 1:
+        return dequantize_params(tree, dtype)
+
+    def one(path, leaf):
+        p = path_str(path)
+        if is_nvfp4(leaf):
+            ds, _, _ = _nvfp4_specs(p, leaf, mesh, rules)
+            # Shard the dequantized values like the packed rows/columns, then gather them.
+            local = jax.lax.with_sharding_constraint(leaf.dequantize(dtype), _named(mesh, ds))
+            return _gather_as_bytes(local, _named(mesh, _without(ds, rules.data_axis)))
+        out = gather({"x": leaf}, mesh, rules)["x"]
+        if hasattr(out, "dtype") and jnp.issubdtype(out.dtype, jnp.floating):
+            out = out.astype(dtype)
+        return out
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_nvfp4)

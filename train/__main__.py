@@ -1,0 +1,116 @@
+"""``python -m train``: train the configured model with NVFP4 weights.
+
+Examples::
+
+    python -m train                                   # default config, embedded corpus, 8 CPU devices
+    python -m train --config train/configs/tiny.yaml --set train.steps=20
+    python -m train --compare bf16                    # NVFP4 and bf16 weights side by side
+    python -m train model.layers=2 nvfp4.compute=nvfp4
+
+Multi-process: set ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
+(``scripts/launch_local.sh`` does, for N processes on 127.0.0.1), or run under SLURM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
+    p.add_argument("--config", help="a .yaml/.yml or .gin file (default: the built-in default config)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set model.layers=4 (repeatable)")
+    p.add_argument("--compare", choices=["bf16"], help="also train with plain bf16 weights and compare")
+    p.add_argument("--out", help="output directory (default: train.out_dir)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more overrides")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # Config first: it needs no JAX, so a bad config fails fast and before anything is written.
+    from train.config import ConfigError, load_config, save_config, validate_for_devices
+
+    try:
+        cfg = load_config(args.config, [*args.sets, *args.overrides])
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+    import jax
+
+    from train import mesh as mesh_lib
+
+    # Simulated CPU devices must be requested before the backend starts (a no-op when
+    # XLA_FLAGS already sets a count, and it only concerns the CPU platform).
+    mesh_lib.configure_host_devices(cfg.mesh)
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        # gloo carries CPU collectives between processes; GPUs/TPUs use their own transport.
+        if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        kw = {}
+        if os.environ.get("JAX_NUM_PROCESSES"):
+            kw = dict(num_processes=int(os.environ["JAX_NUM_PROCESSES"]), process_id=int(os.environ["JAX_PROCESS_ID"]))
+        jax.distributed.initialize(
+            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+            heartbeat_timeout_seconds=int(os.environ.get("JAX_HEARTBEAT_TIMEOUT", "30")),
+            **kw,
+        )
+    elif os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        jax.distributed.initialize()
+
+    from train import data as data_lib
+
+    try:
+        validate_for_devices(cfg, jax.device_count())
+        mesh = mesh_lib.build_mesh(cfg.mesh)
+        data_lib.make_source(cfg.data, cfg.model)  # a missing or unreadable data file fails here
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+    from train import loop
+
+    out_dir = args.out or cfg.train.out_dir
+    is_main = jax.process_index() == 0
+    if is_main:
+        os.makedirs(out_dir, exist_ok=True)
+        save_config(cfg, os.path.join(out_dir, "config.yaml"))
+        print(mesh_lib.describe_mesh(mesh, cfg.mesh.nvl_domain))
+    runs = [loop.run(cfg, mesh, out_dir, progress=not args.no_progress, label=f"{cfg.nvfp4.weights} weights")]
+    if args.compare == "bf16":
+        base = dataclasses.replace(cfg, nvfp4=dataclasses.replace(cfg.nvfp4, weights="bf16"))
+        runs.append(loop.run(base, mesh, os.path.join(out_dir, "bf16"), progress=not args.no_progress, label="bf16 weights"))
+    summary = loop.summarize(runs, out_dir)
+    if is_main:
+        print_summary(summary, out_dir)
+    return 0
+
+
+def print_summary(summary, out_dir: str) -> None:
+    r0 = summary["runs"][0]
+    floor = r0["entropy_floor"]
+    print(f"\n== summary ({out_dir}) ==")
+    for r in summary["runs"]:
+        gap = f" ({r['final_loss'] - floor:+.3f} above the entropy floor {floor:.3f})" if floor is not None else ""
+        print(f"{r['label']:>14}: final loss {r['final_loss']:.4f}{gap}; step {r['median_step_time_s'] * 1e3:.1f} ms; "
+              f"all-gather {r['all_gather_bytes'] / 1e6:.3f} MB/step/device; skipped steps {r['skipped_steps']}")
+    if "gather_vs_bf16" in summary:
+        print(f"params all-gathered: {r0['all_gather_bytes']:,} B/step/device = {summary['gather_vs_bf16']:.4f} of a bf16 "
+              f"gather of the same params ({r0['bf16_gather_bytes']:,} B)")
+    if "nvfp4_gather_vs_bf16" in summary:
+        print(f"  of which NVFP4 weights: {r0['nvfp4_gather_bytes']:,} B = {summary['nvfp4_gather_vs_bf16']:.4f} of their bf16 "
+              f"gather (limit for 16x16 tiles: 0.2520); the rest are weights kept in bf16")
+    if "final_loss_gap" in summary:
+        print(f"NVFP4 - bf16 final loss: {summary['final_loss_gap']:+.4f} nats; gathered bytes ratio "
+              f"{summary.get('gathered_bytes_ratio', float('nan')):.4f}; step time ratio {summary.get('step_time_ratio', float('nan')):.3f}")
+    print(f"files: {out_dir}/metrics.jsonl, {out_dir}/loss.png, {out_dir}/summary.json")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

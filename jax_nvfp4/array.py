@@ -193,15 +193,12 @@ def quantize(
     *batch, rows, cols = x.shape
     if rows == 0 or cols == 0:
         raise ValueError(f"quantize needs a non-empty matrix, got shape {x.shape}")
-    if amax is None:
-        amax = nx.abs_max(x, axis=(-2, -1))
     xp = pad_to_block(x.astype(jnp.float32), block)
     uniform = None
     if rounding == "stochastic":
         uniform = nx.uniform_from_index(key, element_index(xp.shape, (rows, cols)))
-    codes_, scale = quantize_padded(xp, amax, block, uniform)
+    codes_, scale, amax = quantize_padded(xp, block, uniform=uniform, amax=amax)
     codes_ = codes_[..., :rows, : _ceil_to(cols, 2)]
-    amax = jnp.broadcast_to(jnp.asarray(amax, jnp.float32), tuple(batch))
     return NVFP4Array.create(nx.pack_codes(codes_), scale, amax, (rows, cols), block)
 
 
@@ -240,24 +237,32 @@ def element_index(shape, logical, offset=(0, 0)) -> jax.Array:
     return idx
 
 
-def quantize_padded(xp: jax.Array, amax: jax.Array, block, uniform=None):
+def quantize_padded(xp: jax.Array, block, *, uniform=None, amax=None, reduce_amax=None):
     """The recipe on a float32 array whose last two axes are multiples of the block.
 
-    Returns ``(codes [..., rp, cp] uint8, scale)``; ``amax`` broadcasts to the batch axes.
-    This is the whole numeric core: :func:`quantize` and the sharded re-quantization call it.
+    The global amax is the maximum of the block maxima (one pass over the data); pass
+    ``amax`` to use a given one instead, or ``reduce_amax`` (a function of the uint32 amax
+    bits, e.g. a ``pmax`` across shards) to combine it with other shards first.
+    Returns ``(codes [..., rp, cp] uint8, scale e4m3, amax [...] float32)``. This is the whole
+    numeric core: :func:`quantize` and the sharded re-quantization call it.
     """
     *batch, rp, cp = xp.shape
     br, bc = block
+    tiles = xp.reshape(*batch, rp // br, br, cp // bc, bc)
+    block_amax = nx.abs_max(tiles, axis=(-3, -1))
+    if amax is None:
+        bits = jnp.max(jax.lax.bitcast_convert_type(block_amax, jnp.uint32), axis=(-2, -1))
+        if reduce_amax is not None:
+            bits = reduce_amax(bits)  # integer max: NaN and subnormal maxima survive
+        amax = jax.lax.bitcast_convert_type(bits, jnp.float32)
     amax = jnp.broadcast_to(jnp.asarray(amax, jnp.float32), tuple(batch))
     enc = nx.global_encode_scale(amax)
     dec = np.float32(1.0) / enc
-    tiles = xp.reshape(*batch, rp // br, br, cp // bc, bc)
-    scale = nx.block_scales(nx.abs_max(tiles, axis=(-3, -1)), enc[..., None, None])
+    scale = nx.block_scales(block_amax, enc[..., None, None])
     e = nx.block_encode_multiplier(scale, dec[..., None, None])
     v = jnp.clip(tiles * e[..., :, None, :, None], -nx.E2M1_MAX, nx.E2M1_MAX).reshape(*batch, rp, cp)
-    if uniform is None:
-        return nx.encode_e2m1(v), scale
-    return nx.encode_e2m1_stochastic(v, uniform), scale
+    codes_ = nx.encode_e2m1(v) if uniform is None else nx.encode_e2m1_stochastic(v, uniform)
+    return codes_, scale, amax
 
 
 def dequantize(q: NVFP4Array, dtype=jnp.bfloat16) -> jax.Array:

@@ -332,12 +332,12 @@ def requantize(
     spec = master_spec(m, rules)
     sharded_axes = tuple(a for a in spec if a is not None and axis_size(mesh, a) > 1)
 
-    def local(v):
-        bits = jax.lax.bitcast_convert_type(v, jnp.uint32) & np.uint32(0x7FFFFFFF)
-        amax_bits = jnp.max(bits, axis=(-2, -1))
+    def reduce_amax(bits):
         for ax in sharded_axes:
-            amax_bits = jax.lax.pmax(amax_bits, ax)  # integer max: NaN and subnormals survive
-        amax = jax.lax.bitcast_convert_type(amax_bits, jnp.float32)
+            bits = jax.lax.pmax(bits, ax)
+        return bits
+
+    def local(v):
         uniform = None
         if key is not None:
             offs = [0, 0]
@@ -346,8 +346,9 @@ def requantize(
                 if ax in sharded_axes:
                     offs[dim_i] = jax.lax.axis_index(ax) * v.shape[dim]
             uniform = nx.uniform_from_index(key, element_index(v.shape, (rows, cols), offs))
-        codes, scale = quantize_padded(v, amax, block, uniform)
+        codes, scale, amax = quantize_padded(v, block, uniform=uniform, reduce_amax=reduce_amax)
         # Bytes leave the shard: a float8 array may be widened by a later collective.
+        amax_bits = jax.lax.bitcast_convert_type(amax, jnp.uint32)
         return nx.pack_codes(codes), jax.lax.bitcast_convert_type(scale, jnp.uint8), amax_bits
 
     if mesh is None or not sharded_axes:

@@ -154,8 +154,15 @@ def master_layout(path: str, shape: Sequence[int], nvfp4: bool, mesh, rules: Rul
             )
         padded[other] = _ceil_to(shape[other], 16)
         return tuple(padded), ddim, tdim
-    # Plain leaves: no padding; shard a divisible axis when the leaf is big enough.
+    # Plain leaves: shard a divisible axis when the leaf is big enough; a big leaf with no
+    # divisible axis (say a 128256-row embedding on 144 devices) gets its rows padded, so its
+    # master and optimizer state are still split N ways.
     ddim, tdim = plain_layout(path, shape, mesh, rules)
+    if ddim is None and n_data > 1 and math.prod(shape) >= rules.min_shard_size:
+        ddim = -2 if len(shape) >= 2 and tdim != -2 else -1
+        padded = list(shape)
+        padded[ddim] = _ceil_to(shape[ddim], n_data)
+        return tuple(padded), ddim, tdim
     return shape, ddim, tdim
 
 

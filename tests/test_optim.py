@@ -381,3 +381,26 @@ def test_collective_bytes_parser():
         ("collective-permute", "f32"): 13 * 72 * 4,
     }
     assert nv.total_bytes(counts, "all-gather") == 2 * 256 * 64
+
+
+def test_big_plain_leaf_with_no_divisible_axis_gets_a_padded_sharded_master():
+    n = 6
+    mesh = make_mesh(n)
+    rng = np.random.default_rng(3)
+    fp32 = {"emb": jnp.asarray(rng.standard_normal((257, 131)), jnp.float32)}  # 257, 131 prime
+    policy = nv.Policy(keep=("emb",), keep_dtype=jnp.bfloat16)
+    rules = nv.Rules(min_shard_size=1024)
+    with jax.set_mesh(mesh):
+        params = nv.quantize_params(fp32, policy)
+        tx = nv.master_weights(optax.sgd(0.1), policy=policy, rules=rules)
+        state = tx.init(fp32)
+        state = jax.device_put(state, nv.shardings(state, mesh, rules=rules))
+        m = state.master["emb"]
+        assert m.value.shape == (258, 131) and m.shape == (257, 131)
+        assert m.value.addressable_shards[0].data.shape == (43, 131)
+        g = {"emb": jnp.ones((257, 131), jnp.float32)}
+        u, state = jax.jit(tx.update)(g, state, params)
+    new = optax.apply_updates(params, u)
+    expect = (fp32["emb"] - 0.1).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(new["emb"]), np.asarray(expect))
+    np.testing.assert_array_equal(np.asarray(state.master["emb"].logical()), np.asarray(fp32["emb"] - 0.1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import math
 import re
-from typing import Dict, Tuple
+from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
 
 _OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "collective-broadcast")
 _BYTES = {
@@ -25,16 +25,9 @@ def _arrays(type_text: str):
         yield dtype, shape
 
 
-def collective_bytes(hlo_text: str) -> Dict[Tuple[str, str], int]:
-    """Bytes per ``(collective op, dtype)`` in compiled HLO text, **per device**.
-
-    Each collective counts the size of its result on one device: an all-gather its gathered
-    array, a reduce-scatter its shard, an all-reduce the whole reduced array. Asynchronous
-    ``*-start`` ops count their output buffer once (the ``*-done`` halves are not counted).
-    Pass ``jax.jit(f).lower(...).compile().as_text()``.
-    """
+def _line_bytes(lines: Iterable[str]) -> Dict[Tuple[str, str], float]:
     out: Dict[Tuple[str, str], float] = collections.defaultdict(float)
-    for line in hlo_text.splitlines():
+    for line in lines:
         m = _LINE.search(line)
         if not m:
             continue
@@ -47,9 +40,140 @@ def collective_bytes(hlo_text: str) -> Dict[Tuple[str, str], int]:
             if dtype not in _BYTES:
                 continue
             out[(op, dtype)] += _BYTES[dtype] * math.prod(shape)
+    return out
+
+
+def collective_bytes(hlo_text: str) -> Dict[Tuple[str, str], int]:
+    """Bytes per ``(collective op, dtype)`` moved by one execution of compiled HLO, **per
+    device**.
+
+    Each collective counts the size of its result on one device: an all-gather its gathered
+    array, a reduce-scatter its shard, an all-reduce the whole reduced array. Asynchronous
+    ``*-start`` ops count their output buffer once (the ``*-done`` halves are not counted).
+    A collective inside a ``while`` loop with a known trip count (``scan`` over layers) counts
+    once per iteration. Pass ``jax.jit(f).lower(...).compile().as_text()``; text without
+    computations (a few instruction lines) counts each line once.
+    """
+    if "ENTRY" not in hlo_text:
+        out = _line_bytes(hlo_text.splitlines())
+    else:
+        mult, _, comps = multipliers(hlo_text)
+        out = collections.defaultdict(float)
+        for comp, lines in comps.items():
+            for k, v in _line_bytes(lines).items():
+                out[k] += v * mult.get(comp, 0)
     return {k: int(v) for k, v in sorted(out.items())}
 
 
 def total_bytes(counts: Dict[Tuple[str, str], int], op: str = None) -> int:
     """Sum of :func:`collective_bytes` entries, optionally for one op."""
     return sum(v for (o, _), v in counts.items() if op is None or o == op)
+
+
+# ---------------------------------------------------------------- HLO structure helpers
+_CALLEE = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+_CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def computations(hlo: str) -> Tuple[Dict[str, List[str]], str]:
+    """``({name: body lines}, entry name)`` of compiled HLO text."""
+    comps: Dict[str, List[str]] = {}
+    entry, name = None, None
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{") and "(" in line:
+            head = line.split("(", 1)[0].split()
+            name = head[-1].lstrip("%")
+            if head[0] == "ENTRY":
+                entry = name
+            comps[name] = []
+        elif line.startswith("}"):
+            name = None
+        elif name is not None:
+            comps[name].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
+
+
+def multipliers(hlo: str) -> Tuple[Dict[str, int], List[str], Dict[str, List[str]]]:
+    """How many times each computation runs per call of the entry computation.
+
+    Returns ``(multipliers, warnings, computations)``; a ``while`` without a known trip count
+    counts once and adds a warning.
+    """
+    comps, entry = computations(hlo)
+    edges: Dict[str, List[Tuple[str, int]]] = collections.defaultdict(list)
+    warnings: List[str] = []
+    for comp, lines in comps.items():
+        for line in lines:
+            callees = set(_CALLEE.findall(line))
+            for group in _CALLEE_LIST.findall(line):
+                callees.update(c.strip().lstrip("%") for c in group.split(",") if c.strip())
+            if not callees:
+                continue
+            trip = 1
+            if re.search(r"\swhile\(", line):
+                t = _TRIP.search(line)
+                if t:
+                    trip = int(t.group(1))
+                else:
+                    warnings.append(f"{comp}: a while loop without a known trip count counts once")
+            body = _BODY.search(line)
+            for callee in callees:
+                edges[comp].append((callee, trip if body and callee == body.group(1) else 1))
+    mult: Dict[str, int] = collections.defaultdict(int)
+
+    def visit(comp: str, m: int, depth: int = 0) -> None:
+        if depth > 64:  # the call graph is a DAG; this only guards against malformed text
+            return
+        mult[comp] += m
+        for callee, trip in edges.get(comp, ()):
+            if callee in comps:
+                visit(callee, m * trip, depth + 1)
+
+    visit(entry, 1)
+    return dict(mult), warnings, comps
+
+
+
+
+def stack_functions(hlo: str) -> Dict[int, List[str]]:
+    """``{stack_frame_id: [function names, innermost first]}`` from the HLO module's tables."""
+    tables: Dict[str, Dict[int, str]] = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {},
+                                         "StackFrames": {}}
+    current = None
+    for line in hlo.splitlines():
+        head = line.strip()
+        if head in tables:
+            current = head
+            continue
+        if current is None:
+            continue
+        m = re.match(r"(\d+)\s+(.*)$", head)
+        if not m:
+            if head.startswith(("%", "ENTRY", "HloModule")) or (head and not head[0].isdigit()):
+                current = None
+            continue
+        tables[current][int(m.group(1))] = m.group(2)
+    func_of_loc = {}
+    for i, text in tables["FileLocations"].items():
+        f = re.search(r"function_name_id=(\d+)", text)
+        if f:
+            func_of_loc[i] = tables["FunctionNames"].get(int(f.group(1)), "").strip('"')
+    frames = {}
+    for i, text in tables["StackFrames"].items():
+        loc = re.search(r"file_location_id=(\d+)", text)
+        parent = re.search(r"parent_frame_id=(\d+)", text)
+        frames[i] = (int(loc.group(1)) if loc else 0, int(parent.group(1)) if parent else 0)
+    out = {}
+    for i in frames:
+        names, j, seen = [], i, set()
+        while j in frames and j not in seen:
+            seen.add(j)
+            loc, parent = frames[j]
+            names.append(func_of_loc.get(loc, ""))
+            j = parent - 1  # parent ids are written one above the frame they name; 0 = none
+        out[i] = names
+    return out

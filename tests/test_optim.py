@@ -404,3 +404,25 @@ def test_big_plain_leaf_with_no_divisible_axis_gets_a_padded_sharded_master():
     expect = (fp32["emb"] - 0.1).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(new["emb"]), np.asarray(expect))
     np.testing.assert_array_equal(np.asarray(state.master["emb"].logical()), np.asarray(fp32["emb"] - 0.1))
+
+
+def test_collective_bytes_counts_loop_iterations():
+    """A gather inside a scanned layer loop runs once per layer."""
+    n = 4
+    mesh = make_mesh(n)
+    w = nv.quantize(jnp.ones((3, 64, 64), jnp.float32))
+    specs = nv.partition_specs(w, mesh)
+    w = jax.device_put(w, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+
+    def body(x, layer):
+        g = nv.gather({"w": layer}, mesh)["w"]
+        return x @ nv.dequantize(g, jnp.float32), None
+
+    @jax.jit
+    def f(x, w):
+        return jax.lax.scan(body, x, w)[0]
+
+    hlo = f.lower(jnp.ones((8, 64), jnp.float32), w).compile().as_text()
+    counts = nv.collective_bytes(hlo)
+    per_layer = 64 * 32 + 4 * 4  # packed bytes + scale bytes of one [64, 64] layer
+    assert counts[("all-gather", "u8")] == 3 * per_layer, counts

@@ -9,6 +9,22 @@ Examples::
 
 Multi-process: set ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
 (``scripts/launch_local.sh`` does, for N processes on 127.0.0.1), or run under SLURM.
+``JAX_HEARTBEAT_TIMEOUT`` (s, default 30) bounds how long the others wait for a dead process;
+``JAX_INIT_TIMEOUT`` (default 300) and ``JAX_SHUTDOWN_TIMEOUT`` (default 60) bound start-up and
+shut-down.
+
+Checkpoints: ``--set checkpoint.dir=D --set checkpoint.every=K`` saves every K steps and at the
+end; rerunning the same command resumes from the latest checkpoint in D (bit-identically).
+``--export DIR`` writes the trained NVFP4 weights (``jax_nvfp4.export_nvfp4``).
+
+Exit status: 0 done; 2 bad config, mesh, data file or checkpoint (one line on stderr, nothing
+written); 3 non-finite gradients with ``nvfp4.nonfinite=error``; 4 a runtime failure such as a
+lost peer process.
+
+Fault injection, for tests only: ``TRAIN_FAULT_EXIT=STEP[:PROCESS]`` makes the process (every
+one, or only ``PROCESS``) exit abruptly with status 17 after step STEP;
+``TRAIN_FAULT_NONFINITE=STEP:VALUE[,STEP:VALUE...]`` multiplies the loss of those steps by
+VALUE (``nan``, ``inf``).
 """
 
 from __future__ import annotations
@@ -27,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--compare", choices=["bf16"], help="also train with plain bf16 weights and compare")
     p.add_argument("--out", help="output directory (default: train.out_dir)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--export", metavar="DIR", help="after training, write the NVFP4 weights to DIR")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more overrides")
     return p.parse_args(argv)
 
@@ -56,9 +73,13 @@ def main(argv=None) -> int:
         kw = {}
         if os.environ.get("JAX_NUM_PROCESSES"):
             kw = dict(num_processes=int(os.environ["JAX_NUM_PROCESSES"]), process_id=int(os.environ["JAX_PROCESS_ID"]))
+        # Bounded waits: a process that dies takes the others down within the heartbeat
+        # timeout instead of leaving them blocked in a collective forever.
         jax.distributed.initialize(
             coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
             heartbeat_timeout_seconds=int(os.environ.get("JAX_HEARTBEAT_TIMEOUT", "30")),
+            initialization_timeout=int(os.environ.get("JAX_INIT_TIMEOUT", "300")),
+            shutdown_timeout_seconds=int(os.environ.get("JAX_SHUTDOWN_TIMEOUT", "60")),
             **kw,
         )
     elif os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
@@ -75,21 +96,87 @@ def main(argv=None) -> int:
         return 2
 
     from train import loop
+    from train.checkpoint import CheckpointError
 
     out_dir = args.out or cfg.train.out_dir
     is_main = jax.process_index() == 0
     if is_main:
-        os.makedirs(out_dir, exist_ok=True)
-        save_config(cfg, os.path.join(out_dir, "config.yaml"))
         print(mesh_lib.describe_mesh(mesh, cfg.mesh.nvl_domain))
-    runs = [loop.run(cfg, mesh, out_dir, progress=not args.no_progress, label=f"{cfg.nvfp4.weights} weights")]
-    if args.compare == "bf16":
-        base = dataclasses.replace(cfg, nvfp4=dataclasses.replace(cfg.nvfp4, weights="bf16"))
-        runs.append(loop.run(base, mesh, os.path.join(out_dir, "bf16"), progress=not args.no_progress, label="bf16 weights"))
+
+    def start():
+        # Only once the state is built or restored: a refused checkpoint writes nothing.
+        if is_main:
+            os.makedirs(out_dir, exist_ok=True)
+            save_config(cfg, os.path.join(out_dir, "config.yaml"))
+
+    try:
+        on_step, inject = fault_hooks()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        runs = [loop.run(cfg, mesh, out_dir, progress=not args.no_progress, label=f"{cfg.nvfp4.weights} weights",
+                         on_step=on_step, on_start=start, inject_nonfinite=inject)]
+        if args.compare == "bf16":
+            base = dataclasses.replace(cfg, nvfp4=dataclasses.replace(cfg.nvfp4, weights="bf16"))
+            if cfg.checkpoint.dir:
+                base = dataclasses.replace(base, checkpoint=dataclasses.replace(
+                    cfg.checkpoint, dir=cfg.checkpoint.dir.rstrip("/") + "-bf16"))
+            runs.append(loop.run(base, mesh, os.path.join(out_dir, "bf16"), progress=not args.no_progress,
+                                 label="bf16 weights"))
+        if args.export:
+            import jax_nvfp4 as nv
+
+            nv.export_nvfp4(runs[0]["params"], args.export, overwrite=True)
+    except (CheckpointError, ConfigError) as e:
+        print(f"checkpoint error: {e}" if isinstance(e, CheckpointError) else f"config error: {e}", file=sys.stderr)
+        return 2
+    except FloatingPointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except jax.errors.JaxRuntimeError as e:
+        # E.g. a peer process died mid-collective: one line, not a multi-page XLA traceback.
+        text = str(e).strip()
+        print(f"error: process {jax.process_index()}: {text.splitlines()[0] if text else type(e).__name__}",
+              file=sys.stderr, flush=True)
+        if jax.process_count() > 1:
+            # A lost peer cannot join the orderly shutdown barrier: waiting for it would only
+            # end in an abort after the heartbeat timeout. Leave now.
+            sys.stdout.flush()
+            os._exit(4)
+        return 4
     summary = loop.summarize(runs, out_dir)
     if is_main:
         print_summary(summary, out_dir)
     return 0
+
+
+def fault_hooks():
+    """``(on_step, inject_nonfinite)`` from the test-only ``TRAIN_FAULT_*`` variables."""
+    on_step = inject = None
+    spec = os.environ.get("TRAIN_FAULT_EXIT")
+    if spec:
+        step_s, _, proc_s = spec.partition(":")
+        try:
+            exit_step, exit_proc = int(step_s), (int(proc_s) if proc_s else None)
+        except ValueError:
+            raise ValueError(f"TRAIN_FAULT_EXIT={spec!r}: expected STEP[:PROCESS]") from None
+
+        def on_step(step, *_):
+            import jax
+
+            if step == exit_step and exit_proc in (None, jax.process_index()):
+                print(f"TRAIN_FAULT_EXIT: process {jax.process_index()} exits after step {step}", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(17)
+
+    spec = os.environ.get("TRAIN_FAULT_NONFINITE")
+    if spec:
+        try:
+            inject = {int(s): float(v) for s, v in (item.split(":") for item in spec.split(","))}
+        except ValueError:
+            raise ValueError(f"TRAIN_FAULT_NONFINITE={spec!r}: expected STEP:VALUE[,STEP:VALUE...]") from None
+    return on_step, inject
 
 
 def print_summary(summary, out_dir: str) -> None:
@@ -98,7 +185,8 @@ def print_summary(summary, out_dir: str) -> None:
     print(f"\n== summary ({out_dir}) ==")
     for r in summary["runs"]:
         gap = f" ({r['final_loss'] - floor:+.3f} above the entropy floor {floor:.3f})" if floor is not None else ""
-        print(f"{r['label']:>14}: final loss {r['final_loss']:.4f}{gap}; step {r['median_step_time_s'] * 1e3:.1f} ms; "
+        step_ms = f"{r['median_step_time_s'] * 1e3:.1f} ms" if r["median_step_time_s"] else "n/a"
+        print(f"{r['label']:>14}: final loss {r['final_loss']:.4f}{gap}; step {step_ms}; "
               f"all-gather {r['all_gather_bytes'] / 1e6:.3f} MB/step/device; skipped steps {r['skipped_steps']}")
     if "gather_vs_bf16" in summary:
         print(f"params all-gathered: {r0['all_gather_bytes']:,} B/step/device = {summary['gather_vs_bf16']:.4f} of a bf16 "

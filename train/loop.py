@@ -3,6 +3,14 @@
 One screen of logic on top of the library's public API:
 ``quantize_params`` -> ``master_weights`` -> ``shardings`` -> a jitted step that ``gather``\\ s
 packed bytes, dequantizes, runs the model and hands the gradients to the wrapper.
+
+Reproducibility: by default every cross-device sum of floats in the step (gradients, the loss,
+the global gradient norm) is a pure data movement (all-to-all / all-gather of the values' bits)
+followed by a sum in a fixed order on each device (``grad_reduce="ordered"``). Results then do
+not depend on how the runtime implements its reductions, so one process with 8 devices and two
+processes with 4 each (gloo) train bit-identically. (Tensor-parallel partial sums inside the
+model stay XLA all-reduces; keep each tensor group inside one process for the same guarantee.)
+Checkpoints (``train.checkpoint``) make a stopped run resume bit-identically.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_nvfp4 as nv
+from train import checkpoint as checkpoint_lib
 from train import data as data_lib
 from train.config import Config, validate_for_devices
 from train.model import TENSOR_RULES, cross_entropy, from_config, nvfp4_collection
@@ -55,7 +64,9 @@ def schedule_for(cfg: Config):
     return optax.join_schedules([optax.linear_schedule(0.0, o.lr, warm), decay], [warm])
 
 
-def inner_optimizer(cfg: Config) -> optax.GradientTransformation:
+def inner_optimizer(cfg: Config, mesh=None, rules: Optional[nv.Rules] = None) -> optax.GradientTransformation:
+    """The optax optimizer the wrapper applies to the masters. With ``mesh``, gradient
+    clipping sums the global norm in a fixed order (:func:`clip_by_global_norm`)."""
     o = cfg.optim
     lr = schedule_for(cfg)
     if o.name == "adamw":
@@ -67,13 +78,13 @@ def inner_optimizer(cfg: Config) -> optax.GradientTransformation:
     else:
         opt = optax.inject_hyperparams(optax.sgd)(learning_rate=lr, momentum=o.b1)
     if o.clip_norm > 0:
-        opt = optax.chain(optax.clip_by_global_norm(o.clip_norm), opt)
+        opt = optax.chain(clip_by_global_norm(o.clip_norm, mesh, rules), opt)
     return opt
 
 
 def make_optimizer(cfg: Config, rules: nv.Rules, policy: nv.Policy, mesh) -> optax.GradientTransformation:
     return nv.master_weights(
-        inner_optimizer(cfg),
+        inner_optimizer(cfg, mesh, rules),
         policy=policy,
         mesh=mesh,
         rules=rules,
@@ -83,6 +94,114 @@ def make_optimizer(cfg: Config, rules: nv.Rules, policy: nv.Policy, mesh) -> opt
         cast_master_bf16=cfg.nvfp4.cast_master_bf16,
         grad_dtype=jnp.float32 if cfg.nvfp4.grad_reduce_dtype == "float32" else None,
     )
+
+
+# ----------------------------------------------------------------------------- ordered sums
+def _axis_size(mesh, name: Optional[str]) -> int:
+    return int(dict(zip(mesh.axis_names, mesh.axis_sizes)).get(name, 1)) if (mesh is not None and name) else 1
+
+
+def _is_master(x) -> bool:
+    return isinstance(x, nv.MasterArray)
+
+
+# Name scope of the ordered reductions: their gathers move gradients, not parameters, and
+# gather_accounting tells them apart by it (HLO op_name metadata).
+REDUCE_SCOPE = "ordered_reduce"
+
+
+def move_bits(x: jax.Array, sharding) -> jax.Array:
+    """Reshard ``x`` through its same-width unsigned bits: the collective moves bytes only, so
+    XLA can neither make it a reduction nor widen it, and every sum stays on the device in the
+    order the program says. (The barriers stop XLA from folding the bitcasts away.)"""
+    uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
+    bits = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(x, uint))
+    bits = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(bits, sharding))
+    return jax.lax.bitcast_convert_type(bits, x.dtype)
+
+
+def ordered_mean(stacked, masters, mesh, rules: nv.Rules):
+    """Mean over the data shards of per-shard gradients, straight into the master layout.
+
+    ``stacked``: params-structured tree of ``[n_data, *shape]`` gradients (row ``i`` from data
+    shard ``i``, stored on it); ``masters``: the matching tree of :class:`MasterArray`.
+    Each leaf is zero-padded to the master's padded shape, moved by an all-to-all so that each
+    device holds every shard's rows of its own master shard (a reduce-scatter without the
+    arithmetic), and summed over the shards in index order in float32.
+    Returns a tree of ``MasterArray`` gradients, which ``master_weights(...).update`` accepts.
+    """
+    n = _axis_size(mesh, rules.data_axis)
+    leaves_m, treedef = jax.tree.flatten(masters, is_leaf=_is_master)
+    leaves_s = treedef.flatten_up_to(nv.partition_specs(masters, mesh, rules))
+    leaves_g = treedef.flatten_up_to(stacked)
+    out = []
+    with jax.named_scope(REDUCE_SCOPE):
+        for g, mw, ms in zip(leaves_g, leaves_m, leaves_s):
+            out.append(_ordered_mean_leaf(g, mw, ms, n, mesh, rules))
+    return treedef.unflatten(out)
+
+
+def _ordered_mean_leaf(g, mw, ms, n: int, mesh, rules: nv.Rules):
+    spec = tuple(ms.value)
+    pad = [(0, 0)] + [(0, p - s) for p, s in zip(mw.value.shape, g.shape[1:])]
+    if any(b for _, b in pad):
+        g = jnp.pad(g, pad)
+    src = P(rules.data_axis, *[None if e == rules.data_axis else e for e in spec])
+    g = jax.lax.with_sharding_constraint(g, NamedSharding(mesh, src))
+    # All-to-all into the master layout (an all-gather for masters kept replicated).
+    g = move_bits(g, NamedSharding(mesh, P(None, *spec)))
+    total = jnp.sum(g.astype(jnp.float32), axis=0) / np.float32(n)
+    total = jax.lax.with_sharding_constraint(total, NamedSharding(mesh, P(*spec)))
+    return nv.MasterArray(total, mw.shape, mw.data_dim, mw.tensor_dim, mw.nvfp4)
+
+
+def _shard_sum_of_squares(mw, mesh, rules: nv.Rules) -> jax.Array:
+    """``sum(value**2)`` of a master leaf: one partial sum per (data, tensor) shard, computed
+    where the shard lives, then gathered (as bits) and added in a fixed order."""
+    v = mw.value.astype(jnp.float32)
+    split = {}
+    for dim, ax in ((mw.data_dim, rules.data_axis), (mw.tensor_dim, rules.tensor_axis)):
+        k = _axis_size(mesh, ax)
+        if dim is not None and k > 1 and v.shape[dim] % k == 0:
+            split[dim % v.ndim] = (ax, k)
+    shape, spec, keep = [], [], []
+    for d, s in enumerate(v.shape):
+        if d in split:
+            ax, k = split[d]
+            keep.append(len(shape))
+            shape += [k, s // k]
+            spec += [ax, None]
+        else:
+            shape.append(s)
+            spec.append(None)
+    x = jax.lax.with_sharding_constraint(jnp.square(v).reshape(shape), NamedSharding(mesh, P(*spec)))
+    part = jnp.sum(x, axis=tuple(i for i in range(len(shape)) if i not in keep))
+    if keep:
+        part = jax.lax.with_sharding_constraint(part, NamedSharding(mesh, P(*[spec[i] for i in keep])))
+        part = move_bits(part, NamedSharding(mesh, P()))
+    return jnp.sum(part)
+
+
+def clip_by_global_norm(max_norm: float, mesh=None, rules: Optional[nv.Rules] = None) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm`` whose norm is summed in a fixed order across devices
+    (for trees of :class:`MasterArray`, as the master-weight wrapper's inner transform sees);
+    without ``mesh``, optax's own."""
+    if mesh is None:
+        return optax.clip_by_global_norm(max_norm)
+    rules = rules or nv.Rules()
+
+    def update_fn(updates, state, params=None):
+        del params
+        leaves = jax.tree.leaves(updates, is_leaf=_is_master)
+        with jax.named_scope(REDUCE_SCOPE):
+            sq = [_shard_sum_of_squares(x, mesh, rules) if _is_master(x) else jnp.sum(jnp.square(x.astype(jnp.float32)))
+                  for x in leaves]
+            g_norm = jnp.sqrt(sum(sq[1:], sq[0])) if sq else jnp.zeros([], jnp.float32)
+        trigger = g_norm < max_norm
+        clip = lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)
+        return jax.tree.map(clip, updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 @dataclasses.dataclass
@@ -100,11 +219,10 @@ class Trainer:
     step_fn: Any
     batch_sharding: Any
     abstract_params: Any = None
+    abstract_state: Any = None
 
 
-def init_state(cfg: Config, mesh, model, policy, rules, tx):
-    """Float32 init -> NVFP4 params and master-weight state, sharded (jit with out_shardings,
-    so no unsharded copy of the state is materialised on one device)."""
+def _state_fn(cfg: Config, model, policy, tx):
     tokens = jnp.zeros((1, cfg.model.seq_len), jnp.int32)
 
     def create(key):
@@ -112,48 +230,104 @@ def init_state(cfg: Config, mesh, model, policy, rules, tx):
         fp32 = jax.tree.map(lambda a: a.astype(jnp.float32), fp32)
         return nv.quantize_params(fp32, policy), tx.init(fp32)
 
+    return create
+
+
+def abstract_state(cfg: Config, mesh, model, policy, rules, tx):
+    """``((params, opt_state) as ShapeDtypeStructs, (param_shardings, state_shardings))``,
+    without computing anything: what :func:`init_state` would create, and where."""
+    create = _state_fn(cfg, model, policy, tx)
     with jax.set_mesh(mesh):
         abstract = jax.eval_shape(create, jax.random.key(cfg.train.seed))
-        shard = (nv.shardings(abstract[0], mesh, rules=rules), nv.shardings(abstract[1], mesh, rules=rules))
-        params, opt_state = jax.jit(create, out_shardings=shard)(jax.random.key(cfg.train.seed))
+    shard = (nv.shardings(abstract[0], mesh, rules=rules), nv.shardings(abstract[1], mesh, rules=rules))
+    return abstract, shard
+
+
+def init_state(cfg: Config, mesh, model, policy, rules, tx):
+    """Float32 init -> NVFP4 params and master-weight state, sharded (jit with out_shardings,
+    so no unsharded copy of the state is materialised on one device)."""
+    _, shard = abstract_state(cfg, mesh, model, policy, rules, tx)
+    with jax.set_mesh(mesh):
+        params, opt_state = jax.jit(_state_fn(cfg, model, policy, tx), out_shardings=shard)(jax.random.key(cfg.train.seed))
     return params, opt_state, shard
 
 
-def build(cfg: Config, mesh) -> tuple:
+def build(cfg: Config, mesh, *, init: bool = True, grad_reduce: str = "ordered") -> tuple:
+    """``(trainer, params, opt_state)``; with ``init=False`` the state is only planned
+    (``trainer.abstract_params`` / ``abstract_state``) and ``params``/``opt_state`` are None,
+    e.g. to restore a checkpoint into."""
     validate_for_devices(cfg, mesh.size)
     model = from_config(cfg.model, cfg.nvfp4)
     policy, rules = policy_for(cfg), rules_for(cfg)
     tx = make_optimizer(cfg, rules, policy, mesh)
-    params, opt_state, (p_sh, s_sh) = init_state(cfg, mesh, model, policy, rules, tx)
+    (a_params, a_state), (p_sh, s_sh) = abstract_state(cfg, mesh, model, policy, rules, tx)
+    params = opt_state = None
+    if init:
+        params, opt_state, _ = init_state(cfg, mesh, model, policy, rules, tx)
     batch_sharding = NamedSharding(mesh, P("data"))
-    step = make_step(cfg, model, tx, rules, mesh)
+    step = make_step(cfg, model, tx, rules, mesh, grad_reduce=grad_reduce)
     step = jax.jit(
         step,
-        in_shardings=(p_sh, s_sh, batch_sharding, None),
+        in_shardings=(p_sh, s_sh, batch_sharding, None, None),
         out_shardings=(p_sh, s_sh, None),
         donate_argnums=(0, 1),
     )
-    trainer = Trainer(cfg, mesh, model, policy, rules, tx, p_sh, s_sh, step, batch_sharding)
+    trainer = Trainer(cfg, mesh, model, policy, rules, tx, p_sh, s_sh, step, batch_sharding, a_params, a_state)
     return trainer, params, opt_state
 
 
-def make_step(cfg: Config, model, tx, rules, mesh):
+def make_step(cfg: Config, model, tx, rules, mesh, *, grad_reduce: str = "auto"):
+    """The train step ``step(params, opt_state, batch, key, loss_scale=None)``.
+
+    Args:
+      grad_reduce: how gradients and the loss are summed across the data axis.
+        ``"ordered"`` (what :func:`build` uses): each data shard's gradients are computed on
+        their own (``vmap`` over the shards), then moved by an all-to-all into the master
+        layout and summed in shard order on the device (:func:`ordered_mean`): bit-identical
+        results for any process layout and collective implementation.
+        ``"auto"``: XLA's own all-reduces, placed inside the backward pass (layer by layer).
+      loss_scale (step argument): a float32 scalar multiplying the loss, 1.0 in training; a
+        fault-injection hook (NaN/Inf make that step's gradients non-finite).
+    """
+    if grad_reduce not in ("ordered", "auto"):
+        raise ValueError(f"grad_reduce must be 'ordered' or 'auto', got {grad_reduce!r}")
     packed = cfg.nvfp4.param_gather == "packed"
     nvfp4_compute = cfg.nvfp4.weights == "nvfp4" and cfg.nvfp4.compute == "nvfp4"
     # Gradients take the dtype of the weights they are taken against: float32 weights (cast
     # to bf16 inside the layers) make the cross-device gradient sum float32.
     wdtype = jnp.float32 if cfg.nvfp4.grad_reduce_dtype == "float32" else jnp.bfloat16
     accum = cfg.optim.grad_accum
+    n_data = _axis_size(mesh, rules.data_axis)
 
-    def loss_fn(weights, qweights, inputs, targets, key):
+    def loss_fn(weights, qweights, inputs, targets, key, loss_scale):
         variables = {"params": weights}
         if qweights is not None:
             variables["nvfp4"] = qweights
         rngs = {"rounding": key} if (nvfp4_compute and key is not None) else None
         logits = model.apply(variables, inputs, rngs=rngs)
-        return cross_entropy(logits, targets)
+        loss = cross_entropy(logits, targets)
+        return loss if loss_scale is None else loss * loss_scale
 
-    def step(params, opt_state, batch, key):
+    def grads_of(weights, qweights, rows, key, loss_scale):
+        """Mean loss over ``rows [b, seq_len + 1]`` and its gradients (accumulated over
+        ``accum`` micro-batches)."""
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+        grad_fn = jax.value_and_grad(loss_fn)
+        if accum == 1:
+            return grad_fn(weights, qweights, inputs, targets, key, loss_scale)
+        b = inputs.shape[0] // accum
+        micro = lambda a: a.reshape(accum, b, *a.shape[1:])
+
+        def body(carry, xs):
+            i, (inp, tgt) = xs
+            l, g = grad_fn(weights, qweights, inp, tgt, jax.random.fold_in(key, i), loss_scale)
+            return jax.tree.map(jnp.add, carry, (l, jax.tree.map(lambda x: x.astype(jnp.float32), g))), None
+
+        zero = (jnp.zeros([], jnp.float32), jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights))
+        (loss, grads), _ = jax.lax.scan(body, zero, (jnp.arange(accum), (micro(inputs), micro(targets))))
+        return loss / accum, jax.tree.map(lambda g: g / accum, grads)
+
+    def step(params, opt_state, batch, key, loss_scale=None):
         if packed:
             gathered = nv.gather(params, mesh, rules=rules)
             weights = nv.dequantize_params(gathered, wdtype)
@@ -161,22 +335,18 @@ def make_step(cfg: Config, model, tx, rules, mesh):
             gathered = nv.gather(params, mesh, rules=rules) if nvfp4_compute else None
             weights = nv.gather_dequantized(params, wdtype, mesh, rules=rules)
         qweights = nvfp4_collection(gathered) if nvfp4_compute else None
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        grad_fn = jax.value_and_grad(loss_fn)
-        if accum == 1:
-            loss, grads = grad_fn(weights, qweights, inputs, targets, key)
+        if grad_reduce == "auto":
+            loss, grads = grads_of(weights, qweights, batch, key, loss_scale)
         else:
-            b = inputs.shape[0] // accum
-            micro = lambda a: a.reshape(accum, b, *a.shape[1:])
-
-            def body(carry, xs):
-                i, (inp, tgt) = xs
-                l, g = grad_fn(weights, qweights, inp, tgt, jax.random.fold_in(key, i))
-                return jax.tree.map(jnp.add, carry, (l, jax.tree.map(lambda x: x.astype(jnp.float32), g))), None
-
-            zero = (jnp.zeros([], jnp.float32), jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights))
-            (loss, grads), _ = jax.lax.scan(body, zero, (jnp.arange(accum), (micro(inputs), micro(targets))))
-            loss, grads = loss / accum, jax.tree.map(lambda g: g / accum, grads)
+            rows = batch.reshape(n_data, batch.shape[0] // n_data, *batch.shape[1:])
+            rows = jax.lax.with_sharding_constraint(rows, NamedSharding(mesh, P(rules.data_axis)))
+            shard_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n_data))
+            losses, stacked = jax.vmap(grads_of, in_axes=(None, None, 0, 0, None))(
+                weights, qweights, rows, shard_keys, loss_scale)
+            with jax.named_scope(REDUCE_SCOPE):
+                losses = jax.lax.with_sharding_constraint(losses, NamedSharding(mesh, P(rules.data_axis)))
+                loss = jnp.sum(move_bits(losses, NamedSharding(mesh, P()))) / np.float32(n_data)
+            grads = ordered_mean(stacked, nv.find_state(opt_state).master, mesh, rules)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         mw = nv.find_state(opt_state)
@@ -189,10 +359,17 @@ def make_step(cfg: Config, model, tx, rules, mesh):
 
 # ----------------------------------------------------------------------------- accounting
 def gather_accounting(trainer: Trainer, params, opt_state, batch) -> Dict[str, Any]:
-    """Bytes per step read from the compiled step's HLO, and the bf16-gather equivalent."""
-    compiled = trainer.step_fn.lower(params, opt_state, batch, jax.random.key(0)).compile()
-    counts = nv.collective_bytes(compiled.as_text())
-    gathered = nv.total_bytes(counts, "all-gather")
+    """Bytes per step read from the compiled step's HLO, and the bf16-gather equivalent.
+
+    ``all_gather_bytes`` counts parameter gathers; the gathers of the ordered gradient/loss
+    reductions (scope ``REDUCE_SCOPE``: small replicated leaves, per-shard partial sums) are
+    ``reduce_gather_bytes``. ``collectives`` lists every collective."""
+    compiled = trainer.step_fn.lower(params, opt_state, batch, jax.random.key(0), np.float32(1)).compile()
+    text = compiled.as_text()
+    counts = nv.collective_bytes(text)
+    reduce_text = "\n".join(line for line in text.splitlines() if f"/{REDUCE_SCOPE}/" in line)
+    reduce_gathered = nv.total_bytes(nv.collective_bytes(reduce_text), "all-gather") if reduce_text else 0
+    gathered = nv.total_bytes(counts, "all-gather") - reduce_gathered
     n_data = dict(zip(trainer.mesh.axis_names, trainer.mesh.axis_sizes))["data"]
     sizes = dict(zip(trainer.mesh.axis_names, trainer.mesh.axis_sizes))
     bf16_equiv = nvfp4_bf16_equiv = 0
@@ -209,6 +386,7 @@ def gather_accounting(trainer: Trainer, params, opt_state, batch) -> Dict[str, A
     return {
         "collectives": {f"{op}:{dt}": b for (op, dt), b in counts.items()},
         "all_gather_bytes": gathered,
+        "reduce_gather_bytes": reduce_gathered,
         "bf16_gather_bytes": bf16_equiv,
         "nvfp4_gather_bytes": sum(v for (op, dt), v in counts.items() if op == "all-gather" and dt == "u8"),
         "nvfp4_bf16_gather_bytes": nvfp4_bf16_equiv,
@@ -222,6 +400,22 @@ def global_batch(trainer: Trainer, local: np.ndarray):
     return jax.make_array_from_process_local_data(trainer.batch_sharding, local, global_shape)
 
 
+def _resume_metrics(path: str, step: int) -> list:
+    """The records of ``metrics.jsonl`` up to ``step`` (a resumed run continues after them);
+    the file is rewritten without later records, which a run stopped after its last
+    checkpoint had written."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    recs = [r for r in recs if r.get("step", 0) <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs)
+    os.replace(tmp, path)
+    return recs
+
+
 def run(
     cfg: Config,
     mesh,
@@ -230,49 +424,88 @@ def run(
     progress: bool = True,
     label: str = "",
     on_step=None,
+    on_start=None,
+    inject_nonfinite: Optional[Dict[int, float]] = None,
 ) -> Dict[str, Any]:
-    """Train ``cfg`` on ``mesh``; write ``metrics.jsonl`` into ``out_dir``; return a summary."""
-    os.makedirs(out_dir, exist_ok=True)
-    trainer, params, opt_state = build(cfg, mesh)
-    source = data_lib.make_source(cfg.data, cfg.model)
-    it = data_lib.make_data_iterator(cfg, process_index=jax.process_index(), process_count=jax.process_count(), source=source)
-    base_key = jax.random.key(cfg.train.seed + 2)
+    """Train ``cfg`` on ``mesh``; write ``metrics.jsonl`` into ``out_dir``; return a summary.
 
-    batch0 = global_batch(trainer, it.batch_at(0))
-    acct = gather_accounting(trainer, params, opt_state, batch0)
-    is_main = jax.process_index() == 0
-    metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    fh = open(metrics_path, "w") if is_main else None
-    bar = None
-    if progress and is_main:
-        from tqdm.auto import tqdm
+    With ``cfg.checkpoint.dir``, the run resumes from the latest checkpoint there (metrics.jsonl
+    continues after its step), saves every ``checkpoint.every`` steps and at the end.
 
-        bar = tqdm(total=cfg.train.steps, desc=label or cfg.nvfp4.weights, dynamic_ncols=True)
-    tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
-    history, times = [], []
-    skipped_before = 0
+    Args:
+      on_step: ``on_step(step, params, opt_state, data_iterator)`` after each step (and its
+        checkpoint); ``step`` counts from 1.
+      on_start: called once the state is built or restored, before anything is written.
+      inject_nonfinite: fault-injection hook for tests, not a config key: ``{step: value}``
+        multiplies the loss of that step (counted from 1) by ``value`` (NaN or Inf), which
+        makes its gradients non-finite.
+    """
+    inject = {int(k): float(v) for k, v in (inject_nonfinite or {}).items()}
+    ckpt = None
+    if cfg.checkpoint.dir:
+        ckpt = checkpoint_lib.Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep,
+                                           async_save=cfg.checkpoint.async_save)
+    fh = bar = None
     try:
-        for step in range(cfg.train.steps):
+        start = ckpt.latest_step() if ckpt is not None else None
+        trainer, params, opt_state = build(cfg, mesh, init=start is None)
+        source = data_lib.make_source(cfg.data, cfg.model)
+        it = data_lib.make_data_iterator(cfg, process_index=jax.process_index(), process_count=jax.process_count(), source=source)
+        base_key = jax.random.key(cfg.train.seed + 2)
+        if start is not None:
+            r = ckpt.restore(start, trainer.abstract_params, trainer.abstract_state,
+                             trainer.param_shardings, trainer.state_shardings)
+            params, opt_state, base_key = r.params, r.opt_state, r.base_key
+            it.set_state(r.data_state)
+        start = start or 0
+        if on_start is not None:
+            on_start()
+
+        batch0 = global_batch(trainer, it.batch_at(0))
+        acct = gather_accounting(trainer, params, opt_state, batch0)
+        is_main = jax.process_index() == 0
+        metrics_path = os.path.join(out_dir, "metrics.jsonl")
+        history = []
+        if is_main:
+            os.makedirs(out_dir, exist_ok=True)
+            history = _resume_metrics(metrics_path, start) if start else []
+            fh = open(metrics_path, "a" if start else "w")
+        if progress and is_main:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=cfg.train.steps, initial=min(start, cfg.train.steps),
+                       desc=label or cfg.nvfp4.weights, dynamic_ncols=True)
+        tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
+        times = []
+        skipped_before = int(nv.find_state(opt_state).skipped)
+        for step in range(start, cfg.train.steps):
             batch = global_batch(trainer, next(it))
+            scale = np.float32(inject.get(step + 1, 1.0))
             t0 = time.perf_counter()
-            params, opt_state, m = trainer.step_fn(params, opt_state, batch, jax.random.fold_in(base_key, step))
+            params, opt_state, m = trainer.step_fn(params, opt_state, batch, jax.random.fold_in(base_key, step), scale)
             loss = float(m["loss"])  # syncs: the time below is the whole step
             dt = time.perf_counter() - t0
             skipped = int(m["skipped"])
             if cfg.nvfp4.nonfinite == "error" and skipped > skipped_before:
+                # Before any checkpoint of this step: the state on disk stays the last good one.
                 nv.raise_if_skipped(opt_state, skipped_before)
             skipped_before = skipped
-            if step > 0:
+            if step > start:
                 times.append(dt)
             rec = {"step": step + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                    "gathered_bytes": acct["all_gather_bytes"], "skipped": skipped}
             history.append(rec)
             if fh:
                 fh.write(json.dumps(rec) + "\n")
+                fh.flush()
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                                 gather=f"{acct['all_gather_bytes'] / 1e6:.2f}MB", skipped=skipped, refresh=False)
+            if ckpt is not None and ((cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0)
+                                     or step + 1 == cfg.train.steps):
+                ckpt.save(step + 1, params, opt_state, mesh=mesh, rules=trainer.rules, base_key=base_key,
+                          data_state=it.get_state())
             if on_step is not None:
                 on_step(step + 1, params, opt_state, it)
     finally:
@@ -280,16 +513,20 @@ def run(
             fh.close()
         if bar is not None:
             bar.close()
-    tail = [h["loss"] for h in history[-max(1, min(20, len(history) // 5)):]]
+        if ckpt is not None:
+            ckpt.close()  # waits for an asynchronous save of the last good step
+    losses = [h["loss"] for h in history]
+    tail = losses[-max(1, min(20, len(losses) // 5)):]
     return {
         "label": label or cfg.nvfp4.weights,
         "steps": cfg.train.steps,
-        "final_loss": float(np.mean(tail)),
-        "last_loss": history[-1]["loss"],
+        "start_step": start,
+        "final_loss": float(np.mean(tail)) if tail else float("nan"),
+        "last_loss": losses[-1] if losses else float("nan"),
         "entropy_floor": source.entropy_rate(),
         "median_step_time_s": float(np.median(times)) if times else None,
         "skipped_steps": skipped_before,
-        "history": [h["loss"] for h in history],
+        "history": losses,
         **acct,
         "params": params,
         "opt_state": opt_state,

@@ -1,0 +1,285 @@
+"""Export NVFP4 weights alone, for inference or another framework: ``export_nvfp4`` / ``load_nvfp4``.
+
+A directory with one ``.npy`` file per array and a ``manifest.json``::
+
+    {"format": "jax_nvfp4.export", "version": 1,
+     "leaves": [{"path": "blocks/attn/q/kernel", "keys": [["dict", "blocks"], ...],
+                 "kind": "nvfp4", "shape": [2, 64, 64], "block": [16, 16], "dtype": "nvfp4",
+                 "files": {"data":  {"name": "0000.data.npy",  "dtype": "uint8",   "shape": [...], "sha256": "..."},
+                           "scale": {"name": "0000.scale.npy", "dtype": "uint8",   ...},
+                           "amax":  {"name": "0000.amax.npy",  "dtype": "float32", ...}}},
+                {"path": "embed", "kind": "array", "shape": [256, 64], "dtype": "bfloat16",
+                 "files": {"value": {"name": "0001.value.npy", "dtype": "bfloat16", "storage": "uint16", ...}}}]}
+
+NVFP4 leaves: packed E2M1 bytes ``[..., rows, ceil(cols/2)] uint8`` (element ``2k`` in the low
+nibble), E4M3 scale bytes (``[..., ceil(rows/16), ceil(cols/16)]`` for 16x16 tiles) and the
+float32 global amax ``[...]`` — see :mod:`jax_nvfp4.array`. Other leaves keep their dtype; dtypes
+NumPy cannot store (bfloat16, float8) are written as their unsigned-integer bits
+(``"storage"``). Files are written into a temporary directory that is renamed into place, so a
+reader never sees half an export.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Dict, List, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_nvfp4.array import NVFP4Array, is_nvfp4, packed_shapes
+from jax_nvfp4.params import path_str
+
+__all__ = ["ExportError", "export_nvfp4", "load_nvfp4", "EXPORT_FORMAT", "EXPORT_VERSION"]
+
+EXPORT_FORMAT = "jax_nvfp4.export"
+EXPORT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class ExportError(ValueError):
+    """An export that cannot be read (missing or altered file, bad manifest, non-finite values)."""
+
+
+def _host(x) -> np.ndarray:
+    """A host copy of ``x``; arrays spread over several processes are gathered first."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)
+
+
+def _keys(path) -> List[List[Any]]:
+    out = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            out.append(["dict", k.key if isinstance(k.key, (str, int)) else str(k.key)])
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            out.append(["index", k.idx])
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            out.append(["attr", k.name])
+        else:
+            out.append(["dict", str(getattr(k, "key", k))])
+    return out
+
+
+def _storage(dtype: np.dtype):
+    """``(numpy dtype to write, name of the logical dtype)``: bits for dtypes ``.npy`` lacks."""
+    name = jnp.dtype(dtype).name
+    if np.dtype(dtype).kind == "V" or name in ("bfloat16",) or name.startswith("float8") or name.startswith("float4"):
+        return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}"), name
+    return np.dtype(dtype), name
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write(directory: str, name: str, value: np.ndarray, logical_dtype: Optional[str] = None) -> Dict[str, Any]:
+    store, dname = _storage(value.dtype)
+    arr = value.view(store) if store != value.dtype else value
+    np.save(os.path.join(directory, name), arr, allow_pickle=False)
+    entry = {"name": name, "dtype": logical_dtype or dname, "shape": list(value.shape),
+             "sha256": _sha256(os.path.join(directory, name))}
+    if store != value.dtype:
+        entry["storage"] = store.name
+    return entry
+
+
+def export_nvfp4(params, directory: str, *, overwrite: bool = False) -> str:
+    """Write ``params`` (any pytree; ``NVFP4Array`` leaves and plain arrays) to ``directory``.
+
+    Call it on every process of a multi-process run (sharded arrays are gathered); process 0
+    writes. Returns the path of ``manifest.json``.
+
+    Raises:
+      FileExistsError: ``directory`` exists and is not empty, unless ``overwrite``.
+      TypeError: a leaf that is neither an ``NVFP4Array`` nor an array (e.g. a PRNG key).
+      ExportError: a leaf holding NaN or Inf (an NVFP4 leaf: a non-finite amax).
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_nvfp4)
+    hosts = []
+    for path, leaf in flat:
+        if is_nvfp4(leaf):
+            hosts.append((path, leaf, {"data": _host(leaf.data), "scale": _host(leaf.scale_bits).view(np.uint8),
+                                       "amax": _host(leaf.amax_bits).view(np.float32)}))
+        elif isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, bool)):
+            dtype = getattr(leaf, "dtype", None)
+            if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+                raise TypeError(f"export_nvfp4: leaf {path_str(path)!r} is a PRNG key, not a weight")
+            hosts.append((path, leaf, {"value": _host(leaf)}))
+        else:
+            raise TypeError(f"export_nvfp4: leaf {path_str(path)!r} is a {type(leaf).__name__}, not an array")
+    for path, leaf, arrays in hosts:
+        if not all(_finite(a) for a in arrays.values()):
+            what = "amax" if is_nvfp4(leaf) else "values"
+            raise ExportError(f"export_nvfp4: leaf {path_str(path)!r} has non-finite {what} (NaN or Inf); nothing written")
+    if jax.process_index() != 0:
+        return os.path.join(directory, MANIFEST)
+    if os.path.exists(directory) and os.listdir(directory) and not overwrite:
+        raise FileExistsError(f"export_nvfp4: {directory} exists and is not empty (pass overwrite=True)")
+
+    parent = os.path.dirname(directory) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=parent)
+    try:
+        leaves = []
+        for i, (path, leaf, arrays) in enumerate(hosts):
+            entry: Dict[str, Any] = {"path": path_str(path), "keys": _keys(path)}
+            if is_nvfp4(leaf):
+                entry.update(kind="nvfp4", shape=list(leaf.shape), block=list(leaf.block), dtype="nvfp4")
+                entry["files"] = {
+                    "data": _write(tmp, f"{i:04d}.data.npy", arrays["data"]),
+                    "scale": _write(tmp, f"{i:04d}.scale.npy", arrays["scale"]),
+                    "amax": _write(tmp, f"{i:04d}.amax.npy", arrays["amax"]),
+                }
+            else:
+                v = arrays["value"]
+                entry.update(kind="array", shape=list(v.shape), dtype=_storage(v.dtype)[1])
+                entry["files"] = {"value": _write(tmp, f"{i:04d}.value.npy", v)}
+            leaves.append(entry)
+        manifest = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "leaves": leaves}
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+        os.chmod(tmp, 0o755)
+        if os.path.exists(directory):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.old-", dir=parent)
+            os.rename(directory, os.path.join(old, "x"))
+            os.rename(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return os.path.join(directory, MANIFEST)
+
+
+def _read(directory: str, where: str, entry: Dict[str, Any]) -> np.ndarray:
+    name = entry.get("name")
+    if not isinstance(name, str) or os.path.basename(name) != name:
+        raise ExportError(f"{where}: bad file name {name!r} in the manifest")
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        raise ExportError(f"{where}: file {name} is missing")
+    if _sha256(path) != entry.get("sha256"):
+        raise ExportError(f"{where}: file {name} does not match its sha256 in the manifest (altered or corrupt)")
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except Exception as e:  # noqa: BLE001 - a malformed file is a bad export
+        raise ExportError(f"{where}: cannot read {name}: {e}") from None
+    if "storage" in entry:
+        if arr.dtype != np.dtype(entry["storage"]):
+            raise ExportError(f"{where}: {name} holds {arr.dtype}, the manifest says {entry['storage']}")
+        arr = arr.view(jnp.dtype(entry["dtype"]))
+    elif arr.dtype != jnp.dtype(entry.get("dtype", arr.dtype)):
+        raise ExportError(f"{where}: {name} holds {arr.dtype}, the manifest says {entry['dtype']}")
+    if list(arr.shape) != list(entry.get("shape", [])):
+        raise ExportError(f"{where}: {name} has shape {list(arr.shape)}, the manifest says {entry.get('shape')}")
+    return arr
+
+
+def _finite(arr: np.ndarray) -> bool:
+    if jnp.issubdtype(arr.dtype, jnp.floating):
+        return bool(np.all(np.isfinite(arr.astype(np.float32))))
+    return True
+
+
+def _build(leaves: List[tuple]):
+    """Nested dicts / lists from ``[(keys, value)]``; a single leaf with no keys is returned."""
+    if len(leaves) == 1 and not leaves[0][0]:
+        return leaves[0][1]
+    root: Dict[Any, Any] = {}
+    for keys, value in leaves:
+        node = root
+        for (kind, k), nxt in zip(keys[:-1], keys[1:]):
+            node = node.setdefault((kind, k), {})
+        node[tuple(keys[-1])] = value
+
+    def finish(node):
+        if not isinstance(node, dict):
+            return node
+        kinds = {kind for kind, _ in node}
+        if kinds == {"index"}:
+            return [finish(node[("index", i)]) for i in sorted(k for _, k in node)]
+        return {k: finish(v) for (_, k), v in node.items()}
+
+    return finish(root)
+
+
+def load_nvfp4(directory: str, *, like=None):
+    """Read an export back: a tree of ``NVFP4Array`` (bit-identical to what was exported)
+    and plain arrays.
+
+    The tree is rebuilt from the manifest's paths as nested dicts (lists for sequence
+    indices); pass ``like`` (any tree with the same leaf paths, e.g. the params or their
+    ``jax.eval_shape``) to get exactly its structure.
+
+    Raises:
+      ExportError: missing/unreadable manifest or file, a sha256 mismatch, shapes that do not
+        fit, or non-finite values (an NVFP4 amax or a float leaf holding NaN/Inf).
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    mpath = os.path.join(directory, MANIFEST)
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise ExportError(f"{directory}: no {MANIFEST}; not an NVFP4 export") from None
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{mpath}: cannot read: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != EXPORT_FORMAT:
+        raise ExportError(f"{mpath}: not a {EXPORT_FORMAT} manifest")
+    if manifest.get("version") != EXPORT_VERSION:
+        raise ExportError(f"{mpath}: format version {manifest.get('version')}, this code reads {EXPORT_VERSION}")
+    out = []
+    for entry in manifest.get("leaves", []):
+        where = f"{directory}: leaf {entry.get('path')!r}"
+        files = entry.get("files", {})
+        try:
+            if entry.get("kind") == "nvfp4":
+                shape, block = tuple(entry["shape"]), tuple(entry["block"])
+                data, scale, amax = (_read(directory, where, files[k]) for k in ("data", "scale", "amax"))
+                want = packed_shapes(shape, block)
+                got = (tuple(data.shape), tuple(scale.shape), tuple(amax.shape))
+                if got != tuple(tuple(s) for s in want) or data.dtype != np.uint8 or scale.dtype != np.uint8:
+                    raise ExportError(f"{where}: stored arrays {got} do not fit logical shape {list(shape)} with block {list(block)}")
+                if amax.dtype != np.float32:
+                    raise ExportError(f"{where}: amax must be float32, got {amax.dtype}")
+                if not _finite(amax):
+                    raise ExportError(f"{where}: non-finite amax (NaN or Inf): the weights it scales are invalid")
+                value = NVFP4Array(jnp.asarray(data), jnp.asarray(scale), jnp.asarray(amax.view(np.uint32)),
+                                   (int(shape[-2]), int(shape[-1])), block)
+            elif entry.get("kind") == "array":
+                arr = _read(directory, where, files["value"])
+                if not _finite(arr):
+                    raise ExportError(f"{where}: non-finite values (NaN or Inf)")
+                value = jnp.asarray(arr)
+            else:
+                raise ExportError(f"{where}: unknown kind {entry.get('kind')!r}")
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ExportError):
+                raise
+            raise ExportError(f"{where}: malformed manifest entry ({type(e).__name__}: {e})") from None
+        out.append((entry.get("path"), [tuple(k) for k in entry.get("keys", [])], value))
+    if like is not None:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_nvfp4)
+        by_path = {p: v for p, _, v in out}
+        want = [path_str(p) for p, _ in flat]
+        if sorted(want) != sorted(by_path):
+            missing = sorted(set(want) - set(by_path))
+            extra = sorted(set(by_path) - set(want))
+            raise ExportError(f"{directory}: leaves do not match `like`: missing {missing[:3]}, extra {extra[:3]}")
+        return jax.tree_util.tree_unflatten(treedef, [by_path[p] for p in want])
+    return _build([(keys, v) for _, keys, v in out])

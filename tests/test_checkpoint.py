@@ -1,0 +1,373 @@
+"""Checkpoints (train.checkpoint) and NVFP4 export (jax_nvfp4.export).
+
+One tiny job (widths divisible by 16 x 6, batch divisible by 8, 6, 4 and 1) is trained once
+uninterrupted and once stopped after step 3 and resumed from its step-2 checkpoint; the
+resumed run's checkpoints then restore onto other meshes and feed the export tests.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_nvfp4 as nv
+from train import checkpoint as ckpt_lib
+from train import data as data_lib
+from train import loop
+from train import mesh as mesh_lib
+from train.config import load_config
+from train.model import from_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "train", "configs", "tiny.yaml")
+# Shared by the reliability test modules, so that their identical programs compile once.
+JOB = ("train.steps=6", "model.d_model=96", "model.heads=2", "model.mlp_hidden=192", "data.batch_size=24")
+
+
+def tiny(*overrides):
+    return load_config(TINY, [*JOB, *overrides])
+
+
+def mesh_of(cfg, n):
+    return mesh_lib.build_mesh(cfg.mesh, jax.devices()[:n])
+
+
+def same_bytes(a: dict, b: dict, keys=None):
+    keys = sorted(a) if keys is None else keys
+    assert sorted(a) == sorted(b)
+    bad = [k for k in keys if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or a[k].tobytes() != b[k].tobytes()]
+    assert not bad, bad[:5]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """A persistent XLA cache for this module (and the CLI subprocesses it starts)."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    path = str(tmp_path_factory.getbasetemp() / "jax-cache")
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    cc.reset_cache()
+    yield path
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+    cc.reset_cache()
+
+
+def cli(args, cache, env=None, timeout=240):
+    e = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "train", "--config", TINY, "--no-progress", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=e)
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    cfg = tiny()
+    r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path_factory.mktemp("reference")), progress=False)
+    r["host"] = ckpt_lib.host_arrays(r["params"], r["opt_state"])
+    return r
+
+
+@pytest.fixture(scope="module")
+def resumed(reference, tmp_path_factory):
+    base = tmp_path_factory.mktemp("resumed")
+    ck, out = base / "ck", base / "out"
+    cfg = tiny(f"checkpoint.dir={ck}", "checkpoint.every=2", "checkpoint.async_save=true")
+
+    def stop_after_3(step, *_):
+        if step == 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        loop.run(cfg, mesh_of(cfg, 8), str(out), progress=False, on_step=stop_after_3)
+    steps_after_stop = sorted(int(d) for d in os.listdir(ck) if d.isdigit())
+    r = loop.run(cfg, mesh_of(cfg, 8), str(out), progress=False)
+    return {"cfg": cfg, "ck": ck, "out": out, "run": r, "steps_after_stop": steps_after_stop}
+
+
+# ----------------------------------------------------------------------------- resume
+def test_resume_is_bit_identical_and_metrics_continue(reference, resumed):
+    assert resumed["steps_after_stop"] == [2]
+    r = resumed["run"]
+    assert r["start_step"] == 2
+    recs = [json.loads(line) for line in (resumed["out"] / "metrics.jsonl").read_text().splitlines()]
+    # Step 3 of the stopped run was dropped: the file continues from the checkpoint.
+    assert [x["step"] for x in recs] == [1, 2, 3, 4, 5, 6]
+    assert [x["loss"] for x in recs] == reference["history"]
+    assert r["history"] == reference["history"]
+    same_bytes(ckpt_lib.host_arrays(r["params"], r["opt_state"]), reference["host"])
+    # keep=3 (the default) of the checkpoints at 2, 4, 6.
+    assert ckpt_lib.Checkpointer(str(resumed["ck"])).all_steps() == [2, 4, 6]
+
+
+def test_rerun_after_the_end_trains_nothing(reference, resumed, tmp_path):
+    r = loop.run(resumed["cfg"], mesh_of(resumed["cfg"], 8), str(resumed["out"]), progress=False)
+    assert r["start_step"] == 6 and r["history"] == reference["history"]
+    assert len((resumed["out"] / "metrics.jsonl").read_text().splitlines()) == 6
+
+
+# ----------------------------------------------------------------------------- reshard
+# A step compiles a new program per mesh: take one on the uneven (6) and the tensor mesh.
+@pytest.mark.parametrize("data,tensor,step", [(4, 1, False), (6, 1, True), (1, 1, False), (4, 2, True)])
+def test_restore_onto_another_mesh(reference, resumed, data, tensor, step):
+    cfg = tiny(f"mesh.data={data}", f"mesh.tensor={tensor}")
+    mesh = mesh_of(cfg, data * tensor)
+    trainer, _, _ = loop.build(cfg, mesh, init=False)
+    ck = ckpt_lib.Checkpointer(str(resumed["ck"]))
+    r = ck.restore(6, trainer.abstract_params, trainer.abstract_state, trainer.param_shardings, trainer.state_shardings)
+    ck.close()
+    assert r.step == 6 and r.data_state == {"step": 6, "seed": 0}
+    # Bit-identical params and logical masters / optimizer state, in this mesh's layout.
+    same_bytes(ckpt_lib.host_arrays(r.params, r.opt_state), reference["host"])
+    got = jax.tree.leaves(jax.tree.map(lambda a: a.sharding, (r.params, r.opt_state)))
+    want = jax.tree.leaves((trainer.param_shardings, trainer.state_shardings))
+    assert len(got) == len(want) and all(g == w for g, w in zip(got, want))
+    masters = jax.tree.leaves(nv.find_state(r.opt_state).master, is_leaf=lambda x: isinstance(x, nv.MasterArray))
+    n_data = data
+    assert all(m.value.shape[m.data_dim] % (16 * n_data) == 0 for m in masters if m.nvfp4)
+    if not step:
+        return
+    # ... and it trains on.
+    it = data_lib.make_data_iterator(cfg)
+    batch = loop.global_batch(trainer, it.batch_at(6))
+    before = np.asarray(nv.find_state(r.opt_state).master["blocks"]["mlp"]["up"]["kernel"].logical())
+    params, opt_state, m = trainer.step_fn(r.params, r.opt_state, batch, jax.random.fold_in(r.base_key, 6), np.float32(1))
+    assert np.isfinite(float(m["loss"])) and int(m["skipped"]) == 0
+    after = np.asarray(nv.find_state(opt_state).master["blocks"]["mlp"]["up"]["kernel"].logical())
+    assert not np.array_equal(before, after)
+
+
+# ----------------------------------------------------------------------------- refusals
+def test_incompatible_checkpoint_is_refused_by_the_cli(resumed, compile_cache, tmp_path):
+    out = tmp_path / "never"
+    listing = sorted(os.listdir(resumed["ck"]))
+    proc = cli([*sum((["--set", o] for o in JOB), []), "--set", "model.d_model=64", "--set", f"checkpoint.dir={resumed['ck']}",
+                "--out", str(out)], compile_cache)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("checkpoint error:") and "does not match" in err[0], proc.stderr[-2000:]
+    assert "params/" in err[0] and "shape" in err[0]
+    assert not out.exists()
+    assert sorted(os.listdir(resumed["ck"])) == listing
+
+
+def test_checkpoint_of_another_optimizer_is_refused(resumed):
+    cfg = tiny("optim.name=sgd")
+    trainer, _, _ = loop.build(cfg, mesh_of(cfg, 8), init=False)
+    ck = ckpt_lib.Checkpointer(str(resumed["ck"]))
+    with pytest.raises(ckpt_lib.CheckpointError, match="does not match this model/optimizer") as e:
+        ck.restore(6, trainer.abstract_params, trainer.abstract_state, trainer.param_shardings, trainer.state_shardings)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("where", ["master", "amax"])
+def test_nonfinite_checkpoint_is_refused(reference, tmp_path, where):
+    cfg = tiny()
+    mesh = mesh_of(cfg, 8)
+    trainer, _, _ = loop.build(cfg, mesh, init=False)
+    params, opt_state = reference["params"], reference["opt_state"]
+    mw = nv.find_state(opt_state)
+    if where == "master":
+        m = mw.master["blocks"]["attn"]["q"]["kernel"]
+        poisoned = nv.MasterArray(m.value.at[0, 1, 2].set(jnp.nan), m.shape, m.data_dim, m.tensor_dim, m.nvfp4)
+        master = {**mw.master, "blocks": {**mw.master["blocks"], "attn": {**mw.master["blocks"]["attn"],
+                                                                          "q": {"kernel": poisoned}}}}
+        opt_state = _replace_master(opt_state, master)
+        needle = "opt_state/"
+    else:
+        q = params["blocks"]["mlp"]["down"]["kernel"]
+        bad = jax.lax.bitcast_convert_type(jnp.full(q.amax_bits.shape, jnp.inf, jnp.float32), jnp.uint32)
+        q = nv.NVFP4Array(q.data, q.scale_bits, bad, q.matrix_shape, q.block)
+        params = {**params, "blocks": {**params["blocks"], "mlp": {**params["blocks"]["mlp"], "down": {"kernel": q}}}}
+        needle = "params/blocks/mlp/down/kernel/amax_bits"
+    ck = ckpt_lib.Checkpointer(str(tmp_path / "ck"))
+    ck.save(6, params, opt_state, mesh=mesh, rules=trainer.rules, data_state={"step": 6, "seed": 0})
+    ck.close()
+    ck = ckpt_lib.Checkpointer(str(tmp_path / "ck"))
+    with pytest.raises(ckpt_lib.CheckpointError, match="non-finite") as e:
+        ck.restore(6, trainer.abstract_params, trainer.abstract_state, trainer.param_shardings, trainer.state_shardings)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def _replace_master(state, master):
+    def visit(x):
+        if isinstance(x, nv.MasterWeightsState):
+            return x._replace(master=master)
+        if isinstance(x, tuple) and not hasattr(x, "_fields"):
+            return tuple(visit(y) for y in x)
+        return x
+
+    return visit(state)
+
+
+# ----------------------------------------------------------------------------- atomic saves
+def test_save_failing_at_its_commit_leaves_the_previous_checkpoint(reference, tmp_path, monkeypatch):
+    from orbax.checkpoint._src.path import async_path
+
+    cfg = tiny()
+    mesh = mesh_of(cfg, 8)
+    trainer, _, _ = loop.build(cfg, mesh, init=False)
+    d = str(tmp_path / "ck")
+    ck = ckpt_lib.Checkpointer(d)
+    ck.save(1, reference["params"], reference["opt_state"], mesh=mesh, rules=trainer.rules, data_state={"step": 1, "seed": 0})
+    ck.wait()
+
+    async def crash(*a, **k):
+        raise OSError("simulated crash")
+
+    # Every file of step 2 is written, then the process "dies" at the atomic rename.
+    monkeypatch.setattr(async_path, "rename", crash)
+    with pytest.raises(Exception):
+        ck.save(2, reference["params"], reference["opt_state"], mesh=mesh, rules=trainer.rules,
+                data_state={"step": 2, "seed": 0})
+        ck.wait()
+    monkeypatch.undo()
+    try:
+        ck.close()
+    except Exception:  # noqa: BLE001 - the failed save may be reported again
+        pass
+    assert any(".orbax-checkpoint-tmp" in n for n in os.listdir(d))
+    ck2 = ckpt_lib.Checkpointer(d)
+    assert ck2.all_steps() == [1]
+    assert not any("tmp" in n for n in os.listdir(d))  # the leftover was cleaned up
+    r = ck2.restore(1, trainer.abstract_params, trainer.abstract_state, trainer.param_shardings, trainer.state_shardings)
+    same_bytes(ckpt_lib.host_arrays(r.params, r.opt_state), reference["host"])
+
+
+KILL_CHILD = textwrap.dedent("""
+    import sys
+    import jax, numpy as np, optax
+    import jax_nvfp4 as nv
+    from jax.sharding import Mesh
+    from train.checkpoint import Checkpointer
+
+    def state():
+        rng = np.random.default_rng(0)
+        params = nv.quantize_params({"w": rng.standard_normal((256, 512)).astype(np.float32),
+                                     "b": rng.standard_normal(512).astype(np.float32)})
+        return params, nv.master_weights(optax.adam(1e-3)).init(params)
+
+    if __name__ == "__main__":
+        params, opt_state = state()
+        mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+        ck = Checkpointer(sys.argv[1], keep=2)
+        for step in range(1, 10_000):
+            ck.save(step, params, opt_state, mesh=mesh, data_state={"step": step, "seed": 0})
+            print("saved", step, flush=True)
+""")
+
+
+def test_save_killed_at_a_random_point_keeps_the_last_checkpoint(tmp_path):
+    d = tmp_path / "ck"
+    script = tmp_path / "child.py"
+    script.write_text(KILL_CHILD)
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    child = subprocess.Popen([sys.executable, str(script), str(d)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in child.stdout:
+            if line.strip() == "saved 3":
+                break
+        time.sleep(0.05 + 0.2 * np.random.default_rng().random())
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import child as mod
+    finally:
+        sys.path.pop(0)
+    params, opt_state = mod.state()
+    abstract = jax.eval_shape(lambda: (params, opt_state))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    ck = ckpt_lib.Checkpointer(str(d))
+    steps = ck.all_steps()
+    # keep=2; a kill between a commit and the deletion of the oldest may leave one more (which
+    # may be half deleted: orbax deletes old steps in place). The latest is always whole.
+    assert steps and steps[-1] >= 3 and len(steps) <= 3
+    r = ck.restore(steps[-1], *abstract, nv.shardings(abstract[0], mesh), nv.shardings(abstract[1], mesh))
+    assert r.data_state["step"] == steps[-1]
+    same_bytes(ckpt_lib.host_arrays(r.params, r.opt_state), ckpt_lib.host_arrays(params, opt_state))
+
+
+# ----------------------------------------------------------------------------- export
+def test_export_roundtrip_gives_bit_identical_logits(reference, tmp_path):
+    cfg = tiny()
+    params = jax.device_get(reference["params"])  # one layout for both, so one program
+    manifest = nv.export_nvfp4(params, str(tmp_path / "export"))
+    m = json.loads(open(manifest).read())
+    assert m["format"] == "jax_nvfp4.export" and m["version"] == 1
+    kinds = {e["path"]: e for e in m["leaves"]}
+    q = kinds["blocks/attn/q/kernel"]
+    assert q["kind"] == "nvfp4" and q["shape"] == [2, 96, 96] and q["block"] == [16, 16]
+    assert set(q["files"]) == {"data", "scale", "amax"} and all(len(f["sha256"]) == 64 for f in q["files"].values())
+    assert kinds["embed"]["dtype"] == "bfloat16"
+    loaded = nv.load_nvfp4(str(tmp_path / "export"))
+    assert jax.tree.structure(loaded, is_leaf=nv.is_nvfp4) == jax.tree.structure(params, is_leaf=nv.is_nvfp4)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
+        assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    model = from_config(cfg.model, cfg.nvfp4)
+    logits = jax.jit(lambda p, t: model.apply({"params": nv.dequantize_params(p, jnp.bfloat16)}, t))
+    tokens = jnp.asarray(data_lib.make_data_iterator(cfg).batch_at(0)[:4, :-1])
+    a, b = np.asarray(logits(params, tokens)), np.asarray(logits(loaded, tokens))
+    assert a.tobytes() == b.tobytes()
+    with pytest.raises(FileExistsError):
+        nv.export_nvfp4(params, str(tmp_path / "export"))
+
+
+def test_export_of_any_pytree_and_its_refusals(tmp_path):
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((3, 40, 33)).astype(np.float32)
+    tree = {"layers": [{"w": nv.quantize(jnp.asarray(w))}, {"v": jnp.asarray(rng.standard_normal(7), jnp.bfloat16)}],
+            "step": jnp.asarray(5, jnp.int32), "t": (jnp.ones((2, 2), jnp.float16),)}
+    d = str(tmp_path / "e")
+    nv.export_nvfp4(tree, d)
+    back = nv.load_nvfp4(d, like=tree)
+    assert jax.tree.structure(back, is_leaf=nv.is_nvfp4) == jax.tree.structure(tree, is_leaf=nv.is_nvfp4)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
+        assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    plain = nv.load_nvfp4(d)  # no `like`: nested dicts and lists
+    assert isinstance(plain["layers"], list) and nv.is_nvfp4(plain["layers"][0]["w"])
+
+    # Non-finite weights are not exported, and nothing is written.
+    bad = {"w": nv.quantize(jnp.asarray(w).at[0, 0, 0].set(jnp.nan))}
+    with pytest.raises(nv.ExportError, match="non-finite amax"):
+        nv.export_nvfp4(bad, str(tmp_path / "bad"))
+    assert not os.path.exists(tmp_path / "bad") and not [n for n in os.listdir(tmp_path) if "tmp" in n]
+
+    # An altered file is refused by its hash; a NaN amax with a matching hash by its value.
+    m = json.load(open(os.path.join(d, "manifest.json")))
+    entry = m["leaves"][0]["files"]["amax"]
+    path = os.path.join(d, entry["name"])
+    amax = np.load(path)
+    np.save(path, np.full_like(amax, 2.0))
+    with pytest.raises(nv.ExportError, match="sha256"):
+        nv.load_nvfp4(d)
+    np.save(path, np.full_like(amax, np.nan))
+    import hashlib
+
+    entry["sha256"] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    json.dump(m, open(os.path.join(d, "manifest.json"), "w"))
+    with pytest.raises(nv.ExportError, match="non-finite amax") as e:
+        nv.load_nvfp4(d)
+    assert "layers/0/w" in str(e.value)
+    os.remove(path)
+    with pytest.raises(nv.ExportError, match="missing"):
+        nv.load_nvfp4(d)
+    with pytest.raises(nv.ExportError, match="manifest"):
+        nv.load_nvfp4(str(tmp_path))
+    with pytest.raises(TypeError, match="PRNG key"):
+        nv.export_nvfp4({"k": jax.random.key(0)}, str(tmp_path / "k"))

@@ -1,0 +1,133 @@
+"""Faults and bad input: non-finite gradients (skip or stop), bad configs, data and checkpoints.
+
+Non-finite gradients come from the loop's fault-injection hook (``loop.run(...,
+inject_nonfinite={step: value})``, ``TRAIN_FAULT_NONFINITE`` for the CLI), which multiplies
+that step's loss by NaN or Inf: tokens are integers, so there is no other way in.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from train import checkpoint as ckpt_lib
+from train import loop
+from train import mesh as mesh_lib
+from train.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "train", "configs", "tiny.yaml")
+JOB = ("train.steps=6", "model.d_model=96", "model.heads=2", "model.mlp_hidden=192", "data.batch_size=24")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """A persistent XLA cache for this module and its subprocesses (shared with the other
+    reliability modules of the session)."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    path = str(tmp_path_factory.getbasetemp() / "jax-cache")
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    cc.reset_cache()
+    yield path
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+    cc.reset_cache()
+
+
+def tiny(*overrides):
+    return load_config(TINY, [*JOB, *overrides])
+
+
+def cli(args, cache, env=None, timeout=240):
+    e = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **(env or {}))
+    sets = sum((["--set", o] for o in JOB), [])
+    return subprocess.run([sys.executable, "-m", "train", "--config", TINY, "--no-progress", *sets, *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=e)
+
+
+def test_nonfinite_steps_are_skipped_and_training_continues(tmp_path, capsys):
+    cfg = tiny()
+    snaps = {}
+
+    def on_step(step, params, opt_state, it):
+        snaps[step] = ckpt_lib.host_arrays(params, opt_state)
+
+    r = loop.run(cfg, mesh_lib.build_mesh(cfg.mesh, jax.devices()[:8]), str(tmp_path), progress=True,
+                 on_step=on_step, inject_nonfinite={3: float("nan"), 5: float("inf")})
+    for bad in (3, 5):
+        before, after = snaps[bad - 1], snaps[bad]
+        changed = [k for k in before if before[k].tobytes() != after[k].tobytes()]
+        # Params, masters, optimizer moments and counts are bit-identical; only the count moves.
+        assert changed == ["opt_state/skipped"], changed
+        assert int(after["opt_state/skipped"]) == int(before["opt_state/skipped"]) + 1
+    for good in (2, 4, 6):
+        assert snaps[good]["opt_state/master/blocks/mlp/up/kernel"].tobytes() != \
+            snaps[good - 1]["opt_state/master/blocks/mlp/up/kernel"].tobytes()
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["skipped"] for x in recs] == [0, 0, 1, 1, 2, 2]
+    assert math.isnan(recs[2]["loss"]) and not math.isfinite(recs[4]["loss"])
+    assert all(math.isfinite(recs[i]["loss"]) for i in (0, 1, 3, 5))
+    assert recs[5]["loss"] < recs[0]["loss"]
+    assert r["skipped_steps"] == 2
+    assert "skipped=2" in capsys.readouterr().err  # the progress bar's postfix
+
+
+def test_nonfinite_error_stops_the_cli_and_keeps_the_last_checkpoint(tmp_path, compile_cache):
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    proc = cli(["--set", "nvfp4.nonfinite=error", "--set", f"checkpoint.dir={ck}", "--set", "checkpoint.every=2",
+                "--out", str(out)], compile_cache, env={"TRAIN_FAULT_NONFINITE": "3:nan"})
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: master_weights: non-finite gradients"), proc.stderr[-2000:]
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in recs] == [1, 2]
+    # Only the checkpoint before the bad step exists, and it restores (finite, step 2).
+    cfg = tiny()
+    trainer, _, _ = loop.build(cfg, mesh_lib.build_mesh(cfg.mesh, jax.devices()[:8]), init=False)
+    c = ckpt_lib.Checkpointer(str(ck))
+    assert c.all_steps() == [2]
+    r = c.restore(2, trainer.abstract_params, trainer.abstract_state, trainer.param_shardings, trainer.state_shardings)
+    assert r.step == 2 and r.data_state["step"] == 2
+    # A damaged checkpoint is refused with one line.
+    meta = next(p for p in (ck / "2" / "meta").iterdir() if p.is_file())
+    meta.write_text("{not json")
+    with pytest.raises(ckpt_lib.CheckpointError, match="cannot read its metadata") as e:
+        ckpt_lib.Checkpointer(str(ck)).restore(2, trainer.abstract_params, trainer.abstract_state,
+                                               trainer.param_shardings, trainer.state_shardings)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_inputs_are_one_line_errors_that_write_nothing(tmp_path, compile_cache):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cases = [
+        (["--set", "mesh.tensor=3"], "config error:", "mesh.tensor=3"),
+        (["--set", "mesh.data=16"], "config error:", "mesh.data=16"),
+        (["--set", "data.source=file", "--set", f"data.path={tmp_path}"], "config error:", "not a regular file"),
+        (["--set", "data.source=file", "--set", f"data.path={empty}"], "config error:", "file is empty"),
+        (["--set", "checkpoint.keep=0"], "config error:", "checkpoint.keep"),
+        (["--set", f"checkpoint.dir={a_file}"], "checkpoint error:", "checkpoint.dir"),
+    ]
+    for i, (args, prefix, needle) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        proc = cli([*args, "--out", str(out)], compile_cache)
+        err = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2, (args, proc.stderr[-2000:])
+        assert len(err) == 1 and err[0].startswith(prefix) and needle in err[0], (args, proc.stderr[-2000:])
+        assert not out.exists(), args
+    assert a_file.read_text() == "x"
+
+
+def test_fault_hook_env_is_validated(tmp_path, compile_cache):
+    proc = cli(["--out", str(tmp_path / "o")], compile_cache, env={"TRAIN_FAULT_NONFINITE": "three"})
+    assert proc.returncode == 2 and "TRAIN_FAULT_NONFINITE" in proc.stderr
+    assert not (tmp_path / "o").exists()

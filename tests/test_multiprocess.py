@@ -1,0 +1,166 @@
+"""Multi-controller training: 2 processes x 4 CPU devices (gloo over 127.0.0.1) against 1 x 8.
+
+One sequence, shared by the tests: two processes start the tiny job with checkpoints every 2
+steps; process 1 dies abruptly after step 3 (``TRAIN_FAULT_EXIT``); process 0 must stop with
+a clear error instead of hanging in a collective. Then both are restarted with the same
+command (through ``scripts/launch_local.sh``) and continue from the step-2 checkpoint. The
+losses of the whole run, its final checkpoint and its export are bit-identical to one
+process with 8 devices: every cross-device float sum in the step is a data movement followed
+by a sum in a fixed order (``train.loop.ordered_mean``), so the collective implementation
+(in-process vs gloo) cannot change a bit.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import jax_nvfp4 as nv
+from train import checkpoint as ckpt_lib
+from train import loop
+from train import mesh as mesh_lib
+from train.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "train", "configs", "tiny.yaml")
+JOB = ("train.steps=6", "model.d_model=96", "model.heads=2", "model.mlp_hidden=192", "data.batch_size=24")
+HEARTBEAT_S = 10
+SURVIVOR_DEADLINE_S = 60
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """A persistent XLA cache for this module and its subprocesses (shared with the other
+    reliability modules of the session)."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    path = str(tmp_path_factory.getbasetemp() / "jax-cache")
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    cc.reset_cache()
+    yield path
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+    cc.reset_cache()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_args(ck, out, export=None):
+    args = ["--config", TINY, "--no-progress", "--out", str(out), "--set", f"checkpoint.dir={ck}", "--set", "checkpoint.every=2"]
+    for o in JOB:
+        args += ["--set", o]
+    return args + (["--export", str(export)] if export else [])
+
+
+def proc_env(cache, **extra):
+    env = dict(os.environ)
+    env.update(
+        XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", JAX_NUM_PROCESSES="2",
+        JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", JAX_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S),
+        JAX_INIT_TIMEOUT="120", JAX_SHUTDOWN_TIMEOUT="30", PYTHONUNBUFFERED="1",
+        JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **extra,
+    )
+    return env
+
+
+@pytest.fixture(scope="module")
+def sequence(compile_cache, tmp_path_factory):
+    base = tmp_path_factory.mktemp("mp")
+    ck, out, export = base / "ck", base / "out", base / "export"
+    port = free_port()
+    procs, logs = [], []
+    try:
+        for i in range(2):
+            log = open(base / f"p{i}.log", "w+")
+            env = proc_env(compile_cache, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_ID=str(i),
+                           TRAIN_FAULT_EXIT="3:1")
+            procs.append(subprocess.Popen([sys.executable, "-m", "train", *job_args(ck, out)], cwd=ROOT, env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
+            logs.append(log)
+        t_start = time.monotonic()
+        died_at = survivor_at = None
+        while time.monotonic() - t_start < 240 and (died_at is None or survivor_at is None):
+            if died_at is None and procs[1].poll() is not None:
+                died_at = time.monotonic()
+            if survivor_at is None and procs[0].poll() is not None:
+                survivor_at = time.monotonic()
+            if died_at is not None and survivor_at is None and time.monotonic() - died_at > SURVIVOR_DEADLINE_S:
+                break
+            time.sleep(0.1)
+        rcs = [p.poll() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+        log.close()
+    faulted = {"rcs": rcs, "died_at": died_at, "survivor_at": survivor_at, "logs": texts,
+               "steps_on_disk": sorted(int(d) for d in os.listdir(ck) if d.isdigit()) if ck.exists() else []}
+
+    env = proc_env(compile_cache, LAUNCH_PORT=str(free_port()), PYTHON=sys.executable)
+    restarted = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2", *job_args(ck, out, export)],
+                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return {"faulted": faulted, "restarted": restarted, "ck": ck, "out": out, "export": export}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    cfg = load_config(TINY, list(JOB))
+    mesh = mesh_lib.build_mesh(cfg.mesh, jax.devices()[:8])
+    r = loop.run(cfg, mesh, str(tmp_path_factory.mktemp("ref")), progress=False)
+    r["host"] = ckpt_lib.host_arrays(r["params"], r["opt_state"])
+    r["trainer"] = loop.build(cfg, mesh, init=False)[0]
+    return r
+
+
+def test_survivor_of_a_dead_peer_stops_with_a_clear_error(sequence):
+    f = sequence["faulted"]
+    assert f["rcs"][1] == 17, f["logs"][1][-2000:]  # TRAIN_FAULT_EXIT's status
+    assert "process 1 exits after step 3" in f["logs"][1]
+    assert f["survivor_at"] is not None, "process 0 still running 60 s after its peer died:\n" + f["logs"][0][-3000:]
+    assert f["rcs"][0] not in (0, None)
+    assert f["survivor_at"] - f["died_at"] < SURVIVOR_DEADLINE_S
+    # Either gloo reports the closed connection (exit 4, one line from the CLI) or the
+    # coordination service's heartbeat check ends the process.
+    assert ("error: process 0:" in f["logs"][0]) or ("another task died" in f["logs"][0]), f["logs"][0][-3000:]
+    # The checkpoint of step 2 is on disk; nothing of the failed step 4.
+    assert f["steps_on_disk"] == [2]
+
+
+def test_restart_continues_and_two_processes_match_one(sequence, reference):
+    r = sequence["restarted"]
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    recs = [json.loads(line) for line in (sequence["out"] / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in recs] == [1, 2, 3, 4, 5, 6]
+    assert [x["loss"] for x in recs] == reference["history"]
+    # The final checkpoint of the two processes holds exactly the single-process state.
+    t = reference["trainer"]
+    ck = ckpt_lib.Checkpointer(str(sequence["ck"]))
+    assert ck.all_steps() == [2, 4, 6]
+    got = ck.restore(6, t.abstract_params, t.abstract_state, t.param_shardings, t.state_shardings)
+    ck.close()
+    host = ckpt_lib.host_arrays(got.params, got.opt_state)
+    bad = [k for k in reference["host"] if host[k].tobytes() != reference["host"][k].tobytes()]
+    assert not bad, bad[:5]
+    # --export from two processes: process 0 writes the gathered weights.
+    loaded = nv.load_nvfp4(str(sequence["export"]))
+    want = jax.device_get(reference["params"])
+    assert jax.tree.structure(loaded, is_leaf=nv.is_nvfp4) == jax.tree.structure(want, is_leaf=nv.is_nvfp4)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(want)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

@@ -1,0 +1,237 @@
+"""``python -m benchmarks``: NVFP4 weights vs bf16 weights, measured side by side.
+
+Sections (default ``all`` = every one but ``scale``)::
+
+    traffic      1. parameter all-gather and gradient-reduction bytes per step (compiled HLO)
+    memory       2. per-device training state (params, master, optimizer, grads), temporaries
+    speed        3. median step time
+    quantize     4. quantize / dequantize throughput vs memory-bound passes
+    convergence  5. final loss after a fixed budget: NVFP4, bf16, nvfp4.compute=nvfp4
+    scaling      6. figures 1-3 over model sizes x data-axis sizes 1, 2, 4, 8
+    scale        compile-only large models on simulated racks (``benchmarks.scale``; takes its
+                 own arguments: ``python -m benchmarks scale --help``)
+
+Examples::
+
+    python -m benchmarks                       # everything, into benchmarks/results/ (< 15 min on 2 CPU cores)
+    python -m benchmarks traffic memory        # two sections; the report keeps the others' results
+    python -m benchmarks --quick               # smoke run into runs/benchmarks-quick/
+
+Results: one JSON per section, REPORT.md (with PNG plots) and HEADLINE.md in ``--out``. On CPU the
+run asks for 8 simulated devices (unless XLA_FLAGS sets a count); on GPU/TPU it uses
+``jax.devices()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Sequence
+
+SECTIONS = ("traffic", "memory", "speed", "quantize", "convergence", "scaling")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join("benchmarks", "results")
+QUICK_OUT = os.path.join("runs", "benchmarks-quick")
+
+
+def _ints(text: str) -> List[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _names(text: str) -> List[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: Sequence[str]):
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("sections", nargs="*", default=["all"], metavar="SECTION",
+                   help=f"all (default) or any of: {', '.join(SECTIONS)}; or 'scale ARGS...'")
+    p.add_argument("--quick", action="store_true", help="a fast smoke run: tiny model, data 1 and 8, short budgets")
+    p.add_argument("--out", help=f"results folder (default {DEFAULT_OUT}; with --quick {QUICK_OUT})")
+    p.add_argument("--sizes", type=_names, help="model sizes for scaling, e.g. tiny,small,medium")
+    p.add_argument("--data-sizes", type=_ints, help="data-axis sizes for scaling, e.g. 1,2,4,8")
+    p.add_argument("--ref-size", help="model size of the traffic/memory/speed sections (default small; "
+                   "quick: tiny), measured at the largest of --data-sizes")
+    p.add_argument("--repeats", type=int, help="timed steps per point (default 3; quick: 2)")
+    p.add_argument("--conv-size", help="model size of the convergence runs (default tiny)")
+    p.add_argument("--conv-steps", type=int, help="convergence budget in steps (default 300; quick: 40)")
+    p.add_argument("--quant-size", type=int, help="square side for quantize throughput (default 4096; quick: 1024)")
+    p.add_argument("--host-devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    args = p.parse_args(argv)
+    for s in args.sections:
+        if s not in ("all", *SECTIONS):
+            p.error(f"unknown section {s!r}; choose from all, {', '.join(SECTIONS)}, scale")
+    q = args.quick
+    args.out = args.out or (QUICK_OUT if q else DEFAULT_OUT)
+    args.sizes = args.sizes or (["tiny"] if q else ["tiny", "small", "medium"])
+    args.data_sizes = args.data_sizes or ([1, 8] if q else [1, 2, 4, 8])
+    args.ref_size = args.ref_size or ("tiny" if q else "small")
+    args.repeats = args.repeats if args.repeats is not None else (2 if q else 3)
+    args.conv_size = args.conv_size or "tiny"
+    args.conv_steps = args.conv_steps or (40 if q else 300)
+    args.quant_size = args.quant_size or (1024 if q else 4096)
+    sections = list(dict.fromkeys(SECTIONS if "all" in args.sections else args.sections))
+    args.sections = sections
+    return args
+
+
+def run_scale(argv: Sequence[str]) -> int:
+    """``python -m benchmarks scale ...`` -> ``benchmarks.scale:main(argv)`` when it exists."""
+    if importlib.util.find_spec("benchmarks.scale") is None:
+        print("python -m benchmarks scale: benchmarks/scale.py is not in this checkout", file=sys.stderr)
+        return 2
+    result = importlib.import_module("benchmarks.scale").main(list(argv))
+    return result if isinstance(result, int) else 0
+
+
+def _setup_devices(n: int):
+    import jax
+
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        try:  # only the CPU platform reads it; it must precede any device use
+            jax.config.update("jax_num_cpu_devices", n)
+        except RuntimeError:
+            pass  # backend already up (e.g. under pytest): keep its devices
+    return jax.devices()
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _meta(section: str, flags: Sequence[str], devices, wall_s: float) -> Dict[str, Any]:
+    import jax
+
+    return {
+        "command": " ".join(["python -m benchmarks", section, *flags]),
+        "platform": jax.default_backend(),
+        "device_kind": devices[0].device_kind,
+        "n_devices": len(devices),
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+        "git_commit": _git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "wall_s": round(wall_s, 1),
+        # Timings on a shared host move with its load; the 1-minute load average says how busy.
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def _flags(argv: Sequence[str]) -> List[str]:
+    """The option part of ``argv`` (what reproduces a section besides its name)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            out.append(a)
+            skip = False
+        elif a.startswith("-"):
+            out.append(a)
+            skip = "=" not in a and a not in ("--quick",)
+        # positional section names are dropped
+    return out
+
+
+def _write(out_dir: str, name: str, obj: Dict[str, Any]) -> None:
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+        f.write("\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "scale":
+        return run_scale(argv[1:])
+    args = parse_args(argv)
+    flags = _flags(argv)
+    t_start = time.perf_counter()
+    devices = _setup_devices(args.host_devices)
+    os.makedirs(args.out, exist_ok=True)
+
+    from benchmarks import report
+    from benchmarks import train_step as ts
+
+    for s in {*args.sizes, args.ref_size, args.conv_size}:
+        if s not in ts.SIZES:
+            print(f"unknown model size {s!r}; sizes are {', '.join(ts.SIZES)}", file=sys.stderr)
+            return 2
+    data_sizes = ts.data_sizes_for(devices, args.data_sizes)
+    dropped = sorted(set(args.data_sizes) - set(data_sizes))
+    print(f"benchmarks: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}); "
+          f"sections {', '.join(args.sections)}; results in {args.out}"
+          + (f"; data sizes {dropped} skipped (more than the {len(devices)} devices)" if dropped else ""),
+          flush=True)
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.0f}s] {msg}", flush=True)
+
+    points: Dict[tuple, Dict[str, Any]] = {}
+    if "scaling" in args.sections:
+        t0 = time.perf_counter()
+        log(f"scaling: sizes {args.sizes} x data {data_sizes}")
+        for size in args.sizes:
+            for n in data_sizes:
+                points[(size, n)] = ts.measure_pair(size, n, devices, time_steps=args.repeats, log=log)
+        _write(args.out, "scaling", {"meta": _meta("scaling", flags, devices, time.perf_counter() - t0),
+                                     "points": list(points.values())})
+
+    ref_data = max(data_sizes) if data_sizes else 1  # the largest requested data-axis size
+    point_sections = [s for s in ("traffic", "memory", "speed") if s in args.sections]
+    if point_sections:
+        t0 = time.perf_counter()
+        ref = points.get((args.ref_size, ref_data))
+        if ref is None:
+            log(f"{'/'.join(point_sections)}: {args.ref_size} model, data={ref_data}")
+            timed = args.repeats if "speed" in point_sections else 0
+            ref = ts.measure_pair(args.ref_size, ref_data, devices, time_steps=timed, log=log)
+        wall = time.perf_counter() - t0
+        for s in point_sections:
+            _write(args.out, s, {"meta": _meta(s, flags, devices, wall), "point": ref})
+
+    if "quantize" in args.sections:
+        from benchmarks import quantize
+
+        t0 = time.perf_counter()
+        log(f"quantize: {args.quant_size}x{args.quant_size} float32")
+        q = quantize.run(args.quant_size, repeats=5 if args.quick else 10)
+        _write(args.out, "quantize", {"meta": _meta("quantize", flags, devices, time.perf_counter() - t0), "result": q})
+        log(f"  quantize 16x16 {q['quantize_16x16_GBps']:.1f} GB/s = {q['quantize_16x16_vs_same_bytes']:.3f} of a "
+            f"same-bytes pass; dequantize {q['dequantize_bf16_GBps']:.1f} GB/s = "
+            f"{q['dequantize_bf16_vs_same_bytes']:.3f}")
+
+    if "convergence" in args.sections:
+        from benchmarks import convergence
+
+        t0 = time.perf_counter()
+        conv_devices = devices[:ref_data]
+        log(f"convergence: {args.conv_size} model, {args.conv_steps} steps, data={len(conv_devices)}")
+        c = convergence.run(args.conv_size, args.conv_steps, conv_devices, args.out, log=log)
+        _write(args.out, "convergence", {"meta": _meta("convergence", flags, devices, time.perf_counter() - t0), **c})
+
+    summary = report.write(args.out)
+    total = time.perf_counter() - t_start
+    print()
+    print(report.headline(report.load(args.out)))
+    for m in summary["misses"]:
+        print(f"OUTSIDE TARGET: {m}")
+    if not summary["misses"]:
+        print("all checked figures within target")
+    print(f"wrote {args.out}/REPORT.md, HEADLINE.md and {', '.join(s + '.json' for s in summary['sections'])}; "
+          f"total {total:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

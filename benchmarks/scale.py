@@ -1,0 +1,821 @@
+"""Compile the NVFP4 training step for large models on simulated multi-rack meshes; report
+per-device memory and collective traffic.
+
+Nothing is allocated: the model is built with ``jax.eval_shape``, params and optimizer state
+are ``jax.ShapeDtypeStruct`` with their shardings (``jax_nvfp4.shardings``), and the full step
+of ``train.loop.make_step`` (packed gather, dequantize, forward/backward, gradient reduction,
+``master_weights`` update, sharded re-quantization) is lowered and compiled ahead of time for
+a mesh of simulated CPU devices. Figures come from the compiled program:
+
+- per-device state bytes from the shard shapes of the sharded ``ShapeDtypeStruct``\\ s;
+- argument / output / temporary bytes from ``compiled.memory_analysis()``;
+- bytes per collective from the compiled HLO (``jax_nvfp4.collective_bytes`` per instruction,
+  times the trip count of the ``while`` loops around it: with ``grad_reduce="auto"`` XLA puts
+  the per-layer gradient sum inside the scanned backward loop), with the mesh axes and NVLink
+  domains each collective's replica groups span, and its purpose (weight gather, gradient
+  reduction, ...) read from the Python stack that XLA keeps in the HLO metadata.
+
+Collective times are a MODEL, not a measurement: ring algorithms, no latency term, no overlap
+with compute, the slowest link of a group deciding ("flat"), and a two-level variant
+(inside the NVLink domain, then across domains).
+
+Run (the device count is fixed when JAX starts, so run it in a fresh process)::
+
+    python -m benchmarks.scale --model 8b --mesh gb200:2             # 2 NVL72 racks, 144 devices
+    python -m benchmarks.scale --model 8b --mesh gb200:2 --tensor 4  # tensor axis inside a rack
+    python -m benchmarks.scale --model 1b --mesh data:16 --weights nvfp4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+import sys
+import time
+from typing import Any, Dict, List
+
+import numpy as np
+
+# Llama-style shapes; the repo's GPT has no grouped-query attention, so k/v are full MHA
+# projections (d_model x d_model) and the models are a little larger than Llama's.
+PRESETS: Dict[str, Dict[str, int]] = {
+    "1b": dict(d_model=2048, layers=16, heads=32, mlp_hidden=8192, vocab=128256),
+    "8b": dict(d_model=4096, layers=32, heads=32, mlp_hidden=14336, vocab=128256),
+    "70b": dict(d_model=8192, layers=80, heads=64, mlp_hidden=28672, vocab=128256),
+}
+NVLINK_GBPS = 900.0  # NVLink 5, per GPU per direction, inside one NVL72 rack
+IB_GBPS = 50.0  # 400 Gb/s InfiniBand per GPU, across racks
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+# ----------------------------------------------------------------------------- the mesh spec
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """``gb200:R`` = R NVLink racks of ``nvl_domain`` devices (data across racks, tensor inside
+    one); ``data:N`` = a plain mesh with N data shards (``N x tensor`` devices)."""
+
+    kind: str
+    count: int
+    tensor: int = 1
+    nvl_domain: int = 72
+
+    @classmethod
+    def parse(cls, text: str, tensor: int = 1, nvl_domain: int = 72) -> "MeshSpec":
+        m = re.fullmatch(r"(gb200|data):(\d+)", text)
+        if not m or int(m.group(2)) < 1:
+            raise ValueError(f"--mesh {text!r}: expected gb200:RACKS or data:N, e.g. gb200:2 or data:16")
+        return cls(m.group(1), int(m.group(2)), tensor, nvl_domain)
+
+    @property
+    def devices(self) -> int:
+        return self.count * self.nvl_domain if self.kind == "gb200" else self.count * self.tensor
+
+    @property
+    def label(self) -> str:
+        dom = f"-nvl{self.nvl_domain}" if self.kind == "gb200" and self.nvl_domain != 72 else ""
+        return f"{self.kind}-{self.count}{dom}" + (f"-t{self.tensor}" if self.tensor > 1 else "")
+
+
+# ----------------------------------------------------------------------------- HLO analysis
+def _computations(hlo: str) -> Dict[str, List[str]]:
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{") and "(" in line:
+            head = line.split("(", 1)[0].split()
+            name = head[-1].lstrip("%")
+            comps[name] = []
+            if head[0] == "ENTRY":
+                comps["__entry__"] = [name]
+        elif name is not None and line.startswith(" "):
+            comps[name].append(line)
+    return comps
+
+
+def _multipliers(comps: Dict[str, List[str]]):
+    """How many times each computation runs per step: the product of the known trip counts of
+    the ``while`` loops around it. Returns (multipliers, warnings)."""
+    callers = {}
+    warnings = []
+    for comp, lines in comps.items():
+        if comp == "__entry__":
+            continue
+        for line in lines:
+            trip = 1
+            if re.search(r"\swhile\(", line):
+                t = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+                if t:
+                    trip = int(t.group(1))
+                else:
+                    warnings.append("a while loop without a known trip count: its collectives are counted once")
+            for kind, callee in re.findall(r"(body|condition|calls|to_apply)=%([\w.\-]+)", line):
+                callers.setdefault(callee, []).append((comp, trip if kind == "body" else 1))
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                for callee in re.findall(r"%([\w.\-]+)", group):
+                    callers.setdefault(callee, []).append((comp, 1))
+    entry = comps["__entry__"][0]
+
+    @functools.lru_cache(maxsize=None)
+    def mult(c):
+        if c == entry:
+            return 1
+        return sum(mult(caller) * f for caller, f in callers.get(c, ()))
+
+    return {c: mult(c) for c in comps if c != "__entry__"}, warnings
+
+
+def _stacks(hlo: str) -> Dict[int, List[tuple]]:
+    """``stack_frame_id -> [(file, function), ...]`` (innermost first) from the HLO module's
+    FileNames / FunctionNames / FileLocations / StackFrames tables (empty when absent)."""
+    tables, cur = {}, None
+    for line in hlo.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            cur = tables.setdefault(line, {})
+            continue
+        m = re.match(r"(\d+) (.*)$", line) if cur is not None else None
+        if not m:
+            cur = None
+            continue
+        cur[int(m.group(1))] = m.group(2)
+    files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
+    funcs = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
+    locs = {}
+    for k, v in tables.get("FileLocations", {}).items():
+        f, fn = re.search(r"file_name_id=(\d+)", v), re.search(r"function_name_id=(\d+)", v)
+        locs[k] = (files.get(int(f.group(1)), "?") if f else "?", funcs.get(int(fn.group(1)), "?") if fn else "?")
+    parents = {}
+    for k, v in tables.get("StackFrames", {}).items():
+        loc, par = re.search(r"file_location_id=(\d+)", v), re.search(r"parent_frame_id=(\d+)", v)
+        parents[k] = (int(loc.group(1)) if loc else 0, int(par.group(1)) if par else 0)
+    # This XLA prints parent_frame_id one above the frame it names (a root frame shows its own
+    # id); detect that and shift, so the chains below follow real callers.
+    if any(k == par for k, (_, par) in parents.items()):
+        parents = {k: (loc, par - 1) for k, (loc, par) in parents.items()}
+    out = {}
+    for k in parents:
+        chain, seen, f = [], set(), k
+        while f in parents and f not in seen:
+            seen.add(f)
+            loc, par = parents[f]
+            if loc in locs:
+                chain.append(locs[loc])
+            f = par
+        out[k] = chain
+    return out
+
+
+# Innermost known function of a collective's Python stack -> what the collective is for.
+# (move_bits / sharding helpers are skipped: their caller decides.)
+_PURPOSE = (
+    ("ordered_mean", "grad reduce"),
+    ("_grads_to_master", "grad reduce"),
+    ("reduce_scatter_grads", "grad reduce"),
+    ("_shard_sum_of_squares", "grad norm"),
+    ("clip_by_global_norm", "grad norm"),
+    ("requantize", "re-quantize"),
+    ("_constrain_like", "params relayout"),
+    ("_constrain_master", "master relayout"),
+    ("gather_dequantized", "weight gather"),
+    ("gather", "weight gather"),
+    ("master_weights", "optimizer"),
+    ("make_step", "loss / metrics"),
+)
+
+
+def _purpose(chain: List[tuple]) -> str:
+    for path, func in chain:
+        name = func.split(".<locals>")[0]
+        for key, purpose in _PURPOSE:
+            if name == key:
+                if purpose == "loss / metrics" and any(f.endswith("model.py") or f.endswith("nn.py") for f, _ in chain):
+                    return "model fwd/bwd"
+                return purpose
+        if path.endswith(("train/model.py", "jax_nvfp4/nn.py", "jax_nvfp4/gemm.py")):
+            return "model fwd/bwd"
+    return "other"
+
+
+def _groups(line: str, n: int) -> List[np.ndarray]:
+    """Replica groups (logical device ids = positions in ``mesh.devices.flat``) of a collective;
+    pairs ``[src, dst]`` for a collective-permute."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:
+        sizes = [(a, int(s)) for a, s in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+        names = [a for a, _ in sizes]
+        axes = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2))]
+        ids = np.arange(math.prod(s for _, s in sizes)).reshape([s for _, s in sizes])
+        rest = [i for i in range(len(sizes)) if i not in axes]
+        ids = np.transpose(ids, rest + axes)
+        return list(ids.reshape(-1, math.prod(sizes[i][1] for i in axes)))
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = np.transpose(ids, [int(x) for x in m.group(3).split(",")])
+        return list(ids.reshape(shape[0], -1))
+    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+    if m:
+        groups = [np.array([int(x) for x in g.split(",") if x]) for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        return [g for g in groups if g.size] or [np.arange(n)]
+    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+    if m:
+        return [np.array([int(a), int(b)]) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
+    return [np.arange(n)]
+
+
+def collective_time(op: str, nbytes: float, n: int, k: int, nvlink_gbps: float, ib_gbps: float):
+    """Modelled seconds of one collective moving ``nbytes`` per device (its per-device result
+    size, as ``jax_nvfp4.collective_bytes`` counts it) over a group of ``n`` devices spread
+    over ``k`` NVLink domains (``m = n / k`` per domain). Returns ``(flat, two_level)``.
+
+    flat (ring, slowest link decides; bw = IB if k > 1 else NVLink):
+      all-gather B:       B (n-1)/n / bw
+      reduce-scatter S:   S (n-1) / bw            (S = the shard; the input is n S)
+      all-reduce B:       2 B (n-1)/n / bw
+      collective-permute: B / bw;  all-to-all B (its per-device result): B (n-1)/n / bw
+    two-level (k > 1; inside the domain over NVLink, across domains over IB):
+      all-gather:     B (k-1)/n / ib  +  B (m-1)/m / nvl
+      reduce-scatter: S k (m-1) / nvl +  S (k-1) / ib
+      all-reduce:     2 B (m-1)/m / nvl + 2 (B/m) (k-1)/k / ib
+      all-to-all:     B (m-1)/n / nvl + B (n-m)/n / ib
+    """
+    if n <= 1 or nbytes == 0:
+        return 0.0, 0.0
+    nvl, ib = nvlink_gbps * 1e9, ib_gbps * 1e9
+    bw = ib if k > 1 else nvl
+    m = n / k
+    if op == "all-gather":
+        flat = nbytes * (n - 1) / n / bw
+        two = nbytes * (k - 1) / n / ib + nbytes * (m - 1) / m / nvl
+    elif op == "reduce-scatter":
+        flat = nbytes * (n - 1) / bw
+        two = nbytes * k * (m - 1) / nvl + nbytes * (k - 1) / ib
+    elif op == "all-reduce":
+        flat = 2 * nbytes * (n - 1) / n / bw
+        two = 2 * nbytes * (m - 1) / m / nvl + 2 * (nbytes / m) * (k - 1) / k / ib
+    elif op == "all-to-all":
+        flat = nbytes * (n - 1) / n / bw
+        two = nbytes * (m - 1) / n / nvl + nbytes * (n - m) / n / ib
+    else:
+        flat = two = nbytes / bw
+    return flat, (two if k > 1 else flat)
+
+
+def ring_bytes(op: str, nbytes: float, n: int) -> float:
+    """Bytes one device sends in a ring collective (``nbytes`` counted as in
+    :func:`collective_time`): all-gather B(n-1)/n, reduce-scatter S(n-1), all-reduce 2B(n-1)/n,
+    collective-permute B, all-to-all B(n-1)/n."""
+    if n <= 1:
+        return 0.0
+    return {"all-gather": nbytes * (n - 1) / n, "reduce-scatter": nbytes * (n - 1),
+            "all-reduce": 2 * nbytes * (n - 1) / n}.get(op, nbytes * (n - 1) / n if op == "all-to-all" else nbytes)
+
+
+def analyze_hlo(hlo: str, mesh, nvl_domain: int, nvlink_gbps: float = NVLINK_GBPS, ib_gbps: float = IB_GBPS):
+    """Every collective of a compiled step: op, dtype, per-device bytes per step (loop trip
+    counts included), mesh axes and NVLink domains its groups span, modelled time."""
+    import jax_nvfp4 as nv
+    from train.mesh import device_domains
+
+    flat_devs = list(mesh.devices.flat)
+    domains = np.array(device_domains(flat_devs, nvl_domain))
+    n_dev = len(flat_devs)
+    comps = _computations(hlo)
+    mult, warnings = _multipliers(comps)
+    stacks = _stacks(hlo)
+    rows = {}
+    for comp, lines in comps.items():
+        if comp == "__entry__":
+            continue
+        for line in lines:
+            counts = nv.collective_bytes(line)
+            if not counts:
+                continue
+            op = next(iter(counts))[0]
+            groups = _groups(line, n_dev)
+            if op == "collective-permute":
+                n, k = 2, 2 if any(domains[g[0]] != domains[g[1]] for g in groups) else 1
+            else:
+                n = max(len(g) for g in groups)
+                k = max(len(set(domains[g].tolist())) for g in groups)
+            axes = set()
+            for g in groups:
+                coords = np.array(np.unravel_index(g, mesh.devices.shape))
+                axes |= {a for i, a in enumerate(mesh.axis_names) if len(set(coords[i].tolist())) > 1}
+            axis = "+".join(a for a in mesh.axis_names if a in axes) or "-"
+            sf = re.search(r"stack_frame_id=(\d+)", line)
+            purpose = _purpose(stacks.get(int(sf.group(1)), [])) if sf else "other"
+            if purpose == "model fwd/bwd" and op in ("all-reduce", "reduce-scatter") and rules_data_axis(mesh) in axes:
+                purpose = "grad reduce"  # XLA's own gradient sum, placed inside the backward pass
+            for (_, dtype), b in counts.items():
+                key = (purpose, op, dtype, axis, n, k)
+                r = rows.setdefault(key, dict(purpose=purpose, op=op, dtype=dtype, axis=axis, group=n, domains=k,
+                                              instances=0, bytes=0, wire=0.0, time_flat_s=0.0, time_2level_s=0.0))
+                times = mult[comp]
+                flat, two = collective_time(op, b, n, k, nvlink_gbps, ib_gbps)
+                r["instances"] += times
+                r["bytes"] += b * times
+                r["wire"] += ring_bytes(op, b, n) * times
+                r["time_flat_s"] += flat * times
+                r["time_2level_s"] += two * times
+    return sorted(rows.values(), key=lambda r: (r["purpose"], r["op"], r["axis"], r["dtype"])), sorted(set(warnings))
+
+
+def rules_data_axis(mesh) -> str:
+    return "data" if "data" in mesh.axis_names else mesh.axis_names[0]
+
+
+# ----------------------------------------------------------------------------- building the step
+def make_config(preset: Dict[str, int], spec: MeshSpec, weights: str, seq_len: int, micro_batch: int):
+    from train.config import from_dict
+
+    n_data = spec.devices // spec.tensor
+    return from_dict({
+        "model": dict(preset, seq_len=seq_len),
+        "mesh": dict(data=-1, tensor=spec.tensor, layout="gb200" if spec.kind == "gb200" else "auto",
+                     nvl_domain=spec.nvl_domain, simulate_devices=0),
+        "data": dict(batch_size=n_data * micro_batch, markov_states=2),
+        "nvfp4": dict(weights=weights),
+    })
+
+
+def _nbytes(x) -> int:
+    """Per-device bytes of one sharded ``ShapeDtypeStruct``."""
+    import jax
+
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+    itemsize = 8 if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.dtype(x.dtype).itemsize
+    return math.prod(shape) * itemsize
+
+
+def _tree_bytes(tree) -> int:
+    import jax
+
+    return sum(_nbytes(x) for x in jax.tree.leaves(tree))
+
+
+def analytic(params, rules, policy, n_data: int, n_tensor: int, racks_per_data_group: int,
+             nvlink_gbps: float, ib_gbps: float) -> Dict[str, Any]:
+    """The figures the layout should give, from logical shapes alone (no padding, every large
+    leaf divisible). ``t`` = the tensor split of a leaf (``n_tensor`` where a tensor rule
+    matches, else 1):
+
+    - NVFP4 matrix stack of ``numel`` elements (``L x rows x cols``):
+      packed gather bytes/device = numel/2 + numel/256 (codes + E4M3 scales; amax stays) / t;
+      params/device = (numel/2 + numel/256) / (N_data t) + 4 L (amax, replicated);
+    - large plain leaf (>= ``rules.min_shard_size``, stored sharded, e.g. bf16 embed/head):
+      gather = itemsize numel / t; params = itemsize numel / (N_data t);
+    - small plain leaf (norm scales): params itemsize numel, replicated, not gathered;
+    - master = 4 numel' / (N_data t) (small leaves: 4 numel); Adam m+v = 8 numel' / (N_data t), where
+      numel' counts the zero padding of NVFP4 masters: the data-split dim rounded up to a multiple
+      of 16 N_data, the other to a multiple of 16 (see ``MasterArray``);
+    - ideal gradient reduction = a reduce-scatter of the bf16 gradients over the data axis,
+      result 2 numel / (N_data t) per device (all-reduce of 2 numel for small leaves).
+    """
+    import jax
+    import jax_nvfp4 as nv
+
+    out = dict(params=0.0, master=0.0, master_unpadded=0.0, opt_state=0.0, gather_packed=0.0, gather_plain=0.0,
+               grad_reduce_scatter=0.0, grad_all_reduce=0.0, numel=0, numel_nvfp4=0)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=nv.is_nvfp4)[0]:
+        p = nv.path_str(path)
+        t = n_tensor if (n_tensor > 1 and rules.tensor_dim(p) is not None) else 1
+        if nv.is_nvfp4(leaf):
+            numel = math.prod(leaf.shape)
+            batch = math.prod(leaf.shape[:-2])
+            packed = numel / 2 + numel / 256
+            out["gather_packed"] += packed / t
+            out["params"] += packed / (n_data * t) + 4 * batch
+            out["numel_nvfp4"] += numel
+            sharded = True
+            # The master's padded layout (jax_nvfp4.sharding.master_layout).
+            tdim = rules.tensor_dim(p) if t > 1 else None
+            ddim = -1 if tdim == -2 else -2
+            dims = list(leaf.shape)
+            dims[ddim] = -(-dims[ddim] // (16 * n_data)) * 16 * n_data
+            other = -1 if ddim == -2 else -2
+            dims[other] = -(-dims[other] // 16) * 16
+            padded = math.prod(dims)
+        else:
+            numel = math.prod(leaf.shape)
+            item = np.dtype(leaf.dtype).itemsize
+            sharded = numel >= rules.min_shard_size and n_data > 1
+            if sharded:
+                out["gather_plain"] += item * numel / t
+                out["params"] += item * numel / (n_data * t)
+            else:
+                out["params"] += item * numel / t
+            padded = numel
+        out["numel"] += numel
+        shards = n_data * t if sharded else t
+        out["master"] += 4 * padded / shards
+        out["master_unpadded"] += 4 * numel / shards
+        out["opt_state"] += 8 * padded / shards
+        if sharded:
+            out["grad_reduce_scatter"] += 2 * numel / (n_data * t)
+        else:
+            out["grad_all_reduce"] += 2 * numel / t
+    k, n = racks_per_data_group, n_data
+    gathered = out["gather_packed"] + out["gather_plain"]
+    out["wire_gather"] = ring_bytes("all-gather", gathered, n)
+    out["wire_reduce"] = (ring_bytes("reduce-scatter", out["grad_reduce_scatter"], n)
+                          + ring_bytes("all-reduce", out["grad_all_reduce"], n))
+    ag = collective_time("all-gather", gathered, n, k, nvlink_gbps, ib_gbps)
+    rs = collective_time("reduce-scatter", out["grad_reduce_scatter"], n, k, nvlink_gbps, ib_gbps)
+    ar = collective_time("all-reduce", out["grad_all_reduce"], n, k, nvlink_gbps, ib_gbps)
+    out["time_gather_flat_s"], out["time_gather_2level_s"] = ag
+    out["time_grad_rs_flat_s"], out["time_grad_rs_2level_s"] = rs
+    out["time_flat_s"] = ag[0] + rs[0] + ar[0]
+    out["time_2level_s"] = ag[1] + rs[1] + ar[1]
+    return out
+
+
+def unsharded_large_leaves(params, specs, rules, n_data: int) -> List[str]:
+    """Large leaves the layout stores without a data-axis split (their data axis does not
+    divide the dimension), so every data shard holds a full copy."""
+    import jax
+    import jax_nvfp4 as nv
+
+    out = []
+    if n_data == 1:
+        return out
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=nv.is_nvfp4)[0]
+    for (path, leaf), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=nv.is_nvfp4)):
+        s = spec.data if nv.is_nvfp4(leaf) else spec
+        big = nv.is_nvfp4(leaf) or math.prod(leaf.shape) >= rules.min_shard_size
+        if big and rules.data_axis not in tuple(s):
+            out.append(f"{nv.path_str(path)} {tuple(leaf.shape)}")
+    return out
+
+
+def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps: float = IB_GBPS,
+                 grad_reduce: str = "ordered") -> Dict[str, Any]:
+    """Lower and compile the full training step for ``cfg`` on ``spec``'s simulated mesh
+    (``grad_reduce``: as ``train.loop.make_step``; "ordered" is what ``train.loop.build`` runs)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_nvfp4 as nv
+    from train import loop
+    from train import mesh as mesh_lib
+    from train.config import validate_for_devices
+    from train.model import from_config
+
+    axes = validate_for_devices(cfg, spec.devices)
+    mesh = mesh_lib.build_mesh(cfg.mesh, jax.devices()[: spec.devices])
+    model = from_config(cfg.model, cfg.nvfp4)
+    policy, rules = loop.policy_for(cfg), loop.rules_for(cfg)
+    tx = loop.make_optimizer(cfg, rules, policy, mesh)
+
+    t0 = time.perf_counter()
+    # eval_shape of the init, then the library's shardings: nothing is allocated.
+    (a_params, a_state), (p_sh, s_sh) = loop.abstract_state(cfg, mesh, model, policy, rules, tx)
+    sds = lambda t, s: jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), t, s)
+    params, state = sds(a_params, p_sh), sds(a_state, s_sh)
+    batch_sh = NamedSharding(mesh, P("data"))
+    batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), jnp.int32, sharding=batch_sh)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    step = jax.jit(
+        loop.make_step(cfg, model, tx, rules, mesh, grad_reduce=grad_reduce),
+        in_shardings=(p_sh, s_sh, batch_sh, None),
+        out_shardings=(p_sh, s_sh, None),
+        donate_argnums=(0, 1),
+    )
+    t_abstract = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    lowered = step.lower(params, state, batch, key)
+    t_lower = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    t_compile = time.perf_counter() - t0
+    hlo = compiled.as_text()
+    mem = compiled.memory_analysis()
+
+    mw = nv.find_state(state)
+    nvfp4_params = [x for x in jax.tree.leaves(params, is_leaf=nv.is_nvfp4) if nv.is_nvfp4(x)]
+    measured = {
+        "params": _tree_bytes(params),
+        "params_nvfp4": _tree_bytes(nvfp4_params),
+        "master": _tree_bytes(mw.master),
+        "opt_state": _tree_bytes(mw.inner_state),
+        "other_state": _tree_bytes(state) - _tree_bytes(mw.master) - _tree_bytes(mw.inner_state),
+        "batch": _nbytes(batch),
+    }
+    for name in ("argument", "output", "alias", "temp"):
+        measured[f"xla_{name}"] = int(getattr(mem, f"{name}_size_in_bytes", 0) or 0) if mem is not None else None
+    if mem is not None:
+        measured["xla_peak"] = measured["xla_argument"] + measured["xla_temp"] + measured["xla_output"] - measured["xla_alias"]
+    colls, warnings = analyze_hlo(hlo, mesh, spec.nvl_domain, nvlink_gbps, ib_gbps)
+    def sel(op=None, dtypes=None, purpose=None, f="bytes"):
+        return sum(r[f] for r in colls if (op is None or r["op"] == op) and (dtypes is None or r["dtype"] in dtypes)
+                   and (purpose is None or r["purpose"] == purpose))
+
+    gather = dict(op="all-gather", purpose="weight gather")
+    # Packed bytes are gathered at the start of the step (gather) or, where the params layout
+    # is not data-sharded, at the end (re-quantized shards gathered into replicated params).
+    packed_late = sel("all-gather", ("u8",), "re-quantize")
+    measured.update(
+        gather_packed=sel(dtypes=("u8",), **gather) + packed_late,
+        gather_plain=sel(dtypes=("u16", "bf16", "f32"), **gather),
+        all_gather=sel("all-gather"),
+        all_reduce=sel("all-reduce"),
+        reduce_scatter=sel("reduce-scatter"),
+        all_to_all=sel("all-to-all"),
+        collective_permute=sel("collective-permute"),
+        grad_reduce=sel(purpose="grad reduce"),
+        # Re-quantized bytes moved from the master's padded layout to the params layout.
+        relayout=(sel(purpose="params relayout") + sel(purpose="master relayout")
+                  + sel("collective-permute", None, "re-quantize")),
+        wire_gather=sel(f="wire", **gather) + sel("all-gather", ("u8",), "re-quantize", "wire"),
+        wire_reduce=sel(purpose="grad reduce", f="wire"),
+        time_flat_s=sum(r["time_flat_s"] for r in colls),
+        time_2level_s=sum(r["time_2level_s"] for r in colls),
+    )
+    # The data groups of the mesh: how many NVLink domains one spans (for the analytic times).
+    domains = np.array(mesh_lib.device_domains(list(mesh.devices.flat), spec.nvl_domain)).reshape(mesh.devices.shape)
+    k_data = max(len(set(domains[:, j].tolist())) for j in range(domains.shape[1]))
+    ana = analytic(a_params, rules, policy, axes["data"], axes["tensor"], k_data, nvlink_gbps, ib_gbps)
+    specs = nv.partition_specs(a_params, mesh, rules)
+    return {
+        "weights": cfg.nvfp4.weights,
+        "grad_reduce": grad_reduce,
+        "mesh": mesh_lib.describe_mesh(mesh, spec.nvl_domain),
+        "axes": axes,
+        "data_group_domains": k_data,
+        "seconds": {"abstract": t_abstract, "lower": t_lower, "compile": t_compile},
+        "measured": measured,
+        "analytic": ana,
+        "collectives": colls,
+        "warnings": warnings,
+        "unsharded_large_leaves": unsharded_large_leaves(a_params, specs, rules, axes["data"]),
+    }
+
+
+# ----------------------------------------------------------------------------- the report
+def _fmt_bytes(b) -> str:
+    if b is None:
+        return "-"
+    b = float(b)
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(b) >= div:
+            return f"{b / div:.3f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _fmt_s(s) -> str:
+    return "-" if s is None else (f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.3f} s")
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.3f}" if a is not None and b else "-"
+
+
+ROWS = (
+    # key, label, analytic key (or None), kind
+    ("params", "params (stored: NVFP4 packed + plain leaves)", "params", "b"),
+    ("master", "float32 master (MasterArray, padded)", "master", "b"),
+    ("opt_state", "optimizer state (Adam m, v + scalars)", "opt_state", "b"),
+    ("other_state", "other state (skip count, PRNG key)", None, "b"),
+    ("xla_argument", "XLA arguments (state + batch)", None, "b"),
+    ("xla_temp", "XLA temporaries", None, "b"),
+    ("xla_peak", "XLA arguments + temporaries + outputs - aliased", None, "b"),
+    ("gather_packed", "weight all-gather: packed NVFP4 bytes (u8, incl. re-quantized)", "gather_packed", "b"),
+    ("gather_plain", "weight all-gather: plain weights (bf16 bits)", "gather_plain", "b"),
+    ("grad_reduce", "gradient reduction: collective results", None, "b"),
+    ("relayout", "re-quantized bytes / masters moved between layouts", None, "b"),
+    ("all_gather", "all-gather: total", None, "b"),
+    ("all_to_all", "all-to-all: total", None, "b"),
+    ("reduce_scatter", "reduce-scatter: total", None, "b"),
+    ("all_reduce", "all-reduce: total", None, "b"),
+    ("collective_permute", "collective-permute: total", None, "b"),
+    ("wire_gather", "weight all-gathers, ring bytes sent", "wire_gather", "b"),
+    ("wire_reduce", "gradient reduction, ring bytes sent (analytic: bf16 reduce-scatter)", "wire_reduce", "b"),
+    ("time_flat_s", "modelled time of all collectives, flat ring", "time_flat_s", "s"),
+    ("time_2level_s", "modelled time of all collectives, two-level", "time_2level_s", "s"),
+)
+
+
+def markdown(report: Dict[str, Any]) -> str:
+    runs = report["runs"]
+    cfg = report["config"]
+    lines = [
+        f"# Scale: {report['model']} on {report['mesh_spec']}",
+        "",
+        f"- model: d_model={cfg['d_model']}, layers={cfg['layers']}, heads={cfg['heads']} (full MHA, no GQA), "
+        f"mlp_hidden={cfg['mlp_hidden']}, vocab={cfg['vocab']}; {report['numel'] / 1e9:.3f} B parameters"
+        + (f" (layers/vocab overridden from the preset: {report['overrides']})" if report["overrides"] else ""),
+        f"- compiled with all {cfg['layers']} layers (blocks under nn.scan: compile cost does not grow with depth), "
+        "so no per-layer figure is extrapolated",
+        f"- {runs[0]['mesh']}",
+        f"- batch: {report['micro_batch']} sequence(s) of {report['seq_len']} tokens per data shard (temporaries are "
+        "for this micro-batch)",
+        f"- step: train.loop.make_step(grad_reduce={runs[0]['grad_reduce']!r}): packed gather, dequantize to bf16, "
+        "forward/backward, gradient sum into the master layout, master_weights(AdamW) update, sharded "
+        "re-quantization; AOT-compiled for simulated CPU devices",
+        f"- wall time: " + ", ".join(f"{r['weights']}: compile {r['seconds']['compile']:.1f} s "
+                                     f"(lower {r['seconds']['lower']:.1f} s)" for r in runs)
+        + f"; whole run {report['wall_s']:.1f} s",
+        "",
+        "Per device, per step. 'analytic' = formula from logical shapes (see below); ratio = measured / analytic.",
+        "",
+    ]
+    for r in runs:
+        a = r["analytic"]
+        if a["master_unpadded"] and a["master"] > a["master_unpadded"] * 1.0005:
+            lines += [f"- {r['weights']}: the tile padding of the NVFP4 masters adds "
+                      f"{100 * (a['master'] / a['master_unpadded'] - 1):.1f}% to master and Adam state "
+                      f"(rows rounded up to a multiple of 16 x {r['axes']['data']})."]
+        if r["unsharded_large_leaves"]:
+            lines += [f"- **layout warning ({r['weights']})**: {len(r['unsharded_large_leaves'])} large leaves are "
+                      f"stored replicated across the data axis ({r['axes']['data']} does not divide their "
+                      "dimensions; listed below), so measured memory exceeds the analytic figure."]
+    if lines[-1].startswith("- "):
+        lines.append("")
+    head = "| quantity |"
+    sep = "|---|"
+    for r in runs:
+        head += f" {r['weights']} measured | {r['weights']} analytic | ratio |"
+        sep += "---:|---:|---:|"
+    if len(runs) == 2:
+        head += " nvfp4 / bf16 |"
+        sep += "---:|"
+    lines += [head, sep]
+    for key, label, akey, kind in ROWS:
+        fmt = _fmt_bytes if kind == "b" else _fmt_s
+        row = f"| {label} |"
+        for r in runs:
+            m = r["measured"].get(key)
+            a = r["analytic"].get(akey) if akey else None
+            row += f" {fmt(m)} | {fmt(a) if akey else ''} | {_ratio(m, a) if akey else ''} |"
+        if len(runs) == 2:
+            row += f" {_ratio(runs[0]['measured'].get(key), runs[1]['measured'].get(key))} |"
+        lines.append(row)
+    lines.append("")
+    for r in runs:
+        a = r["analytic"]
+        lines += [
+            f"Analytic collective time ({r['weights']}, data axis n={r['axes']['data']}, spanning "
+            f"{r['data_group_domains']} NVLink domain(s)): weight all-gather {_fmt_s(a['time_gather_flat_s'])} flat / "
+            f"{_fmt_s(a['time_gather_2level_s'])} two-level; bf16 gradient reduce-scatter "
+            f"{_fmt_s(a['time_grad_rs_flat_s'])} flat / {_fmt_s(a['time_grad_rs_2level_s'])} two-level.",
+            "",
+        ]
+    for r in runs:
+        lines += [
+            f"## Collectives in the compiled step ({r['weights']})",
+            "",
+            "| purpose | op | dtype | mesh axes | group n | NVLink domains k | instances/step | bytes/device/step | ring bytes sent | flat time | two-level time |",
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for c in r["collectives"]:
+            lines.append(f"| {c['purpose']} | {c['op']} | {c['dtype']} | {c['axis']} | {c['group']} | {c['domains']} | {c['instances']} | "
+                         f"{_fmt_bytes(c['bytes'])} | {_fmt_bytes(c['wire'])} | {_fmt_s(c['time_flat_s'])} | {_fmt_s(c['time_2level_s'])} |")
+        by = {}
+        for c in r["collectives"]:
+            t = by.setdefault(c["purpose"], [0.0, 0.0])
+            t[0] += c["time_flat_s"]
+            t[1] += c["time_2level_s"]
+        lines += ["", "Modelled time by purpose (flat / two-level): " + "; ".join(
+            f"{p} {_fmt_s(f)} / {_fmt_s(t)}" for p, (f, t) in sorted(by.items(), key=lambda kv: -kv[1][0])) + ".", ""]
+        if r["unsharded_large_leaves"]:
+            lines += [f"Large leaves stored WITHOUT a data-axis split ({r['weights']}; the data axis "
+                      f"({r['axes']['data']}) does not divide their dimension, so each data shard holds a full copy "
+                      "and measured params exceed the analytic figure):", ""]
+            lines += [f"- `{x}`" for x in r["unsharded_large_leaves"]] + [""]
+        for w in r["warnings"]:
+            lines += [f"Warning: {w}", ""]
+    lines += [
+        "## Formulas",
+        "",
+        "Analytic, per device (N = data-axis size, t = tensor split of the leaf, L = stacked layers):",
+        "",
+        "- packed gather bytes = sum over NVFP4 weights of (rows*cols/2 + rows*cols/256) / t, plus "
+        "2 bytes x numel / t for bf16 leaves stored sharded (embed, head; all weights in the bf16 run)",
+        "- params = (rows*cols/2 + rows*cols/256)/(N t) + 4 L (amax) per NVFP4 weight; itemsize x numel / (N t) for "
+        "large plain leaves; itemsize x numel for small ones (norm scales, replicated)",
+        "- master = 4 x numel' / (N t), Adam state (m, v) = 8 x numel' / (N t); numel' includes the zero padding "
+        "of NVFP4 masters to whole 16 x 16 tiles per data shard (the data-split dim rounded up to a multiple of "
+        "16 N, the other to 16); small leaves (< min_shard_size) replicated: 4 numel and 8 numel",
+        "- ideal gradient reduction = reduce-scatter of bf16 gradients, result 2 x numel / (N t) per device",
+        "",
+        f"Collective time model (labelled a model: ring algorithms, no latency, no overlap with compute), "
+        f"NVLink 5 = {report['nvlink_gbps']:g} GB/s per GPU per direction inside a rack, InfiniBand = "
+        f"{report['ib_gbps']:g} GB/s per GPU (400 Gb/s) across racks; B = bytes per device as counted "
+        "(all-gather: gathered result; reduce-scatter: the shard S; all-reduce: the array), n = group size, "
+        "k = NVLink domains the group spans, m = n/k:",
+        "",
+        "- flat (slowest link decides: IB if k > 1): all-gather B(n-1)/n/bw; reduce-scatter S(n-1)/bw; "
+        "all-reduce 2B(n-1)/n/bw; collective-permute B/bw",
+        "- two-level: all-gather B(k-1)/n/IB + B(m-1)/m/NVL; reduce-scatter S k(m-1)/NVL + S(k-1)/IB; "
+        "all-reduce 2B(m-1)/m/NVL + 2(B/m)(k-1)/k/IB",
+        "- a collective inside a while loop (the scanned backward pass) counts trip-count times",
+        "",
+        "## Caveats",
+        "",
+        "- Figures come from an XLA:CPU compile. With grad_reduce='ordered' (train.loop.build's default) the "
+        "gradient sum is an explicit all-to-all of bf16 bits into the master layout plus a local f32 sum: the "
+        "same bytes on the wire as a bf16 reduce-scatter, on any backend. With 'auto', XLA:CPU keeps XLA's "
+        "all-reduce (no reduce-scatter creator pass) and converts bf16 gradients to f32 before it (8 numel (n-1)/n "
+        "ring bytes vs 2 numel (n-1)/n for a bf16 reduce-scatter): a CPU artefact, a GPU build would differ.",
+        "- XLA temporaries hold every layer's dequantized bf16 weights at once plus this shard's full-size "
+        "gradients: the step gathers and dequantizes the whole model before the scanned forward pass. They grow "
+        "with the model, not with the data axis.",
+        "- 'analytic' assumes every large leaf divides evenly over the data axis; where it does not (see the "
+        "list of unsharded leaves), the library stores that leaf replicated and the measured figure is larger.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- CLI
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(PRESETS), default="8b")
+    p.add_argument("--mesh", default="gb200:2", help="gb200:RACKS (RACKS x nvl-domain devices) or data:N")
+    p.add_argument("--tensor", type=int, default=1, help="tensor-axis size (inside one NVLink domain)")
+    p.add_argument("--nvl-domain", type=int, default=72, help="devices per NVLink domain (72 = NVL72)")
+    p.add_argument("--weights", choices=("nvfp4", "bf16", "both"), default="both")
+    p.add_argument("--layers", type=int, help="override the preset's layer count (e.g. for a fast test)")
+    p.add_argument("--vocab", type=int, help="override the preset's vocabulary size")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per data shard")
+    p.add_argument("--grad-reduce", choices=("ordered", "auto"), default="ordered",
+                   help="gradient sum of train.loop.make_step: 'ordered' (what train.loop.build runs) or 'auto'")
+    p.add_argument("--nvlink-gbps", type=float, default=NVLINK_GBPS)
+    p.add_argument("--ib-gbps", type=float, default=IB_GBPS)
+    p.add_argument("--out", default=RESULTS, help="directory for scale_<model>_<mesh>.json/.md ('' = none)")
+    return p.parse_args(argv)
+
+
+def _request_devices(n: int) -> None:
+    """Simulated CPU devices: must be set before the JAX backend starts."""
+    # A device count in XLA_FLAGS (e.g. inherited from a test run) would fight this one.
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags:
+        os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "", flags).strip()
+    import jax
+
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        pass
+    if len(jax.devices()) < n:
+        raise SystemExit(f"benchmarks.scale: needs {n} simulated CPU devices but JAX already started with "
+                         f"{len(jax.devices())}; run it in a fresh process (python -m benchmarks.scale ...)")
+
+
+def main(argv=None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    spec = MeshSpec.parse(args.mesh, args.tensor, args.nvl_domain)
+    preset = dict(PRESETS[args.model])
+    overrides = {k: v for k, v in (("layers", args.layers), ("vocab", args.vocab)) if v is not None}
+    preset.update(overrides)
+    weights = ("nvfp4", "bf16") if args.weights == "both" else (args.weights,)
+    t_start = time.perf_counter()
+    _request_devices(spec.devices)
+
+    runs = []
+    for w in weights:
+        cfg = make_config(preset, spec, w, args.seq_len, args.micro_batch)
+        runs.append(compile_step(cfg, spec, args.nvlink_gbps, args.ib_gbps, args.grad_reduce))
+        print(f"[scale] {args.model} {spec.label} {w}: compiled in {runs[-1]['seconds']['compile']:.1f} s",
+              file=sys.stderr, flush=True)
+    report = {
+        "model": args.model,
+        "mesh_spec": spec.label,
+        "devices": spec.devices,
+        "config": preset,
+        "overrides": overrides,
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+        "nvlink_gbps": args.nvlink_gbps,
+        "ib_gbps": args.ib_gbps,
+        "numel": runs[0]["analytic"]["numel"],
+        "runs": runs,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    text = markdown(report)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        suffix = "".join(f"_{k[0]}{v}" for k, v in overrides.items())
+        suffix += "_auto" if args.grad_reduce == "auto" else ""
+        base = os.path.join(args.out, f"scale_{args.model}{suffix}_{spec.label}")
+        with open(base + ".json", "w") as f:
+            json.dump(report, f, indent=2)
+        with open(base + ".md", "w") as f:
+            f.write(text)
+        print(f"[scale] wrote {base}.json and .md", file=sys.stderr)
+    return report
+
+
+if __name__ == "__main__":
+    main()

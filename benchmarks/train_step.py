@@ -1,0 +1,263 @@
+"""Figures 1-3 of one compiled training step, NVFP4 weights vs bf16 weights on the same mesh.
+
+For a model size and a data-axis size, :func:`measure_pair` builds the trainer of ``train.loop``
+twice (``nvfp4.weights=nvfp4`` and ``=bf16``), compiles each step once, and reads:
+
+1. traffic: bytes per device per step of every collective in the compiled HLO, loop trip
+   counts applied (:mod:`benchmarks.hlo`), and ``train.loop.gather_accounting``'s split of the
+   parameter all-gather into NVFP4 leaves and their bf16 equivalent;
+2. memory: per-device bytes of params, float32 masters, the rest of the optimizer state (from
+   the arrays' addressable shards), the float gradient tree (analytic: every device holds the
+   whole gradient of its weights before the cross-device reduction), and the compiled step's
+   temporaries (``compiled.memory_analysis()``);
+3. speed: the median wall time of repeated steps after compilation.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gc
+import inspect
+import math
+import os
+import statistics
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_nvfp4 as nv
+from benchmarks import hlo
+from train import data as data_lib
+from train import loop
+from train import mesh as mesh_lib
+from train.config import Config, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "train", "configs")
+
+# Model sizes: a config file under train/configs plus overrides (what `python -m train` takes).
+SIZES: Dict[str, Dict[str, Any]] = {
+    "tiny": {"config": "tiny.yaml", "overrides": []},  # d=64, 2 layers, seq 64, batch 16
+    "small": {"config": "default.yaml", "overrides": []},  # d=128, 4 layers, seq 128, batch 32
+    "medium": {"config": "default.yaml",
+               "overrides": ["model.d_model=256", "model.heads=8", "model.mlp_hidden=704"]},
+}
+# The 2D-tile physical limit of a packed gather: 4 bits per value plus one E4M3 byte per
+# 16x16 tile, over 16 bits per bf16 value.
+LEAF_LIMIT = (0.5 + 1 / 256) / 2
+
+
+def size_config(size: str, weights: str, extra: Sequence[str] = ()) -> Config:
+    spec = SIZES[size]
+    return load_config(os.path.join(CONFIGS, spec["config"]),
+                       [*spec["overrides"], "mesh.data=-1", "mesh.tensor=1",
+                        f"nvfp4.weights={weights}", *extra])
+
+
+def size_command_args(size: str) -> str:
+    """`python -m train` arguments that give the same model (for the report)."""
+    spec = SIZES[size]
+    sets = "".join(f" --set {o}" for o in spec["overrides"])
+    return f"--config train/configs/{spec['config']}{sets}"
+
+
+def model_summary(cfg: Config) -> Dict[str, Any]:
+    m = cfg.model
+    return {"d_model": m.d_model, "layers": m.layers, "heads": m.heads, "mlp_hidden": m.mlp_hidden,
+            "vocab": m.vocab, "seq_len": m.seq_len, "batch_size": cfg.data.batch_size}
+
+
+# ----------------------------------------------------------------------------- memory
+def _per_device_bytes(tree) -> Dict[Any, int]:
+    """Bytes each device holds of the arrays in ``tree``, from their addressable shards."""
+    out: Dict[Any, int] = collections.defaultdict(int)
+    for leaf in jax.tree.leaves(tree):
+        if not isinstance(leaf, jax.Array):
+            continue
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        for shard in leaf.addressable_shards:
+            out[shard.device] += shard.data.nbytes
+    return out
+
+
+def _max_bytes(tree) -> int:
+    per = _per_device_bytes(tree)
+    return max(per.values()) if per else 0
+
+
+def grad_bytes_per_device(trainer, params) -> int:
+    """Bytes of the float gradient tree on one device, from shapes and shardings.
+
+    The step differentiates w.r.t. the gathered, dequantized weights, so before the gradient
+    reduction every device holds the full gradient of its (tensor shard of the) weights, in the
+    weights' dtype (float32 with ``grad_reduce_dtype=float32`` or gradient accumulation).
+    """
+    cfg, mesh = trainer.cfg, trainer.mesh
+    f32 = cfg.nvfp4.grad_reduce_dtype == "float32" or cfg.optim.grad_accum > 1
+    dtype = jnp.float32 if f32 else jnp.bfloat16
+    weights = jax.eval_shape(lambda p: nv.dequantize_params(p, dtype), params)
+    specs = nv.partition_specs(params, mesh, trainer.rules)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    total = 0
+    for w, spec in zip(jax.tree.leaves(weights),
+                       jax.tree.leaves(specs, is_leaf=lambda x: nv.is_nvfp4(x) or isinstance(x, jax.sharding.PartitionSpec))):
+        axes = spec.data if nv.is_nvfp4(spec) else spec
+        split = sizes.get("tensor", 1) if "tensor" in [a for a in axes if a is not None] else 1
+        total += math.prod(w.shape) * jnp.dtype(w.dtype).itemsize // split
+    return total
+
+
+def state_memory(trainer, params, opt_state) -> Dict[str, int]:
+    mw = nv.find_state(opt_state)
+    master = _max_bytes(mw.master)
+    opt_all = _max_bytes(opt_state)
+    out = {
+        "params": _max_bytes(params),
+        "master": master,
+        "optimizer": opt_all - master,
+        "grads": grad_bytes_per_device(trainer, params),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+# ----------------------------------------------------------------------------- one point
+@dataclasses.dataclass
+class _AOT:
+    """Stands in for ``trainer.step_fn`` so ``gather_accounting`` reuses an executable."""
+
+    compiled: Any
+
+    def lower(self, *args, **kwargs):
+        return self
+
+    def compile(self):
+        return self.compiled
+
+
+def _extra_step_args(step_fn) -> tuple:
+    """Arguments the train step takes after ``(params, opt_state, batch, key)``: a loss scale
+    of 1 where the step has one (its fault-injection hook)."""
+    try:
+        names = list(inspect.signature(step_fn).parameters)
+    except (TypeError, ValueError):
+        return ()
+    return tuple(np.float32(1) for _ in names[4:])
+
+
+def _mem_stats(compiled) -> Dict[str, Optional[int]]:
+    mem = compiled.memory_analysis()
+    keys = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
+    return {k.replace("_size_in_bytes", ""): (getattr(mem, k, None) if mem is not None else None) for k in keys}
+
+
+def measure(cfg: Config, devices: Sequence[Any], *, time_steps: int = 3) -> Dict[str, Any]:
+    """Figures 1-3 of ``cfg``'s compiled step on a data-parallel mesh of ``devices``."""
+    t0 = time.perf_counter()
+    mesh = mesh_lib.build_mesh(cfg.mesh, list(devices))
+    trainer, params, opt_state = loop.build(cfg, mesh)
+    source = data_lib.make_source(cfg.data, cfg.model)
+    it = data_lib.make_data_iterator(cfg, process_index=jax.process_index(),
+                                     process_count=jax.process_count(), source=source)
+    batch = loop.global_batch(trainer, it.batch_at(0))
+    extra = _extra_step_args(trainer.step_fn)
+    compiled = trainer.step_fn.lower(params, opt_state, batch, jax.random.key(0), *extra).compile()
+    build_s = time.perf_counter() - t0
+    acct = loop.gather_accounting(dataclasses.replace(trainer, step_fn=_AOT(compiled)), params, opt_state, batch)
+    text = compiled.as_text()
+    per_step, warnings = hlo.collective_bytes_per_step(text)
+    by_purpose = hlo.collective_bytes_by_purpose(text)
+    gather = by_purpose.get("param_gather", {})
+    memory = state_memory(trainer, params, opt_state)
+    memory.update({f"compiled_{k}": v for k, v in _mem_stats(compiled).items()})
+    n_params = sum(math.prod(l.shape) for l in jax.tree.leaves(params, is_leaf=nv.is_nvfp4))
+    n_nvfp4 = sum(math.prod(l.shape) for l in jax.tree.leaves(params, is_leaf=nv.is_nvfp4) if nv.is_nvfp4(l))
+
+    times: List[float] = []
+    loss = None
+    if time_steps > 0:
+        key = jax.random.key(cfg.train.seed + 2)
+        for i in range(time_steps + 1):  # the first call after compilation is not timed
+            t = time.perf_counter()
+            params, opt_state, m = compiled(params, opt_state, batch, jax.random.fold_in(key, i), *extra)
+            loss = float(m["loss"])  # syncs the step
+            if i:
+                times.append(time.perf_counter() - t)
+    out = {
+        "weights": cfg.nvfp4.weights,
+        "data": dict(zip(mesh.axis_names, mesh.axis_sizes))["data"],
+        "n_params": n_params,
+        "n_nvfp4_params": n_nvfp4,
+        "gather": {
+            # Parameter all-gathers of the compiled step (call stack through jax_nvfp4.gather).
+            "param_gather_bytes": hlo.op_total(gather),
+            "nvfp4_gather_bytes": sum(v for k, v in gather.items() if k.endswith(":u8")),
+            # Analytic bf16 equivalents (train.loop.gather_accounting): 2 bytes per value of
+            # every data-sharded param leaf / of the NVFP4 leaves among them.
+            "bf16_gather_bytes": acct["bf16_gather_bytes"],
+            "nvfp4_bf16_gather_bytes": acct["nvfp4_bf16_gather_bytes"],
+        },
+        "collectives_per_step": per_step,
+        "collectives_by_purpose": by_purpose,
+        "grad_reduce_bytes": hlo.op_total(by_purpose.get("grad_reduce", {})),
+        "all_collective_bytes": hlo.op_total(per_step),
+        # train.loop.gather_accounting as it stands: every all-gather (and every u8 one) of the
+        # step, counted once per instruction; kept to cross-check the figures above.
+        "train_gather_accounting": {k: acct[k] for k in ("all_gather_bytes", "nvfp4_gather_bytes")},
+        "memory": memory,
+        "step_time_s": statistics.median(times) if times else None,
+        "step_times_s": times,
+        "loss_after_steps": loss,
+        "build_compile_s": build_s,
+        "hlo_warnings": warnings,
+    }
+    del trainer, params, opt_state, compiled
+    gc.collect()
+    jax.clear_caches()
+    return out
+
+
+def _ratio(a, b) -> Optional[float]:
+    return (a / b) if (a is not None and b) else None
+
+
+def ratios(n: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Optional[float]]:
+    """NVFP4 / bf16 figures of one (size, data) point."""
+    g = n["gather"]
+    return {
+        "leaf_gather": _ratio(g["nvfp4_gather_bytes"], g["nvfp4_bf16_gather_bytes"]),
+        "leaf_gather_vs_limit": _ratio(_ratio(g["nvfp4_gather_bytes"], g["nvfp4_bf16_gather_bytes"]), LEAF_LIMIT),
+        "model_gather": _ratio(g["param_gather_bytes"], b["gather"]["param_gather_bytes"]),
+        "model_gather_vs_analytic_bf16": _ratio(g["param_gather_bytes"], g["bf16_gather_bytes"]),
+        "grad_reduce": _ratio(n["grad_reduce_bytes"], b["grad_reduce_bytes"]),
+        "all_collectives": _ratio(n["all_collective_bytes"], b["all_collective_bytes"]),
+        "params_memory": _ratio(n["memory"]["params"], b["memory"]["params"]),
+        "state_memory": _ratio(n["memory"]["total"], b["memory"]["total"]),
+        "temp_memory": _ratio(n["memory"]["compiled_temp"], b["memory"]["compiled_temp"]),
+        "step_time": _ratio(n["step_time_s"], b["step_time_s"]),
+    }
+
+
+def measure_pair(size: str, n_data: int, devices: Sequence[Any], *, time_steps: int = 3,
+                 log=print) -> Dict[str, Any]:
+    """NVFP4 and bf16 weights of model ``size`` on the first ``n_data`` of ``devices``."""
+    res: Dict[str, Any] = {"size": size, "data": n_data}
+    for weights in ("nvfp4", "bf16"):
+        cfg = size_config(size, weights)
+        res.setdefault("model", model_summary(cfg))
+        r = measure(cfg, devices[:n_data], time_steps=time_steps)
+        res[weights] = r
+        st = f"{r['step_time_s'] * 1e3:.1f} ms/step" if r["step_time_s"] else "not timed"
+        log(f"  {size:>6} data={n_data} {weights:>5}: param gather {r['gather']['param_gather_bytes']:>10,} B, "
+            f"state {r['memory']['total']:>11,} B/device, {st} (build+compile {r['build_compile_s']:.1f} s)")
+    res["ratios"] = ratios(res["nvfp4"], res["bf16"])
+    return res
+
+
+def data_sizes_for(devices: Sequence[Any], wanted: Sequence[int] = (1, 2, 4, 8)) -> List[int]:
+    return [n for n in wanted if n <= len(devices)]

@@ -1,0 +1,113 @@
+"""``python -m benchmarks``: a smoke run on the tiny model and the HLO accounting it rests on."""
+
+import json
+
+import jax
+import pytest
+
+from benchmarks import __main__ as cli
+from benchmarks import hlo, report
+
+LIMIT = (0.5 + 1 / 256) / 2
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (conftest asks for 8 simulated CPU devices)")
+    out = tmp_path_factory.mktemp("bench")
+    rc = cli.main(["traffic", "memory", "speed", "scaling", "quantize", "--quick", "--sizes", "tiny",
+                   "--data-sizes", "2", "--quant-size", "256", "--out", str(out)])
+    assert rc == 0
+    return out
+
+
+def _load(out, name):
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def test_files_and_commands(results):
+    for name in ("traffic.json", "memory.json", "speed.json", "scaling.json", "quantize.json",
+                 "REPORT.md", "HEADLINE.md", "traffic.png", "memory.png", "scaling.png"):
+        assert (results / name).exists(), name
+    text = (results / "REPORT.md").read_text()
+    for section in ("traffic", "memory", "speed", "quantize", "scaling"):
+        assert f"`python -m benchmarks {section} --quick" in text, section
+    assert "| figure | NVFP4 |" in (results / "HEADLINE.md").read_text()
+
+
+def test_traffic_ratios(results):
+    p = _load(results, "traffic")["point"]
+    assert (p["size"], p["data"]) == ("tiny", 2)
+    n, b, r = p["nvfp4"], p["bf16"], p["ratios"]
+    # The packed gather of the NVFP4 leaves: at most the 2D-tile limit, and nothing else is u8.
+    assert 0.245 <= r["leaf_gather"] <= 0.2525
+    assert n["gather"]["nvfp4_gather_bytes"] <= LIMIT * n["gather"]["nvfp4_bf16_gather_bytes"] + 1
+    assert not any(k.endswith(":u8") for k in b["collectives_by_purpose"].get("param_gather", {}))
+    # Whole model: embeddings and head stay bf16, so between the leaf ratio and 1.
+    assert r["leaf_gather"] < r["model_gather"] < 1
+    assert n["grad_reduce_bytes"] > 0 and b["grad_reduce_bytes"] > 0
+    assert 0.2 < r["grad_reduce"] < 5
+
+
+def test_memory_and_speed(results):
+    p = _load(results, "memory")["point"]
+    for w in ("nvfp4", "bf16"):
+        m = p[w]["memory"]
+        assert m["total"] == m["params"] + m["master"] + m["optimizer"] + m["grads"]
+        assert m["master"] > 0 and m["grads"] > 0 and m["compiled_temp"] > 0
+    # Packed params are a fraction of bf16 ones; the whole state is smaller.
+    assert p["ratios"]["params_memory"] < 0.5
+    assert 0.3 < p["ratios"]["state_memory"] < 1
+    s = _load(results, "speed")["point"]
+    assert s["nvfp4"]["step_time_s"] > 0 and s["bf16"]["step_time_s"] > 0
+    assert 0.05 < s["ratios"]["step_time"] < 20
+
+
+def test_scaling_and_quantize(results):
+    pts = _load(results, "scaling")["points"]
+    assert [(p["size"], p["data"]) for p in pts] == [("tiny", 2)]
+    q = _load(results, "quantize")["result"]
+    for k in ("quantize_16x16", "quantize_1x16", "dequantize_bf16"):
+        assert q[f"{k}_GBps"] > 0 and 0 < q[f"{k}_vs_same_bytes"] < 10
+    assert report.target_misses(report.load(str(results))) == []
+
+
+def test_target_misses_are_reported():
+    point = {"size": "tiny", "data": 8, "model": {"d_model": 64, "layers": 2},
+             "ratios": {"leaf_gather": 0.30, "state_memory": 1.2}}
+    res = {"traffic": {"point": point},
+           "convergence": {"gap_nvfp4_minus_bf16": 0.2, "gap_nvfp4_compute_minus_bf16": 0.0, "steps": 10}}
+    misses = report.target_misses(res)
+    assert any("gather ratio 0.3000" in m for m in misses)
+    assert any("not < 1" in m for m in misses)
+    assert any("0.2000 nats" in m for m in misses)
+
+
+HLO = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ar = f32[8]{0} all-reduce(%x), channel_id=1, to_apply=%add
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %c = pred[] constant(true)
+}
+
+ENTRY %main (a: u8[4,16]) -> u8[16,16] {
+  %ag = u8[16,16]{1,0} all-gather(%a), channel_id=2, dimensions={0}
+  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
+}
+"""
+
+
+def test_trip_counts_multiply_loop_collectives():
+    counts, warnings = hlo.collective_bytes_per_step(HLO)
+    assert counts == {"all-gather:u8": 256, "all-reduce:f32": 6 * 32}
+    assert warnings == []
+
+
+def test_scale_dispatch(monkeypatch, capsys):
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
+    assert cli.main(["scale", "--model", "x"]) == 2
+    assert "benchmarks/scale.py" in capsys.readouterr().err

@@ -1,0 +1,127 @@
+"""benchmarks.scale: the training step compiled for simulated multi-rack meshes matches the
+analytic byte counts; the HLO accounting (replica groups, loop trip counts, time model)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import scale
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_scale(tmp_path, *args):
+    # A fresh process: the simulated device count is fixed when JAX starts (the subprocess also
+    # drops the device count this test session puts in XLA_FLAGS).
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scale", "--model", "1b", "--weights", "nvfp4", "--out", str(out), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=150,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = out.glob("scale_*.json")
+    assert path.with_suffix(".md").exists()
+    return json.loads(path.read_text()), proc.stdout
+
+
+def assert_matches_formula(run):
+    m, a = run["measured"], run["analytic"]
+    # grad_reduce="ordered" (train.loop.build's) moves bf16 gradient bits: a bf16 reduce-scatter's bytes.
+    for key in ("params", "master", "opt_state", "gather_packed", "gather_plain", "wire_gather", "wire_reduce"):
+        assert a[key] > 0, key
+        assert abs(m[key] / a[key] - 1) < 0.05, (key, m[key], a[key])
+    assert not run["unsharded_large_leaves"]
+    assert m["xla_argument"] >= m["params"] + m["master"] + m["opt_state"]
+    assert m["xla_temp"] > 0
+
+
+@pytest.mark.slow
+def test_1b_on_16_devices_matches_the_formulas(tmp_path):
+    report, stdout = run_scale(tmp_path, "--mesh", "data:16")
+    (run,) = report["runs"]
+    assert report["devices"] == 16 and run["axes"] == {"data": 16, "tensor": 1}
+    assert report["config"]["layers"] == 16 and report["config"]["vocab"] == 128256
+    assert_matches_formula(run)
+    # Packed NVFP4 gather: 0.5 + 1/256 bytes per weight, ~0.252 of a bf16 gather of the same weights.
+    assert run["measured"]["gather_packed"] / (2 * run["analytic"]["numel_nvfp4"]) == pytest.approx((0.5 + 1 / 256) / 2, rel=0.01)
+    # 1B (MHA): 16 x (4 d^2 + 3 d ffn) + 2 vocab d + norms.
+    d, f, v, L = 2048, 8192, 128256, 16
+    assert run["analytic"]["numel"] == L * (4 * d * d + 3 * d * f) + 2 * v * d + (2 * L + 1) * d
+    # The packed weights are all-gathered once per step, outside the layer loop: 7 stacked
+    # kernels x (codes + scales).
+    u8 = [c for c in run["collectives"] if c["op"] == "all-gather" and c["dtype"] == "u8"]
+    assert sum(c["instances"] for c in u8) == 14 and all(c["axis"] == "data" for c in u8)
+    assert {c["purpose"] for c in run["collectives"] if c["bytes"] > 1e6} == {"weight gather", "grad reduce"}
+    assert "| params (stored" in stdout and "modelled time of all collectives" in stdout
+
+
+@pytest.mark.slow
+def test_two_racks_with_a_tensor_axis(tmp_path):
+    # 2 "racks" of 8 devices, tensor 2 inside a rack, data 8 across both; 2 layers for speed.
+    report, _ = run_scale(tmp_path, "--mesh", "gb200:2", "--nvl-domain", "8", "--tensor", "2", "--layers", "2")
+    (run,) = report["runs"]
+    assert run["axes"] == {"data": 8, "tensor": 2}
+    assert "2 NVLink domain(s) of 8" in run["mesh"] and "tensor: within one domain" in run["mesh"]
+    assert run["data_group_domains"] == 2
+    assert_matches_formula(run)
+    by_axis = {}
+    for c in run["collectives"]:
+        by_axis.setdefault(c["axis"], []).append(c)
+    # Tensor-parallel activation sums stay inside a rack; the weight gathers cross racks.
+    assert by_axis["tensor"] and all(c["domains"] == 1 and c["group"] == 2 for c in by_axis["tensor"])
+    assert any(c["op"] == "all-gather" and c["dtype"] == "u8" and c["domains"] == 2 for c in by_axis["data"])
+
+
+# ----------------------------------------------------------------------------- no compile
+def test_replica_group_formats():
+    mesh_fmt = "x = u8[4] all-gather(y), replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, dimensions={0}"
+    assert [g.tolist() for g in scale._groups(mesh_fmt, 8)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    iota = "x = f32[4] all-reduce(y), replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add"
+    assert [g.tolist() for g in scale._groups(iota, 8)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    explicit = "x = f32[4] all-reduce(y), replica_groups={{0,1},{2,3}}, to_apply=%add"
+    assert [g.tolist() for g in scale._groups(explicit, 4)] == [[0, 1], [2, 3]]
+    assert [g.tolist() for g in scale._groups("x = f32[4] all-reduce(y), replica_groups={}, to_apply=%a", 3)] == [[0, 1, 2]]
+    perm = "x = f32[4] collective-permute(y), channel_id=1, source_target_pairs={{0,1},{1,2}}"
+    assert [g.tolist() for g in scale._groups(perm, 4)] == [[0, 1], [1, 2]]
+
+
+def test_loop_trip_counts_multiply_collectives():
+    hlo = "\n".join([
+        "HloModule m",
+        "%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {",
+        "  %ar = f32[8]{0} all-reduce(%x), replica_groups={}, to_apply=%add",
+        "}",
+        "%cond (p: (s32[], f32[8])) -> pred[] {",
+        "  %c = pred[] constant(true)",
+        "}",
+        "ENTRY %main (a: f32[8]) -> f32[8] {",
+        '  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}',
+        "  %ag = u8[16]{0} all-gather(%z), replica_groups={}, dimensions={0}",
+        "}",
+    ])
+    comps = scale._computations(hlo)
+    mult, warnings = scale._multipliers(comps)
+    assert mult["body"] == 5 and mult["main"] == 1 and not warnings
+
+
+def test_time_model():
+    gb = 1e9
+    # Inside one domain: NVLink; across: the flat ring runs at the IB speed.
+    assert scale.collective_time("all-gather", 9 * gb, 9, 1, 900, 50) == pytest.approx((8 / 900, 8 / 900))
+    flat, two = scale.collective_time("all-reduce", 144 * gb, 144, 2, 900, 50)
+    assert flat == pytest.approx(2 * 143 / 50)
+    assert two == pytest.approx(2 * 144 * 71 / 72 / 900 + 2 * 2 * 1 / 2 / 50)
+    flat, two = scale.collective_time("reduce-scatter", 1 * gb, 144, 2, 900, 50)
+    assert flat == pytest.approx(143 / 50) and two == pytest.approx(2 * 71 / 900 + 1 / 50)
+    assert scale.ring_bytes("all-reduce", 10, 5) == 16 and scale.ring_bytes("reduce-scatter", 10, 5) == 40
+
+
+def test_mesh_spec():
+    s = scale.MeshSpec.parse("gb200:2", tensor=4)
+    assert (s.devices, s.label) == (144, "gb200-2-t4")
+    assert scale.MeshSpec.parse("data:16").devices == 16
+    with pytest.raises(ValueError, match="gb200:RACKS"):
+        scale.MeshSpec.parse("racks:2")

@@ -133,16 +133,6 @@ def unpack_codes(data: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(w, jnp.uint8).reshape(*data.shape[:-1], data.shape[-1] * 2)
 
 
-def decode_packed(data: jax.Array) -> jax.Array:
-    """``[..., n]`` packed bytes to ``[..., 2n]`` float32 values (low nibble first).
-
-    The bytes are reinterpreted as XLA's ``float4_e2m1fn`` pairs and converted natively, which
-    is faster than unpacking codes and looking them up (the values are identical).
-    """
-    pairs = jax.lax.bitcast_convert_type(data, jnp.float4_e2m1fn)  # [..., n, 2]
-    return pairs.astype(jnp.float32).reshape(*data.shape[:-1], data.shape[-1] * 2)
-
-
 def _hash32(x: jax.Array) -> jax.Array:
     # A 32-bit integer finalizer (xorshift-multiply), bijective and well mixed.
     x = x ^ (x >> 16)

@@ -17,9 +17,6 @@ def test_decode_all_256_bytes():
     expect = codes.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
     np.testing.assert_array_equal(vals, expect)
     np.testing.assert_array_equal(np.signbit(vals), np.signbit(expect))  # code 8 is -0
-    # The native float4 decode of packed bytes gives the same values, signs included.
-    packed = np.asarray(nx.decode_packed(data)).reshape(256, 2)
-    np.testing.assert_array_equal(packed.view(np.uint32), vals.view(np.uint32))
     # And pack is the exact inverse of unpack.
     np.testing.assert_array_equal(np.asarray(nx.pack_codes(jnp.asarray(codes.reshape(-1)))), np.arange(256))
 

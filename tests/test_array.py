@@ -195,7 +195,7 @@ def _arrays(draw, shape):
     return (rng.standard_normal(shape) * np.exp2(log_range)).astype(np.float32)
 
 
-@settings(max_examples=12)  # each new shape compiles anew
+@settings(max_examples=6)  # each new shape compiles anew
 @given(st.data(), shapes, st.sampled_from(BLOCKS))
 def test_roundtrip_error_bound_and_padding(data, shape, block):
     x = _arrays(data.draw, shape)
@@ -216,7 +216,7 @@ def test_roundtrip_error_bound_and_padding(data, shape, block):
     assert_matches_reference(x, block)
 
 
-@settings(max_examples=12)
+@settings(max_examples=6)
 @given(st.data(), st.integers(1, 50), st.integers(1, 50))
 def test_transpose_equals_quantizing_the_transpose(data, rows, cols):
     x = _arrays(data.draw, (rows, cols))

@@ -24,21 +24,7 @@ TINY = os.path.join(ROOT, "train", "configs", "tiny.yaml")
 JOB = ("train.steps=6", "model.d_model=96", "model.heads=2", "model.mlp_hidden=192", "data.batch_size=24")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    """A persistent XLA cache for this module and its subprocesses (shared with the other
-    reliability modules of the session)."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    path = str(tmp_path_factory.getbasetemp() / "jax-cache")
-    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    cc.reset_cache()
-    yield path
-    jax.config.update("jax_compilation_cache_dir", before[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
-    cc.reset_cache()
+pytestmark = pytest.mark.usefixtures("compile_cache")  # fixture in conftest.py
 
 
 def tiny(*overrides):

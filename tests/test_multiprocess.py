@@ -34,21 +34,7 @@ HEARTBEAT_S = 10
 SURVIVOR_DEADLINE_S = 60
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    """A persistent XLA cache for this module and its subprocesses (shared with the other
-    reliability modules of the session)."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    path = str(tmp_path_factory.getbasetemp() / "jax-cache")
-    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    cc.reset_cache()
-    yield path
-    jax.config.update("jax_compilation_cache_dir", before[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
-    cc.reset_cache()
+pytestmark = pytest.mark.usefixtures("compile_cache")  # fixture in conftest.py
 
 
 def free_port() -> int:

@@ -305,16 +305,26 @@ def gather(tree, mesh=None, rules: Optional[Rules] = None, data_axis: str = "dat
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_nvfp4)
 
 
-def _gather_as_bytes(x, sharding):
-    """Reshard a narrow float array (bf16, f16, float8) through its same-width unsigned bits,
-    so the collective moves exactly its bytes: XLA:CPU widens such collectives to f32/f16.
-    The optimization barriers stop XLA from folding the bitcasts back into the collective."""
-    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize >= 4:
+def reshard_bits(x, sharding, *, min_itemsize: int = 1):
+    """Reshard ``x`` through its same-width unsigned bits, so the collective only moves bytes:
+    XLA can neither widen it (XLA:CPU widens bf16 and float8 collectives to f32/f16) nor turn
+    it into a reduction. The optimization barriers stop XLA from folding the bitcasts back
+    into the collective. Float arrays narrower than ``min_itemsize`` bytes, and non-floats,
+    are resharded as they are."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize < min_itemsize:
         return jax.lax.with_sharding_constraint(x, sharding)
-    uint = {1: jnp.uint8, 2: jnp.uint16}[jnp.dtype(x.dtype).itemsize]
+    uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(x.dtype).itemsize]
     bits = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(x, uint))
     bits = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(bits, sharding))
     return jax.lax.bitcast_convert_type(bits, x.dtype)
+
+
+def _gather_as_bytes(x, sharding):
+    """Gather a parameter: narrow floats (bf16, f16, float8) travel as their bits; float32
+    collectives are native everywhere and go as they are."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize >= 4:
+        return jax.lax.with_sharding_constraint(x, sharding)
+    return reshard_bits(x, sharding)
 
 
 # ----------------------------------------------------------------------------- re-quantization

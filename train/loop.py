@@ -111,13 +111,10 @@ REDUCE_SCOPE = "ordered_reduce"
 
 
 def move_bits(x: jax.Array, sharding) -> jax.Array:
-    """Reshard ``x`` through its same-width unsigned bits: the collective moves bytes only, so
-    XLA can neither make it a reduction nor widen it, and every sum stays on the device in the
-    order the program says. (The barriers stop XLA from folding the bitcasts away.)"""
-    uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
-    bits = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(x, uint))
-    bits = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(bits, sharding))
-    return jax.lax.bitcast_convert_type(bits, x.dtype)
+    """Reshard ``x`` as its bits (:func:`jax_nvfp4.sharding.reshard_bits`): the collective
+    moves bytes only, so XLA can neither make it a reduction nor widen it, and every sum stays
+    on the device in the order the program says."""
+    return nv.sharding.reshard_bits(x, sharding)
 
 
 def ordered_mean(stacked, masters, mesh, rules: nv.Rules):

@@ -53,6 +53,12 @@ def rotary(x, theta: float):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def linear(features: int, name: str, compute: str, dtype, init_std: float) -> NVFP4Dense:
+    """A bias-free linear layer whose GEMM follows ``compute`` (dequant or the NVFP4 recipe)."""
+    return NVFP4Dense(features, compute=compute, dtype=dtype, name=name,
+                      kernel_init=nn.initializers.normal(init_std))
+
+
 class Attention(nn.Module):
     d_model: int
     heads: int
@@ -65,10 +71,7 @@ class Attention(nn.Module):
     def __call__(self, x):
         b, t, _ = x.shape
         hd = self.d_model // self.heads
-        dense = lambda name, std=self.init_std: NVFP4Dense(
-            self.d_model, compute=self.compute, dtype=self.dtype, name=name,
-            kernel_init=nn.initializers.normal(std),
-        )
+        dense = lambda name: linear(self.d_model, name, self.compute, self.dtype, self.init_std)
         q, k, v = (dense(n)(x).reshape(b, t, self.heads, hd) for n in ("q", "k", "v"))
         q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(hd).astype(jnp.float32)
@@ -88,9 +91,7 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        dense = lambda n, f: NVFP4Dense(
-            f, compute=self.compute, dtype=self.dtype, name=n, kernel_init=nn.initializers.normal(self.init_std)
-        )
+        dense = lambda n, f: linear(f, n, self.compute, self.dtype, self.init_std)
         h = jax.nn.silu(dense("gate", self.hidden)(x)) * dense("up", self.hidden)(x)
         return dense("down", self.d_model)(h)
 
@@ -150,8 +151,7 @@ class GPT(nn.Module):
             x, _ = stack(self.d_model, self.heads, self.hidden, self.rope_theta, self.compute,
                          self.init_std, self.dtype, name=name)(x, None)
         x = RMSNorm(dtype=self.dtype, name="norm_f")(x)
-        head = NVFP4Dense(self.vocab, compute=self.compute, dtype=self.dtype, name="head",
-                          kernel_init=nn.initializers.normal(self.init_std))
+        head = linear(self.vocab, "head", self.compute, self.dtype, self.init_std)
         return head(x).astype(jnp.float32)
 
 

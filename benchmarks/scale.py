@@ -10,8 +10,8 @@ a mesh of simulated CPU devices. Figures come from the compiled program:
 - per-device state bytes from the shard shapes of the sharded ``ShapeDtypeStruct``\\ s;
 - argument / output / temporary bytes from ``compiled.memory_analysis()``;
 - bytes per collective from the compiled HLO (``jax_nvfp4.collective_bytes`` per instruction,
-  times the trip count of the ``while`` loops around it: with ``grad_reduce="auto"`` XLA puts
-  the per-layer gradient sum inside the scanned backward loop), with the mesh axes and NVLink
+  times the trip count of the ``while`` loops around it: the per-layer gathers and gradient
+  reductions sit inside the scanned forward and backward loops), with the mesh axes and NVLink
   domains each collective's replica groups span, and its purpose (weight gather, gradient
   reduction, ...) read from the Python stack that XLA keeps in the HLO metadata.
 
@@ -171,17 +171,18 @@ def _stacks(hlo: str) -> Dict[int, List[tuple]]:
 # Innermost known function of a collective's Python stack -> what the collective is for.
 # (move_bits / sharding helpers are skipped: their caller decides.)
 _PURPOSE = (
-    ("ordered_mean", "grad reduce"),
+    ("ordered_reduce_scatter", "grad reduce"),
+    ("bwd", "grad reduce"),
     ("_grads_to_master", "grad reduce"),
-    ("reduce_scatter_grads", "grad reduce"),
-    ("_shard_sum_of_squares", "grad norm"),
+    ("global_norm", "grad norm"),
     ("clip_by_global_norm", "grad norm"),
     ("requantize", "re-quantize"),
-    ("_constrain_like", "params relayout"),
     ("_constrain_master", "master relayout"),
+    ("_gather_forward", "weight gather"),
     ("gather_dequantized", "weight gather"),
     ("gather", "weight gather"),
     ("master_weights", "optimizer"),
+    ("ordered_mean", "loss / metrics"),
     ("make_step", "loss / metrics"),
 )
 
@@ -311,6 +312,14 @@ def analyze_hlo(hlo: str, mesh, nvl_domain: int, nvlink_gbps: float = NVLINK_GBP
             axis = "+".join(a for a in mesh.axis_names if a in axes) or "-"
             sf = re.search(r"stack_frame_id=(\d+)", line)
             purpose = _purpose(stacks.get(int(sf.group(1)), [])) if sf else "other"
+            # The library's name scopes say it directly (the per-layer gathers and gradient
+            # reductions run inside custom-VJP code whose Python frames XLA does not keep).
+            scope = re.search(r'op_name="([^"]*)"', line)
+            scope = scope.group(1) if scope else ""
+            if f"{nv.collectives.GATHER_SCOPE}" in scope:
+                purpose = "weight gather"
+            elif nv.collectives.REDUCE_SCOPE in scope and op == "all-to-all":
+                purpose = "grad reduce"
             if purpose == "model fwd/bwd" and op in ("all-reduce", "reduce-scatter") and rules_data_axis(mesh) in axes:
                 purpose = "grad reduce"  # XLA's own gradient sum, placed inside the backward pass
             for (_, dtype), b in counts.items():
@@ -383,44 +392,46 @@ def analytic(params, rules, policy, n_data: int, n_tensor: int, racks_per_data_g
 
     out = dict(params=0.0, master=0.0, master_unpadded=0.0, opt_state=0.0, gather_packed=0.0, gather_plain=0.0,
                grad_reduce_scatter=0.0, grad_all_reduce=0.0, numel=0, numel_nvfp4=0)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=nv.is_nvfp4)[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=nv.is_tiled)[0]:
         p = nv.path_str(path)
-        t = n_tensor if (n_tensor > 1 and rules.tensor_dim(p) is not None) else 1
-        if nv.is_nvfp4(leaf):
-            numel = math.prod(leaf.shape)
-            batch = math.prod(leaf.shape[:-2])
+        nvfp4 = isinstance(leaf, nv.TiledNVFP4)
+        shape = tuple(leaf.shape)
+        numel = math.prod(shape)
+        stacked = rules.stacked_axes(p)
+        sharded = nvfp4 or (len(shape) - stacked >= 2 and numel >= rules.min_shard_size)
+        t = n_tensor if (n_tensor > 1 and rules.tensor_dim(p) is not None and sharded) else 1
+        if sharded:
+            # Tile-major storage: each matrix (per tensor shard) as whole 16x16 tiles, the tile
+            # count rounded up to a multiple of N_data.
+            *batch, r, c = shape
+            tdim = rules.tensor_dim(p) if t > 1 else None
+            sr, sc = (r // t, c) if tdim == -2 else ((r, c // t) if tdim == -1 else (r, c))
+            tiles = -(-sr // 16) * -(-sc // 16)
+            padded = math.prod(batch) * t * (-(-tiles // n_data) * n_data) * 256
+        else:
+            padded = numel
+        if nvfp4:
+            batch = math.prod(shape[:-2])
             packed = numel / 2 + numel / 256
             out["gather_packed"] += packed / t
             out["params"] += packed / (n_data * t) + 4 * batch
             out["numel_nvfp4"] += numel
-            sharded = True
-            # The master's padded layout (jax_nvfp4.sharding.master_layout).
-            tdim = rules.tensor_dim(p) if t > 1 else None
-            ddim = -1 if tdim == -2 else -2
-            dims = list(leaf.shape)
-            dims[ddim] = -(-dims[ddim] // (16 * n_data)) * 16 * n_data
-            other = -1 if ddim == -2 else -2
-            dims[other] = -(-dims[other] // 16) * 16
-            padded = math.prod(dims)
         else:
-            numel = math.prod(leaf.shape)
             item = np.dtype(leaf.dtype).itemsize
-            sharded = numel >= rules.min_shard_size and n_data > 1
             if sharded:
                 out["gather_plain"] += item * numel / t
                 out["params"] += item * numel / (n_data * t)
             else:
-                out["params"] += item * numel / t
-            padded = numel
+                out["params"] += item * numel
         out["numel"] += numel
-        shards = n_data * t if sharded else t
+        shards = n_data * t if sharded else 1
         out["master"] += 4 * padded / shards
         out["master_unpadded"] += 4 * numel / shards
         out["opt_state"] += 8 * padded / shards
         if sharded:
             out["grad_reduce_scatter"] += 2 * numel / (n_data * t)
         else:
-            out["grad_all_reduce"] += 2 * numel / t
+            out["grad_all_reduce"] += 2 * numel
     k, n = racks_per_data_group, n_data
     gathered = out["gather_packed"] + out["gather_plain"]
     out["wire_gather"] = ring_bytes("all-gather", gathered, n)
@@ -437,27 +448,32 @@ def analytic(params, rules, policy, n_data: int, n_tensor: int, racks_per_data_g
 
 
 def unsharded_large_leaves(params, specs, rules, n_data: int) -> List[str]:
-    """Large leaves the layout stores without a data-axis split (their data axis does not
-    divide the dimension), so every data shard holds a full copy."""
+    """Large leaves stored without a data-axis split, so every data shard holds a full copy
+    (NVFP4 leaves, and plain leaves of at least ``rules.min_shard_size`` elements with a
+    matrix per layer)."""
     import jax
     import jax_nvfp4 as nv
 
     out = []
     if n_data == 1:
         return out
-    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=nv.is_nvfp4)[0]
-    for (path, leaf), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=nv.is_nvfp4)):
-        s = spec.data if nv.is_nvfp4(leaf) else spec
-        big = nv.is_nvfp4(leaf) or math.prod(leaf.shape) >= rules.min_shard_size
-        if big and rules.data_axis not in tuple(s):
-            out.append(f"{nv.path_str(path)} {tuple(leaf.shape)}")
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=nv.is_tiled)[0]
+    for (path, leaf), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=nv.is_tiled)):
+        p = nv.path_str(path)
+        big = (isinstance(leaf, nv.TiledNVFP4) or nv.is_nvfp4(leaf)
+               or (len(leaf.shape) - rules.stacked_axes(p) >= 2 and math.prod(leaf.shape) >= rules.min_shard_size))
+        s = spec.data if isinstance(spec, nv.TiledNVFP4) else (spec.value if isinstance(spec, nv.Tiled) else spec)
+        used = set()
+        for e in tuple(s):
+            used.update(e if isinstance(e, tuple) else (e,))
+        if big and not (set(rules.data_axes) & used):
+            out.append(f"{p} {tuple(leaf.shape)}")
     return out
 
 
-def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps: float = IB_GBPS,
-                 grad_reduce: str = "ordered") -> Dict[str, Any]:
-    """Lower and compile the full training step for ``cfg`` on ``spec``'s simulated mesh
-    (``grad_reduce``: as ``train.loop.make_step``; "ordered" is what ``train.loop.build`` runs)."""
+def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps: float = IB_GBPS) -> Dict[str, Any]:
+    """Lower and compile the full training step of ``train.loop.make_step`` for ``cfg`` on
+    ``spec``'s simulated mesh."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -483,7 +499,7 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
     batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), jnp.int32, sharding=batch_sh)
     key = jax.eval_shape(lambda: jax.random.key(0))
     step = jax.jit(
-        loop.make_step(cfg, model, tx, rules, mesh, grad_reduce=grad_reduce),
+        loop.make_step(cfg, model, tx, rules, mesh),
         in_shardings=(p_sh, s_sh, batch_sh, None),
         out_shardings=(p_sh, s_sh, None),
         donate_argnums=(0, 1),
@@ -499,7 +515,7 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
     mem = compiled.memory_analysis()
 
     mw = nv.find_state(state)
-    nvfp4_params = [x for x in jax.tree.leaves(params, is_leaf=nv.is_nvfp4) if nv.is_nvfp4(x)]
+    nvfp4_params = [x for x in jax.tree.leaves(params, is_leaf=nv.is_tiled) if isinstance(x, nv.TiledNVFP4)]
     measured = {
         "params": _tree_bytes(params),
         "params_nvfp4": _tree_bytes(nvfp4_params),
@@ -545,7 +561,6 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
     specs = nv.partition_specs(a_params, mesh, rules)
     return {
         "weights": cfg.nvfp4.weights,
-        "grad_reduce": grad_reduce,
         "mesh": mesh_lib.describe_mesh(mesh, spec.nvl_domain),
         "axes": axes,
         "data_group_domains": k_data,
@@ -616,9 +631,10 @@ def markdown(report: Dict[str, Any]) -> str:
         f"- {runs[0]['mesh']}",
         f"- batch: {report['micro_batch']} sequence(s) of {report['seq_len']} tokens per data shard (temporaries are "
         "for this micro-batch)",
-        f"- step: train.loop.make_step(grad_reduce={runs[0]['grad_reduce']!r}): packed gather, dequantize to bf16, "
-        "forward/backward, gradient sum into the master layout, master_weights(AdamW) update, sharded "
-        "re-quantization; AOT-compiled for simulated CPU devices",
+        "- step: train.loop.make_step (FSDP): inside the scan over layers, each layer all-gathers its packed "
+        "weight bytes, dequantizes, runs forward (remat: again in backward) and reduce-scatters its weight "
+        "gradient into the master shards in a fixed order; then master_weights(AdamW) and sharded "
+        "re-quantization of the tiles each device owns; AOT-compiled for simulated CPU devices",
         f"- wall time: " + ", ".join(f"{r['weights']}: compile {r['seconds']['compile']:.1f} s "
                                      f"(lower {r['seconds']['lower']:.1f} s)" for r in runs)
         + f"; whole run {report['wall_s']:.1f} s",
@@ -719,16 +735,14 @@ def markdown(report: Dict[str, Any]) -> str:
         "",
         "## Caveats",
         "",
-        "- Figures come from an XLA:CPU compile. With grad_reduce='ordered' (train.loop.build's default) the "
-        "gradient sum is an explicit all-to-all of bf16 bits into the master layout plus a local f32 sum: the "
-        "same bytes on the wire as a bf16 reduce-scatter, on any backend. With 'auto', XLA:CPU keeps XLA's "
-        "all-reduce (no reduce-scatter creator pass) and converts bf16 gradients to f32 before it (8 numel (n-1)/n "
-        "ring bytes vs 2 numel (n-1)/n for a bf16 reduce-scatter): a CPU artefact, a GPU build would differ.",
-        "- XLA temporaries hold every layer's dequantized bf16 weights at once plus this shard's full-size "
-        "gradients: the step gathers and dequantizes the whole model before the scanned forward pass. They grow "
-        "with the model, not with the data axis.",
-        "- 'analytic' assumes every large leaf divides evenly over the data axis; where it does not (see the "
-        "list of unsharded leaves), the library stores that leaf replicated and the measured figure is larger.",
+        "- Figures come from an XLA:CPU compile. The gradient sum is an explicit all-to-all of bf16 bits into "
+        "the master tiles plus a local f32 fold in shard order: the same bytes on the wire as a bf16 "
+        "reduce-scatter, on any backend.",
+        "- Layers are rematerialised: each layer's weights are gathered twice per step (forward, and again in "
+        "the backward pass), so gathered bytes per step are twice one pass; the analytic gather figure is one "
+        "pass. XLA temporaries hold one layer's gathered weights and gradients, the embedding and head, and "
+        "the activations saved per layer.",
+        "- 'analytic' ignores padding; the tile layout pads each matrix to a multiple of N_data tiles.",
         "",
     ]
     return "\n".join(lines)
@@ -746,8 +760,6 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, help="override the preset's vocabulary size")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per data shard")
-    p.add_argument("--grad-reduce", choices=("ordered", "auto"), default="ordered",
-                   help="gradient sum of train.loop.make_step: 'ordered' (what train.loop.build runs) or 'auto'")
     p.add_argument("--nvlink-gbps", type=float, default=NVLINK_GBPS)
     p.add_argument("--ib-gbps", type=float, default=IB_GBPS)
     p.add_argument("--out", default=RESULTS, help="directory for scale_<model>_<mesh>.json/.md ('' = none)")
@@ -785,7 +797,7 @@ def main(argv=None) -> Dict[str, Any]:
     runs = []
     for w in weights:
         cfg = make_config(preset, spec, w, args.seq_len, args.micro_batch)
-        runs.append(compile_step(cfg, spec, args.nvlink_gbps, args.ib_gbps, args.grad_reduce))
+        runs.append(compile_step(cfg, spec, args.nvlink_gbps, args.ib_gbps))
         print(f"[scale] {args.model} {spec.label} {w}: compiled in {runs[-1]['seconds']['compile']:.1f} s",
               file=sys.stderr, flush=True)
     report = {
@@ -807,7 +819,6 @@ def main(argv=None) -> Dict[str, Any]:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         suffix = "".join(f"_{k[0]}{v}" for k, v in overrides.items())
-        suffix += "_auto" if args.grad_reduce == "auto" else ""
         base = os.path.join(args.out, f"scale_{args.model}{suffix}_{spec.label}")
         with open(base + ".json", "w") as f:
             json.dump(report, f, indent=2)

@@ -1,8 +1,10 @@
 """jax_nvfp4: model weights that live in NVFP4 during data-parallel training in JAX.
 
 Core format (``quantize``, ``dequantize``, ``NVFP4Array``), parameter policies
-(``quantize_params``, ``dequantize_params``), mesh layout (``shardings``, ``gather``), the
-master-weight optimizer wrapper (``master_weights``) and HLO accounting (``collective_bytes``).
+(``quantize_params``, ``dequantize_params``), the one sharded layout (``Layout``,
+``TiledNVFP4``, ``Tiled``, ``shard_params``, ``shardings``), per-layer gathers and ordered
+reductions (``gather_weight``, ``ordered_reduce_scatter``), the master-weight optimizer wrapper
+(``master_weights``) and HLO accounting (``collective_bytes``).
 """
 
 from jax_nvfp4.array import (
@@ -23,16 +25,24 @@ from jax_nvfp4.export import ExportError, export_nvfp4, load_nvfp4
 from jax_nvfp4.gemm import BackendUnavailableError, dot, last_backend, resolve_backend
 from jax_nvfp4.nn import NVFP4Dense
 from jax_nvfp4.numerics import hadamard_matrix, hadamard_transform
-from jax_nvfp4.optim import MasterWeightsState, apply_updates, find_state, master_weights, raise_if_skipped
+from jax_nvfp4.collectives import GatherConfig, gather_weight, global_norm, ordered_mean, ordered_reduce_scatter
+from jax_nvfp4.layout import Layout, Rules, Tiled, TiledNVFP4, is_tiled, layout_for
+from jax_nvfp4.optim import (
+    MasterWeightsState,
+    apply_updates,
+    clip_by_global_norm,
+    find_state,
+    master_weights,
+    raise_if_skipped,
+)
 from jax_nvfp4.params import DEFAULT_POLICY, Policy, dequantize_params, path_str, quantize_params
 from jax_nvfp4.sharding import (
-    MasterArray,
-    Rules,
     gather,
     gather_dequantized,
+    logical,
     partition_specs,
-    reduce_scatter_grads,
     requantize,
+    shard_params,
     shardings,
 )
 
@@ -50,7 +60,19 @@ __all__ = [
     "last_backend",
     "resolve_backend",
     "DEFAULT_POLICY",
-    "MasterArray",
+    "GatherConfig",
+    "Layout",
+    "Tiled",
+    "TiledNVFP4",
+    "clip_by_global_norm",
+    "gather_weight",
+    "global_norm",
+    "is_tiled",
+    "layout_for",
+    "logical",
+    "ordered_mean",
+    "ordered_reduce_scatter",
+    "shard_params",
     "MasterWeightsState",
     "NVFP4Array",
     "Policy",
@@ -75,7 +97,6 @@ __all__ = [
     "path_str",
     "quantize",
     "quantize_params",
-    "reduce_scatter_grads",
     "requantize",
     "shardings",
     "total_bytes",

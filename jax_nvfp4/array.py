@@ -225,13 +225,22 @@ def element_index(shape, logical, offset=(0, 0)) -> jax.Array:
 
     ``offset`` entries may be traced (a shard's position inside ``shard_map``).
     """
-    rows, cols = logical
     nd = len(shape)
     r = jax.lax.broadcasted_iota(jnp.uint32, shape, nd - 2) + jnp.asarray(offset[0]).astype(jnp.uint32)
     c = jax.lax.broadcasted_iota(jnp.uint32, shape, nd - 1) + jnp.asarray(offset[1]).astype(jnp.uint32)
-    idx = r * np.uint32(cols) + c
+    return flat_index(r, c, logical, nd - 2)
+
+
+def flat_index(row: jax.Array, col: jax.Array, logical, batch_ndim: Optional[int] = None) -> jax.Array:
+    """uint32 flat index ``((b0 * B1 + b1) ... * rows + row) * cols + col`` (wrapping) of
+    elements at logical ``row``/``col`` positions; the first ``batch_ndim`` axes of ``row``
+    (default all but the last two) are the batch axes. Stochastic rounding draws by it."""
+    rows, cols = logical
+    shape = row.shape
+    idx = row * np.uint32(cols) + col
     stride = rows * cols
-    for ax in reversed(range(nd - 2)):
+    nb = len(shape) - 2 if batch_ndim is None else batch_ndim
+    for ax in reversed(range(nb)):
         idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, ax) * np.uint32(stride % 2**32)
         stride *= shape[ax]
     return idx

@@ -1,7 +1,15 @@
-"""Flax linen layers whose matmuls follow the NVFP4 training recipe."""
+"""Flax linen layers that take their weights at the point of use; NVFP4 recipe matmuls.
+
+A training step that shards its parameters (FSDP) passes each parameter to ``apply`` as a
+:class:`ParamShard` (this device's stored shard and master shard). A layer reads it through
+:func:`param`, which all-gathers the packed bytes right there (inside the scanned layer) and
+dequantizes; the gradient flows back to the master shard through the gather's VJP. Passed
+ordinary arrays, :func:`param` is ``module.param``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
@@ -10,8 +18,57 @@ import jax.numpy as jnp
 
 from jax_nvfp4 import gemm
 from jax_nvfp4.array import BLOCK_2D, NVFP4Array, quantize
+from jax_nvfp4.collectives import GatherConfig, gather_weight
+from jax_nvfp4.layout import TiledNVFP4
 
-__all__ = ["NVFP4Dense", "NVFP4_COLLECTION", "ROUNDING_RNG"]
+__all__ = ["NVFP4Dense", "NVFP4_COLLECTION", "ROUNDING_RNG", "ParamShard", "param"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamShard:
+    """A parameter as one device holds it inside a data-parallel ``shard_map``: ``stored``
+    (its shard of the stored param) and ``master`` (its shard of the float32 master, which
+    receives the gradient). ``nn.scan`` slices both per layer."""
+
+    stored: Any
+    master: Any
+    config: GatherConfig = dataclasses.field(default=GatherConfig(), metadata=dict(static=True))
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return isinstance(self.stored, TiledNVFP4)
+
+    def get(self) -> jax.Array:
+        """The logical weight (gathered and dequantized to ``config.dtype``)."""
+        return gather_weight(self.stored, self.master, self.config)
+
+    def get_nvfp4(self):
+        """``(NVFP4Array, sink)``: the gathered stored weight for the recipe GEMM and a float
+        array that only carries the weight gradient (its values are never read)."""
+        return gather_weight(self.stored, self.master, dataclasses.replace(self.config, nvfp4=True))
+
+
+jax.tree_util.register_dataclass(ParamShard, data_fields=["stored", "master"], meta_fields=["config"])
+
+
+def _shard(module: nn.Module, name: str) -> Optional[ParamShard]:
+    if module.has_variable("params", name):
+        v = module.get_variable("params", name)
+        if isinstance(v, ParamShard):
+            return v
+    return None
+
+
+def param(module: nn.Module, name: str, init_fn: Callable, shape, dtype=jnp.float32) -> jax.Array:
+    """``module.param(name, init_fn, shape, dtype)``, or, when the variable is a
+    :class:`ParamShard`, the weight gathered at this point of use."""
+    shard = _shard(module, name)
+    if shard is not None:
+        w = shard.get()
+        if tuple(w.shape) != tuple(shape):
+            raise ValueError(f"{module.name}/{name}: sharded parameter of logical shape {w.shape}, expected {tuple(shape)}")
+        return w
+    return module.param(name, init_fn, shape, dtype)
 
 # Variable collection holding the stored (quantized) kernels, under the params' names.
 NVFP4_COLLECTION = "nvfp4"
@@ -58,8 +115,21 @@ class NVFP4Dense(nn.Module):
         if self.compute not in _COMPUTE_MODES:
             raise ValueError(f"NVFP4Dense.compute must be one of {_COMPUTE_MODES}, got {self.compute!r}")
         x = jnp.asarray(x)
-        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
+        shape = (x.shape[-1], self.features)
+        shard = _shard(self, "kernel")
         x = x.astype(self.dtype)
+
+        def add_bias(y):
+            if not self.use_bias:
+                return y
+            return y + param(self, "bias", self.bias_init, (self.features,), self.param_dtype).astype(self.dtype)
+
+        if self.compute == "nvfp4" and shard is not None and shard.is_nvfp4:
+            w_q, sink = shard.get_nvfp4()
+            if key is None and self.has_rng(ROUNDING_RNG):
+                key = self.make_rng(ROUNDING_RNG)
+            return add_bias(gemm.dot(x, w_q, sink, key=key, backend=self.backend, out_dtype=self.dtype))
+        kernel = param(self, "kernel", self.kernel_init, shape, self.param_dtype)
         if self.compute == "dequant":
             y = jnp.dot(x, kernel.astype(self.dtype))
         else:
@@ -76,7 +146,4 @@ class NVFP4Dense(nn.Module):
             if key is None and self.has_rng(ROUNDING_RNG):
                 key = self.make_rng(ROUNDING_RNG)
             y = gemm.dot(x, w_q, kernel, key=key, backend=self.backend, out_dtype=self.dtype)
-        if self.use_bias:
-            bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-            y = y + bias.astype(self.dtype)
-        return y
+        return add_bias(y)

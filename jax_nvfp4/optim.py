@@ -1,19 +1,19 @@
 """``master_weights``: an optax wrapper that keeps float32 masters for NVFP4 parameters.
 
-The wrapper holds the float32 master of every parameter (NVFP4 or not) in its state, sharded
-across the data axis in the :class:`~jax_nvfp4.sharding.MasterArray` layout, runs any optax
-transform on the masters, re-quantizes each NVFP4 leaf shard by shard with the global amax,
-and returns updates that ``optax.apply_updates`` adds to the old params to give exactly the
-new ones:
+The wrapper holds the float32 master of every parameter (NVFP4 or not) in its state, in the
+parameter's own layout (:mod:`jax_nvfp4.layout`: tile-major and sharded over the data axis for
+large leaves, replicated for small ones), runs any optax transform on the masters,
+re-quantizes each NVFP4 leaf shard by shard with the global amax, and returns updates that
+``optax.apply_updates`` adds to the old params to give exactly the new ones:
 
 - NVFP4 leaves: all three leaves (packed data, scale bytes, amax bits) are unsigned integers,
   so their update is the wrap-around difference, which ``p + u`` undoes exactly. The result is
-  bit-identical to quantizing the whole unsharded master.
-- Other float leaves: the new value is *defined* as ``p + (master.astype(dtype) - p)`` computed
-  in ``p``'s dtype (float32 for the difference when ``p`` is narrower), which is what
-  ``optax.apply_updates`` computes, so it is reproduced exactly. It equals
-  ``master.astype(dtype)`` whenever old and new values are within a factor of two (Sterbenz),
-  i.e. on essentially every step, and is otherwise within one rounding; the master is exact.
+  bit-identical to quantizing the whole unsharded master, and (for stored
+  :class:`~jax_nvfp4.layout.TiledNVFP4` params) it is the stored shard itself: no relayout.
+- float32 leaves: the inner optimizer's own update, as plain optax applies it, so the param
+  equals its master bit for bit after every step.
+- Narrower float leaves (bf16): ``master.astype(dtype) - p`` in float32, which ``p + u``
+  reproduces (exactly whenever old and new values are within a factor 2**16).
 
 Non-finite gradients skip the step (master, params, inner state and key unchanged; the skip is
 counted in the state). With ``nonfinite="error"`` the same happens on the device and
@@ -28,28 +28,21 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
 
 from jax_nvfp4.array import BLOCK_2D, NVFP4Array, is_nvfp4
+from jax_nvfp4.collectives import global_norm
+from jax_nvfp4.layout import DEFAULT_RULES, Rules, Tiled, TiledNVFP4, is_tiled, layout_for
 from jax_nvfp4.params import DEFAULT_POLICY, Policy, path_str
-from jax_nvfp4.sharding import (
-    DEFAULT_RULES,
-    MasterArray,
-    Rules,
-    context_mesh,
-    is_master,
-    master_spec,
-    requantize,
-    to_master,
-    _named,
-    _nvfp4_specs,
-)
+from jax_nvfp4.sharding import constrain, context_mesh, requantize
 
 
 class MasterWeightsState(NamedTuple):
     """State of :func:`master_weights`.
 
     Attributes:
-      master: params-structured tree of :class:`MasterArray` (float32, sharded).
+      master: params-structured tree of float32 masters: :class:`~jax_nvfp4.layout.Tiled`
+        (sharded) for large leaves, plain arrays for small replicated ones.
       inner_state: the inner transform's state (over the masters).
       skipped: int32 count of steps skipped for non-finite gradients.
       key: PRNG key for stochastic re-quantization (None when off).
@@ -62,7 +55,7 @@ class MasterWeightsState(NamedTuple):
 
 
 def _is_param_leaf(x) -> bool:
-    return is_nvfp4(x) or is_master(x)
+    return is_nvfp4(x) or is_tiled(x)
 
 
 def master_weights(
@@ -100,8 +93,8 @@ def master_weights(
     ``init(params)`` takes the float32 tree (the master is exactly it; ``policy`` says which
     leaves are NVFP4) or a tree with ``NVFP4Array`` leaves (the master starts from their
     dequantized values). ``update(grads, state, params)`` needs ``params``; ``grads`` are float
-    and shaped like the dequantized weights (or ``MasterArray`` shards from
-    :func:`~jax_nvfp4.sharding.reduce_scatter_grads`).
+    and shaped like the dequantized weights, or already in the masters' layout
+    (:class:`~jax_nvfp4.layout.Tiled` shards from :func:`~jax_nvfp4.collectives.gather_weight`).
     """
     if nonfinite not in ("skip", "error"):
         raise ValueError(f"nonfinite must be 'skip' or 'error', got {nonfinite!r}")
@@ -113,10 +106,17 @@ def master_weights(
 
         def one(path, leaf):
             p = path_str(path)
-            return to_master(p, leaf, m, rules, nvfp4=is_nvfp4(leaf) or policy.wants(p, leaf))
+            if isinstance(leaf, TiledNVFP4):
+                return Tiled(leaf.dequantize_tiles(jnp.float32), leaf.layout)
+            if isinstance(leaf, Tiled):
+                return Tiled(leaf.value.astype(jnp.float32), leaf.layout)
+            nvfp4 = is_nvfp4(leaf) or policy.wants(p, leaf)
+            value = leaf.dequantize(jnp.float32) if is_nvfp4(leaf) else jnp.asarray(leaf, jnp.float32)
+            lay = layout_for(p, value.shape, nvfp4, m, rules)
+            return Tiled.from_logical(value, lay) if lay is not None else value
 
-        master = jax.tree_util.tree_map_with_path(one, params, is_leaf=is_nvfp4)
-        master = _constrain_master(master, m, rules)
+        master = jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_param_leaf)
+        master = _constrain_master(master, m)
         k = None
         if stochastic_rounding:
             k = key if key is not None else jax.random.key(0)
@@ -131,11 +131,14 @@ def master_weights(
         if params is None:
             raise ValueError("master_weights: update(grads, state, params) needs the current params")
         m = context_mesh(mesh)
-        grads_m = _grads_to_master(grads, state.master, m, rules, grad_dtype)
+        # A barrier between the gradients' relayout and the optimizer: XLA:CPU contracts
+        # multiply-adds differently depending on what it fuses with the element-wise optimizer
+        # math, which would make the float32 masters depend on the data-axis size by an ulp.
+        grads_m = jax.lax.optimization_barrier(_grads_to_master(grads, state.master, m, grad_dtype))
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads_m)]))
         updates_m, inner_state = inner.update(grads_m, state.inner_state, state.master, **extra)
         master = optax.apply_updates(state.master, updates_m)
-        master = _constrain_master(master, m, rules)
+        master = _constrain_master(master, m)
 
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         master = keep(master, state.master)
@@ -146,30 +149,30 @@ def master_weights(
             new_key = keep(new_key, state.key)
 
         paths_p, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_param_leaf)
-        leaves_m = treedef.flatten_up_to(master)
+        try:
+            leaves_m = treedef.flatten_up_to(master)
+            leaves_u = treedef.flatten_up_to(updates_m)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"master_weights: params do not match the state's masters: {e}") from None
         updates = []
-        for i, ((path, p), mw) in enumerate(zip(paths_p, leaves_m)):
-            if is_nvfp4(p) != mw.nvfp4:
-                raise ValueError(
-                    f"master_weights: parameter {path_str(path)} is {'' if is_nvfp4(p) else 'not '}NVFP4 "
-                    f"but its master was initialised as {'' if mw.nvfp4 else 'not '}NVFP4; pass the same "
-                    "policy to quantize_params and master_weights"
-                )
-            if is_nvfp4(p):
+        for i, ((path, p), mw, um) in enumerate(zip(paths_p, leaves_m, leaves_u)):
+            name = path_str(path)
+            if _backs_nvfp4(p) and not isinstance(mw, Tiled):
+                raise ValueError(f"master_weights: parameter {name} is NVFP4 but its master was initialised as "
+                                 "a plain leaf; pass the same policy to quantize_params and master_weights")
+            if isinstance(p, (TiledNVFP4, NVFP4Array)):
+                if isinstance(p, TiledNVFP4) and p.layout != mw.layout:
+                    raise ValueError(f"master_weights: parameter {name} has layout {p.layout} but its master "
+                                     f"{mw.layout}; pass the same mesh and rules to shard_params and master_weights")
                 k = jax.random.fold_in(sub, i) if sub is not None else None
-                q = requantize(mw, m, rules, block=p.block, key=k, cast_bf16=cast_master_bf16)
-                q = _constrain_like(path_str(path), q, m, rules)
-                q = keep(q, p)
-                updates.append(nvfp4_delta(p, q))
-            elif isinstance(p, MasterArray):
-                raise TypeError("params must not contain MasterArray leaves")
+                q = requantize(mw, m, key=k, cast_bf16=cast_master_bf16)
+                if isinstance(p, NVFP4Array):
+                    q = q.to_array()  # params kept logical by the caller: a relayout of bytes
+                updates.append(nvfp4_delta(p, keep(q, p)))
             elif hasattr(p, "dtype") and jnp.issubdtype(p.dtype, jnp.floating):
-                target = mw.logical().astype(p.dtype)
-                wide = jnp.float32 if jnp.finfo(p.dtype).bits < 32 else p.dtype
-                u = target.astype(wide) - p.astype(wide)
-                updates.append(jnp.where(finite, u, jnp.zeros_like(u)))
+                updates.append(_plain_update(p, mw, um, finite))
             else:
-                updates.append(jnp.zeros_like(p))
+                updates.append(jax.tree.map(jnp.zeros_like, p))
         new_state = MasterWeightsState(
             master=master,
             inner_state=inner_state,
@@ -179,6 +182,30 @@ def master_weights(
         return jax.tree.unflatten(treedef, updates), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _backs_nvfp4(p) -> bool:
+    return is_nvfp4(p) or isinstance(p, TiledNVFP4)
+
+
+def _plain_update(p, mw, um, finite):
+    """The update of a plain float param ``p`` (a ``Tiled`` or an array) whose master is
+    ``mw`` (already updated) and whose inner update was ``um``."""
+    tiled_p = isinstance(p, Tiled)
+    pv = p.value if tiled_p else p
+    if jnp.finfo(pv.dtype).bits >= 32:
+        # The inner optimizer's own update: p + u is computed exactly as m + u was.
+        u = um.value if isinstance(um, Tiled) else um
+        if isinstance(um, Tiled) and not tiled_p:
+            u = um.logical()
+        u = u.astype(pv.dtype)
+    else:
+        target = mw.value if isinstance(mw, Tiled) else mw
+        if isinstance(mw, Tiled) and not tiled_p:
+            target = mw.logical()
+        u = target.astype(pv.dtype).astype(jnp.float32) - pv.astype(jnp.float32)
+    u = jnp.where(finite, u, jnp.zeros_like(u))
+    return Tiled(u, p.layout) if tiled_p else u
 
 
 def nvfp4_delta(old: NVFP4Array, new: NVFP4Array) -> NVFP4Array:
@@ -231,50 +258,60 @@ def raise_if_skipped(state, before: int = 0) -> None:
         )
 
 
-def _constrain_master(master, mesh, rules):
+def _constrain_master(master, mesh):
     if mesh is None:
         return master
     return jax.tree.map(
-        lambda mw: MasterArray(
-            jax.lax.with_sharding_constraint(mw.value, _named(mesh, master_spec(mw, rules))),
-            mw.shape, mw.data_dim, mw.tensor_dim, mw.nvfp4,
-        ),
+        lambda mw: Tiled(constrain(mw.value, NamedSharding(mesh, mw.spec())), mw.layout) if isinstance(mw, Tiled) else mw,
         master,
-        is_leaf=is_master,
+        is_leaf=is_tiled,
     )
 
 
-def _constrain_like(path: str, q: NVFP4Array, mesh, rules):
-    """Move the re-quantized leaf from the master layout to the stored params layout (a no-op
-    when the shapes are tile-aligned; otherwise a reshuffle of bytes, never of floats)."""
-    if mesh is None:
-        return q
-    ds, ss, _ = _nvfp4_specs(path, q, mesh, rules)
-    data = jax.lax.with_sharding_constraint(q.data, _named(mesh, ds))
-    scale = jax.lax.with_sharding_constraint(q.scale_bits, _named(mesh, ss))
-    return NVFP4Array(data, scale, q.amax_bits, q.matrix_shape, q.block)
-
-
-def _grads_to_master(grads, master, mesh, rules, grad_dtype):
-    """Float gradients shaped like the logical params -> MasterArray layout (padded, sharded).
-    Gradients that already are MasterArray (from ``reduce_scatter_grads``) pass through."""
-    leaves_m, treedef = jax.tree.flatten(master, is_leaf=is_master)
+def _grads_to_master(grads, master, mesh, grad_dtype):
+    """Float gradients -> the masters' layout. ``Tiled`` gradients (from the training step's
+    per-layer reduce-scatter) pass through; logical gradients shaped like the params are
+    padded and laid out tile-major (XLA moves them to their shards)."""
+    leaves_m, treedef = jax.tree.flatten(master, is_leaf=is_tiled)
     try:
         leaves_g = treedef.flatten_up_to(grads)
     except (ValueError, TypeError) as e:
         raise ValueError(f"master_weights: gradients do not match the params tree: {e}") from None
     out = []
     for g, mw in zip(leaves_g, leaves_m):
-        if is_master(g):
-            v = g.value
-        else:
-            if tuple(g.shape) != tuple(mw.shape):
-                raise ValueError(f"gradient of shape {tuple(g.shape)} for a parameter of shape {mw.shape}")
-            v = g.astype(grad_dtype) if grad_dtype is not None else g
-            pad = [(0, t - s) for t, s in zip(mw.value.shape, v.shape)]
-            if any(b for _, b in pad):
-                v = jnp.pad(v, pad)
+        if is_nvfp4(g) or isinstance(g, TiledNVFP4):
+            raise TypeError("master_weights: a gradient is an NVFP4 array; gradients must be float arrays "
+                            "(take them against the dequantized weights)")
+        if isinstance(g, Tiled):
+            out.append(Tiled(g.value.astype(jnp.float32), mw.layout) if isinstance(mw, Tiled)
+                       else g.logical().astype(jnp.float32))
+            continue
+        shape = mw.shape if isinstance(mw, Tiled) else jnp.shape(mw)
+        if tuple(jnp.shape(g)) != tuple(shape):
+            raise ValueError(f"gradient of shape {tuple(jnp.shape(g))} for a parameter of shape {tuple(shape)}")
+        v = g.astype(grad_dtype) if grad_dtype is not None else g
+        if isinstance(mw, Tiled):
+            v = Tiled(mw.layout.to_tiles(v.astype(jnp.float32)), mw.layout)
             if mesh is not None:
-                v = jax.lax.with_sharding_constraint(v, _named(mesh, master_spec(mw, rules)))
-        out.append(MasterArray(v.astype(jnp.float32), mw.shape, mw.data_dim, mw.tensor_dim, mw.nvfp4))
+                v = Tiled(constrain(v.value, NamedSharding(mesh, v.spec())), v.layout)
+            out.append(v)
+        else:
+            out.append(jnp.asarray(v, jnp.float32))
     return jax.tree.unflatten(treedef, out)
+
+
+def clip_by_global_norm(max_norm: float, mesh=None, rules: Optional[Rules] = None) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm`` whose norm is summed in a fixed order across devices
+    (:func:`jax_nvfp4.collectives.global_norm`), for the master-layout gradients the
+    :func:`master_weights` wrapper's inner transform sees; without a mesh, optax's own."""
+    rules = rules or DEFAULT_RULES
+
+    def update_fn(updates, state, params=None):
+        del params
+        m = context_mesh(mesh)
+        g_norm = global_norm(updates, m, rules)
+        trigger = g_norm < max_norm
+        clip = lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)
+        return jax.tree.map(clip, updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)

@@ -108,16 +108,4 @@ def dequantize_params(tree, dtype=jnp.bfloat16):
     return jax.tree.map(one, tree, is_leaf=is_nvfp4)
 
 
-def nvfp4_paths(tree) -> Sequence[str]:
-    """Paths of the NVFP4 leaves of ``tree``."""
-    out = []
-    jax.tree_util.tree_map_with_path(lambda p, l: out.append(path_str(p)) if is_nvfp4(l) else None, tree, is_leaf=is_nvfp4)
-    return out
-
-
-def abstract_params(tree) -> Any:
-    """``jax.ShapeDtypeStruct`` view (NVFP4 leaves included), for ``eval_shape``-style planning."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), tree)
-
-
-__all__ = ["Policy", "DEFAULT_POLICY", "quantize_params", "dequantize_params", "path_str", "nvfp4_paths", "NVFP4Array"]
+__all__ = ["Policy", "DEFAULT_POLICY", "quantize_params", "dequantize_params", "path_str", "NVFP4Array"]

@@ -2,13 +2,14 @@
 
 What one checkpoint (``<dir>/<step>/``) holds:
 
-- ``state``: every array of the params (``NVFP4Array`` leaves as their packed ``data``,
-  ``scale_bits`` and ``amax_bits``) and of the optimizer state. Float32 masters — and every
-  master-shaped leaf of the inner optimizer state (Adam moments...), which are
-  :class:`~jax_nvfp4.MasterArray` nodes too — are saved by their LOGICAL (unpadded) values, so
-  a checkpoint does not depend on the mesh: it restores onto any data/tensor axis sizes, where
-  they are padded again into that mesh's layout. Typed PRNG keys (the wrapper's stochastic
-  rounding key) are saved as their key data.
+- ``state``: every array of the params (``TiledNVFP4`` leaves as their packed ``data``,
+  ``scale_bits`` and ``amax_bits``) and of the optimizer state, in the tile-major layout they
+  live in (:mod:`jax_nvfp4.layout`), each process writing its own shards. The layout depends
+  on the data-axis size only through the zero tiles that pad each matrix's tile list to a
+  multiple of it, so a checkpoint restores onto any data-axis size: orbax reads each target
+  shard straight from the files into its device, padding or truncating the tile axis (only
+  zero tiles are dropped or added). A different tensor-axis split is refused. Typed PRNG keys
+  (the wrapper's stochastic rounding key) are saved as their key data.
 - ``meta`` (JSON): the step, the data iterator position, the loop's base PRNG key, and a
   description of every saved leaf (kind, logical shape, dtype, block), checked on restore so
   that a checkpoint of another model or optimizer is refused with a one-line error naming the
@@ -37,7 +38,7 @@ from train.config import ConfigError
 __all__ = ["CheckpointError", "Checkpointer", "Restored", "describe", "host_arrays", "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "jax_nvfp4.train.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: masters saved by their logical values (before the tile layout)
 _NVFP4_FIELDS = ("data", "scale_bits", "amax_bits")
 
 
@@ -56,7 +57,7 @@ class Restored:
 
 # ----------------------------------------------------------------------------- tree <-> names
 def _is_node(x) -> bool:
-    return nv.is_nvfp4(x) or isinstance(x, nv.MasterArray)
+    return nv.is_nvfp4(x) or nv.is_tiled(x)
 
 
 def _is_key(x) -> bool:
@@ -65,7 +66,7 @@ def _is_key(x) -> bool:
 
 
 def _leaves(tree, prefix: str) -> List[Tuple[str, Any]]:
-    """``[(name, leaf)]`` with ``NVFP4Array`` and ``MasterArray`` nodes as leaves; names are
+    """``[(name, leaf)]`` with ``TiledNVFP4`` and ``Tiled`` nodes as leaves; names are
     ``prefix/a/b/0/c`` (see :func:`jax_nvfp4.path_str`)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_node)
     out = []
@@ -84,11 +85,13 @@ def describe(params, opt_state) -> Dict[str, Dict[str, Any]]:
     ``jax.ShapeDtypeStruct`` trees (``jax.eval_shape``)."""
     out = {}
     for name, leaf in _leaves(params, "params") + _leaves(opt_state, "opt_state"):
-        if nv.is_nvfp4(leaf):
+        if nv.is_nvfp4(leaf) or isinstance(leaf, nv.TiledNVFP4):
             out[name] = {"kind": "nvfp4", "shape": list(leaf.shape), "block": list(leaf.block)}
-        elif isinstance(leaf, nv.MasterArray):
-            out[name] = {"kind": "master", "shape": list(leaf.shape), "dtype": str(jnp.dtype(leaf.value.dtype)),
-                         "nvfp4": bool(leaf.nvfp4)}
+            if isinstance(leaf, nv.TiledNVFP4):
+                out[name]["tensor_split"] = [leaf.layout.n_tensor, leaf.layout.tensor_dim]
+        elif isinstance(leaf, nv.Tiled):
+            out[name] = {"kind": "tiled", "shape": list(leaf.shape), "dtype": str(jnp.dtype(leaf.value.dtype)),
+                         "tensor_split": [leaf.layout.n_tensor, leaf.layout.tensor_dim]}
         elif _is_key(leaf):
             out[name] = {"kind": "key", "shape": list(leaf.shape), "impl": _key_impl_name(leaf.dtype)}
         else:
@@ -104,15 +107,17 @@ def _key_impl_name(dtype) -> str:
 
 
 def host_arrays(params, opt_state) -> Dict[str, np.ndarray]:
-    """``{name: host array}`` of what a checkpoint of this state holds (logical masters, key
-    data), for comparing states bit for bit; names as in :func:`describe` (NVFP4 leaves
-    split into ``name/data``, ``name/scale_bits``, ``name/amax_bits``). Single-process."""
+    """``{name: host array}`` of a state's logical values (NVFP4 leaves as their logical
+    packed bytes, masters and moments unpadded, key data), for comparing states bit for bit
+    across meshes; names as in :func:`describe` (NVFP4 leaves split into ``name/data``,
+    ``name/scale_bits``, ``name/amax_bits``). Single-process."""
     out = {}
     for name, leaf in _leaves(params, "params") + _leaves(opt_state, "opt_state"):
-        if nv.is_nvfp4(leaf):
+        if nv.is_nvfp4(leaf) or isinstance(leaf, nv.TiledNVFP4):
+            q = leaf.to_array() if isinstance(leaf, nv.TiledNVFP4) else leaf
             for f in _NVFP4_FIELDS:
-                out[f"{name}/{f}"] = np.asarray(getattr(leaf, f))
-        elif isinstance(leaf, nv.MasterArray):
+                out[f"{name}/{f}"] = np.asarray(getattr(q, f))
+        elif isinstance(leaf, nv.Tiled):
             out[name] = np.asarray(leaf.logical())
         elif _is_key(leaf):
             out[name] = np.asarray(jax.random.key_data(leaf))
@@ -144,66 +149,28 @@ def _flatten_nested(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- save form
-def _logical_spec(mw, mesh, rules: nv.Rules) -> P:
-    """The master's partition spec, minus the axes that do not divide the logical shape."""
-    spec = tuple(nv.partition_specs({"m": mw}, mesh, rules)["m"].value)
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    entries = []
-    for d, e in zip(mw.shape, spec):
-        entries.append(e if e is not None and d % sizes.get(e, 1) == 0 else None)
-    return P(*entries)
-
-
-def _saveable_fn(params, opt_state, mesh, rules: nv.Rules):
-    """A jitted function ``(params, opt_state) -> {name: array}``: the mesh-independent save
-    form (logical masters, key data), sharded where the logical shapes allow."""
-    named = _leaves(params, "params") + _leaves(opt_state, "opt_state")
-    replicated = NamedSharding(mesh, P())
-
-    def kept(x):  # the array's own layout when it lives on this mesh, else replicated
-        sh = getattr(x, "sharding", None)
-        return sh if isinstance(sh, NamedSharding) and sh.mesh == mesh else replicated
-
-    shardings = {}
-    for name, leaf in named:
-        if nv.is_nvfp4(leaf):
+def _arrays(params, opt_state) -> Dict[str, Any]:
+    """``{name: array}``: what a checkpoint stores, as the state holds it (sharded; no copy)."""
+    out = {}
+    for name, leaf in _leaves(params, "params") + _leaves(opt_state, "opt_state"):
+        if isinstance(leaf, nv.TiledNVFP4):
             for f in _NVFP4_FIELDS:
-                shardings[f"{name}/{f}"] = kept(getattr(leaf, f))
-        elif isinstance(leaf, nv.MasterArray):
-            shardings[name] = NamedSharding(mesh, _logical_spec(leaf, mesh, rules))
+                out[f"{name}/{f}"] = getattr(leaf, f)
+        elif isinstance(leaf, nv.Tiled):
+            out[name] = leaf.value
         elif _is_key(leaf):
-            shardings[name] = replicated
+            out[name] = jax.random.key_data(leaf)
         else:
-            shardings[name] = kept(leaf)
-
-    def fn(params, opt_state):
-        out = {}
-        for name, leaf in _leaves(params, "params") + _leaves(opt_state, "opt_state"):
-            if nv.is_nvfp4(leaf):
-                for f in _NVFP4_FIELDS:
-                    out[f"{name}/{f}"] = getattr(leaf, f)
-            elif isinstance(leaf, nv.MasterArray):
-                out[name] = leaf.logical()
-            elif _is_key(leaf):
-                out[name] = jax.random.key_data(leaf)
-            else:
-                out[name] = jnp.asarray(leaf)
-        return out
-
-    return jax.jit(fn, out_shardings=shardings)
+            out[name] = leaf
+    return out
 
 
-# ----------------------------------------------------------------------------- restore form
-def _put(value: np.ndarray, sharding) -> jax.Array:
-    """A global array with ``sharding`` from a host copy every process holds."""
-    value = np.asarray(value)
-    return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
-
-
-def _nonfinite(value: np.ndarray) -> bool:
-    if value.dtype.kind == "f" or value.dtype.name in ("bfloat16",) or value.dtype.name.startswith("float8"):
-        return not bool(np.all(np.isfinite(value.astype(np.float32))))
-    return False
+def _all_finite(name: str, x) -> bool:
+    if name.endswith("/amax_bits"):  # an amax, stored as its float32 bits
+        x = jax.lax.bitcast_convert_type(x, jnp.float32)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return True
+    return bool(jax.jit(lambda v: jnp.all(jnp.isfinite(v.astype(jnp.float32))))(x))
 
 
 # ----------------------------------------------------------------------------- the manager
@@ -246,8 +213,6 @@ class Checkpointer:
             getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
         except OSError:
             pass
-        self._save_fn = None
-        self._save_key = None
 
     # -- queries
     def latest_step(self) -> Optional[int]:
@@ -267,11 +232,8 @@ class Checkpointer:
         """Write checkpoint ``step`` (asynchronously with ``async_save``: the arrays are copied
         off the devices before this returns, the files are written in the background)."""
         ocp = self._ocp
-        rules = rules or nv.Rules()
-        key = (jax.tree.structure(params, is_leaf=_is_node), jax.tree.structure(opt_state, is_leaf=_is_node), id(mesh))
-        if self._save_key != key:
-            self._save_fn, self._save_key = _saveable_fn(params, opt_state, mesh, rules), key
-        flat = self._save_fn(params, opt_state)
+        del rules  # the layouts travel with the state's Tiled / TiledNVFP4 nodes
+        flat = _arrays(params, opt_state)
         meta = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -305,6 +267,10 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {where}: cannot read its metadata: {_first_line(e)}") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {where}: not a {FORMAT} checkpoint")
+        if meta.get("version") == 1:
+            raise CheckpointError(
+                f"checkpoint {where}: format version 1 (masters stored by logical values, before the tile "
+                f"layout); this version reads format {FORMAT_VERSION}: resume it with version 0.1.0 or start anew")
         if meta.get("version") != FORMAT_VERSION:
             raise CheckpointError(f"checkpoint {where}: format version {meta.get('version')}, this code reads {FORMAT_VERSION}")
         return meta
@@ -322,32 +288,28 @@ class Checkpointer:
         meta = self.read_meta(step)
         _check_compatible(where, meta.get("leaves", {}), describe(abstract_params, abstract_state))
 
-        expect = {}
-        for name, leaf in _leaves(abstract_params, "params") + _leaves(abstract_state, "opt_state"):
-            if nv.is_nvfp4(leaf):
-                for f in _NVFP4_FIELDS:
-                    expect[f"{name}/{f}"] = None
-            else:
-                expect[name] = None
-        restore_args = _nest({k: ocp.RestoreArgs(restore_type=np.ndarray) for k in expect})
+        targets = _targets(abstract_params, param_shardings, "params")
+        targets.update(_targets(abstract_state, state_shardings, "opt_state"))
+        restore_args = _nest({k: ocp.ArrayRestoreArgs(sharding=sh, global_shape=shape, dtype=dtype)
+                              for k, (shape, dtype, sh) in targets.items()})
         try:
             state = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.PyTreeRestore(restore_args=restore_args))).state
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"checkpoint {where}: cannot read its arrays: {_first_line(e)}") from None
         flat = _flatten_nested(state)
-        missing = sorted(set(expect) - set(flat))
+        missing = sorted(set(targets) - set(flat))
         if missing:
             raise CheckpointError(f"checkpoint {where}: arrays missing: {missing[0]}"
                                   + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-        bad = [name for name in expect if _nonfinite(_finite_view(name, flat[name]))]
+        bad = [name for name in targets if not _all_finite(name, flat[name])]
         if bad:
             raise CheckpointError(f"checkpoint {where}: non-finite values (NaN or Inf) in {bad[0]}"
                                   + (f" (and {len(bad) - 1} more leaves)" if len(bad) > 1 else "")
                                   + "; refusing to restore it")
 
-        params = _assemble(abstract_params, param_shardings, flat, "params")
-        opt_state = _assemble(abstract_state, state_shardings, flat, "opt_state")
+        params = _assemble(abstract_params, flat, "params")
+        opt_state = _assemble(abstract_state, flat, "opt_state")
         base_key = None
         if meta.get("base_key"):
             k = meta["base_key"]
@@ -355,36 +317,40 @@ class Checkpointer:
         return Restored(int(meta["step"]), params, opt_state, base_key, dict(meta.get("data_state") or {}))
 
 
-def _finite_view(name: str, value: np.ndarray) -> np.ndarray:
-    # NVFP4 amax is stored as its float32 bit pattern; the packed bytes have no NaN.
-    if name.endswith("/amax_bits"):
-        return np.asarray(value).view(np.float32)
-    if name.endswith("/data") or name.endswith("/scale_bits"):
-        return np.zeros(0, np.float32)
-    return np.asarray(value)
-
-
-def _assemble(abstract, shardings, flat: Dict[str, np.ndarray], prefix: str):
+def _targets(abstract, shardings, prefix: str) -> Dict[str, tuple]:
+    """``{name: (global shape, dtype, sharding)}`` of every array to restore."""
     leaves, treedef = jax.tree.flatten(abstract, is_leaf=_is_node)
     shard_leaves = treedef.flatten_up_to(shardings)
     names = [name for name, _ in _leaves(abstract, prefix)]
-    out = []
+    out = {}
     for name, leaf, sh in zip(names, leaves, shard_leaves):
-        if nv.is_nvfp4(leaf):
-            out.append(nv.NVFP4Array(*(_put(flat[f"{name}/{f}"], getattr(sh, f)) for f in _NVFP4_FIELDS),
-                                     leaf.matrix_shape, leaf.block))
-        elif isinstance(leaf, nv.MasterArray):
-            logical = np.asarray(flat[name])
-            pad = [(0, p - s) for p, s in zip(leaf.value.shape, logical.shape)]
-            value = np.pad(logical, pad) if any(b for _, b in pad) else logical
-            out.append(nv.MasterArray(_put(value.astype(leaf.value.dtype), sh.value), leaf.shape,
-                                      leaf.data_dim, leaf.tensor_dim, leaf.nvfp4))
+        if isinstance(leaf, nv.TiledNVFP4):
+            for f in _NVFP4_FIELDS:
+                a = getattr(leaf, f)
+                out[f"{name}/{f}"] = (tuple(a.shape), a.dtype, getattr(sh, f))
+        elif isinstance(leaf, nv.Tiled):
+            out[name] = (tuple(leaf.value.shape), leaf.value.dtype, sh.value)
+        elif _is_key(leaf):
+            out[name] = (tuple(leaf.shape) + (2,), jnp.uint32, NamedSharding(sh.mesh, P()))
+        else:
+            out[name] = (tuple(leaf.shape), leaf.dtype, sh)
+    return out
+
+
+def _assemble(abstract, flat: Dict[str, Any], prefix: str):
+    leaves, treedef = jax.tree.flatten(abstract, is_leaf=_is_node)
+    names = [name for name, _ in _leaves(abstract, prefix)]
+    out = []
+    for name, leaf in zip(names, leaves):
+        if isinstance(leaf, nv.TiledNVFP4):
+            out.append(nv.TiledNVFP4(*(flat[f"{name}/{f}"] for f in _NVFP4_FIELDS), leaf.layout))
+        elif isinstance(leaf, nv.Tiled):
+            out.append(nv.Tiled(flat[name], leaf.layout))
         elif _is_key(leaf):
             impl = _key_impl_name(leaf.dtype)
-            data = _put(np.asarray(flat[name], np.uint32), sh)
-            out.append(jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl), out_shardings=sh)(data))
+            out.append(jax.random.wrap_key_data(flat[name], impl=impl))
         else:
-            out.append(_put(np.asarray(flat[name]).astype(leaf.dtype), sh))
+            out.append(flat[name])
     return treedef.unflatten(out)
 
 

@@ -276,6 +276,9 @@ class TrainConfig:
     eval_every: int = _field(0, ge=0, doc="0 = no evaluation")
     out_dir: str = _field("runs/default")
     seed: int = _field(0, ge=0)
+    remat: str = _field("dots", choices=("dots", "nothing"),
+                        doc="what a scanned layer keeps for its backward pass: 'dots' (its matmul "
+                            "outputs) or 'nothing'; never its gathered weights")
 
     def __post_init__(self):
         _check_section(self)

@@ -32,7 +32,7 @@ import jax_nvfp4 as nv
 from train import checkpoint as checkpoint_lib
 from train import data as data_lib
 from train.config import Config, validate_for_devices
-from train.model import TENSOR_RULES, cross_entropy, from_config, nvfp4_collection
+from train.model import TENSOR_RULES, cross_entropy, from_config
 
 
 # ----------------------------------------------------------------------------- components
@@ -45,9 +45,10 @@ def policy_for(cfg: Config) -> nv.Policy:
 
 
 def rules_for(cfg: Config) -> nv.Rules:
-    # Large bf16 leaves (embeddings, head, the bf16 baseline's weights) are stored sharded and
-    # gathered like the NVFP4 ones, so the two weight formats are compared like for like.
-    return nv.Rules(data_axis="data", tensor_axis="tensor", tensor=TENSOR_RULES, shard_params=True)
+    # Scanned segments stack layers on axis 0. Large bf16 leaves (embeddings, head, the bf16
+    # baseline's weights) are stored sharded and gathered like the NVFP4 ones, so the two
+    # weight formats are compared like for like.
+    return nv.Rules(data_axis="data", tensor_axis="tensor", tensor=TENSOR_RULES, stacked=(r"^blocks",))
 
 
 def schedule_for(cfg: Config):
@@ -78,7 +79,7 @@ def inner_optimizer(cfg: Config, mesh=None, rules: Optional[nv.Rules] = None) ->
     else:
         opt = optax.inject_hyperparams(optax.sgd)(learning_rate=lr, momentum=o.b1)
     if o.clip_norm > 0:
-        opt = optax.chain(clip_by_global_norm(o.clip_norm, mesh, rules), opt)
+        opt = optax.chain(nv.clip_by_global_norm(o.clip_norm, mesh, rules), opt)
     return opt
 
 
@@ -94,111 +95,6 @@ def make_optimizer(cfg: Config, rules: nv.Rules, policy: nv.Policy, mesh) -> opt
         cast_master_bf16=cfg.nvfp4.cast_master_bf16,
         grad_dtype=jnp.float32 if cfg.nvfp4.grad_reduce_dtype == "float32" else None,
     )
-
-
-# ----------------------------------------------------------------------------- ordered sums
-def _axis_size(mesh, name: Optional[str]) -> int:
-    return int(dict(zip(mesh.axis_names, mesh.axis_sizes)).get(name, 1)) if (mesh is not None and name) else 1
-
-
-def _is_master(x) -> bool:
-    return isinstance(x, nv.MasterArray)
-
-
-# Name scope of the ordered reductions: their gathers move gradients, not parameters, and
-# gather_accounting tells them apart by it (HLO op_name metadata).
-REDUCE_SCOPE = "ordered_reduce"
-
-
-def move_bits(x: jax.Array, sharding) -> jax.Array:
-    """Reshard ``x`` as its bits (:func:`jax_nvfp4.sharding.reshard_bits`): the collective
-    moves bytes only, so XLA can neither make it a reduction nor widen it, and every sum stays
-    on the device in the order the program says."""
-    return nv.sharding.reshard_bits(x, sharding)
-
-
-def ordered_mean(stacked, masters, mesh, rules: nv.Rules):
-    """Mean over the data shards of per-shard gradients, straight into the master layout.
-
-    ``stacked``: params-structured tree of ``[n_data, *shape]`` gradients (row ``i`` from data
-    shard ``i``, stored on it); ``masters``: the matching tree of :class:`MasterArray`.
-    Each leaf is zero-padded to the master's padded shape, moved by an all-to-all so that each
-    device holds every shard's rows of its own master shard (a reduce-scatter without the
-    arithmetic), and summed over the shards in index order in float32.
-    Returns a tree of ``MasterArray`` gradients, which ``master_weights(...).update`` accepts.
-    """
-    n = _axis_size(mesh, rules.data_axis)
-    leaves_m, treedef = jax.tree.flatten(masters, is_leaf=_is_master)
-    leaves_s = treedef.flatten_up_to(nv.partition_specs(masters, mesh, rules))
-    leaves_g = treedef.flatten_up_to(stacked)
-    out = []
-    with jax.named_scope(REDUCE_SCOPE):
-        for g, mw, ms in zip(leaves_g, leaves_m, leaves_s):
-            out.append(_ordered_mean_leaf(g, mw, ms, n, mesh, rules))
-    return treedef.unflatten(out)
-
-
-def _ordered_mean_leaf(g, mw, ms, n: int, mesh, rules: nv.Rules):
-    spec = tuple(ms.value)
-    pad = [(0, 0)] + [(0, p - s) for p, s in zip(mw.value.shape, g.shape[1:])]
-    if any(b for _, b in pad):
-        g = jnp.pad(g, pad)
-    src = P(rules.data_axis, *[None if e == rules.data_axis else e for e in spec])
-    g = jax.lax.with_sharding_constraint(g, NamedSharding(mesh, src))
-    # All-to-all into the master layout (an all-gather for masters kept replicated).
-    g = move_bits(g, NamedSharding(mesh, P(None, *spec)))
-    total = jnp.sum(g.astype(jnp.float32), axis=0) / np.float32(n)
-    total = jax.lax.with_sharding_constraint(total, NamedSharding(mesh, P(*spec)))
-    return nv.MasterArray(total, mw.shape, mw.data_dim, mw.tensor_dim, mw.nvfp4)
-
-
-def _shard_sum_of_squares(mw, mesh, rules: nv.Rules) -> jax.Array:
-    """``sum(value**2)`` of a master leaf: one partial sum per (data, tensor) shard, computed
-    where the shard lives, then gathered (as bits) and added in a fixed order."""
-    v = mw.value.astype(jnp.float32)
-    split = {}
-    for dim, ax in ((mw.data_dim, rules.data_axis), (mw.tensor_dim, rules.tensor_axis)):
-        k = _axis_size(mesh, ax)
-        if dim is not None and k > 1 and v.shape[dim] % k == 0:
-            split[dim % v.ndim] = (ax, k)
-    shape, spec, keep = [], [], []
-    for d, s in enumerate(v.shape):
-        if d in split:
-            ax, k = split[d]
-            keep.append(len(shape))
-            shape += [k, s // k]
-            spec += [ax, None]
-        else:
-            shape.append(s)
-            spec.append(None)
-    x = jax.lax.with_sharding_constraint(jnp.square(v).reshape(shape), NamedSharding(mesh, P(*spec)))
-    part = jnp.sum(x, axis=tuple(i for i in range(len(shape)) if i not in keep))
-    if keep:
-        part = jax.lax.with_sharding_constraint(part, NamedSharding(mesh, P(*[spec[i] for i in keep])))
-        part = move_bits(part, NamedSharding(mesh, P()))
-    return jnp.sum(part)
-
-
-def clip_by_global_norm(max_norm: float, mesh=None, rules: Optional[nv.Rules] = None) -> optax.GradientTransformation:
-    """``optax.clip_by_global_norm`` whose norm is summed in a fixed order across devices
-    (for trees of :class:`MasterArray`, as the master-weight wrapper's inner transform sees);
-    without ``mesh``, optax's own."""
-    if mesh is None:
-        return optax.clip_by_global_norm(max_norm)
-    rules = rules or nv.Rules()
-
-    def update_fn(updates, state, params=None):
-        del params
-        leaves = jax.tree.leaves(updates, is_leaf=_is_master)
-        with jax.named_scope(REDUCE_SCOPE):
-            sq = [_shard_sum_of_squares(x, mesh, rules) if _is_master(x) else jnp.sum(jnp.square(x.astype(jnp.float32)))
-                  for x in leaves]
-            g_norm = jnp.sqrt(sum(sq[1:], sq[0])) if sq else jnp.zeros([], jnp.float32)
-        trigger = g_norm < max_norm
-        clip = lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)
-        return jax.tree.map(clip, updates), state
-
-    return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 @dataclasses.dataclass
@@ -219,13 +115,14 @@ class Trainer:
     abstract_state: Any = None
 
 
-def _state_fn(cfg: Config, model, policy, tx):
+def _state_fn(cfg: Config, model, policy, rules, tx, mesh):
     tokens = jnp.zeros((1, cfg.model.seq_len), jnp.int32)
 
     def create(key):
         fp32 = model.init({"params": key}, tokens)["params"]
         fp32 = jax.tree.map(lambda a: a.astype(jnp.float32), fp32)
-        return nv.quantize_params(fp32, policy), tx.init(fp32)
+        params = nv.shard_params(nv.quantize_params(fp32, policy), mesh, rules)
+        return params, tx.init(fp32)
 
     return create
 
@@ -233,23 +130,24 @@ def _state_fn(cfg: Config, model, policy, tx):
 def abstract_state(cfg: Config, mesh, model, policy, rules, tx):
     """``((params, opt_state) as ShapeDtypeStructs, (param_shardings, state_shardings))``,
     without computing anything: what :func:`init_state` would create, and where."""
-    create = _state_fn(cfg, model, policy, tx)
+    create = _state_fn(cfg, model, policy, rules, tx, mesh)
     with jax.set_mesh(mesh):
         abstract = jax.eval_shape(create, jax.random.key(cfg.train.seed))
-    shard = (nv.shardings(abstract[0], mesh, rules=rules), nv.shardings(abstract[1], mesh, rules=rules))
+    shard = (nv.shardings(abstract[0], mesh), nv.shardings(abstract[1], mesh))
     return abstract, shard
 
 
 def init_state(cfg: Config, mesh, model, policy, rules, tx):
-    """Float32 init -> NVFP4 params and master-weight state, sharded (jit with out_shardings,
-    so no unsharded copy of the state is materialised on one device)."""
+    """Float32 init -> stored NVFP4 params and master-weight state, sharded (jit with
+    out_shardings, so no unsharded copy of the state is materialised on one device)."""
     _, shard = abstract_state(cfg, mesh, model, policy, rules, tx)
     with jax.set_mesh(mesh):
-        params, opt_state = jax.jit(_state_fn(cfg, model, policy, tx), out_shardings=shard)(jax.random.key(cfg.train.seed))
+        create = _state_fn(cfg, model, policy, rules, tx, mesh)
+        params, opt_state = jax.jit(create, out_shardings=shard)(jax.random.key(cfg.train.seed))
     return params, opt_state, shard
 
 
-def build(cfg: Config, mesh, *, init: bool = True, grad_reduce: str = "ordered") -> tuple:
+def build(cfg: Config, mesh, *, init: bool = True) -> tuple:
     """``(trainer, params, opt_state)``; with ``init=False`` the state is only planned
     (``trainer.abstract_params`` / ``abstract_state``) and ``params``/``opt_state`` are None,
     e.g. to restore a checkpoint into."""
@@ -262,9 +160,8 @@ def build(cfg: Config, mesh, *, init: bool = True, grad_reduce: str = "ordered")
     if init:
         params, opt_state, _ = init_state(cfg, mesh, model, policy, rules, tx)
     batch_sharding = NamedSharding(mesh, P("data"))
-    step = make_step(cfg, model, tx, rules, mesh, grad_reduce=grad_reduce)
     step = jax.jit(
-        step,
+        make_step(cfg, model, tx, rules, mesh),
         in_shardings=(p_sh, s_sh, batch_sharding, None, None),
         out_shardings=(p_sh, s_sh, None),
         donate_argnums=(0, 1),
@@ -273,77 +170,84 @@ def build(cfg: Config, mesh, *, init: bool = True, grad_reduce: str = "ordered")
     return trainer, params, opt_state
 
 
-def make_step(cfg: Config, model, tx, rules, mesh, *, grad_reduce: str = "auto"):
-    """The train step ``step(params, opt_state, batch, key, loss_scale=None)``.
+def _manual(spec: P, axes) -> P:
+    """``spec`` keeping only the mesh axes a ``shard_map`` is manual over."""
+    out = []
+    for e in spec:
+        if isinstance(e, tuple):
+            kept = tuple(a for a in e if a in axes)
+            out.append(kept if len(kept) > 1 else (kept[0] if kept else None))
+        else:
+            out.append(e if e in axes else None)
+    return P(*out)
 
-    Args:
-      grad_reduce: how gradients and the loss are summed across the data axis.
-        ``"ordered"`` (what :func:`build` uses): each data shard's gradients are computed on
-        their own (``vmap`` over the shards), then moved by an all-to-all into the master
-        layout and summed in shard order on the device (:func:`ordered_mean`): bit-identical
-        results for any process layout and collective implementation.
-        ``"auto"``: XLA's own all-reduces, placed inside the backward pass (layer by layer).
-      loss_scale (step argument): a float32 scalar multiplying the loss, 1.0 in training; a
-        fault-injection hook (NaN/Inf make that step's gradients non-finite).
+
+def make_step(cfg: Config, model, tx, rules, mesh):
+    """The train step ``step(params, opt_state, batch, key, loss_scale=None)`` (FSDP, one
+    layer at a time).
+
+    The loss and its gradients are computed inside a ``shard_map`` over the data axis, each
+    device on its own rows. Every parameter reaches the model as a
+    :class:`jax_nvfp4.nn.ParamShard`; the layer that uses it all-gathers its packed bytes
+    there, inside the scan over layers, and the scanned blocks are rematerialised, so no
+    device holds more than one layer's weights. The gather's VJP reduce-scatters each layer's
+    weight gradient straight into this device's master shard, summed in a fixed order
+    (:func:`jax_nvfp4.gather_weight`): bit-identical for any process layout. Then the
+    ``master_weights`` optimizer updates and re-quantizes each shard in place.
+
+    ``loss_scale`` (step argument): a float32 scalar multiplying the loss, 1.0 in training; a
+    fault-injection hook (NaN/Inf make that step's gradients non-finite).
     """
-    if grad_reduce not in ("ordered", "auto"):
-        raise ValueError(f"grad_reduce must be 'ordered' or 'auto', got {grad_reduce!r}")
-    packed = cfg.nvfp4.param_gather == "packed"
     nvfp4_compute = cfg.nvfp4.weights == "nvfp4" and cfg.nvfp4.compute == "nvfp4"
     # Gradients take the dtype of the weights they are taken against: float32 weights (cast
     # to bf16 inside the layers) make the cross-device gradient sum float32.
     wdtype = jnp.float32 if cfg.nvfp4.grad_reduce_dtype == "float32" else jnp.bfloat16
+    gather_cfg = nv.GatherConfig(rules.data_axis, wdtype, packed=cfg.nvfp4.param_gather == "packed")
     accum = cfg.optim.grad_accum
-    n_data = _axis_size(mesh, rules.data_axis)
+    fmodel = model.clone(remat=cfg.train.remat)
+    data_axes = rules.data_axes
+    tensor_on = rules.tensor_axis in mesh.axis_names and mesh.shape[rules.tensor_axis] > 1
+    # Manual over the data axes; a tensor axis of size > 1 stays with XLA (Megatron-style
+    # splits inside the layers, propagated from the weights' shardings).
+    manual = set(data_axes) if tensor_on else set(mesh.axis_names)
+    is_node = lambda x: nv.is_tiled(x)
 
-    def loss_fn(weights, qweights, inputs, targets, key, loss_scale):
-        variables = {"params": weights}
-        if qweights is not None:
-            variables["nvfp4"] = qweights
-        rngs = {"rounding": key} if (nvfp4_compute and key is not None) else None
-        logits = model.apply(variables, inputs, rngs=rngs)
-        loss = cross_entropy(logits, targets)
-        return loss if loss_scale is None else loss * loss_scale
-
-    def grads_of(weights, qweights, rows, key, loss_scale):
-        """Mean loss over ``rows [b, seq_len + 1]`` and its gradients (accumulated over
-        ``accum`` micro-batches)."""
+    def local(params, masters, rows, key, loss_scale):
+        key = jax.random.fold_in(key, jax.lax.axis_index(data_axes))
         inputs, targets = rows[:, :-1], rows[:, 1:]
+
+        def loss_fn(masters, inp, tgt, k):
+            shards = jax.tree.map(lambda s, m: nv.nn.ParamShard(s, m, gather_cfg), params, masters, is_leaf=is_node)
+            rngs = {"rounding": k} if nvfp4_compute else None
+            logits = fmodel.apply({"params": shards}, inp, rngs=rngs)
+            return cross_entropy(logits, tgt) * loss_scale
+
         grad_fn = jax.value_and_grad(loss_fn)
         if accum == 1:
-            return grad_fn(weights, qweights, inputs, targets, key, loss_scale)
-        b = inputs.shape[0] // accum
-        micro = lambda a: a.reshape(accum, b, *a.shape[1:])
+            loss, grads = grad_fn(masters, inputs, targets, key)
+        else:
+            b = inputs.shape[0] // accum
+            micro = lambda a: a.reshape(accum, b, *a.shape[1:])
 
-        def body(carry, xs):
-            i, (inp, tgt) = xs
-            l, g = grad_fn(weights, qweights, inp, tgt, jax.random.fold_in(key, i), loss_scale)
-            return jax.tree.map(jnp.add, carry, (l, jax.tree.map(lambda x: x.astype(jnp.float32), g))), None
+            def body(carry, xs):
+                i, inp, tgt = xs
+                l, g = grad_fn(masters, inp, tgt, jax.random.fold_in(key, i))
+                return jax.tree.map(jnp.add, carry, (l, g)), None
 
-        zero = (jnp.zeros([], jnp.float32), jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), weights))
-        (loss, grads), _ = jax.lax.scan(body, zero, (jnp.arange(accum), (micro(inputs), micro(targets))))
-        return loss / accum, jax.tree.map(lambda g: g / accum, grads)
+            zero = jax.tree.map(jnp.zeros_like, (jnp.zeros([], jnp.float32), masters))
+            (loss, grads), _ = jax.lax.scan(body, zero, (jnp.arange(accum), micro(inputs), micro(targets)))
+            loss, grads = loss / accum, jax.tree.map(lambda g: g / np.float32(accum), grads)
+        return nv.ordered_mean(loss, data_axes), grads
 
     def step(params, opt_state, batch, key, loss_scale=None):
-        if packed:
-            gathered = nv.gather(params, mesh, rules=rules)
-            weights = nv.dequantize_params(gathered, wdtype)
-        else:
-            gathered = nv.gather(params, mesh, rules=rules) if nvfp4_compute else None
-            weights = nv.gather_dequantized(params, wdtype, mesh, rules=rules)
-        qweights = nvfp4_collection(gathered) if nvfp4_compute else None
-        if grad_reduce == "auto":
-            loss, grads = grads_of(weights, qweights, batch, key, loss_scale)
-        else:
-            rows = batch.reshape(n_data, batch.shape[0] // n_data, *batch.shape[1:])
-            rows = jax.lax.with_sharding_constraint(rows, NamedSharding(mesh, P(rules.data_axis)))
-            shard_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n_data))
-            losses, stacked = jax.vmap(grads_of, in_axes=(None, None, 0, 0, None))(
-                weights, qweights, rows, shard_keys, loss_scale)
-            with jax.named_scope(REDUCE_SCOPE):
-                losses = jax.lax.with_sharding_constraint(losses, NamedSharding(mesh, P(rules.data_axis)))
-                loss = jnp.sum(move_bits(losses, NamedSharding(mesh, P()))) / np.float32(n_data)
-            grads = ordered_mean(stacked, nv.find_state(opt_state).master, mesh, rules)
+        scale = jnp.float32(1) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
+        masters = nv.find_state(opt_state).master
+        p_specs = jax.tree.map(lambda s: _manual(s, manual), nv.partition_specs(params), is_leaf=lambda x: isinstance(x, P))
+        m_specs = jax.tree.map(lambda s: _manual(s, manual), nv.partition_specs(masters), is_leaf=lambda x: isinstance(x, P))
+        loss, grads = jax.shard_map(
+            local, mesh=mesh, axis_names=manual,
+            in_specs=(p_specs, m_specs, P(data_axes), P(), P()), out_specs=(P(), m_specs), check_vma=False,
+        )(params, masters, batch, key, scale)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         mw = nv.find_state(opt_state)

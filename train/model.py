@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jax_nvfp4.nn import NVFP4_COLLECTION, ROUNDING_RNG, NVFP4Dense
+from jax_nvfp4.nn import NVFP4_COLLECTION, ROUNDING_RNG, NVFP4Dense, param
 
 # Tensor-parallel splits: column-parallel inputs, row-parallel outputs (Megatron style).
 TENSOR_RULES = (
@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],), jnp.float32)
+        scale = param(self, "scale", nn.initializers.ones_init(), (x.shape[-1],), jnp.float32)
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (y * scale.astype(jnp.float32)).astype(self.dtype)
@@ -133,17 +133,18 @@ class GPT(nn.Module):
     keep_last: int = 0
     compute: str = "dequant"
     dtype: Any = jnp.bfloat16
+    remat: Optional[str] = None
 
     @nn.compact
     def __call__(self, tokens):
-        embed = self.param("embed", nn.initializers.normal(self.init_std), (self.vocab, self.d_model), jnp.float32)
+        embed = param(self, "embed", nn.initializers.normal(self.init_std), (self.vocab, self.d_model), jnp.float32)
         x = embed.astype(self.dtype)[tokens]
         counts = (self.keep_first, self.layers - self.keep_first - self.keep_last, self.keep_last)
         for name, n in zip(SEGMENTS, counts):
             if n == 0:
                 continue
             stack = nn.scan(
-                Block,
+                _remat(Block, self.remat),
                 variable_axes={"params": 0, NVFP4_COLLECTION: 0},
                 split_rngs={"params": True, ROUNDING_RNG: True},
                 length=n,
@@ -153,6 +154,24 @@ class GPT(nn.Module):
         x = RMSNorm(dtype=self.dtype, name="norm_f")(x)
         head = linear(self.vocab, "head", self.compute, self.dtype, self.init_std)
         return head(x).astype(jnp.float32)
+
+
+# Remat policies for the scanned blocks. None keeps every residual (one program for the whole
+# model); the sharded step recomputes each layer in the backward pass instead of keeping
+# every layer's gathered weights alive: "nothing" saves only the carries, "dots" also the
+# outputs of the weight matmuls (never the weights themselves: they are not dot outputs).
+REMAT_POLICIES = {
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _remat(block, policy: Optional[str]):
+    if policy is None:
+        return block
+    if policy not in REMAT_POLICIES:
+        raise ValueError(f"remat policy must be one of {sorted(REMAT_POLICIES)}, got {policy!r}")
+    return nn.remat(block, policy=REMAT_POLICIES[policy], prevent_cse=False)
 
 
 def from_config(model_cfg, nvfp4_cfg) -> GPT:

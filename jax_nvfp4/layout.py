@@ -1,0 +1,417 @@
+"""The one sharded layout of a parameter, its float32 master and its optimizer state.
+
+Every large matrix ``[..., R, C]`` is stored **tile-major**: its 16x16 tiles in row-major tile
+order, ``[..., nt, T, 16, 16]``, where ``nt`` is the number of tensor shards (1 when the
+matrix is not split for tensor parallelism; each tensor shard's sub-matrix has its own tile
+list) and ``T`` is the tile count rounded up to a multiple of the data-axis size ``N``. The
+data axis shards ``T``: every device owns ``T / N`` whole tiles of every matrix, for ANY ``N``
+and any shape, and the padding is at most ``N - 1`` zero tiles per matrix (8192x8192 on
+N=144: 0.03%; rows rounded to 16 N would cost 12.5%).
+
+The same layout serves every form of the matrix:
+
+- :class:`TiledNVFP4`, a stored NVFP4 parameter: packed codes ``[..., nt, T, 16, 8] uint8``,
+  tile scales ``[..., nt, T] uint8`` (E4M3 bits), amax ``[...] uint32`` (float32 bits);
+- :class:`Tiled`, a float array: the float32 master, each optimizer moment, a large plain
+  (e.g. bf16) parameter, a gradient shard: ``[..., nt, T, 16, 16]``.
+
+So a device re-quantizes exactly the tiles it stores (the re-quantized shard *is* the stored
+shard: no relayout after the optimizer), all-gathers whole tiles, and receives exactly its
+tiles' gradients. :class:`Layout` owns the padding and the logical view; nothing else derives
+them. Small leaves (norm scales, biases) are replicated and keep their logical shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jax_nvfp4 import numerics as nx
+from jax_nvfp4.array import BLOCK_2D, NVFP4Array, flat_index, quantize_padded
+
+TILE = 16
+
+
+def _ceil_div(n: int, m: int) -> int:
+    return -(-n // m)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """How parameters are laid out on a mesh (sharding is data, decided here).
+
+    Args:
+      data_axis: the mesh axis (or tuple of axes, e.g. ``("data_in_rack", "rack")``) that
+        shards storage: params, masters, optimizer state, gradients.
+      tensor_axis: the mesh axis that splits weights for compute (absent from the mesh = off).
+      tensor: ``(regex, dim)`` pairs: a matrix whose path matches is split over the tensor axis
+        along ``dim`` (-1: columns, e.g. QKV and MLP-in kernels; -2: rows, e.g. attention-out
+        and MLP-out kernels).
+      stacked: regexes of paths whose first axis stacks layers (``nn.scan``): that axis is a
+        batch axis, so a stacked ``[L, d]`` vector is a vector per layer, not a matrix.
+      min_shard_size: plain (non-NVFP4) leaves with fewer elements than this, or fewer than two
+        matrix axes, are replicated (norm scales, biases): their update needs no collective.
+    """
+
+    data_axis: object = "data"
+    tensor_axis: Optional[str] = "tensor"
+    tensor: Tuple[Tuple[str, int], ...] = ()
+    stacked: Tuple[str, ...] = ()
+    min_shard_size: int = 1 << 14
+
+    def __post_init__(self):
+        for pat, dim in self.tensor:
+            re.compile(pat)
+            if dim not in (-1, -2):
+                raise ValueError(f"tensor rule {pat!r}: dim must be -1 or -2, got {dim}")
+        for pat in self.stacked:
+            re.compile(pat)
+
+    def tensor_dim(self, path: str) -> Optional[int]:
+        for pat, dim in self.tensor:
+            if re.search(pat, path):
+                return dim
+        return None
+
+    def stacked_axes(self, path: str) -> int:
+        return 1 if any(re.search(p, path) for p in self.stacked) else 0
+
+    @property
+    def data_axes(self) -> Tuple[str, ...]:
+        return tuple(self.data_axis) if isinstance(self.data_axis, (tuple, list)) else (self.data_axis,)
+
+
+DEFAULT_RULES = Rules()
+
+
+def axis_size(mesh, name) -> int:
+    """Size of mesh axis ``name`` (a tuple of axes: their product); 1 when absent."""
+    if mesh is None or name is None:
+        return 1
+    if isinstance(name, (tuple, list)):
+        return math.prod(axis_size(mesh, n) for n in name)
+    return int(mesh.shape.get(name, 1)) if name in mesh.axis_names else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Tile-major layout of one matrix ``[rows, cols]`` (leading batch axes are free).
+
+    ``n_data`` data shards split the (padded) tile list; ``n_tensor`` tensor shards split the
+    matrix along ``tensor_dim`` (-1 columns, -2 rows; None when ``n_tensor == 1``), each shard
+    holding whole tiles. Static (hashable): it travels as pytree metadata.
+    """
+
+    matrix: Tuple[int, int]
+    n_data: int = 1
+    n_tensor: int = 1
+    tensor_dim: Optional[int] = None
+    data_axis: object = "data"
+    tensor_axis: Optional[str] = None
+
+    def __post_init__(self):
+        r, c = self.matrix
+        if r < 1 or c < 1:
+            raise ValueError(f"Layout: empty matrix {self.matrix}")
+        if self.n_tensor > 1:
+            if self.tensor_dim not in (-1, -2):
+                raise ValueError("Layout: a tensor split needs tensor_dim -1 or -2")
+            if self.matrix[self.tensor_dim] % (TILE * self.n_tensor):
+                raise ValueError(
+                    f"Layout: axis {self.tensor_dim} of {self.matrix} is split over {self.n_tensor} tensor "
+                    f"shards and must be a multiple of {TILE} x {self.n_tensor} so that no 16x16 tile is cut")
+
+    # -- sizes
+    @property
+    def sub(self) -> Tuple[int, int]:
+        """The ``(rows, cols)`` of one tensor shard's sub-matrix."""
+        r, c = self.matrix
+        if self.tensor_dim == -2:
+            return r // self.n_tensor, c
+        if self.tensor_dim == -1:
+            return r, c // self.n_tensor
+        return r, c
+
+    @property
+    def grid(self) -> Tuple[int, int]:
+        """Tiles per sub-matrix along rows and columns."""
+        return _ceil_div(self.sub[0], TILE), _ceil_div(self.sub[1], TILE)
+
+    @property
+    def tiles(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def padded_tiles(self) -> int:
+        """``T``: tiles per tensor shard, rounded up to a multiple of ``n_data``."""
+        return _ceil_div(self.tiles, self.n_data) * self.n_data
+
+    @property
+    def local_tiles(self) -> int:
+        return self.padded_tiles // self.n_data
+
+    def shape(self, batch: Sequence[int] = (), tile: Sequence[int] = (TILE, TILE)) -> Tuple[int, ...]:
+        """Global shape of a tiled array: ``[*batch, nt, T, *tile]``."""
+        return (*batch, self.n_tensor, self.padded_tiles, *tile)
+
+    def spec(self, batch_ndim: int, trailing: int = 2) -> P:
+        """PartitionSpec of a tiled array with ``batch_ndim`` batch axes and ``trailing``
+        axes after the tile axis (2 for values and codes, 0 for scales)."""
+        t = self.tensor_axis if self.n_tensor > 1 else None
+        d = self.data_axis if self.n_data > 1 else None
+        return P(*([None] * batch_ndim), t, d, *([None] * trailing))
+
+    def padding(self) -> float:
+        """Fraction of stored elements that are padding."""
+        r, c = self.matrix
+        return 1.0 - r * c / (self.n_tensor * self.padded_tiles * TILE * TILE)
+
+    # -- logical <-> tiles
+    def to_tiles(self, x: jax.Array, width: int = TILE) -> jax.Array:
+        """``[..., rows, cols']`` -> ``[..., nt, T, 16, width]``, zero-padded. ``width`` 16 for
+        values; 8 for packed codes (``cols'`` = bytes per row)."""
+        *batch, r, c = x.shape
+        nt, k = self.n_tensor, len(batch)
+        scale = width / TILE  # columns of x per logical column
+        sr, sc = self.sub
+        sc_x = int(sc * scale) if self.tensor_dim == -1 else c
+        if self.tensor_dim == -1:
+            x = jnp.moveaxis(x.reshape(*batch, r, nt, sc_x), k + 1, k)
+        elif self.tensor_dim == -2:
+            x = x.reshape(*batch, nt, sr, c)
+        else:
+            x = x[..., None, :, :]
+        gr, gc = self.grid
+        x = jnp.pad(x, [(0, 0)] * (k + 1) + [(0, gr * TILE - x.shape[-2]), (0, gc * width - x.shape[-1])])
+        x = x.reshape(*batch, nt, gr, TILE, gc, width)
+        x = jnp.swapaxes(x, -3, -2).reshape(*batch, nt, gr * gc, TILE, width)
+        if self.padded_tiles != self.tiles:
+            x = jnp.pad(x, [(0, 0)] * (k + 1) + [(0, self.padded_tiles - self.tiles), (0, 0), (0, 0)])
+        return x
+
+    def from_tiles(self, t: jax.Array, cols: Optional[int] = None) -> jax.Array:
+        """``[..., nt, T, 16, width]`` -> ``[..., rows, cols]`` (the inverse of
+        :meth:`to_tiles`; ``cols`` defaults to the logical columns scaled by ``width/16``)."""
+        *batch, nt, _, _, width = t.shape
+        k = len(batch)
+        gr, gc = self.grid
+        sr, sc = self.sub
+        sc_x = _ceil_div(sc * width, TILE)
+        t = t[..., : self.tiles, :, :].reshape(*batch, nt, gr, gc, TILE, width)
+        x = jnp.swapaxes(t, -3, -2).reshape(*batch, nt, gr * TILE, gc * width)[..., :sr, :sc_x]
+        if self.tensor_dim == -1:
+            x = jnp.moveaxis(x, k, k + 1).reshape(*batch, sr, nt * sc_x)
+        elif self.tensor_dim == -2:
+            x = x.reshape(*batch, nt * sr, sc_x)
+        else:
+            x = x[..., 0, :, :]
+        if cols is not None:
+            x = x[..., :cols]
+        return x
+
+    def scales_to_tiles(self, s: jax.Array) -> jax.Array:
+        """Compact 2D tile scales ``[..., ceil(R/16), ceil(C/16)]`` -> ``[..., nt, T]``."""
+        *batch, _, _ = s.shape
+        gr, gc = self.grid
+        nt, k = self.n_tensor, len(batch)
+        if self.tensor_dim == -1:
+            s = jnp.moveaxis(s.reshape(*batch, gr, nt, gc), k + 1, k)
+        elif self.tensor_dim == -2:
+            s = s.reshape(*batch, nt, gr, gc)
+        else:
+            s = s[..., None, :, :]
+        s = s.reshape(*batch, nt, gr * gc)
+        return jnp.pad(s, [(0, 0)] * (k + 1) + [(0, self.padded_tiles - self.tiles)])
+
+    def scales_from_tiles(self, s: jax.Array) -> jax.Array:
+        """``[..., nt, T]`` -> compact ``[..., ceil(R/16), ceil(C/16)]``."""
+        *batch, nt, _ = s.shape
+        k = len(batch)
+        gr, gc = self.grid
+        s = s[..., : self.tiles].reshape(*batch, nt, gr, gc)
+        if self.tensor_dim == -1:
+            return jnp.moveaxis(s, k, k + 1).reshape(*batch, gr, nt * gc)
+        if self.tensor_dim == -2:
+            return s.reshape(*batch, nt * gr, gc)
+        return s[..., 0, :, :]
+
+    def positions(self, shape: Sequence[int], tensor_index=0, tile_offset=0):
+        """``(row, col)`` uint32 logical positions of every element of a tiled block of
+        ``shape`` ``[..., nt_local, T_local, 16, 16]`` whose first tensor shard is
+        ``tensor_index`` and first tile ``tile_offset`` (both may be traced)."""
+        nd = len(shape)
+        u = lambda v: jnp.asarray(v).astype(jnp.uint32)
+        ti = jax.lax.broadcasted_iota(jnp.uint32, shape, nd - 4) + u(tensor_index)
+        t = jax.lax.broadcasted_iota(jnp.uint32, shape, nd - 3) + u(tile_offset)
+        i = jax.lax.broadcasted_iota(jnp.uint32, shape, nd - 2)
+        j = jax.lax.broadcasted_iota(jnp.uint32, shape, nd - 1)
+        gc = np.uint32(self.grid[1])
+        row = (t // gc) * np.uint32(TILE) + i
+        col = (t % gc) * np.uint32(TILE) + j
+        sr, sc = self.sub
+        if self.tensor_dim == -2:
+            row = row + ti * np.uint32(sr)
+        elif self.tensor_dim == -1:
+            col = col + ti * np.uint32(sc)
+        return row, col
+
+
+def layout_for(path: str, shape: Sequence[int], nvfp4: bool, mesh, rules: Rules = DEFAULT_RULES) -> Optional[Layout]:
+    """The layout of the leaf at ``path``: a :class:`Layout` (tile-major, sharded over the
+    data axis) for NVFP4 leaves and large plain leaves, None (replicated) for small ones.
+    The one place that decides it: params, masters and optimizer state all follow."""
+    shape = tuple(int(d) for d in shape)
+    n_data = axis_size(mesh, rules.data_axis)
+    n_tensor = axis_size(mesh, rules.tensor_axis)
+    if not nvfp4:
+        if len(shape) - rules.stacked_axes(path) < 2 or math.prod(shape) < rules.min_shard_size:
+            return None
+    tdim = rules.tensor_dim(path) if n_tensor > 1 else None
+    if tdim is not None and shape[tdim] % (TILE * n_tensor):
+        if nvfp4:
+            raise ValueError(
+                f"{path}: axis {tdim} of shape {shape} is split over {n_tensor} tensor shards and must "
+                f"be a multiple of {TILE} x {n_tensor} so that no 16x16 tile is cut")
+        tdim = None
+    return Layout(shape[-2:], n_data, n_tensor if tdim is not None else 1, tdim, rules.data_axis,
+                  rules.tensor_axis if tdim is not None else None)
+
+
+# ----------------------------------------------------------------------------- the arrays
+@dataclasses.dataclass(frozen=True)
+class Tiled:
+    """A float array in a :class:`Layout`: ``value [..., nt, T, 16, 16]`` (a pytree node with
+    one leaf, so optax transforms treat it like any array; the zero padding gets zero
+    gradients and stays zero under element-wise optimizers)."""
+
+    value: jax.Array
+    layout: Layout = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def from_logical(cls, x, layout: Layout, dtype=None) -> "Tiled":
+        x = jnp.asarray(x)
+        return cls(layout.to_tiles(x if dtype is None else x.astype(dtype)), layout)
+
+    def logical(self) -> jax.Array:
+        """The ``[..., rows, cols]`` array."""
+        return self.layout.from_tiles(self.value)
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """The logical shape."""
+        return tuple(self.value.shape[:-4]) + tuple(self.layout.matrix)
+
+    @property
+    def dtype(self):
+        return self.value.dtype
+
+    def spec(self) -> P:
+        return self.layout.spec(self.value.ndim - 4)
+
+    def __repr__(self) -> str:
+        return f"Tiled(shape={self.shape}, dtype={self.value.dtype}, layout={self.layout})"
+
+
+jax.tree_util.register_dataclass(Tiled, data_fields=["value"], meta_fields=["layout"])
+
+
+@dataclasses.dataclass(frozen=True)
+class TiledNVFP4:
+    """A stored NVFP4 parameter in a :class:`Layout` (2D 16x16 tiles): ``data [..., nt, T,
+    16, 8] uint8`` (element 2k of a tile row in the low nibble), ``scale_bits [..., nt, T]
+    uint8`` (E4M3), ``amax_bits [...] uint32`` (float32 global amax of each matrix)."""
+
+    data: jax.Array
+    scale_bits: jax.Array
+    amax_bits: jax.Array
+    layout: Layout = dataclasses.field(metadata=dict(static=True))
+
+    block = BLOCK_2D
+
+    @classmethod
+    def from_array(cls, q: NVFP4Array, layout: Layout) -> "TiledNVFP4":
+        """Re-lay an :class:`NVFP4Array` (2D tiles) out tile-major (a byte shuffle)."""
+        if q.block != BLOCK_2D:
+            raise ValueError(f"the tiled layout needs 2D (16, 16) blocks, got {q.block}")
+        if tuple(q.matrix_shape) != tuple(layout.matrix):
+            raise ValueError(f"NVFP4Array of matrix shape {q.matrix_shape} for a layout of {layout.matrix}")
+        return cls(layout.to_tiles(q.data, TILE // 2), layout.scales_to_tiles(q.scale_bits), q.amax_bits, layout)
+
+    def to_array(self) -> NVFP4Array:
+        """The logical :class:`NVFP4Array` (a byte shuffle)."""
+        r, c = self.layout.matrix
+        data = self.layout.from_tiles(self.data, _ceil_div(c, 2))
+        return NVFP4Array(data, self.layout.scales_from_tiles(self.scale_bits), self.amax_bits, (r, c), BLOCK_2D)
+
+    def dequantize_tiles(self, dtype=jnp.bfloat16) -> jax.Array:
+        """``[..., nt, T, 16, 16]`` values, element for element what
+        :func:`jax_nvfp4.dequantize` gives (``(e2m1 * scale) * D``, NaN for a non-finite amax)."""
+        vals = nx.decode_e2m1(nx.unpack_codes(self.data))
+        scale = jax.lax.bitcast_convert_type(self.scale_bits, jnp.float8_e4m3fn).astype(jnp.float32)
+        dec = nx.global_decode_scale(jax.lax.bitcast_convert_type(self.amax_bits, jnp.float32))
+        return ((vals * scale[..., None, None]) * dec[..., None, None, None, None]).astype(dtype)
+
+    def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
+        """The logical ``[..., rows, cols]`` weight."""
+        return self.layout.from_tiles(self.dequantize_tiles(dtype))
+
+    @property
+    def amax(self) -> jax.Array:
+        return jax.lax.bitcast_convert_type(self.amax_bits, jnp.float32)
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return tuple(self.data.shape[:-4]) + tuple(self.layout.matrix)
+
+    @property
+    def nbytes(self) -> int:
+        return int(math.prod(self.data.shape) + math.prod(self.scale_bits.shape) + 4 * math.prod(jnp.shape(self.amax_bits)))
+
+    def specs(self) -> "TiledNVFP4":
+        """PartitionSpecs of the three leaves (amax replicated)."""
+        k = self.data.ndim - 4
+        return TiledNVFP4(self.layout.spec(k), self.layout.spec(k, 0), P(), self.layout)
+
+    def isfinite(self) -> jax.Array:
+        return jnp.isfinite(self.amax)
+
+    def __repr__(self) -> str:
+        return f"TiledNVFP4(shape={self.shape}, layout={self.layout})"
+
+
+jax.tree_util.register_dataclass(TiledNVFP4, data_fields=["data", "scale_bits", "amax_bits"], meta_fields=["layout"])
+
+
+def is_tiled(x) -> bool:
+    return isinstance(x, (Tiled, TiledNVFP4))
+
+
+def quantize_tiles(x: jax.Array, layout: Layout, *, key=None, reduce_amax=None, tensor_index=0,
+                   tile_offset=0) -> TiledNVFP4:
+    """Quantize float32 tiles ``[..., nt, T, 16, 16]`` (a whole tiled matrix, or one device's
+    shard of it) to NVFP4 with 2D tile scales.
+
+    ``reduce_amax`` combines the local amax bits with the other shards' (an integer ``pmax``),
+    so the result is bit-identical to quantizing the whole logical matrix. With ``key``,
+    stochastic rounding draws by each element's logical position (``tensor_index`` /
+    ``tile_offset`` place a shard), the same draws as :func:`jax_nvfp4.quantize`.
+    """
+    *batch, nt, tl, _, _ = x.shape
+    # The tiles as one [..., nt*tl*16, 16] column of 16x16 blocks: the same numeric core as
+    # jax_nvfp4.quantize, and the same amax (over every tile of each matrix).
+    flat = x.astype(jnp.float32).reshape(*batch, nt * tl * TILE, TILE)
+    uniform = None
+    if key is not None:
+        row, col = layout.positions(x.shape, tensor_index, tile_offset)
+        uniform = nx.uniform_from_index(key, flat_index(row, col, layout.matrix, len(batch)).reshape(flat.shape))
+    codes, scale, amax = quantize_padded(flat, BLOCK_2D, uniform=uniform, reduce_amax=reduce_amax)
+    return TiledNVFP4(nx.pack_codes(codes.reshape(x.shape)),
+                      jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(*batch, nt, tl),
+                      jax.lax.bitcast_convert_type(amax, jnp.uint32), layout)

@@ -65,6 +65,29 @@ def collective_bytes(hlo_text: str) -> Dict[Tuple[str, str], int]:
     return {k: int(v) for k, v in sorted(out.items())}
 
 
+def collectives(hlo_text: str) -> List[Dict[str, object]]:
+    """Every collective instruction of compiled HLO: ``{"op", "dtype", "shape", "bytes"
+    (per device, one execution), "times" (executions per call: enclosing loop trip counts),
+    "op_name" (the JAX name-scope path from the metadata)}``; one row per result array."""
+    mult, _, comps = multipliers(hlo_text)
+    rows: List[Dict[str, object]] = []
+    for comp, lines in comps.items():
+        for line in lines:
+            m = _LINE.search(line)
+            if not m:
+                continue
+            type_text, op, start = m.group(1), m.group(2), m.group(3)
+            arrays = list(_arrays(type_text))
+            if start and type_text.startswith("(") and len(arrays) >= 2:
+                arrays = arrays[len(arrays) // 2:]
+            name = re.search(r'op_name="([^"]*)"', line)
+            for dtype, shape in arrays:
+                if dtype in _BYTES:
+                    rows.append({"op": op, "dtype": dtype, "shape": shape, "bytes": _BYTES[dtype] * math.prod(shape),
+                                 "times": mult.get(comp, 1), "op_name": name.group(1) if name else ""})
+    return rows
+
+
 def total_bytes(counts: Dict[Tuple[str, str], int], op: str = None) -> int:
     """Sum of :func:`collective_bytes` entries, optionally for one op."""
     return sum(v for (o, _), v in counts.items() if op is None or o == op)

@@ -97,7 +97,8 @@ def _write(directory: str, name: str, value: np.ndarray, logical_dtype: Optional
 
 
 def export_nvfp4(params, directory: str, *, overwrite: bool = False) -> str:
-    """Write ``params`` (any pytree; ``NVFP4Array`` leaves and plain arrays) to ``directory``.
+    """Write ``params`` (any pytree; ``NVFP4Array`` / ``TiledNVFP4`` leaves and plain arrays)
+    to ``directory`` (logical layout, independent of the mesh).
 
     Call it on every process of a multi-process run (sharded arrays are gathered); process 0
     writes. Returns the path of ``manifest.json``.
@@ -107,7 +108,10 @@ def export_nvfp4(params, directory: str, *, overwrite: bool = False) -> str:
       TypeError: a leaf that is neither an ``NVFP4Array`` nor an array (e.g. a PRNG key).
       ExportError: a leaf holding NaN or Inf (an NVFP4 leaf: a non-finite amax).
     """
+    from jax_nvfp4.sharding import logical
+
     directory = os.path.abspath(os.fspath(directory))
+    params = logical(params)  # stored (tile-major) params are written by their logical form
     flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_nvfp4)
     hosts = []
     for path, leaf in flat:

@@ -122,9 +122,8 @@ def test_restore_onto_another_mesh(reference, resumed, data, tensor, step):
     got = jax.tree.leaves(jax.tree.map(lambda a: a.sharding, (r.params, r.opt_state)))
     want = jax.tree.leaves((trainer.param_shardings, trainer.state_shardings))
     assert len(got) == len(want) and all(g == w for g, w in zip(got, want))
-    masters = jax.tree.leaves(nv.find_state(r.opt_state).master, is_leaf=lambda x: isinstance(x, nv.MasterArray))
-    n_data = data
-    assert all(m.value.shape[m.data_dim] % (16 * n_data) == 0 for m in masters if m.nvfp4)
+    masters = jax.tree.leaves(nv.find_state(r.opt_state).master, is_leaf=nv.is_tiled)
+    assert all(m.value.shape[-3] % data == 0 and m.layout.n_data == data for m in masters if nv.is_tiled(m))
     if not step:
         return
     # ... and it trains on.
@@ -169,7 +168,7 @@ def test_nonfinite_checkpoint_is_refused(reference, tmp_path, where):
     mw = nv.find_state(opt_state)
     if where == "master":
         m = mw.master["blocks"]["attn"]["q"]["kernel"]
-        poisoned = nv.MasterArray(m.value.at[0, 1, 2].set(jnp.nan), m.shape, m.data_dim, m.tensor_dim, m.nvfp4)
+        poisoned = nv.Tiled(m.value.at[0, 0, 1, 2, 3].set(jnp.nan), m.layout)
         master = {**mw.master, "blocks": {**mw.master["blocks"], "attn": {**mw.master["blocks"]["attn"],
                                                                           "q": {"kernel": poisoned}}}}
         opt_state = _replace_master(opt_state, master)
@@ -177,7 +176,7 @@ def test_nonfinite_checkpoint_is_refused(reference, tmp_path, where):
     else:
         q = params["blocks"]["mlp"]["down"]["kernel"]
         bad = jax.lax.bitcast_convert_type(jnp.full(q.amax_bits.shape, jnp.inf, jnp.float32), jnp.uint32)
-        q = nv.NVFP4Array(q.data, q.scale_bits, bad, q.matrix_shape, q.block)
+        q = nv.TiledNVFP4(q.data, q.scale_bits, bad, q.layout)
         params = {**params, "blocks": {**params["blocks"], "mlp": {**params["blocks"]["mlp"], "down": {"kernel": q}}}}
         needle = "params/blocks/mlp/down/kernel/amax_bits"
     ck = ckpt_lib.Checkpointer(str(tmp_path / "ck"))
@@ -243,8 +242,8 @@ KILL_CHILD = textwrap.dedent("""
 
     def state():
         rng = np.random.default_rng(0)
-        params = nv.quantize_params({"w": rng.standard_normal((256, 512)).astype(np.float32),
-                                     "b": rng.standard_normal(512).astype(np.float32)})
+        params = nv.shard_params(nv.quantize_params({"w": rng.standard_normal((256, 512)).astype(np.float32),
+                                                     "b": rng.standard_normal(512).astype(np.float32)}))
         return params, nv.master_weights(optax.adam(1e-3)).init(params)
 
     if __name__ == "__main__":
@@ -293,7 +292,7 @@ def test_save_killed_at_a_random_point_keeps_the_last_checkpoint(tmp_path):
 # ----------------------------------------------------------------------------- export
 def test_export_roundtrip_gives_bit_identical_logits(reference, tmp_path):
     cfg = tiny()
-    params = jax.device_get(reference["params"])  # one layout for both, so one program
+    params = nv.logical(jax.device_get(reference["params"]))  # one layout for both, so one program
     manifest = nv.export_nvfp4(params, str(tmp_path / "export"))
     m = json.loads(open(manifest).read())
     assert m["format"] == "jax_nvfp4.export" and m["version"] == 1

@@ -286,11 +286,18 @@ class Checkpointer:
         ocp = self._ocp
         where = os.path.join(self.directory, str(step))
         meta = self.read_meta(step)
-        _check_compatible(where, meta.get("leaves", {}), describe(abstract_params, abstract_state))
-
-        targets = _targets(abstract_params, param_shardings, "params")
-        targets.update(_targets(abstract_state, state_shardings, "opt_state"))
-        restore_args = _nest({k: ocp.ArrayRestoreArgs(sharding=sh, global_shape=shape, dtype=dtype)
+        saved_leaves = meta.get("leaves", {})
+        expected = describe(abstract_params, abstract_state)
+        strip = lambda d: {k: {f: v for f, v in e.items() if f != "tensor_split"} if isinstance(e, dict) else e
+                           for k, e in d.items()}
+        _check_compatible(where, strip(saved_leaves), strip(expected))
+        # Leaves saved with another tensor split: read whole (one shard, no padding tiles),
+        # then re-laid out for this mesh on the devices.
+        resplit = {k: e["tensor_split"] for k, e in saved_leaves.items()
+                   if isinstance(e, dict) and "tensor_split" in e and e["tensor_split"] != expected[k].get("tensor_split")}
+        targets = _targets(abstract_params, param_shardings, "params", resplit)
+        targets.update(_targets(abstract_state, state_shardings, "opt_state", resplit))
+        restore_args = _nest({k: ocp.ArrayRestoreArgs(sharding=sh, global_shape=shape, dtype=dtype, strict=False)
                               for k, (shape, dtype, sh) in targets.items()})
         try:
             state = self.manager.restore(step, args=ocp.args.Composite(
@@ -308,8 +315,8 @@ class Checkpointer:
                                   + (f" (and {len(bad) - 1} more leaves)" if len(bad) > 1 else "")
                                   + "; refusing to restore it")
 
-        params = _assemble(abstract_params, flat, "params")
-        opt_state = _assemble(abstract_state, flat, "opt_state")
+        params = _assemble(abstract_params, param_shardings, flat, "params", resplit)
+        opt_state = _assemble(abstract_state, state_shardings, flat, "opt_state", resplit)
         base_key = None
         if meta.get("base_key"):
             k = meta["base_key"]
@@ -317,14 +324,30 @@ class Checkpointer:
         return Restored(int(meta["step"]), params, opt_state, base_key, dict(meta.get("data_state") or {}))
 
 
-def _targets(abstract, shardings, prefix: str) -> Dict[str, tuple]:
+def _saved_layout(leaf, split) -> "nv.Layout":
+    nt, tdim = split
+    lay = leaf.layout
+    return nv.Layout(lay.matrix, 1, nt, tdim if nt > 1 else None, lay.data_axis, lay.tensor_axis if nt > 1 else None)
+
+
+def _targets(abstract, shardings, prefix: str, resplit) -> Dict[str, tuple]:
     """``{name: (global shape, dtype, sharding)}`` of every array to restore."""
     leaves, treedef = jax.tree.flatten(abstract, is_leaf=_is_node)
     shard_leaves = treedef.flatten_up_to(shardings)
     names = [name for name, _ in _leaves(abstract, prefix)]
     out = {}
     for name, leaf, sh in zip(names, leaves, shard_leaves):
-        if isinstance(leaf, nv.TiledNVFP4):
+        if isinstance(leaf, (nv.Tiled, nv.TiledNVFP4)) and name in resplit:
+            lay = _saved_layout(leaf, resplit[name])
+            whole = NamedSharding(jax.tree.leaves(sh)[0].mesh, P())
+            batch = tuple(leaf.shape[:-2])
+            if isinstance(leaf, nv.TiledNVFP4):
+                out[f"{name}/data"] = (lay.shape(batch, (16, 8)), jnp.uint8, whole)
+                out[f"{name}/scale_bits"] = (lay.shape(batch, ()), jnp.uint8, whole)
+                out[f"{name}/amax_bits"] = (tuple(leaf.amax_bits.shape), jnp.uint32, whole)
+            else:
+                out[name] = (lay.shape(batch), leaf.value.dtype, whole)
+        elif isinstance(leaf, nv.TiledNVFP4):
             for f in _NVFP4_FIELDS:
                 a = getattr(leaf, f)
                 out[f"{name}/{f}"] = (tuple(a.shape), a.dtype, getattr(sh, f))
@@ -337,15 +360,23 @@ def _targets(abstract, shardings, prefix: str) -> Dict[str, tuple]:
     return out
 
 
-def _assemble(abstract, flat: Dict[str, Any], prefix: str):
+def _assemble(abstract, shardings, flat: Dict[str, Any], prefix: str, resplit):
     leaves, treedef = jax.tree.flatten(abstract, is_leaf=_is_node)
+    shard_leaves = treedef.flatten_up_to(shardings)
     names = [name for name, _ in _leaves(abstract, prefix)]
     out = []
-    for name, leaf in zip(names, leaves):
+    for name, leaf, sh in zip(names, leaves, shard_leaves):
         if isinstance(leaf, nv.TiledNVFP4):
-            out.append(nv.TiledNVFP4(*(flat[f"{name}/{f}"] for f in _NVFP4_FIELDS), leaf.layout))
+            q = nv.TiledNVFP4(*(flat[f"{name}/{f}"] for f in _NVFP4_FIELDS),
+                              _saved_layout(leaf, resplit[name]) if name in resplit else leaf.layout)
+            if name in resplit:
+                q = jax.jit(lambda q: nv.TiledNVFP4.from_array(q.to_array(), leaf.layout), out_shardings=sh)(q)
+            out.append(q)
         elif isinstance(leaf, nv.Tiled):
-            out.append(nv.Tiled(flat[name], leaf.layout))
+            t = nv.Tiled(flat[name], _saved_layout(leaf, resplit[name]) if name in resplit else leaf.layout)
+            if name in resplit:
+                t = jax.jit(lambda t: nv.Tiled.from_logical(t.logical(), leaf.layout), out_shardings=sh)(t)
+            out.append(t)
         elif _is_key(leaf):
             impl = _key_impl_name(leaf.dtype)
             out.append(jax.random.wrap_key_data(flat[name], impl=impl))

@@ -260,37 +260,34 @@ def make_step(cfg: Config, model, tx, rules, mesh):
 
 # ----------------------------------------------------------------------------- accounting
 def gather_accounting(trainer: Trainer, params, opt_state, batch) -> Dict[str, Any]:
-    """Bytes per step read from the compiled step's HLO, and the bf16-gather equivalent.
+    """Bytes per step read from the compiled step's HLO, per device.
 
-    ``all_gather_bytes`` counts parameter gathers; the gathers of the ordered gradient/loss
-    reductions (scope ``REDUCE_SCOPE``: small replicated leaves, per-shard partial sums) are
-    ``reduce_gather_bytes``. ``collectives`` lists every collective."""
+    ``all_gather_bytes``: parameter gathers (scope ``weight_gather``: every layer's gathers,
+    forward and rematerialised backward, times the scan's trip count); the other all-gathers
+    (ordered loss / norm sums) are ``reduce_gather_bytes``. ``bf16_gather_bytes``: what the
+    same gathers would move with bf16 weights (2 bytes per gathered value: 4x the packed code
+    bytes of an NVFP4 gather); ``nvfp4_*``: the NVFP4 weights' share. ``collectives`` lists
+    every collective (bytes per step by op and dtype)."""
     compiled = trainer.step_fn.lower(params, opt_state, batch, jax.random.key(0), np.float32(1)).compile()
     text = compiled.as_text()
+    rows = nv.comm.collectives(text)
+    gathers = [r for r in rows if r["op"] == "all-gather"]
+    weight = [r for r in gathers if nv.collectives.GATHER_SCOPE in r["op_name"]]
+    per_step = lambda rs: int(sum(r["bytes"] * r["times"] for r in rs))
+    packed = [r for r in weight if r["dtype"] == "u8"]
+    codes = [r for r in packed if tuple(r["shape"][-2:]) == (16, 8)]
+    nvfp4_bf16 = 4 * per_step(codes)
+    plain = [r for r in weight if r["dtype"] != "u8"]
+    plain_bf16 = int(sum(r["bytes"] * r["times"] * 2 / nv.comm._BYTES[r["dtype"]] for r in plain))
     counts = nv.collective_bytes(text)
-    reduce_text = "\n".join(line for line in text.splitlines() if f"/{REDUCE_SCOPE}/" in line)
-    reduce_gathered = nv.total_bytes(nv.collective_bytes(reduce_text), "all-gather") if reduce_text else 0
-    gathered = nv.total_bytes(counts, "all-gather") - reduce_gathered
-    n_data = dict(zip(trainer.mesh.axis_names, trainer.mesh.axis_sizes))["data"]
-    sizes = dict(zip(trainer.mesh.axis_names, trainer.mesh.axis_sizes))
-    bf16_equiv = nvfp4_bf16_equiv = 0
-    specs = nv.partition_specs(params, trainer.mesh, trainer.rules)
-    for leaf, spec in zip(jax.tree.leaves(params, is_leaf=nv.is_nvfp4), jax.tree.leaves(specs, is_leaf=nv.is_nvfp4)):
-        s = [a for a in (spec.data if nv.is_nvfp4(leaf) else spec) if a is not None]
-        if n_data > 1 and "data" in s:
-            # Per device, a gather yields the whole tensor's share of this device's tensor shard.
-            nbytes = 2 * math.prod(leaf.shape) // (sizes.get("tensor", 1) if "tensor" in s else 1)
-            bf16_equiv += nbytes
-            if nv.is_nvfp4(leaf):
-                nvfp4_bf16_equiv += nbytes
     mem = compiled.memory_analysis()
     return {
         "collectives": {f"{op}:{dt}": b for (op, dt), b in counts.items()},
-        "all_gather_bytes": gathered,
-        "reduce_gather_bytes": reduce_gathered,
-        "bf16_gather_bytes": bf16_equiv,
-        "nvfp4_gather_bytes": sum(v for (op, dt), v in counts.items() if op == "all-gather" and dt == "u8"),
-        "nvfp4_bf16_gather_bytes": nvfp4_bf16_equiv,
+        "all_gather_bytes": per_step(weight),
+        "reduce_gather_bytes": per_step(gathers) - per_step(weight),
+        "bf16_gather_bytes": nvfp4_bf16 + plain_bf16,
+        "nvfp4_gather_bytes": per_step(packed),
+        "nvfp4_bf16_gather_bytes": nvfp4_bf16,
         "temp_bytes": getattr(mem, "temp_size_in_bytes", None) if mem is not None else None,
     }
 

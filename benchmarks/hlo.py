@@ -9,10 +9,10 @@ trip counts of the ``while`` loops that call it (1 for the entry computation).
 
 Purpose: compiled HLO keeps, for each instruction, the Python call stack of the JAX operation it
 came from (``metadata={... stack_frame_id=N}`` and the module's ``StackFrames`` table). A
-collective whose stack passes through ``jax_nvfp4``'s ``gather`` is a parameter gather; through
-``requantize``, the re-quantization; through ``train.loop``'s ``ordered_mean`` (or an
-all-reduce / reduce-scatter in the backward pass), the gradient reduction; through the global
-norm of gradient clipping, that norm. See :data:`PURPOSES`.
+collective in the ``weight_gather`` name scope (or whose stack passes through ``jax_nvfp4``'s
+``gather``) is a parameter gather; through ``requantize``, the re-quantization; in the
+``ordered_reduce`` scope, the gradient (and loss) reduction; through the global norm of gradient
+clipping, that norm. See :data:`PURPOSES`.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from jax_nvfp4.comm import computations, multipliers, stack_functions  # noqa: E
 # (purpose, function names whose presence in the call stack decides it), checked in order.
 PURPOSES = (
     ("requantize", ("requantize",)),
-    ("grad_reduce", ("ordered_mean", "reduce_scatter_grads")),
-    ("grad_norm", ("_shard_sum_of_squares", "clip_by_global_norm")),
-    ("param_gather", ("gather", "_gather_as_bytes", "gather_dequantized")),
+    ("grad_norm", ("global_norm", "clip_by_global_norm")),
+    ("grad_reduce", ("ordered_mean", "ordered_reduce_scatter")),
+    ("param_gather", ("gather", "gather_dequantized", "_gather_forward")),
 )
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -39,8 +39,14 @@ _COLLECTIVE = re.compile(r"\s(all-gather|all-reduce|reduce-scatter|all-to-all|co
 
 
 def purpose(op: str, names: List[str], op_name: str = "") -> str:
-    """What a collective is for, from its op, its call stack and its JAX op name."""
+    """What a collective is for, from its op, its call stack and its JAX op name (the
+    library's name scopes decide first: the per-layer gathers and gradient reductions run in
+    custom-VJP code whose Python frames XLA does not keep)."""
+    if nv.collectives.GATHER_SCOPE in op_name:
+        return "param_gather"
     base = {n.split(".<locals>.")[0] for n in names} | set(names)
+    if nv.collectives.REDUCE_SCOPE in op_name and not base & {"global_norm", "clip_by_global_norm"}:
+        return "grad_reduce"
     for label, funcs in PURPOSES:
         if base & set(funcs):
             return label

@@ -376,14 +376,15 @@ def analytic(params, rules, policy, n_data: int, n_tensor: int, racks_per_data_g
     matches, else 1):
 
     - NVFP4 matrix stack of ``numel`` elements (``L x rows x cols``):
-      packed gather bytes/device = numel/2 + numel/256 (codes + E4M3 scales; amax stays) / t;
+      packed gather bytes/device = passes (numel/2 + numel/256) / t (codes + E4M3 scales; amax
+      stays), passes = 2 for scanned (rematerialised) layers, 1 otherwise;
       params/device = (numel/2 + numel/256) / (N_data t) + 4 L (amax, replicated);
-    - large plain leaf (>= ``rules.min_shard_size``, stored sharded, e.g. bf16 embed/head):
-      gather = itemsize numel / t; params = itemsize numel / (N_data t);
+    - large plain leaf (>= ``rules.min_shard_size`` and a matrix per layer, stored sharded, e.g.
+      bf16 embed/head): gather = passes itemsize numel / t; params = itemsize numel / (N_data t);
     - small plain leaf (norm scales): params itemsize numel, replicated, not gathered;
-    - master = 4 numel' / (N_data t) (small leaves: 4 numel); Adam m+v = 8 numel' / (N_data t), where
-      numel' counts the zero padding of NVFP4 masters: the data-split dim rounded up to a multiple
-      of 16 N_data, the other to a multiple of 16 (see ``MasterArray``);
+    - master = 4 numel' / (N_data t) (small leaves: 4 numel); Adam m+v = 8 numel' / (N_data t),
+      where numel' counts the tile padding: per matrix (per tensor shard) ceil(r/16) ceil(c/16)
+      tiles rounded up to a multiple of N_data, times 256;
     - ideal gradient reduction = a reduce-scatter of the bf16 gradients over the data axis,
       result 2 numel / (N_data t) per device (all-reduce of 2 numel for small leaves).
     """
@@ -410,16 +411,19 @@ def analytic(params, rules, policy, n_data: int, n_tensor: int, racks_per_data_g
             padded = math.prod(batch) * t * (-(-tiles // n_data) * n_data) * 256
         else:
             padded = numel
+        # Scanned layers are rematerialised: gathered in the forward and again in the backward
+        # pass; the embedding and head once.
+        passes = 2 if stacked else 1
         if nvfp4:
             batch = math.prod(shape[:-2])
             packed = numel / 2 + numel / 256
-            out["gather_packed"] += packed / t
+            out["gather_packed"] += passes * packed / t
             out["params"] += packed / (n_data * t) + 4 * batch
             out["numel_nvfp4"] += numel
         else:
             item = np.dtype(leaf.dtype).itemsize
             if sharded:
-                out["gather_plain"] += item * numel / t
+                out["gather_plain"] += passes * item * numel / t
                 out["params"] += item * numel / (n_data * t)
             else:
                 out["params"] += item * numel

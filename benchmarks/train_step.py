@@ -90,26 +90,11 @@ def _max_bytes(tree) -> int:
     return max(per.values()) if per else 0
 
 
-def grad_bytes_per_device(trainer, params) -> int:
-    """Bytes of the float gradient tree on one device, from shapes and shardings.
-
-    The step differentiates w.r.t. the gathered, dequantized weights, so before the gradient
-    reduction every device holds the full gradient of its (tensor shard of the) weights, in the
-    weights' dtype (float32 with ``grad_reduce_dtype=float32`` or gradient accumulation).
-    """
-    cfg, mesh = trainer.cfg, trainer.mesh
-    f32 = cfg.nvfp4.grad_reduce_dtype == "float32" or cfg.optim.grad_accum > 1
-    dtype = jnp.float32 if f32 else jnp.bfloat16
-    weights = jax.eval_shape(lambda p: nv.dequantize_params(p, dtype), params)
-    specs = nv.partition_specs(params, mesh, trainer.rules)
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    total = 0
-    for w, spec in zip(jax.tree.leaves(weights),
-                       jax.tree.leaves(specs, is_leaf=lambda x: nv.is_nvfp4(x) or isinstance(x, jax.sharding.PartitionSpec))):
-        axes = spec.data if nv.is_nvfp4(spec) else spec
-        split = sizes.get("tensor", 1) if "tensor" in [a for a in axes if a is not None] else 1
-        total += math.prod(w.shape) * jnp.dtype(w.dtype).itemsize // split
-    return total
+def grad_bytes_per_device(opt_state) -> int:
+    """Bytes of the gradients a device holds after the backward pass: each layer's weight
+    gradient is reduce-scattered inside the backward pass straight into the master layout,
+    so it is this device's float32 shard of every master."""
+    return _max_bytes(nv.find_state(opt_state).master)
 
 
 def state_memory(trainer, params, opt_state) -> Dict[str, int]:
@@ -120,7 +105,7 @@ def state_memory(trainer, params, opt_state) -> Dict[str, int]:
         "params": _max_bytes(params),
         "master": master,
         "optimizer": opt_all - master,
-        "grads": grad_bytes_per_device(trainer, params),
+        "grads": grad_bytes_per_device(opt_state),
     }
     out["total"] = sum(out.values())
     return out
@@ -175,8 +160,8 @@ def measure(cfg: Config, devices: Sequence[Any], *, time_steps: int = 3) -> Dict
     gather = by_purpose.get("param_gather", {})
     memory = state_memory(trainer, params, opt_state)
     memory.update({f"compiled_{k}": v for k, v in _mem_stats(compiled).items()})
-    n_params = sum(math.prod(l.shape) for l in jax.tree.leaves(params, is_leaf=nv.is_nvfp4))
-    n_nvfp4 = sum(math.prod(l.shape) for l in jax.tree.leaves(params, is_leaf=nv.is_nvfp4) if nv.is_nvfp4(l))
+    n_params = sum(math.prod(l.shape) for l in jax.tree.leaves(params, is_leaf=nv.is_tiled))
+    n_nvfp4 = sum(math.prod(l.shape) for l in jax.tree.leaves(params, is_leaf=nv.is_tiled) if isinstance(l, nv.TiledNVFP4))
 
     times: List[float] = []
     loss = None
@@ -194,11 +179,12 @@ def measure(cfg: Config, devices: Sequence[Any], *, time_steps: int = 3) -> Dict
         "n_params": n_params,
         "n_nvfp4_params": n_nvfp4,
         "gather": {
-            # Parameter all-gathers of the compiled step (call stack through jax_nvfp4.gather).
+            # Parameter all-gathers of the compiled step (scope weight_gather: every layer's
+            # gathers, forward and rematerialised backward).
             "param_gather_bytes": hlo.op_total(gather),
             "nvfp4_gather_bytes": sum(v for k, v in gather.items() if k.endswith(":u8")),
-            # Analytic bf16 equivalents (train.loop.gather_accounting): 2 bytes per value of
-            # every data-sharded param leaf / of the NVFP4 leaves among them.
+            # bf16 equivalents of the same gathers (train.loop.gather_accounting): 2 bytes per
+            # gathered value.
             "bf16_gather_bytes": acct["bf16_gather_bytes"],
             "nvfp4_bf16_gather_bytes": acct["nvfp4_bf16_gather_bytes"],
         },
@@ -206,8 +192,7 @@ def measure(cfg: Config, devices: Sequence[Any], *, time_steps: int = 3) -> Dict
         "collectives_by_purpose": by_purpose,
         "grad_reduce_bytes": hlo.op_total(by_purpose.get("grad_reduce", {})),
         "all_collective_bytes": hlo.op_total(per_step),
-        # train.loop.gather_accounting as it stands: every all-gather (and every u8 one) of the
-        # step, counted once per instruction; kept to cross-check the figures above.
+        # train.loop.gather_accounting (what python -m train prints), to cross-check the above.
         "train_gather_accounting": {k: acct[k] for k in ("all_gather_bytes", "nvfp4_gather_bytes")},
         "memory": memory,
         "step_time_s": statistics.median(times) if times else None,

@@ -131,12 +131,12 @@ def master_weights(
         if params is None:
             raise ValueError("master_weights: update(grads, state, params) needs the current params")
         m = context_mesh(mesh)
-        # A barrier between the gradients' relayout and the optimizer: XLA:CPU contracts
-        # multiply-adds differently depending on what it fuses with the element-wise optimizer
-        # math, which would make the float32 masters depend on the data-axis size by an ulp.
-        grads_m = jax.lax.optimization_barrier(_grads_to_master(grads, state.master, m, grad_dtype))
+        grads_m = _grads_to_master(grads, state.master, m, grad_dtype)
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads_m)]))
         updates_m, inner_state = inner.update(grads_m, state.inner_state, state.master, **extra)
+        # The update is materialised once: master + u and (float32) param + u are then the
+        # same addition (XLA may otherwise contract one of them into a multiply-add).
+        updates_m = jax.lax.optimization_barrier(updates_m)
         master = optax.apply_updates(state.master, updates_m)
         master = _constrain_master(master, m)
 

@@ -119,3 +119,55 @@ def test_tensor_axis_trains(tmp_path):
     # Still only bytes cross the data axis for NVFP4 weights.
     assert r["collectives"].get("all-gather:u8", 0) > 0
     assert not any(k.startswith("all-gather:f") or k == "all-gather:bf16" for k in r["collectives"])
+
+
+def _compiled_step_text(cfg, n=8):
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    trainer, _, _ = loop.build(cfg, mesh_of(cfg, n), init=False)
+    sds = lambda t, s: jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), t, s)
+    batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), jnp.int32,
+                                 sharding=NamedSharding(trainer.mesh, P("data")))
+    lowered = trainer.step_fn.lower(sds(trainer.abstract_params, trainer.param_shardings),
+                                    sds(trainer.abstract_state, trainer.state_shardings), batch,
+                                    jax.eval_shape(lambda: jax.random.key(0)), np.float32(1))
+    compiled = lowered.compile()
+    return compiled.as_text(), compiled.memory_analysis()
+
+
+def test_step_gathers_and_reduces_one_layer_at_a_time():
+    import jax_nvfp4 as nv
+
+    layers = 4
+    text, _ = _compiled_step_text(tiny(f"model.layers={layers}"))
+    rows = nv.comm.collectives(text)
+    weight = [r for r in rows if r["op"] == "all-gather" and nv.collectives.GATHER_SCOPE in r["op_name"]]
+    packed = [r for r in weight if r["dtype"] == "u8"]
+    # Every NVFP4 weight's codes and scales (7 matrices per block) are gathered inside the scan
+    # over layers: in the forward loop and again in the rematerialised backward loop, each
+    # executed once per layer, never the whole stack at once.
+    assert len(packed) == 2 * 7 * 2 and all(r["times"] == layers for r in packed)
+    assert all(r["shape"][0] == 1 for r in packed)  # one layer's matrix (nt = 1), not [L, ...]
+    # Plain weights (embedding, head: bf16) travel as their bits; nothing float32 is gathered.
+    assert {r["dtype"] for r in weight} == {"u8", "u16"}
+    assert not any(r["dtype"] in ("f32", "bf16", "f16") for r in rows if r["op"] == "all-gather")
+    # Gradients: all-to-alls of bf16 bits inside the backward loop, per layer, one padded
+    # bf16 copy of each matrix per device (the bytes of a bf16 reduce-scatter on the wire).
+    a2a = [r for r in rows if r["op"] == "all-to-all"]
+    assert {r["dtype"] for r in a2a} == {"u16"}
+    per_layer = sum(r["bytes"] * r["times"] for r in a2a if r["times"] == layers)
+    d, h = 64, 176
+    logical = layers * 2 * (4 * d * d + 3 * d * h)
+    assert logical <= per_layer <= 1.5 * logical, (per_layer, logical)
+    assert not any(r["op"] in ("all-reduce", "reduce-scatter") and r["dtype"] in ("f32", "bf16") for r in rows)
+
+
+def test_step_temporaries_do_not_grow_with_the_weights_of_every_layer():
+    # 4x the layers: the temporaries grow by the saved per-layer activations, far less than the
+    # layers' gathered weights would add (each layer's bf16 weights: 2 x 12 d^2 bytes).
+    small, big = (_compiled_step_text(tiny(f"model.layers={n}", "model.d_model=128", "model.mlp_hidden=352"))[1]
+                  for n in (2, 8))
+    grown = big.temp_size_in_bytes - small.temp_size_in_bytes
+    per_layer_weights = 2 * (4 * 128 * 128 + 3 * 128 * 352)
+    assert grown < 6 * per_layer_weights * 0.5, (grown, per_layer_weights)

@@ -1,0 +1,103 @@
+"""The tile-major layout: round trips, bit-identity with the logical format, padding, decisions."""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jax_nvfp4 as nv
+from jax_nvfp4.layout import quantize_tiles
+
+CASES = [  # (shape, n_data, n_tensor, tensor_dim)
+    ((37, 50), 3, 1, None),
+    ((16, 16), 7, 1, None),
+    ((3, 33, 17), 2, 1, None),
+    ((2, 64, 96), 5, 2, -1),
+    ((2, 64, 96), 4, 2, -2),
+    ((1, 48, 160), 6, 2, -1),
+]
+
+
+def layout_of(shape, nd, nt, td):
+    return nv.Layout(shape[-2:], nd, nt, td, "data", "tensor" if nt > 1 else None)
+
+
+@pytest.mark.parametrize("shape,nd,nt,td", CASES)
+def test_tiles_round_trip_and_nvfp4_bit_identity(shape, nd, nt, td):
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+    lay = layout_of(shape, nd, nt, td)
+    t = lay.to_tiles(x)
+    assert t.shape == (*shape[:-2], nt, lay.padded_tiles, 16, 16) and lay.padded_tiles % nd == 0
+    assert np.asarray(lay.from_tiles(t)).tobytes() == np.asarray(x).tobytes()
+    assert not np.any(np.asarray(t)[..., lay.tiles:, :, :])  # padding tiles are zero
+    q = nv.quantize(x)
+    tq = nv.TiledNVFP4.from_array(q, lay)
+    for a, b in zip(jax.tree.leaves(tq), jax.tree.leaves(quantize_tiles(t, lay))):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    for a, b in zip(jax.tree.leaves(tq.to_array()), jax.tree.leaves(q)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert np.asarray(tq.dequantize(jnp.float32)).tobytes() == np.asarray(nv.dequantize(q, jnp.float32)).tobytes()
+    key = jax.random.key(3)
+    qs = nv.quantize(x, rounding="stochastic", key=key)
+    assert np.asarray(quantize_tiles(t, lay, key=key).to_array().data).tobytes() == np.asarray(qs.data).tobytes()
+
+
+def test_padding_for_llama_shapes_on_144_devices():
+    # The tile layout pads a matrix by at most N - 1 tiles; rows rounded up to 16 N would pad
+    # 8192 rows to 9216 (12.5%).
+    assert nv.Layout((8192, 8192), 144).padding() < 0.0004
+    assert nv.Layout((28672, 8192), 144).padding() < 0.0001
+    assert nv.Layout((4096, 1024), 144).padding() < 0.002
+    assert nv.Layout((128256, 8192), 144).padding() < 0.0001
+
+
+def test_layout_decisions():
+    mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
+    rules = nv.Rules(tensor=((r"up", -1),), stacked=(r"^blocks",))
+    lay = nv.layout_for("blocks/up/kernel", (3, 64, 96), True, mesh, rules)
+    assert (lay.n_data, lay.n_tensor, lay.tensor_dim, lay.sub) == (4, 2, -1, (64, 48))
+    assert nv.layout_for("blocks/norm/scale", (3, 1 << 16), False, mesh, rules) is None  # a vector per layer
+    assert nv.layout_for("bias", (100,), False, mesh, rules) is None
+    assert nv.layout_for("embed", (1000, 64), False, mesh, rules).n_tensor == 1
+    with pytest.raises(ValueError, match="multiple of 16 x 2"):
+        nv.layout_for("blocks/up/kernel", (3, 64, 48), True, mesh, rules)
+
+
+@pytest.mark.parametrize("n,tensor", [(1, 1), (2, 1), (3, 1), (6, 1), (8, 1), (2, 2), (3, 2)])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_sharded_requantize_is_the_unsharded_quantization(n, tensor, stochastic):
+    mesh = jax.make_mesh((n, tensor), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[: n * tensor])
+    rules = nv.Rules(tensor=((r"w", -1),))
+    x = jnp.asarray(np.random.default_rng(n).standard_normal((2, 48, 96)).astype(np.float32))
+    x = x.at[1].multiply(1e-3)
+    lay = nv.layout_for("w", x.shape, True, mesh, rules)
+    m = nv.Tiled.from_logical(x, lay)
+    m = nv.Tiled(jax.device_put(m.value, NamedSharding(mesh, m.spec())), lay)
+    key = jax.random.key(7) if stochastic else None
+    got = jax.jit(lambda m: nv.requantize(m, mesh, key=key))(m)
+    want = nv.quantize(x, rounding="stochastic" if stochastic else "nearest", key=key)
+    for a, b in zip(jax.tree.leaves(got.to_array()), jax.tree.leaves(want)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    # The stored shard is where the master's shard is: no relayout.
+    assert got.data.sharding.spec == lay.spec(1)
+
+
+def test_shard_params_logical_and_shardings_round_trip():
+    mesh = jax.make_mesh((3,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:3])
+    rng = np.random.default_rng(0)
+    tree = {"w": rng.standard_normal((40, 72)).astype(np.float32),
+            "emb": rng.standard_normal((300, 64)).astype(np.float32), "b": rng.standard_normal(9).astype(np.float32)}
+    q = nv.quantize_params(tree, nv.Policy(include=("w",)))
+    stored = nv.shard_params(q, mesh, nv.Rules(min_shard_size=1000))
+    assert isinstance(stored["w"], nv.TiledNVFP4) and isinstance(stored["emb"], nv.Tiled)
+    assert not nv.is_tiled(stored["b"])
+    stored = jax.device_put(stored, nv.shardings(stored, mesh))
+    assert stored["w"].data.sharding.spec == P(None, "data", None, None)
+    back = nv.logical(stored)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(q)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    gathered = jax.jit(lambda s: nv.gather(s, mesh))(stored)
+    for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(q)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

@@ -42,6 +42,7 @@ with "Permission denied", as a directory that became read-only would.
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import os
 import sys
@@ -62,6 +63,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # orbax reports a failed save on stderr with pages of tracebacks (from its own threads)
+    # before the exception reaches us; the CLI's one-line errors say it instead.
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
     # Config first: it needs no JAX, so a bad config fails fast and before anything is written.
     from train.config import ConfigError, load_config, save_config, validate_for_devices
 
@@ -96,6 +102,15 @@ def main(argv=None) -> int:
         )
     elif os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         jax.distributed.initialize()
+    # A dead or frozen peer ends this process with one line (exit 4) before the runtime's own
+    # heartbeat check would abort it with a C++ stack dump.
+    from train.peers import watch_peers
+
+    peers = watch_peers(float(os.environ.get("JAX_HEARTBEAT_TIMEOUT", "30")))
+    if peers is not None:
+        # However main ends, the others must not take this process's exit for a failure;
+        # registered after jax.distributed's own shutdown hook, so it runs before it.
+        atexit.register(peers.done)
 
     from train import data as data_lib
 
@@ -248,15 +263,21 @@ def fault_hooks():
 
 
 def make_checkpoints_read_only() -> None:
-    """Fault injection: every later checkpoint write fails with EACCES, as in a directory that
-    became read-only. Done in the process rather than with chmod, which root ignores: the
-    directory creation orbax starts every save with raises ``PermissionError``."""
+    """Fault injection: from now on no new checkpoint can be created (EACCES), as when the
+    checkpoint directory becomes read-only; a save already under way finishes. Done in the
+    process rather than with chmod, which root ignores: orbax's creation of a step's
+    temporary directory (``<step>.orbax-checkpoint-tmp``) raises ``PermissionError``."""
     import errno
+    import re
 
     from orbax.checkpoint._src.path import async_path
 
+    mkdir = async_path.mkdir
+
     async def refuse(path, *args, **kwargs):
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        if re.match(r"\d+\.orbax-checkpoint-tmp", os.path.basename(str(path))):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return await mkdir(path, *args, **kwargs)
 
     async_path.mkdir = refuse
 
@@ -283,4 +304,11 @@ def print_summary(summary, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == 5:
+        # A failed asynchronous save leaves orbax threads waiting (minutes) for signals that
+        # will never come; the interpreter would wait for them before exiting.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -325,6 +325,10 @@ class Checkpointer:
             "process_count": jax.process_count(),
             "run": run,
         }
+        if self.async_save and self._unhashed:
+            # orbax waits for the previous save before it starts this one: wait here, so that
+            # a failure of that save is reported under its own step.
+            self.wait()
         with self._hash_lock:
             self._unhashed.append(int(step))
         with self._writing(step):
@@ -334,7 +338,12 @@ class Checkpointer:
             self._record_hashes()
 
     def wait(self) -> None:
-        with self._writing(None):
+        """Wait for an asynchronous save; record its hashes.
+
+        Raises:
+          CheckpointWriteError: it failed (named by its step).
+        """
+        with self._writing(self._unhashed[-1] if self._unhashed else None):
             self.manager.wait_until_finished()
         self._record_hashes()
 

@@ -121,7 +121,12 @@ def test_bad_inputs_are_one_line_errors_that_write_nothing(tmp_path, compile_cac
     empty.write_bytes(b"")
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
+    dup = tmp_path / "dup.yaml"
+    dup.write_text(f"base: {TINY}\ntrain:\n  steps: 6\n  steps: 60\n")
     cases = [
+        # A path that the (default, markov) source would ignore; a key given twice.
+        (["--set", f"data.path={a_file}"], "config error:", "does not read a file"),
+        (["--config", str(dup)], "config error:", "duplicate key 'steps' on line 4 (first on line 3)"),
         (["--set", "mesh.tensor=3"], "config error:", "mesh.tensor=3"),
         (["--set", "mesh.data=16"], "config error:", "mesh.data=16"),
         (["--set", "data.source=file", "--set", f"data.path={tmp_path}"], "config error:", "not a regular file"),

@@ -257,6 +257,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint.dir={directory!r}: not readable and writable")
         self.async_save = async_save
         self._unhashed: List[int] = []  # steps saved here whose hash record is not written yet
+        self._verified: set = set()  # steps verified by this object (restore need not re-hash)
         self._hash_lock = threading.Lock()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
@@ -430,6 +431,7 @@ class Checkpointer:
         for step in steps:
             try:
                 self.verify(step)
+                self._verified.add(step)
             except CheckpointError as e:
                 if not fallback:
                     raise CheckpointError(f"{e}; refusing to restore it (--set checkpoint.fallback=true restores "
@@ -479,7 +481,8 @@ class Checkpointer:
         """
         ocp = self._ocp
         where = os.path.join(self.directory, str(step))
-        self.verify(step)
+        if step not in self._verified:
+            self.verify(step)
         meta = self.read_meta(step)
         _check_compatible(where, meta.get("leaves", {}), describe(abstract_params, abstract_state))
 

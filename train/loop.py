@@ -444,8 +444,16 @@ def run(
 ) -> Dict[str, Any]:
     """Train ``cfg`` on ``mesh``; write ``metrics.jsonl`` into ``out_dir``; return a summary.
 
-    With ``cfg.checkpoint.dir``, the run resumes from the latest checkpoint there (metrics.jsonl
-    continues after its step), saves every ``checkpoint.every`` steps and at the end.
+    With ``cfg.checkpoint.dir``, the run resumes from the newest checkpoint there once its
+    content hashes are verified (``checkpoint.fallback``: the newest intact one) and its config
+    matches (:func:`train.checkpoint.check_resume`); metrics.jsonl continues after its step. It
+    saves every ``checkpoint.every`` steps and at the end.
+
+    Raises:
+      FloatingPointError: a non-finite step with ``nvfp4.nonfinite="error"``, or
+        ``nvfp4.max_skipped_in_a_row`` skipped steps in a row; the message names the step.
+      train.checkpoint.CheckpointError: a corrupt or incompatible checkpoint
+        (``CheckpointWriteError``: one that cannot be written).
 
     Args:
       on_step: ``on_step(step, params, opt_state, data_iterator)`` after each step (and its

@@ -45,10 +45,47 @@ def _ceil_to(n: int, m: int) -> int:
 
 
 def _check_block(block) -> Tuple[int, int]:
-    block = tuple(int(b) for b in block)
+    # Integers only: int(16.9) would silently quantize with a block the caller did not ask for.
+    try:
+        items = tuple(block)
+    except TypeError:
+        raise ValueError(f"block must be (16, 16) or (1, 16), got {block!r}") from None
+    if not all(isinstance(b, (int, np.integer)) and not isinstance(b, (bool, np.bool_)) for b in items):
+        raise ValueError(f"block must be (16, 16) or (1, 16) (integers), got {block!r}")
+    block = tuple(int(b) for b in items)
     if block not in _BLOCKS:
         raise ValueError(f"block must be (16, 16) or (1, 16), got {block}")
     return block
+
+
+def _concrete(x) -> bool:
+    """True for a host or device array with a known value (not a tracer, not abstract)."""
+    return isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
+
+
+def _check_amax(amax, batch) -> jax.Array:
+    """``amax`` as float32 ``[*batch]`` (a scalar is broadcast), validated where it is known.
+
+    Positive finite values are amaxes; NaN and +Inf mark a poisoned matrix by design (it
+    decodes to NaN, see the module docstring); 0 is the amax of an all-zero matrix. Negative
+    values and -Inf are refused: they would dequantize to plausible but wrong weights.
+    """
+    dtype = getattr(amax, "dtype", None)
+    if dtype is None:
+        if isinstance(amax, bool) or not isinstance(amax, (int, float, np.integer, np.floating)):
+            raise TypeError(f"quantize: amax must be a float or a float array, got {type(amax).__name__}")
+    elif not (jnp.issubdtype(dtype, jnp.floating) or (jnp.issubdtype(dtype, jnp.integer) and np.ndim(amax) == 0)):
+        raise TypeError(f"quantize: amax must be a float array, got dtype {dtype}")
+    shape = tuple(np.shape(amax))
+    if shape not in ((), tuple(batch)):
+        raise ValueError(f"quantize: amax has shape {shape}; expected () or the batch shape {tuple(batch)} "
+                         "(one amax per matrix)")
+    if dtype is None or _concrete(amax):
+        v = np.asarray(amax, np.float32)
+        bad = v[(v < 0) | np.isneginf(v)]
+        if bad.size:
+            raise ValueError(f"quantize: amax must be >= 0 (NaN or +Inf mark a non-finite matrix), got {bad.flat[0]}")
+    return amax
 
 
 def packed_shapes(shape, block=BLOCK_2D):
@@ -60,6 +97,26 @@ def packed_shapes(shape, block=BLOCK_2D):
     data = (*batch, rows, _ceil_to(cols, 2) // 2)
     scale = (*batch, _ceil_to(rows, block[0]) // block[0], _ceil_to(cols, block[1]) // block[1])
     return data, scale, tuple(batch)
+
+
+def _check_matrix_shape(matrix_shape) -> Tuple[int, int]:
+    ms = tuple(matrix_shape)
+    if len(ms) != 2 or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d > 0 for d in ms):
+        raise ValueError(f"NVFP4Array: matrix_shape must be two positive ints (rows, cols), got {matrix_shape!r}")
+    return tuple(int(d) for d in ms)
+
+
+def _check_layout(data, scale_bits, amax_bits, matrix_shape, block) -> None:
+    """Raise ValueError unless the three leaves have the shapes of ``matrix_shape``/``block``."""
+    if len(np.shape(data)) < 2:
+        raise ValueError(f"NVFP4Array: data must be [..., rows, cols/2], got shape {tuple(np.shape(data))}")
+    batch = tuple(np.shape(data))[:-2]
+    want = packed_shapes(batch + tuple(matrix_shape), block)
+    got = (tuple(np.shape(data)), tuple(np.shape(scale_bits)), tuple(np.shape(amax_bits)))
+    for what, g, w in zip(("data", "scale", "amax"), got, want):
+        if g != tuple(w):
+            raise ValueError(f"NVFP4Array: {what} has shape {g}, but matrix_shape {tuple(matrix_shape)} with block "
+                             f"{tuple(block)} and batch {batch} needs {tuple(w)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +135,34 @@ class NVFP4Array:
     matrix_shape: Tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     block: Tuple[int, int] = dataclasses.field(default=BLOCK_2D, metadata=dict(static=True))
 
+    def __post_init__(self):
+        # Arrays built by hand must fit together: a wrong scale shape would otherwise be
+        # broadcast or zero-filled silently. Tracers and abstract leaves (inside jit,
+        # shard_map, tree utilities) are not checked here; create() checks those too.
+        if all(_concrete(x) for x in (self.data, self.scale_bits, self.amax_bits)):
+            _check_layout(self.data, self.scale_bits, self.amax_bits, self.matrix_shape, self.block)
+
     @classmethod
     def create(cls, data, scale, amax, matrix_shape, block=BLOCK_2D) -> "NVFP4Array":
-        """From packed data, E4M3 scales (or their bytes) and a float32 amax."""
-        bits = jax.lax.bitcast_convert_type(jnp.asarray(amax, jnp.float32), jnp.uint32)
-        scale = jnp.asarray(scale)
+        """From packed data ``uint8``, E4M3 scales (or their bytes) and a float32 amax.
+
+        Raises:
+          ValueError / TypeError: shapes or dtypes that do not form an NVFP4 array of
+            ``matrix_shape`` with ``block`` (see :func:`packed_shapes`).
+        """
+        block = _check_block(block)
+        data, scale = jnp.asarray(data), jnp.asarray(scale)
+        if data.dtype != jnp.uint8:
+            raise TypeError(f"NVFP4Array.create: data must be packed uint8 codes, got dtype {data.dtype}")
+        amax = jnp.asarray(amax)
+        if not jnp.issubdtype(amax.dtype, jnp.floating):
+            raise TypeError(f"NVFP4Array.create: amax must be float32, got dtype {amax.dtype}")
+        bits = jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.uint32)
         if scale.dtype != jnp.uint8:
             scale = jax.lax.bitcast_convert_type(scale.astype(jnp.float8_e4m3fn), jnp.uint8)
-        return cls(data, scale, bits, tuple(int(d) for d in matrix_shape), _check_block(block))
+        matrix_shape = _check_matrix_shape(matrix_shape)
+        _check_layout(data, scale, bits, matrix_shape, block)
+        return cls(data, scale, bits, matrix_shape, block)
 
     @property
     def scale(self) -> jax.Array:
@@ -178,7 +255,9 @@ def quantize(
         depends only on the key and the element's flat index in the logical tensor, so a
         sharded quantization draws the same numbers.
       amax: the global amax ``[...]`` (or a scalar) to use instead of ``max(|x|)`` — for
-        sharded quantization, where it is the maximum across shards.
+        sharded quantization, where it is the maximum across shards. A float ``>= 0`` (0 only
+        for an all-zero matrix); NaN or +Inf mark the matrix non-finite (it dequantizes to
+        NaN). Negative values are refused where the value is known (outside ``jit``).
 
     Returns:
       An :class:`NVFP4Array` bit-identical to the reference recipe's quantizer.
@@ -193,6 +272,8 @@ def quantize(
     *batch, rows, cols = x.shape
     if rows == 0 or cols == 0:
         raise ValueError(f"quantize needs a non-empty matrix, got shape {x.shape}")
+    if amax is not None:
+        amax = _check_amax(amax, batch)
     xp = pad_to_block(x.astype(jnp.float32), block)
     uniform = None
     if rounding == "stochastic":
@@ -284,6 +365,9 @@ def dequantize(q: NVFP4Array, dtype=jnp.bfloat16) -> jax.Array:
     """
     if not isinstance(q, NVFP4Array):
         raise TypeError(f"dequantize expects an NVFP4Array, got {type(q).__name__}")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        # An integer or bool result would be silently truncated weights.
+        raise TypeError(f"dequantize: dtype must be a floating-point dtype, got {jnp.dtype(dtype).name}")
     *batch, rows, _ = q.data.shape
     _, cols = q.matrix_shape
     br, bc = q.block

@@ -2,21 +2,27 @@
 
 A directory with one ``.npy`` file per array and a ``manifest.json``::
 
-    {"format": "jax_nvfp4.export", "version": 1,
+    {"format": "jax_nvfp4.export", "version": 2,
      "leaves": [{"path": "blocks/attn/q/kernel", "keys": [["dict", "blocks"], ...],
                  "kind": "nvfp4", "shape": [2, 64, 64], "block": [16, 16], "dtype": "nvfp4",
                  "files": {"data":  {"name": "0000.data.npy",  "dtype": "uint8",   "shape": [...], "sha256": "..."},
                            "scale": {"name": "0000.scale.npy", "dtype": "uint8",   ...},
                            "amax":  {"name": "0000.amax.npy",  "dtype": "float32", ...}}},
                 {"path": "embed", "kind": "array", "shape": [256, 64], "dtype": "bfloat16",
-                 "files": {"value": {"name": "0001.value.npy", "dtype": "bfloat16", "storage": "uint16", ...}}}]}
+                 "files": {"value": {"name": "0001.value.npy", "dtype": "bfloat16", "storage": "uint16", ...}}}],
+     "sha256": "..."}
+
+``sha256`` hashes the manifest itself (its canonical JSON without that key), so an edited
+shape or block is detected like an altered data file; :func:`load_nvfp4` also checks the
+manifest's schema before it uses any entry.
 
 NVFP4 leaves: packed E2M1 bytes ``[..., rows, ceil(cols/2)] uint8`` (element ``2k`` in the low
 nibble), E4M3 scale bytes (``[..., ceil(rows/16), ceil(cols/16)]`` for 16x16 tiles) and the
 float32 global amax ``[...]`` — see :mod:`jax_nvfp4.array`. Other leaves keep their dtype; dtypes
 NumPy cannot store (bfloat16, float8) are written as their unsigned-integer bits
 (``"storage"``). Files are written into a temporary directory that is renamed into place, so a
-reader never sees half an export.
+reader never sees half an export. ``overwrite=True`` replaces a previous export only: a
+directory holding anything else is never deleted.
 """
 
 from __future__ import annotations
@@ -35,10 +41,10 @@ import numpy as np
 from jax_nvfp4.array import NVFP4Array, is_nvfp4, packed_shapes
 from jax_nvfp4.params import path_str
 
-__all__ = ["ExportError", "export_nvfp4", "load_nvfp4", "EXPORT_FORMAT", "EXPORT_VERSION"]
+__all__ = ["ExportError", "export_nvfp4", "is_export", "load_nvfp4", "EXPORT_FORMAT", "EXPORT_VERSION"]
 
 EXPORT_FORMAT = "jax_nvfp4.export"
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2  # 2: the manifest hashes itself
 MANIFEST = "manifest.json"
 
 
@@ -96,6 +102,24 @@ def _write(directory: str, name: str, value: np.ndarray, logical_dtype: Optional
     return entry
 
 
+def _manifest_digest(manifest: Dict[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def is_export(directory: str) -> bool:
+    """True if ``directory`` holds an export of this library and nothing else (its
+    ``manifest.json`` and the files it lists): the only kind of non-empty directory
+    ``export_nvfp4(..., overwrite=True)`` replaces."""
+    try:
+        with open(os.path.join(directory, MANIFEST)) as f:
+            manifest = json.load(f)
+        names = {MANIFEST} | {fe["name"] for e in manifest["leaves"] for fe in e["files"].values()}
+        return manifest.get("format") == EXPORT_FORMAT and set(os.listdir(directory)) <= names
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
 def export_nvfp4(params, directory: str, *, overwrite: bool = False) -> str:
     """Write ``params`` (any pytree; ``NVFP4Array`` / ``TiledNVFP4`` leaves and plain arrays)
     to ``directory`` (logical layout, independent of the mesh).
@@ -104,7 +128,8 @@ def export_nvfp4(params, directory: str, *, overwrite: bool = False) -> str:
     writes. Returns the path of ``manifest.json``.
 
     Raises:
-      FileExistsError: ``directory`` exists and is not empty, unless ``overwrite``.
+      FileExistsError: ``directory`` exists and is not empty, unless ``overwrite`` and it is a
+        previous export (:func:`is_export`); anything else in it is never deleted.
       TypeError: a leaf that is neither an ``NVFP4Array`` nor an array (e.g. a PRNG key).
       ExportError: a leaf holding NaN or Inf (an NVFP4 leaf: a non-finite amax).
     """
@@ -131,8 +156,14 @@ def export_nvfp4(params, directory: str, *, overwrite: bool = False) -> str:
             raise ExportError(f"export_nvfp4: leaf {path_str(path)!r} has non-finite {what} (NaN or Inf); nothing written")
     if jax.process_index() != 0:
         return os.path.join(directory, MANIFEST)
-    if os.path.exists(directory) and os.listdir(directory) and not overwrite:
-        raise FileExistsError(f"export_nvfp4: {directory} exists and is not empty (pass overwrite=True)")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise FileExistsError(f"export_nvfp4: {directory} exists and is not a directory")
+    if os.path.exists(directory) and os.listdir(directory):
+        if not is_export(directory):
+            raise FileExistsError(f"export_nvfp4: {directory} is not empty and is not an NVFP4 export; "
+                                  "refusing to replace it (choose an empty or new directory)")
+        if not overwrite:
+            raise FileExistsError(f"export_nvfp4: {directory} holds an export (pass overwrite=True to replace it)")
 
     parent = os.path.dirname(directory) or "."
     os.makedirs(parent, exist_ok=True)
@@ -154,6 +185,7 @@ def export_nvfp4(params, directory: str, *, overwrite: bool = False) -> str:
                 entry["files"] = {"value": _write(tmp, f"{i:04d}.value.npy", v)}
             leaves.append(entry)
         manifest = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "leaves": leaves}
+        manifest["sha256"] = _manifest_digest(manifest)
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
         os.chmod(tmp, 0o755)
@@ -192,6 +224,54 @@ def _read(directory: str, where: str, entry: Dict[str, Any]) -> np.ndarray:
     if list(arr.shape) != list(entry.get("shape", [])):
         raise ExportError(f"{where}: {name} has shape {list(arr.shape)}, the manifest says {entry.get('shape')}")
     return arr
+
+
+_HEX = set("0123456789abcdef")
+
+
+def _check_schema(mpath: str, manifest: Dict[str, Any]) -> None:
+    """Raise ExportError (one line naming the entry) unless the manifest has the documented
+    structure: checked before any entry is used, so a malformed one cannot surface as an
+    AttributeError or a wrong shape."""
+    def fail(where, what):
+        raise ExportError(f"{mpath}: malformed manifest: {where}: {what}")
+
+    def ints(v, n=None):
+        return (isinstance(v, list) and (n is None or len(v) == n)
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v))
+
+    leaves = manifest.get("leaves")
+    if not isinstance(leaves, list):
+        fail("leaves", f"expected a list, got {type(leaves).__name__}")
+    required = {"nvfp4": ("data", "scale", "amax"), "array": ("value",)}
+    seen = set()
+    for i, e in enumerate(leaves):
+        where = f"leaves[{i}]"
+        if not isinstance(e, dict):
+            fail(where, f"expected an object, got {type(e).__name__}")
+        if not isinstance(e.get("path"), str) or e["path"] in seen:
+            fail(where, f"path {e.get('path')!r} is not a unique string")
+        seen.add(e["path"])
+        keys = e.get("keys", [])
+        if not isinstance(keys, list) or not all(
+                isinstance(k, list) and len(k) == 2 and k[0] in ("dict", "index", "attr")
+                and isinstance(k[1], (str, int)) and not isinstance(k[1], bool) for k in keys):
+            fail(where, "keys must be a list of [dict|index|attr, name]")
+        kind = e.get("kind")
+        if kind not in required:
+            fail(where, f"unknown kind {kind!r}")
+        if not ints(e.get("shape")):
+            fail(where, f"shape {e.get('shape')!r} is not a list of non-negative ints")
+        if kind == "nvfp4" and (not ints(e.get("block"), 2) or len(e["shape"]) < 2):
+            fail(where, f"an nvfp4 leaf needs a block [r, c] and at least 2 axes, got block {e.get('block')!r}")
+        files = e.get("files")
+        if not isinstance(files, dict) or set(files) != set(required[kind]):
+            fail(where, f"files must be exactly {list(required[kind])}")
+        for name, fe in files.items():
+            if not (isinstance(fe, dict) and isinstance(fe.get("name"), str) and isinstance(fe.get("dtype"), str)
+                    and ints(fe.get("shape")) and isinstance(fe.get("sha256"), str) and len(fe["sha256"]) == 64
+                    and set(fe["sha256"]) <= _HEX and isinstance(fe.get("storage", ""), str)):
+                fail(f"{where}.files.{name}", "needs name, dtype, shape, sha256 (64 hex digits)")
 
 
 def _finite(arr: np.ndarray) -> bool:
@@ -247,6 +327,9 @@ def load_nvfp4(directory: str, *, like=None):
         raise ExportError(f"{mpath}: not a {EXPORT_FORMAT} manifest")
     if manifest.get("version") != EXPORT_VERSION:
         raise ExportError(f"{mpath}: format version {manifest.get('version')}, this code reads {EXPORT_VERSION}")
+    if manifest.get("sha256") != _manifest_digest(manifest):
+        raise ExportError(f"{mpath}: does not match its own sha256 (edited or corrupt)")
+    _check_schema(mpath, manifest)
     out = []
     for entry in manifest.get("leaves", []):
         where = f"{directory}: leaf {entry.get('path')!r}"

@@ -130,6 +130,11 @@ def master_weights(
     def update_fn(grads, state: MasterWeightsState, params=None, **extra):
         if params is None:
             raise ValueError("master_weights: update(grads, state, params) needs the current params")
+        for path, g in jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_nvfp4)[0]:
+            if is_nvfp4(g):
+                raise TypeError(f"master_weights: the gradient of {path_str(path)!r} is an NVFP4Array; gradients "
+                                "must be float arrays shaped like the dequantized weights (take them with respect "
+                                "to nv.dequantize_params(params), not the NVFP4 params)")
         m = context_mesh(mesh)
         grads_m = _grads_to_master(grads, state.master, m, grad_dtype)
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads_m)]))

@@ -245,3 +245,52 @@ def test_stochastic_rounding_unbiased_and_reproducible(data, block):
     a = nv.quantize(jnp.asarray(x), block=block, rounding="stochastic", key=key)
     b = nv.quantize(jnp.asarray(x), block=block, rounding="stochastic", key=key)
     np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+
+
+def test_boundary_inputs_are_refused():
+    """Inputs that used to quantize or decode to wrong values are clear errors."""
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 32, 32)), jnp.float32)
+    for amax in (-1.0, float("-inf"), jnp.asarray([1.0, -2.0])):
+        with pytest.raises(ValueError, match="amax must be >= 0"):
+            nv.quantize(x, amax=amax)
+    with pytest.raises(ValueError, match="batch shape"):
+        nv.quantize(x, amax=jnp.ones((3,)))
+    with pytest.raises(TypeError, match="amax"):
+        nv.quantize(x, amax=jnp.ones((2,), jnp.int32))
+    with pytest.raises(TypeError, match="amax"):
+        nv.quantize(x, amax="1.0")
+    # NaN / +Inf amax are the documented "non-finite matrix" marker; 0 and positives pass.
+    assert not bool(nv.quantize(x, amax=float("nan")).isfinite().any())
+    assert bool(nv.quantize(x, amax=jnp.full((2,), 8.0)).isfinite().all())
+    for block in ((16.9, 16), (16.0, 16), (True, 16), "16", 16):
+        with pytest.raises(ValueError, match="block"):
+            nv.quantize(x, block=block)
+    assert nv.quantize(x, block=(np.int64(1), 16)).block == (1, 16)
+    q = nv.quantize(x)
+    for dtype in (jnp.int8, jnp.uint8, jnp.bool_, jnp.int32):
+        with pytest.raises(TypeError, match="floating-point dtype"):
+            nv.dequantize(q, dtype)
+    assert nv.dequantize(q, jnp.float16).dtype == jnp.float16
+
+
+def test_hand_built_arrays_must_fit_together():
+    q = nv.quantize(jnp.asarray(np.random.default_rng(8).standard_normal((2, 32, 48)), jnp.float32))
+    bad = [
+        (q.data, q.scale_bits[..., :1], q.amax_bits, q.matrix_shape, "scale has shape"),   # would broadcast
+        (q.data[..., :8], q.scale_bits, q.amax_bits, q.matrix_shape, "data has shape"),
+        (q.data, q.scale_bits, q.amax_bits[:1], q.matrix_shape, "amax has shape"),
+        (q.data, q.scale_bits, q.amax_bits, (32, 64), "shape"),
+    ]
+    for data, scale, amax, ms, needle in bad:
+        with pytest.raises(ValueError, match=needle):
+            nv.NVFP4Array(data, scale, amax, ms, q.block)
+        with pytest.raises(ValueError, match=needle):
+            nv.NVFP4Array.create(data, jax.lax.bitcast_convert_type(scale, jnp.float8_e4m3fn), q.amax[: amax.shape[0]], ms)
+    with pytest.raises(ValueError, match="matrix_shape"):
+        nv.NVFP4Array.create(q.data, q.scale_bits, q.amax, (32,))
+    with pytest.raises(TypeError, match="uint8"):
+        nv.NVFP4Array.create(q.data.astype(jnp.int32), q.scale_bits, q.amax, q.matrix_shape)
+    same = nv.NVFP4Array.create(q.data, q.scale, q.amax, q.matrix_shape, q.block)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(q)))
+    # Under jit the leaves are tracers: construction stays free (checked on concrete arrays).
+    assert jax.jit(lambda t: nv.dequantize(t, jnp.float32))(q).shape == (2, 32, 48)

@@ -126,7 +126,7 @@ def test_overrides():
 
 
 def test_round_trip(tmp_path):
-    cfg = load_config(None, ["model.layers=2", "nvfp4.keep_bf16=[x, y]", "data.path=/d"])
+    cfg = load_config(None, ["model.layers=2", "nvfp4.keep_bf16=[x, y]", "data.source=file", "data.path=/d"])
     path = str(tmp_path / "out" / "config.yaml")
     save_config(cfg, path)
     assert load_config(path) == cfg
@@ -189,9 +189,27 @@ def test_round_trip(tmp_path):
     (["data.source=file"], "data.path: required when data.source='file'"),
     (["data.source=file", "data.path=x", "model.vocab=100"], "model.vocab=100"),
     (["data.markov_states=300"], "data.markov_states=300: exceeds model.vocab=256"),
+    # a path the source would ignore
+    (["data.path=corpus.txt"], "data.path='corpus.txt': data.source='markov' does not read a file"),
+    (["nvfp4.max_skipped_in_a_row=-1"], "nvfp4.max_skipped_in_a_row=-1: must be >= 0"),
+    (["optim.schedule_steps=-1"], "optim.schedule_steps=-1: must be >= 0"),
 ])
 def test_errors_name_the_key(overrides, expect):
     assert expect in _error(overrides)
+
+
+def test_duplicate_yaml_keys_are_errors(tmp_path):
+    # Used to be accepted with the last value winning.
+    err = _error(path=_write(tmp_path, "dup.yaml", "model:\n  layers: 2\n  heads: 2\n  layers: 8\n"))
+    assert "duplicate key 'layers' on line 4 (first on line 2)" in err and "dup.yaml" in err and "\n" not in err
+    assert "duplicate key 'model'" in _error(path=_write(tmp_path, "dup2.yaml", "model: {}\nmodel: {layers: 2}\n"))
+    assert "duplicate key" in _error(["model.layers={a: 1, a: 2}"])
+    assert load_config(_write(tmp_path, "ok.yaml", "model:\n  layers: 2\ntrain:\n  steps: 3\n")).model.layers == 2
+
+
+def test_schedule_length_defaults_to_the_steps():
+    assert load_config(None, ["train.steps=30"]).schedule_steps() == 30
+    assert load_config(None, ["train.steps=30", "optim.schedule_steps=20"]).schedule_steps() == 20
 
 
 def test_file_errors(tmp_path):

@@ -150,3 +150,32 @@ def test_restart_continues_and_two_processes_match_one(sequence, reference):
     assert jax.tree.structure(loaded, is_leaf=nv.is_nvfp4) == jax.tree.structure(want, is_leaf=nv.is_nvfp4)
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(want)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_a_frozen_peer_ends_the_survivor_with_one_line(compile_cache, tmp_path):
+    # Process 1 freezes (SIGSTOP) after step 3, as a hung host would. The survivor used to
+    # abort with SIGABRT and a C++ stack dump once the heartbeat timeout passed.
+    port = free_port()
+    procs, logs = [], []
+    try:
+        for i in range(2):
+            logs.append(open(tmp_path / f"p{i}.log", "w+"))
+            env = proc_env(compile_cache, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_ID=str(i),
+                           TRAIN_FAULT_STOP="3:1")
+            procs.append(subprocess.Popen([sys.executable, "-m", "train", *job_args(tmp_path / "ck", tmp_path / "out")],
+                                          cwd=ROOT, env=env, stdout=logs[-1], stderr=subprocess.PIPE, text=True))
+        _, err = procs[0].communicate(timeout=240)
+        rc = procs[0].returncode
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("[Gloo]")]
+    assert rc == 4, err[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: process 0: lost a peer: process 1"), err[-3000:]
+    assert "frozen" in lines[0] and "SIGABRT" not in err and "Fatal" not in err
+    # Nothing lost: the step-2 checkpoint is whole.
+    ckpt_lib.Checkpointer(str(tmp_path / "ck")).verify(2)

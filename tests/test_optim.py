@@ -334,6 +334,12 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="same policy"):
         tx2 = nv.master_weights(optax.sgd(0.1), policy=nv.Policy(keep=("a",)))
         tx2.update(grads_at(0, fp32), tx2.init(fp32), params)
+    # An NVFP4Array as a gradient (e.g. taken against the NVFP4 params) names the leaf.
+    quantized = dict(grads_at(0, fp32))
+    name = next(k for k, v in params.items() if nv.is_nvfp4(v))
+    quantized[name] = nv.quantize(jnp.asarray(quantized[name], jnp.float32))
+    with pytest.raises(TypeError, match=f"gradient of '{name}' is an NVFP4Array"):
+        tx.update(quantized, state, params)
 
 
 @pytest.mark.parametrize("n", [3, 4])

@@ -15,21 +15,34 @@ shut-down.
 
 Checkpoints: ``--set checkpoint.dir=D --set checkpoint.every=K`` saves every K steps and at the
 end; rerunning the same command resumes from the latest checkpoint in D (bit-identically).
-``--export DIR`` writes the trained NVFP4 weights (``jax_nvfp4.export_nvfp4``).
+A corrupt checkpoint (content hash mismatch) is refused; ``--set checkpoint.fallback=true``
+resumes from the newest intact one. A checkpoint of another model, data, optimizer or schedule
+length is refused too (``checkpoint.allow_change``, ``optim.schedule_steps``: see
+``train.checkpoint.check_resume``).
+``--export DIR`` writes the trained NVFP4 weights (``jax_nvfp4.export_nvfp4``) into a new or
+empty directory, or over a previous export; any other non-empty directory is refused before
+training starts.
 
-Exit status: 0 done; 2 bad config, mesh, data file or checkpoint (one line on stderr, nothing
-written); 3 non-finite gradients with ``nvfp4.nonfinite=error``; 4 a runtime failure such as a
-lost peer process.
+Exit status (one line on stderr for every failure):
+0 done; 2 bad config, mesh, data file, checkpoint or export directory (nothing written);
+3 the run stopped on non-finite gradients: ``nvfp4.nonfinite=error``, or
+``nvfp4.max_skipped_in_a_row`` skipped steps in a row (diverged); the line names the step;
+4 a runtime failure such as a lost or frozen peer process;
+5 a checkpoint could not be written mid-run (the checkpoints before it are intact).
 
-Fault injection, for tests only: ``TRAIN_FAULT_EXIT=STEP[:PROCESS]`` makes the process (every
-one, or only ``PROCESS``) exit abruptly with status 17 after step STEP;
-``TRAIN_FAULT_NONFINITE=STEP:VALUE[,STEP:VALUE...]`` multiplies the loss of those steps by
-VALUE (``nan``, ``inf``).
+Fault injection (rehearse failures on a real run; see the README):
+``TRAIN_FAULT_EXIT=STEP[:PROCESS]`` makes the process (every one, or only ``PROCESS``) exit
+abruptly with status 17 after step STEP; ``TRAIN_FAULT_NONFINITE=STEP:VALUE[,STEP:VALUE...]``
+multiplies the loss of those steps by VALUE (``nan``, ``inf``);
+``TRAIN_FAULT_STOP=STEP[:PROCESS]`` freezes the process (SIGSTOP) after step STEP, as a hung
+host would; ``TRAIN_FAULT_READONLY=STEP`` makes every checkpoint write after step STEP fail
+with "Permission denied", as a directory that became read-only would.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import os
 import sys
@@ -50,6 +63,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # orbax reports a failed save on stderr with pages of tracebacks (from its own threads)
+    # before the exception reaches us; the CLI's one-line errors say it instead.
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
     # Config first: it needs no JAX, so a bad config fails fast and before anything is written.
     from train.config import ConfigError, load_config, save_config, validate_for_devices
 
@@ -84,6 +102,15 @@ def main(argv=None) -> int:
         )
     elif os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         jax.distributed.initialize()
+    # A dead or frozen peer ends this process with one line (exit 4) before the runtime's own
+    # heartbeat check would abort it with a C++ stack dump.
+    from train.peers import watch_peers
+
+    peers = watch_peers(float(os.environ.get("JAX_HEARTBEAT_TIMEOUT", "30")))
+    if peers is not None:
+        # However main ends, the others must not take this process's exit for a failure;
+        # registered after jax.distributed's own shutdown hook, so it runs before it.
+        atexit.register(peers.done)
 
     from train import data as data_lib
 
@@ -96,10 +123,15 @@ def main(argv=None) -> int:
         return 2
 
     from train import loop
-    from train.checkpoint import CheckpointError
+    from train.checkpoint import CheckpointError, CheckpointWriteError
 
     out_dir = args.out or cfg.train.out_dir
     is_main = jax.process_index() == 0
+    if args.export:
+        why = export_refusal(args.export, out_dir, cfg.checkpoint.dir)
+        if why:
+            print(f"error: --export {args.export}: {why}", file=sys.stderr)
+            return 2
     if is_main:
         print(mesh_lib.describe_mesh(mesh, cfg.mesh.nvl_domain))
 
@@ -127,7 +159,11 @@ def main(argv=None) -> int:
         if args.export:
             import jax_nvfp4 as nv
 
+            # overwrite replaces a previous export only (export_nvfp4 refuses anything else).
             nv.export_nvfp4(runs[0]["params"], args.export, overwrite=True)
+    except CheckpointWriteError as e:
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 5
     except (CheckpointError, ConfigError) as e:
         print(f"checkpoint error: {e}" if isinstance(e, CheckpointError) else f"config error: {e}", file=sys.stderr)
         return 2
@@ -151,24 +187,71 @@ def main(argv=None) -> int:
     return 0
 
 
+def export_refusal(export: str, out_dir: str, ckpt_dir) -> str:
+    """Why ``--export export`` must not run (empty if it may): it would replace a directory
+    that is not a previous export, or one holding the run's outputs or checkpoints."""
+    from jax_nvfp4.export import is_export
+
+    target = os.path.realpath(export)
+    # A folder inside --out is fine (it holds the run's outputs next to it); inside the
+    # checkpoint directory it is not (that one belongs to orbax).
+    for name, d, inside_ok in (("the run's output directory (--out)", out_dir, True), ("checkpoint.dir", ckpt_dir, False)):
+        if not d:
+            continue
+        d = os.path.realpath(d)
+        if target == d or d.startswith(target + os.sep) or (not inside_ok and target.startswith(d + os.sep)):
+            return f"would replace or sit in {name} {d}; choose another directory"
+    if os.path.exists(target) and not os.path.isdir(target):
+        return "exists and is not a directory"
+    if os.path.isdir(target) and os.listdir(target) and not is_export(target):
+        return "is not empty and is not a previous NVFP4 export; refusing to replace it (nothing was written)"
+    return ""
+
+
+def _step_and_process(name: str, spec: str):
+    step_s, _, proc_s = spec.partition(":")
+    try:
+        return int(step_s), (int(proc_s) if proc_s else None)
+    except ValueError:
+        raise ValueError(f"{name}={spec!r}: expected STEP[:PROCESS]") from None
+
+
 def fault_hooks():
-    """``(on_step, inject_nonfinite)`` from the test-only ``TRAIN_FAULT_*`` variables."""
-    on_step = inject = None
+    """``(on_step, inject_nonfinite)`` from the ``TRAIN_FAULT_*`` variables (module docstring)."""
+    actions = []  # (step, process or None, action)
     spec = os.environ.get("TRAIN_FAULT_EXIT")
     if spec:
-        step_s, _, proc_s = spec.partition(":")
-        try:
-            exit_step, exit_proc = int(step_s), (int(proc_s) if proc_s else None)
-        except ValueError:
-            raise ValueError(f"TRAIN_FAULT_EXIT={spec!r}: expected STEP[:PROCESS]") from None
+        def die(step):
+            import jax
 
+            print(f"TRAIN_FAULT_EXIT: process {jax.process_index()} exits after step {step}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(17)
+
+        actions.append((*_step_and_process("TRAIN_FAULT_EXIT", spec), die))
+    spec = os.environ.get("TRAIN_FAULT_STOP")
+    if spec:
+        def freeze(step):
+            import signal
+
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+        actions.append((*_step_and_process("TRAIN_FAULT_STOP", spec), freeze))
+    spec = os.environ.get("TRAIN_FAULT_READONLY")
+    if spec:
+        ro_step, proc = _step_and_process("TRAIN_FAULT_READONLY", spec)
+        actions.append((ro_step, proc, lambda step: make_checkpoints_read_only()))
+
+    on_step = inject = None
+    if actions:
         def on_step(step, *_):
             import jax
 
-            if step == exit_step and exit_proc in (None, jax.process_index()):
-                print(f"TRAIN_FAULT_EXIT: process {jax.process_index()} exits after step {step}", file=sys.stderr, flush=True)
-                sys.stdout.flush()
-                os._exit(17)
+            for at, proc, action in actions:
+                if step == at and proc in (None, jax.process_index()):
+                    action(step)
 
     spec = os.environ.get("TRAIN_FAULT_NONFINITE")
     if spec:
@@ -177,6 +260,26 @@ def fault_hooks():
         except ValueError:
             raise ValueError(f"TRAIN_FAULT_NONFINITE={spec!r}: expected STEP:VALUE[,STEP:VALUE...]") from None
     return on_step, inject
+
+
+def make_checkpoints_read_only() -> None:
+    """Fault injection: from now on no new checkpoint can be created (EACCES), as when the
+    checkpoint directory becomes read-only; a save already under way finishes. Done in the
+    process rather than with chmod, which root ignores: orbax's creation of a step's
+    temporary directory (``<step>.orbax-checkpoint-tmp``) raises ``PermissionError``."""
+    import errno
+    import re
+
+    from orbax.checkpoint._src.path import async_path
+
+    mkdir = async_path.mkdir
+
+    async def refuse(path, *args, **kwargs):
+        if re.match(r"\d+\.orbax-checkpoint-tmp", os.path.basename(str(path))):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return await mkdir(path, *args, **kwargs)
+
+    async_path.mkdir = refuse
 
 
 def print_summary(summary, out_dir: str) -> None:
@@ -201,4 +304,11 @@ def print_summary(summary, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == 5:
+        # A failed asynchronous save leaves orbax threads waiting (minutes) for signals that
+        # will never come; the interpreter would wait for them before exiting.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

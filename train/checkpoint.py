@@ -8,23 +8,42 @@ What one checkpoint (``<dir>/<step>/``) holds:
   on the data-axis size only through the zero tiles that pad each matrix's tile list to a
   multiple of it, so a checkpoint restores onto any data-axis size: orbax reads each target
   shard straight from the files into its device, padding or truncating the tile axis (only
-  zero tiles are dropped or added). A different tensor-axis split is refused. Typed PRNG keys
+  zero tiles are dropped or added); leaves saved with another tensor-axis split are read whole
+  and re-laid out on the devices. Typed PRNG keys
   (the wrapper's stochastic rounding key) are saved as their key data.
 - ``meta`` (JSON): the step, the data iterator position, the loop's base PRNG key, and a
   description of every saved leaf (kind, logical shape, dtype, block), checked on restore so
   that a checkpoint of another model or optimizer is refused with a one-line error naming the
   first leaf that differs.
+- ``meta["run"]``: the config values that define the training trajectory (model, data
+  source and seed, optimizer, schedule length, NVFP4 recipe); :func:`check_resume` compares
+  them with the resuming run's config.
+- ``jax_nvfp4.sha256.json``: the sha256 of every file of the step directory, written by
+  process 0 once the save has committed (for asynchronous saves, from orbax's
+  post-finalization callback). Hashing the finished files rather than the arrays keeps it
+  independent of how the arrays are laid out and written (sharded, several processes), and
+  costs no device-to-host copy. :meth:`Checkpointer.verify` checks it before anything is
+  read; a checkpoint without it (a save killed between its commit and the record) is not
+  trusted either.
 
 Saves are atomic: orbax writes into a temporary directory and renames it to ``<step>`` once
 every process has written its shards; a save interrupted at any point leaves the previous
 checkpoints untouched, and a later :class:`Checkpointer` removes the leftover temporary
-directory. Restores refuse non-finite values (NaN/Inf) in params, masters or optimizer state.
+directory. Restores refuse non-finite values (NaN/Inf) in params, masters or optimizer state,
+and files whose content hash does not match; :meth:`Checkpointer.restorable_step` with
+``fallback`` picks the newest intact checkpoint instead (the damaged ones are renamed
+``corrupt-<step>``, never deleted).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
+import json
 import os
+import sys
+import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import jax
@@ -35,15 +54,24 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_nvfp4 as nv
 from train.config import ConfigError
 
-__all__ = ["CheckpointError", "Checkpointer", "Restored", "describe", "host_arrays", "FORMAT", "FORMAT_VERSION"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "Restored", "check_resume", "describe",
+           "host_arrays", "run_identity", "FORMAT", "FORMAT_VERSION", "HASHES"]
 
 FORMAT = "jax_nvfp4.train.checkpoint"
-FORMAT_VERSION = 2  # 1: masters saved by their logical values (before the tile layout)
+# 1: masters saved by their logical values; 2: the tile layout, content hashes (HASHES) and
+# the trajectory-defining config (meta["run"]).
+FORMAT_VERSION = 2
+HASHES = "jax_nvfp4.sha256.json"
 _NVFP4_FIELDS = ("data", "scale_bits", "amax_bits")
 
 
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be used (incompatible, corrupt, non-finite); one line."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (e.g. the directory became read-only); the
+    checkpoints before it are intact. One line."""
 
 
 @dataclasses.dataclass
@@ -196,12 +224,17 @@ class Checkpointer:
         if not os.access(self.directory, os.R_OK | os.W_OK | os.X_OK):
             raise CheckpointError(f"checkpoint.dir={directory!r}: not readable and writable")
         self.async_save = async_save
+        self._unhashed: List[int] = []  # steps saved here whose hash record is not written yet
+        self._verified: set = set()  # steps verified by this object (restore need not re-hash)
+        self._hash_lock = threading.Lock()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             create=True,
             enable_async_checkpointing=async_save,
             # A save killed before its atomic rename leaves a temporary directory: remove it.
             cleanup_tmp_directories=True,
+            # Record the content hashes as soon as an asynchronous save has committed.
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._record_hashes) if async_save else None,
         )
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options)
@@ -228,9 +261,17 @@ class Checkpointer:
 
     # -- save
     def save(self, step: int, params, opt_state, *, mesh, rules: Optional[nv.Rules] = None,
-             base_key: Optional[jax.Array] = None, data_state: Optional[Dict[str, int]] = None) -> None:
+             base_key: Optional[jax.Array] = None, data_state: Optional[Dict[str, int]] = None,
+             run: Optional[Dict[str, Any]] = None) -> None:
         """Write checkpoint ``step`` (asynchronously with ``async_save``: the arrays are copied
-        off the devices before this returns, the files are written in the background)."""
+        off the devices before this returns, the files are written in the background).
+
+        ``run``: the trajectory-defining config (:func:`run_identity`), checked on resume.
+
+        Raises:
+          CheckpointWriteError: the directory cannot be written (this save or, asynchronous,
+            the previous one); the checkpoints before are intact.
+        """
         ocp = self._ocp
         del rules  # the layouts travel with the state's Tiled / TiledNVFP4 nodes
         flat = _arrays(params, opt_state)
@@ -246,16 +287,138 @@ class Checkpointer:
             "leaves": describe(params, opt_state),
             "mesh": {str(k): int(v) for k, v in zip(mesh.axis_names, mesh.axis_sizes)},
             "process_count": jax.process_count(),
+            "run": run,
         }
-        self.manager.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(_nest(flat)), meta=ocp.args.JsonSave(meta)))
+        if self.async_save and self._unhashed:
+            # orbax waits for the previous save before it starts this one: wait here, so that
+            # a failure of that save is reported under its own step.
+            self.wait()
+        with self._hash_lock:
+            self._unhashed.append(int(step))
+        with self._writing(step):
+            self.manager.save(int(step), args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(_nest(flat)), meta=ocp.args.JsonSave(meta)))
+        if not self.async_save:
+            self._record_hashes()
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Wait for an asynchronous save; record its hashes.
+
+        Raises:
+          CheckpointWriteError: it failed (named by its step).
+        """
+        with self._writing(self._unhashed[-1] if self._unhashed else None):
+            self.manager.wait_until_finished()
+        self._record_hashes()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+
+    # -- content hashes
+    @contextlib.contextmanager
+    def _writing(self, step: Optional[int]):
+        """Any failure of orbax's writing becomes one :class:`CheckpointWriteError`."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - orbax raises many kinds (OSError, ValueError...)
+            what = f"checkpoint {step}" if step is not None else "a checkpoint"
+            raise CheckpointWriteError(f"cannot write {what} to {self.directory}: {_first_line(e)}; "
+                                       "the checkpoints before it are intact") from None
+
+    def _record_hashes(self) -> None:
+        """Write the hash record of every step this object saved that has committed (process
+        0; others only forget them). Idempotent; called from orbax's thread too."""
+        with self._hash_lock:
+            left = []
+            for i, step in enumerate(self._unhashed):
+                d = os.path.join(self.directory, str(step))
+                if not os.path.isdir(d):
+                    left.append(step)  # not committed yet
+                    continue
+                if jax.process_index() == 0:
+                    try:
+                        _write_record(d, _hash_files(d))
+                    except OSError as e:
+                        self._unhashed = left + self._unhashed[i + 1:]
+                        raise CheckpointWriteError(f"cannot write the content hashes of checkpoint {d}: "
+                                                   f"{e.strerror or e}") from None
+            self._unhashed = left
+
+    def verify(self, step: int) -> None:
+        """Raise :class:`CheckpointError` (one line naming the file) unless every file of
+        checkpoint ``step`` matches the sha256 recorded when it was saved."""
+        d = os.path.join(self.directory, str(step))
+        where = f"checkpoint {d}"
+        rec = os.path.join(d, HASHES)
+        try:
+            with open(rec, "rb") as f:
+                record = json.loads(f.read().decode("utf-8"))
+        except FileNotFoundError:
+            raise CheckpointError(f"{where}: no content hashes ({HASHES}): its save did not finish recording "
+                                  "them, so it cannot be verified") from None
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{where}: corrupt: its {HASHES} cannot be read ({type(e).__name__})") from None
+        files = record.get("files") if isinstance(record, dict) else None
+        if not isinstance(files, dict) or record.get("sha256") != _digest_of(files):
+            raise CheckpointError(f"{where}: corrupt: its {HASHES} does not match its own hash")
+        actual = _hash_files(d)
+        for name in sorted(set(files) | set(actual)):
+            if name not in actual:
+                raise CheckpointError(f"{where}: corrupt: file {name} is missing")
+            if name not in files:
+                raise CheckpointError(f"{where}: corrupt: file {name} was not part of the saved checkpoint")
+            if files[name] != actual[name]:
+                raise CheckpointError(f"{where}: corrupt: file {name} does not match its sha256 (altered or damaged)")
+
+    def restorable_step(self, fallback: bool = False, log=None) -> Optional[int]:
+        """The step to resume from: the newest one, verified (:meth:`verify`); None if there
+        is none.
+
+        Args:
+          fallback: if the newest is corrupt, use the newest intact one instead; the corrupt
+            newer ones are renamed ``corrupt-<step>`` (kept, out of orbax's way: their steps
+            will be saved again).
+          log: where to say so (default: stderr of process 0).
+
+        Raises:
+          CheckpointError: the newest is corrupt and not ``fallback``, or none is intact.
+        """
+        steps = sorted(self.all_steps(), reverse=True)
+        bad = []
+        chosen = None
+        for step in steps:
+            try:
+                self.verify(step)
+                self._verified.add(step)
+            except CheckpointError as e:
+                if not fallback:
+                    raise CheckpointError(f"{e}; refusing to restore it (--set checkpoint.fallback=true restores "
+                                          "the newest intact checkpoint instead)") from None
+                bad.append((step, str(e)))
+                continue
+            chosen = step
+            break
+        if bad and chosen is None:
+            raise CheckpointError(f"no intact checkpoint in {self.directory}: {bad[0][1]}"
+                                  + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+        if bad:
+            say = log or (lambda m: print(m, file=sys.stderr, flush=True))
+            if jax.process_index() == 0:
+                for step, why in bad:
+                    aside = _free_name(self.directory, f"corrupt-{step}")
+                    os.rename(os.path.join(self.directory, str(step)), aside)
+                    say(f"checkpoint: {why}; moved to {aside}; restoring step {chosen} instead")
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("jax_nvfp4_checkpoint_fallback")
+            self.manager.reload()
+        return chosen
 
     # -- restore
     def read_meta(self, step: int) -> Dict[str, Any]:
@@ -285,6 +448,8 @@ class Checkpointer:
         """
         ocp = self._ocp
         where = os.path.join(self.directory, str(step))
+        if step not in self._verified:
+            self.verify(step)
         meta = self.read_meta(step)
         saved_leaves = meta.get("leaves", {})
         expected = describe(abstract_params, abstract_state)
@@ -406,3 +571,119 @@ def _check_compatible(where: str, saved: Dict[str, Any], expected: Dict[str, Any
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+# ----------------------------------------------------------------------------- content hashes
+def _hash_files(d: str) -> Dict[str, str]:
+    """``{relative path: sha256}`` of every file under ``d`` but the hash record."""
+    out = {}
+    for root, dirs, files in os.walk(d):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, d)
+            if rel == HASHES:
+                continue
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+            out[rel] = h.hexdigest()
+    return out
+
+
+def _digest_of(files: Dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def _write_record(d: str, files: Dict[str, str]) -> None:
+    tmp = os.path.join(d, f".{HASHES}.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"files": files, "sha256": _digest_of(files)}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(d, HASHES))
+
+
+def _free_name(directory: str, base: str) -> str:
+    path, i = os.path.join(directory, base), 1
+    while os.path.exists(path):
+        i += 1
+        path = os.path.join(directory, f"{base}-{i}")
+    return path
+
+
+# ----------------------------------------------------------------------------- resume rules
+# Config keys whose change changes the training trajectory (the data, the model, the updates).
+# The mesh is not one of them (restores reshard, bit-identically), nor train.steps itself: the
+# schedule's length stands for it.
+_TRAJECTORY = {
+    "model": None,  # every key
+    "data": ("source", "path", "seed", "markov_states", "batch_size"),
+    "optim": ("name", "lr", "schedule", "warmup_steps", "weight_decay", "b1", "b2", "clip_norm", "grad_accum"),
+    "nvfp4": ("weights", "compute", "keep_bf16", "keep_first_blocks", "keep_last_blocks", "stochastic_rounding",
+              "cast_master_bf16", "grad_reduce_dtype"),
+    "train": ("seed",),
+}
+
+
+def run_identity(cfg) -> Dict[str, Any]:
+    """``{"section.key": value}`` of the config values a checkpoint's trajectory depends on,
+    plus ``optim.schedule_steps`` resolved (the schedule's length) and ``train.steps``."""
+    from train.config import to_dict
+
+    d = to_dict(cfg)
+    out = {}
+    for section, keys in _TRAJECTORY.items():
+        for k in (keys or d[section]):
+            out[f"{section}.{k}"] = d[section][k]
+    out["optim.schedule_steps"] = cfg.schedule_steps()
+    out["train.steps"] = cfg.train.steps
+    return out
+
+
+def check_resume(where: str, meta: Dict[str, Any], cfg) -> None:
+    """Refuse to resume checkpoint ``meta`` (read from ``where``) with ``cfg`` when that
+    would not continue the same run: a changed model, data, optimizer, schedule length or
+    NVFP4 recipe, or a checkpoint past ``train.steps``. Keys listed in
+    ``checkpoint.allow_change`` may differ (the run then continues with the new values).
+
+    Extending a run: raise ``train.steps`` and keep the schedule's length with
+    ``optim.schedule_steps=<its length>`` (the learning rate then stays at the schedule's final
+    value), or allow a new length with ``checkpoint.allow_change=[optim.schedule_steps]``
+    (the schedule is rebuilt for the new length: the learning rate jumps).
+
+    Raises:
+      CheckpointError: one line naming what differs and how to override it.
+    """
+    step = int(meta.get("step", 0))
+    if step > cfg.train.steps:
+        raise CheckpointError(f"checkpoint {where} is at step {step}, past train.steps={cfg.train.steps}: nothing "
+                              f"to train; raise train.steps to continue it, or use another checkpoint.dir")
+    saved = meta.get("run")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"checkpoint {where}: it does not record its config; cannot check that this run "
+                              "continues it")
+    here = run_identity(cfg)
+    allowed = set(cfg.checkpoint.allow_change)
+    diffs = [k for k in here if k != "train.steps" and k not in allowed and _jsonish(saved.get(k)) != _jsonish(here[k])]
+    if not diffs:
+        return
+    k = diffs[0]
+    more = f" (and {len(diffs) - 1} more: {', '.join(diffs[1:4])})" if len(diffs) > 1 else ""
+    if k == "optim.schedule_steps":
+        hint = (f"to extend the run on its schedule set optim.schedule_steps={saved.get(k)}; to rebuild the "
+                f"schedule for the new length set checkpoint.allow_change=[optim.schedule_steps]")
+    else:
+        hint = f"to continue with the new value set checkpoint.allow_change=[{k}], or use another checkpoint.dir"
+    raise CheckpointError(f"checkpoint {where} was trained with {k}={_short(saved.get(k))} but this run has "
+                          f"{k}={_short(here[k])}{more}; {hint}")
+
+
+def _jsonish(v):
+    return json.loads(json.dumps(v))
+
+
+def _short(v) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -200,6 +200,10 @@ class DataConfig:
         _check_section(self)
         if self.source == "file" and not self.path:
             raise ConfigError("data.path: required when data.source='file'")
+        if self.source != "file" and self.path:
+            # The path would be ignored: the run would train on something else than asked.
+            raise ConfigError(f"data.path={self.path!r}: data.source={self.source!r} does not read a file; "
+                              "set data.source=file to train on it (or data.path=null)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +241,9 @@ class OptimConfig:
     b2: float = _field(0.95, ge=0, lt=1)
     clip_norm: float = _field(1.0, ge=0, doc="global-norm clipping; 0 = off")
     grad_accum: int = _field(1, ge=1)
+    # Length of the learning-rate schedule; 0 = train.steps. Stored in checkpoints: to extend
+    # a finished run, raise train.steps and set this to the checkpoint's length.
+    schedule_steps: int = _field(0, ge=0, doc="schedule length; 0 = train.steps")
 
     def __post_init__(self):
         _check_section(self)
@@ -257,6 +264,9 @@ class NVFP4Config:
     stochastic_rounding: bool = _field(False)
     cast_master_bf16: bool = _field(False)
     nonfinite: str = _field("skip", choices=("skip", "error"))
+    # With nonfinite=skip: stop (exit 3) once this many steps in a row were skipped: a run
+    # that skips every step has diverged. 0 = never stop.
+    max_skipped_in_a_row: int = _field(10, ge=0, doc="0 = no limit")
     grad_reduce_dtype: str = _field("grad", choices=("grad", "float32"))
 
     def __post_init__(self):
@@ -291,9 +301,20 @@ class CheckpointConfig:
     every: int = _field(0, ge=0, doc="0 = no periodic checkpoints")
     keep: int = _field(3, gt=0)
     async_save: bool = _field(False)
+    # A corrupt newest checkpoint (content hash mismatch) is refused; true restores the newest
+    # intact one instead (the corrupt ones are moved aside, not deleted).
+    fallback: bool = _field(False)
+    # Config keys (section.key) allowed to differ from a checkpoint's when resuming it; the
+    # run then continues with the new values (see train.checkpoint.check_resume).
+    allow_change: Tuple[str, ...] = _field(())
 
     def __post_init__(self):
         _check_section(self)
+        for key in self.allow_change:
+            section, _, name = key.partition(".")
+            cls = SECTIONS.get(section)
+            if cls is None or name not in {f.name for f in dataclasses.fields(cls)}:
+                raise ConfigError(f"checkpoint.allow_change: {key!r} is not a config key (section.key)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,6 +326,10 @@ class Config:
     nvfp4: NVFP4Config = dataclasses.field(default_factory=NVFP4Config)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+    def schedule_steps(self) -> int:
+        """The learning-rate schedule's length (``optim.schedule_steps`` or ``train.steps``)."""
+        return self.optim.schedule_steps or self.train.steps
 
     def __post_init__(self):
         for name, cls in SECTIONS.items():
@@ -393,7 +418,25 @@ class _Loader(yaml.SafeLoader):
 
     PyYAML implements YAML 1.1, where a float needs a dot (``1.0e-3``), so ``lr: 1e-3`` would
     arrive as the string "1e-3" and fail the type check. Same resolver as YAML 1.2 core.
+    A key given twice in one mapping is an error (YAML says keys are unique; PyYAML would
+    keep the last value silently).
     """
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                dup = key in seen
+            except TypeError:
+                continue  # an unhashable key: construct_mapping reports it
+            if not dup:
+                seen[key] = key_node.start_mark.line + 1
+            else:
+                first = seen[key]
+                raise ConfigError(f"{self.name}: duplicate key {key!r} on line {key_node.start_mark.line + 1} "
+                                  f"(first on line {first})")
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -407,10 +450,14 @@ _Loader.add_implicit_resolver(
 
 
 def _yaml_load(text: str, where: str) -> Any:
+    loader = _Loader(text)
+    loader.name = where
     try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+        return loader.get_single_data()
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: invalid YAML: {e}") from None
+    finally:
+        loader.dispose()
 
 
 def _merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:

@@ -52,7 +52,9 @@ def rules_for(cfg: Config) -> nv.Rules:
 
 
 def schedule_for(cfg: Config):
-    o, steps = cfg.optim, cfg.train.steps
+    # The schedule's own length (optim.schedule_steps, default train.steps): an extended run
+    # keeps the length its checkpoint was trained with (see train.checkpoint.check_resume).
+    o, steps = cfg.optim, cfg.schedule_steps()
     warm = min(o.warmup_steps, max(steps - 1, 0))
     if o.schedule == "constant":
         decay = optax.constant_schedule(o.lr)
@@ -298,6 +300,22 @@ def global_batch(trainer: Trainer, local: np.ndarray):
     return jax.make_array_from_process_local_data(trainer.batch_sharding, local, global_shape)
 
 
+def json_record(rec: Dict[str, Any]) -> str:
+    """``rec`` as one line of strict JSON: non-finite floats (a skipped step's NaN loss)
+    become null, which every JSON reader accepts (``NaN`` is not JSON)."""
+    return json.dumps(_finite_or_none(rec), allow_nan=False)
+
+
+def _finite_or_none(x):
+    if isinstance(x, dict):
+        return {k: _finite_or_none(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite_or_none(v) for v in x]
+    if isinstance(x, (float, np.floating)):
+        return float(x) if math.isfinite(x) else None
+    return x
+
+
 def _resume_metrics(path: str, step: int) -> list:
     """The records of ``metrics.jsonl`` up to ``step`` (a resumed run continues after them);
     the file is rewritten without later records, which a run stopped after its last
@@ -309,7 +327,7 @@ def _resume_metrics(path: str, step: int) -> list:
     recs = [r for r in recs if r.get("step", 0) <= step]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in recs)
+        f.writelines(json_record(r) + "\n" for r in recs)
     os.replace(tmp, path)
     return recs
 
@@ -327,8 +345,16 @@ def run(
 ) -> Dict[str, Any]:
     """Train ``cfg`` on ``mesh``; write ``metrics.jsonl`` into ``out_dir``; return a summary.
 
-    With ``cfg.checkpoint.dir``, the run resumes from the latest checkpoint there (metrics.jsonl
-    continues after its step), saves every ``checkpoint.every`` steps and at the end.
+    With ``cfg.checkpoint.dir``, the run resumes from the newest checkpoint there once its
+    content hashes are verified (``checkpoint.fallback``: the newest intact one) and its config
+    matches (:func:`train.checkpoint.check_resume`); metrics.jsonl continues after its step. It
+    saves every ``checkpoint.every`` steps and at the end.
+
+    Raises:
+      FloatingPointError: a non-finite step with ``nvfp4.nonfinite="error"``, or
+        ``nvfp4.max_skipped_in_a_row`` skipped steps in a row; the message names the step.
+      train.checkpoint.CheckpointError: a corrupt or incompatible checkpoint
+        (``CheckpointWriteError``: one that cannot be written).
 
     Args:
       on_step: ``on_step(step, params, opt_state, data_iterator)`` after each step (and its
@@ -339,13 +365,16 @@ def run(
         makes its gradients non-finite.
     """
     inject = {int(k): float(v) for k, v in (inject_nonfinite or {}).items()}
+    is_main = jax.process_index() == 0
     ckpt = None
     if cfg.checkpoint.dir:
         ckpt = checkpoint_lib.Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep,
                                            async_save=cfg.checkpoint.async_save)
     fh = bar = None
     try:
-        start = ckpt.latest_step() if ckpt is not None else None
+        start = ckpt.restorable_step(cfg.checkpoint.fallback) if ckpt is not None else None
+        if start is not None:
+            checkpoint_lib.check_resume(os.path.join(ckpt.directory, str(start)), ckpt.read_meta(start), cfg)
         trainer, params, opt_state = build(cfg, mesh, init=start is None)
         source = data_lib.make_source(cfg.data, cfg.model)
         it = data_lib.make_data_iterator(cfg, process_index=jax.process_index(), process_count=jax.process_count(), source=source)
@@ -355,13 +384,14 @@ def run(
                              trainer.param_shardings, trainer.state_shardings)
             params, opt_state, base_key = r.params, r.opt_state, r.base_key
             it.set_state(r.data_state)
+            if is_main:
+                print(f"resuming from step {start} of {cfg.train.steps} ({ckpt.directory})", flush=True)
         start = start or 0
         if on_start is not None:
             on_start()
 
         batch0 = global_batch(trainer, it.batch_at(0))
         acct = gather_accounting(trainer, params, opt_state, batch0)
-        is_main = jax.process_index() == 0
         metrics_path = os.path.join(out_dir, "metrics.jsonl")
         history = []
         if is_main:
@@ -376,6 +406,8 @@ def run(
         tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
         times = []
         skipped_before = int(nv.find_state(opt_state).skipped)
+        in_a_row, limit = 0, cfg.nvfp4.max_skipped_in_a_row
+        run_id = checkpoint_lib.run_identity(cfg)
         for step in range(start, cfg.train.steps):
             batch = global_batch(trainer, next(it))
             scale = np.float32(inject.get(step + 1, 1.0))
@@ -386,7 +418,11 @@ def run(
             skipped = int(m["skipped"])
             if cfg.nvfp4.nonfinite == "error" and skipped > skipped_before:
                 # Before any checkpoint of this step: the state on disk stays the last good one.
-                nv.raise_if_skipped(opt_state, skipped_before)
+                try:
+                    nv.raise_if_skipped(opt_state, skipped_before)
+                except FloatingPointError as e:
+                    raise FloatingPointError(f"step {step + 1}: {e}") from None
+            in_a_row = in_a_row + 1 if skipped > skipped_before else 0
             skipped_before = skipped
             if step > start:
                 times.append(dt)
@@ -394,16 +430,21 @@ def run(
                    "gathered_bytes": acct["all_gather_bytes"], "skipped": skipped}
             history.append(rec)
             if fh:
-                fh.write(json.dumps(rec) + "\n")
+                fh.write(json_record(rec) + "\n")
                 fh.flush()
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                                 gather=f"{acct['all_gather_bytes'] / 1e6:.2f}MB", skipped=skipped, refresh=False)
+            if limit and in_a_row >= limit:
+                # Diverged: every step is being thrown away. Stop before checkpointing it.
+                raise FloatingPointError(
+                    f"step {step + 1}: {in_a_row} steps in a row skipped for non-finite gradients (loss {loss}); "
+                    f"the run has diverged (nvfp4.max_skipped_in_a_row={limit}; 0 = no limit)")
             if ckpt is not None and ((cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0)
                                      or step + 1 == cfg.train.steps):
                 ckpt.save(step + 1, params, opt_state, mesh=mesh, rules=trainer.rules, base_key=base_key,
-                          data_state=it.get_state())
+                          data_state=it.get_state(), run=run_id)
             if on_step is not None:
                 on_step(step + 1, params, opt_state, it)
     finally:
@@ -473,6 +514,6 @@ def summarize(runs, out_dir: str) -> Dict[str, Any]:
             summary["step_time_ratio"] = a["median_step_time_s"] / b["median_step_time_s"]
     if jax.process_index() == 0:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump(_finite_or_none(summary), f, indent=2, allow_nan=False)
         plot_losses(runs, os.path.join(out_dir, "loss.png"), first["entropy_floor"])
     return summary

@@ -157,16 +157,20 @@ def _check_section(obj: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer (pre-norm, rotary positions)."""
+    """A decoder-only transformer with the Llama architecture (pre-norm RMSNorm, rotary
+    positions, grouped-query attention, SwiGLU MLP)."""
 
     section: ClassVar[str] = "model"
     vocab: int = _field(256, gt=0)
     d_model: int = _field(128, gt=0)
     layers: int = _field(4, gt=0)
     heads: int = _field(4, gt=0)
+    kv_heads: int = _field(0, ge=0, doc="key/value heads (grouped-query attention); 0 = model.heads")
     mlp_hidden: int = _field(352, gt=0)
     seq_len: int = _field(128, gt=0)
     rope_theta: float = _field(10000.0, gt=0)
+    norm_eps: float = _field(1e-5, gt=0)
+    tie_embeddings: bool = _field(False, doc="the head is the embedding matrix transposed")
     init_std: float = _field(0.02, gt=0)
 
     def __post_init__(self):
@@ -174,6 +178,8 @@ class ModelConfig:
         if self.d_model % self.heads:
             raise ConfigError(f"model.d_model={self.d_model}: must be divisible by "
                               f"model.heads={self.heads}")
+        if self.heads % self.n_kv_heads:
+            raise ConfigError(f"model.kv_heads={self.kv_heads}: must divide model.heads={self.heads}")
         if (self.d_model // self.heads) % 2:
             # Rotary embeddings rotate pairs of channels within each head.
             raise ConfigError(f"model.heads={self.heads}: head size model.d_model/model.heads="
@@ -182,6 +188,10 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -585,11 +595,15 @@ def validate_for_devices(cfg: Config, n_devices: int) -> dict[str, int]:
     if tensor > 1:
         m = cfg.model
         # 16 = the NVFP4 block: each tensor shard must hold whole blocks.
-        for name, size in (("model.d_model", m.d_model), ("model.mlp_hidden", m.mlp_hidden)):
+        kv_width = ("model.kv_heads x head size", m.n_kv_heads * m.head_dim)
+        for name, size in (("model.d_model", m.d_model), ("model.mlp_hidden", m.mlp_hidden), kv_width):
             if size % (16 * tensor):
                 raise ConfigError(f"{name}={size}: must be divisible by 16 x mesh tensor axis "
                                   f"({tensor}) = {16 * tensor}")
         if m.heads % tensor:
             raise ConfigError(f"model.heads={m.heads}: must be divisible by the mesh tensor "
                               f"axis ({tensor}) to shard attention heads")
+        if m.n_kv_heads % tensor:
+            raise ConfigError(f"model.kv_heads={m.n_kv_heads}: must be divisible by the mesh "
+                              f"tensor axis ({tensor}) to shard key/value heads")
     return axes

@@ -199,8 +199,13 @@ class DataConfig:
     """Where tokens come from. ``batch_size`` is global: sequences per optimizer step."""
 
     section: ClassVar[str] = "data"
-    source: str = _field("markov", choices=("markov", "file"))
+    source: str = _field("markov", choices=("markov", "file", "tokens"))
+    # file: any file, its bytes are the tokens; tokens: a token file from python -m train.prepare.
     path: Optional[str] = _field(None)
+    # Held-out data for the validation loss: a file of the same kind, or the last fraction of
+    # data.path (then not trained on). The Markov source draws validation rows from its own stream.
+    val_path: Optional[str] = _field(None)
+    val_fraction: float = _field(0.0, ge=0, lt=1)
     batch_size: int = _field(32, gt=0)
     # Size of the Markov chain's alphabet (tokens 0..states-1), see train.data.MarkovSource.
     markov_states: int = _field(64, ge=2)
@@ -208,8 +213,10 @@ class DataConfig:
 
     def __post_init__(self):
         _check_section(self)
-        if self.source == "file" and not self.path:
-            raise ConfigError("data.path: required when data.source='file'")
+        if self.source in ("file", "tokens") and not self.path:
+            raise ConfigError(f"data.path: required when data.source={self.source!r}")
+        if self.val_path and self.val_fraction:
+            raise ConfigError("data.val_fraction: set either data.val_path or data.val_fraction, not both")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +290,8 @@ class TrainConfig:
     section: ClassVar[str] = "train"
     steps: int = _field(300, gt=0)
     log_every: int = _field(10, gt=0)
-    eval_every: int = _field(0, ge=0, doc="0 = no evaluation")
+    eval_every: int = _field(0, ge=0, doc="validation loss every N steps and at the end; 0 = none")
+    eval_batches: int = _field(4, gt=0, doc="validation batches (of data.batch_size rows) per evaluation")
     out_dir: str = _field("runs/default")
     seed: int = _field(0, ge=0)
 
@@ -326,6 +334,10 @@ class Config:
         if self.data.source == "markov" and self.data.markov_states > m.vocab:
             raise ConfigError(f"data.markov_states={self.data.markov_states}: exceeds "
                               f"model.vocab={m.vocab} (Markov tokens are 0..states-1)")
+        if (self.train.eval_every and self.data.source != "markov" and not self.data.val_path
+                and not self.data.val_fraction):
+            raise ConfigError(f"train.eval_every={self.train.eval_every}: needs a held-out split "
+                              "(data.val_path or data.val_fraction)")
         if self.data.source == "file" and m.vocab < 256:
             raise ConfigError(f"model.vocab={m.vocab}: data.source='file' yields byte "
                               "tokens 0..255, needs model.vocab >= 256")

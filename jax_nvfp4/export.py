@@ -336,27 +336,38 @@ def llama_config(*, vocab: int, d_model: int, layers: int, heads: int, mlp_hidde
 
 
 def nvfp4_to_compressed_tensors(q: NVFP4Array) -> Dict[str, np.ndarray]:
-    """One ``[in, out]`` kernel matrix (16x16 tiles) as compressed-tensors' NVFP4 tensors of
-    the ``[out, in]`` torch weight, bit for bit, without re-quantizing:
+    """``[..., in, out]`` kernels (16x16 tiles; leading axes are batch axes, e.g. layers) as
+    compressed-tensors' NVFP4 tensors of the ``[..., out, in]`` torch weights, bit for bit,
+    without re-quantizing:
 
-    - ``weight_packed`` ``[out, in/2] uint8``: the codes of ``q.T`` (element ``2k`` in the low
-      nibble, as here);
-    - ``weight_scale`` ``[out, in/16] float8_e4m3fn``: each 16x16 tile's E4M3 scale repeated on
-      its 16 rows (a 1x16 block scale per row);
-    - ``weight_global_scale`` ``[1] float32``: ``S = 448 * 6 / amax``, the global encode scale
-      (compressed-tensors decodes ``fp4 * scale / S``).
+    - ``weight_packed`` ``[..., out, in/2] uint8``: the codes of ``q.T`` (element ``2k`` in the
+      low nibble, as here);
+    - ``weight_scale`` ``[..., out, in/16] float8_e4m3fn``: each 16x16 tile's E4M3 scale
+      repeated on its 16 rows (a 1x16 block scale per row);
+    - ``weight_global_scale`` ``[..., 1] float32``: ``S = 448 * 6 / amax``, the global encode
+      scale (compressed-tensors decodes ``fp4 * scale / S``).
     """
+    if q.block != (16, 16):
+        raise ValueError(f"nvfp4_to_compressed_tensors: needs 16x16 tiles, got {q}")
+    if q.shape[-2] % 16:
+        raise ExportError(f"a kernel with {q.shape[-2]} input features: compressed-tensors NVFP4 needs a multiple of 16")
+    return {k: np.asarray(v) for k, v in _to_compressed_tensors(q).items()}
+
+
+@jax.jit
+def _to_compressed_tensors(q: NVFP4Array):
     from jax_nvfp4 import numerics as nx
 
-    if q.block != (16, 16) or len(q.shape) != 2:
-        raise ValueError(f"nvfp4_to_compressed_tensors: needs one [in, out] matrix with 16x16 tiles, got {q}")
-    n_in, n_out = q.shape
-    if n_in % 16:
-        raise ExportError(f"a kernel with {n_in} input features: compressed-tensors NVFP4 needs a multiple of 16")
-    t = q.T  # [out, in]: codes and tile scales transposed, no re-quantization
-    scale = np.repeat(np.asarray(t.scale), 16, axis=0)[:n_out]
-    return {"weight_packed": np.asarray(t.data), "weight_scale": scale,
-            "weight_global_scale": np.asarray(nx.global_encode_scale(t.amax), np.float32).reshape(1)}
+    t = q.T  # [..., out, in]: codes and tile scales transposed, no re-quantization
+    n_out = t.shape[-2]
+    scale = jnp.repeat(t.scale, 16, axis=-2)[..., :n_out, :]
+    return {"weight_packed": t.data, "weight_scale": scale,
+            "weight_global_scale": nx.global_encode_scale(t.amax)[..., None]}
+
+
+@jax.jit
+def _dequantized_bf16(q: NVFP4Array):
+    return dequantize(q, jnp.bfloat16)
 
 
 def _segment_offsets(flat, segments) -> Dict[str, int]:
@@ -399,28 +410,30 @@ def hf_tensors(params, *, fmt: str = "bf16", segments=("blocks",)):
     ignore = []
     linear = lambda path: path.endswith("/kernel")
 
-    def one(leaf, module, path):
-        """Tensors of one matrix/vector ``leaf`` (host arrays or an NVFP4Array of them)."""
-        if is_nvfp4(leaf):
-            if fmt == "nvfp4" and linear(path):
-                return {f"{module}.{k}": v for k, v in nvfp4_to_compressed_tensors(leaf).items()}
-            value = np.asarray(dequantize(leaf, jnp.bfloat16))
-        else:
-            value = np.asarray(jnp.asarray(leaf, jnp.bfloat16))
-        if fmt == "nvfp4" and linear(path):
-            ignore.append(module)
-        return {f"{module}.weight": value.T if linear(path) else value}
+    def tensors(leaf, path):
+        """``{suffix: [..., *shape] host array}`` for a whole (stacked) leaf, converted at once."""
+        if is_nvfp4(leaf) and fmt == "nvfp4" and linear(path):
+            return nvfp4_to_compressed_tensors(leaf)
+        value = np.asarray(_dequantized_bf16(leaf)) if is_nvfp4(leaf) else np.asarray(jnp.asarray(leaf, jnp.bfloat16))
+        return {"weight": np.swapaxes(value, -1, -2) if linear(path) else value}
 
     def gen():
         for path, leaf, seg, hf in names:
-            host = (NVFP4Array(_host(leaf.data), _host(leaf.scale_bits), _host(leaf.amax_bits), leaf.matrix_shape, leaf.block)
-                    if is_nvfp4(leaf) else _host(leaf))
+            if is_nvfp4(leaf):
+                host = NVFP4Array(_host(leaf.data), _host(leaf.scale_bits), _host(leaf.amax_bits), leaf.matrix_shape, leaf.block)
+            else:
+                host = _host(leaf)
+            arrays = tensors(host, path)
+            quantized = "weight_packed" in arrays
             if seg is None:
-                yield from one(host, hf, path).items()
-                continue
-            for i in range(int(host.shape[0])):
-                layer = jax.tree.map(lambda a: a[i], host)
-                yield from one(layer, f"model.layers.{offsets[seg] + i}.{hf}", path).items()
+                modules = [(hf, ())]
+            else:
+                modules = [(f"model.layers.{offsets[seg] + i}.{hf}", (i,)) for i in range(int(host.shape[0]))]
+            for module, idx in modules:
+                if fmt == "nvfp4" and linear(path) and not quantized:
+                    ignore.append(module)
+                for suffix, a in arrays.items():
+                    yield f"{module}.{suffix}", a[idx]
 
     return gen(), ignore
 

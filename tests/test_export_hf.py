@@ -59,12 +59,17 @@ def tiny_model(tie=False, keep_first=1):
 def tiny_params(tie=False, keep_first=1):
     """NVFP4 params of the tiny GQA model; norm scales randomized so they matter."""
     model = tiny_model(tie, keep_first)
-    fp32 = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-    keys = iter(jax.random.split(jax.random.key(1), 64))
-    fp32 = jax.tree_util.tree_map_with_path(
-        lambda p, x: x * (1 + 0.3 * jax.random.normal(next(keys), x.shape)) if "norm" in nv.path_str(p) else x, fp32)
     policy = nv.Policy(keep=("embed", "head", "norm", "^blocks_first/"), keep_dtype=jnp.bfloat16)
-    return model, nv.quantize_params(fp32, policy)
+
+    @jax.jit  # one compile, not one per eager op
+    def make(key):
+        fp32 = model.init(key, jnp.zeros((1, 8), jnp.int32))["params"]
+        keys = iter(jax.random.split(jax.random.key(1), 64))
+        fp32 = jax.tree_util.tree_map_with_path(
+            lambda p, x: x * (1 + 0.3 * jax.random.normal(next(keys), x.shape)) if "norm" in nv.path_str(p) else x, fp32)
+        return nv.quantize_params(fp32, policy)
+
+    return model, make(jax.random.key(0))
 
 
 def hf_config(tie=False):
@@ -180,12 +185,13 @@ def test_transformers_loads_the_bf16_export_and_logits_match(exported, tmp_path)
     transformers = pytest.importorskip("transformers")
     model, params, root = exported
     tokens = np.random.default_rng(0).integers(0, SHAPES["vocab"], (2, 24))
-    ours = np.asarray(model.apply({"params": nv.dequantize_params(params, jnp.bfloat16)}, jnp.asarray(tokens)))
+    logits = lambda m, p: np.asarray(jax.jit(m.apply)({"params": nv.dequantize_params(p, jnp.bfloat16)}, jnp.asarray(tokens)))
+    ours = logits(model, params)
     results = {}
     for tie in (False, True):
         if tie:
             tmodel, tparams = tiny_params(tie=True, keep_first=0)
-            ours_t = np.asarray(tmodel.apply({"params": nv.dequantize_params(tparams, jnp.bfloat16)}, jnp.asarray(tokens)))
+            ours_t = logits(tmodel, tparams)
             path = export_hf(tparams, hf_config(tie=True), str(tmp_path / "tied"), fmt="bf16", segments=SEGMENTS)
         else:
             ours_t, path = ours, str(root / "bf16")
@@ -225,3 +231,25 @@ def test_compressed_tensors_decompresses_the_nvfp4_export_bit_for_bit(exported):
         np.testing.assert_array_equal(w.view(torch.int16).numpy().view(np.uint16), want.view(np.uint16), err_msg=module)
         checked += 1
     assert checked == 14
+
+
+def test_transformers_loads_the_nvfp4_export_as_the_bf16_weights(exported):
+    """transformers + compressed-tensors read DIR/nvfp4 (decompressed on load) into exactly the
+    weights of DIR/bf16, so both give the same logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    _, _, root = exported
+    try:
+        qcfg = transformers.CompressedTensorsConfig(dequantize=True)
+    except TypeError:  # transformers before the run_compressed rename
+        qcfg = transformers.CompressedTensorsConfig(run_compressed=False)
+    a = transformers.LlamaForCausalLM.from_pretrained(str(root / "bf16"), dtype=torch.bfloat16)
+    b = transformers.LlamaForCausalLM.from_pretrained(str(root / "nvfp4"), dtype=torch.bfloat16, quantization_config=qcfg)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert set(sa) <= set(sb)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    tokens = torch.tensor(np.random.default_rng(1).integers(0, SHAPES["vocab"], (2, 16)))
+    with torch.no_grad():
+        assert torch.equal(a(tokens).logits, b(tokens).logits)

@@ -584,7 +584,8 @@ def plot_losses(runs, path: str, floor: Optional[float]) -> None:
         line, = ax.plot(np.arange(1, len(r["history"]) + 1), r["history"], label=f"{r['label']} (train)")
         if r.get("val_history"):
             steps, vals = zip(*r["val_history"])
-            ax.plot(steps, vals, "o--", color=line.get_color(), ms=4, label=f"{r['label']} (validation)")
+            ax.plot(steps, vals, "o--", color=line.get_color(), ms=6, mec="k", lw=1.5, zorder=3,
+                    label=f"{r['label']} (validation)")
     if floor is not None:
         ax.axhline(floor, color="k", ls="--", lw=1, label=f"entropy floor {floor:.3f}")
     ax.set_xlabel("step")

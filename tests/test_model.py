@@ -42,7 +42,7 @@ def test_gqa_matches_repeated_kv_reference():
     x = jax.random.normal(jax.random.key(1), (2, 12, 64))
     from train.model import Attention
 
-    layer = Attention(64, 4, 2, 10000.0, "dequant", 0.2, jnp.float32)
+    layer = Attention(64, 4, 2, 10000.0, "dequant", 0.2, jnp.float32, "xla")
     p = layer.init(jax.random.key(2), x)
     got = layer.apply(p, x)
     w = {k: p["params"][k]["kernel"] for k in ("q", "k", "v", "out")}
@@ -80,6 +80,18 @@ def test_rmsnorm_rounds_like_hf():
     want = (y.astype(np.float32) * np.asarray(scale.astype(jnp.bfloat16), np.float32)).astype(jnp.bfloat16)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0.008)
+
+
+def test_attention_implementation_choice():
+    from train.model import attention_implementation
+
+    # This suite runs on CPU: auto is XLA there; cuDNN is only asked for on GPU.
+    assert jax.default_backend() == "cpu"
+    assert attention_implementation("auto", 128, jnp.bfloat16) == "xla"
+    assert attention_implementation("cudnn", 128, jnp.bfloat16) == "cudnn"
+    assert load_config(None, ["model.attention=xla"]).model.attention == "xla"
+    with pytest.raises(ConfigError, match="model.attention"):
+        load_config(None, ["model.attention=flash"])
 
 
 def test_tied_head_has_no_head_kernel():

@@ -171,6 +171,8 @@ class ModelConfig:
     rope_theta: float = _field(10000.0, gt=0)
     norm_eps: float = _field(1e-5, gt=0)
     tie_embeddings: bool = _field(False, doc="the head is the embedding matrix transposed")
+    # jax.nn.dot_product_attention implementation; auto = cuDNN's fused kernel on GPU, else XLA.
+    attention: str = _field("auto", choices=("auto", "xla", "cudnn"))
     init_std: float = _field(0.02, gt=0)
 
     def __post_init__(self):

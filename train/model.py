@@ -73,12 +73,22 @@ def linear(features: int, name: str, compute: str, dtype, init_std: float) -> NV
                       kernel_init=nn.initializers.normal(init_std))
 
 
+def attention_implementation(choice: str, head_dim: int, dtype) -> str:
+    """``jax.nn.dot_product_attention``'s ``implementation`` for ``choice`` (auto | xla | cudnn).
+
+    In jax 0.10 its own default is always XLA; ``auto`` asks for cuDNN's fused (flash)
+    kernel on GPU when the shapes and dtype are ones cuDNN takes (bf16/fp16, head size a
+    multiple of 8 up to 128), and XLA elsewhere (CPU, TPU)."""
+    if choice != "auto":
+        return choice
+    fits = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0 and head_dim <= 128
+    return "cudnn" if jax.default_backend() == "gpu" and fits else "xla"
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention: ``heads`` query heads share ``kv_heads`` key/value
-    heads (``heads % kv_heads == 0``; ``kv_heads == heads`` is multi-head attention).
-
-    ``jax.nn.dot_product_attention`` picks cuDNN's fused kernel on GPUs that have it and
-    XLA's implementation elsewhere (CPU)."""
+    heads (``heads % kv_heads == 0``; ``kv_heads == heads`` is multi-head attention), through
+    ``jax.nn.dot_product_attention`` (see :func:`attention_implementation`)."""
 
     d_model: int
     heads: int
@@ -87,6 +97,7 @@ class Attention(nn.Module):
     compute: str
     init_std: float
     dtype: Any = jnp.bfloat16
+    implementation: str = "auto"
 
     @nn.compact
     def __call__(self, x):
@@ -98,7 +109,8 @@ class Attention(nn.Module):
         v = dense("v", self.kv_heads * hd)(x).reshape(b, t, self.kv_heads, hd)
         q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
         out = jax.nn.dot_product_attention(q.astype(self.dtype), k.astype(self.dtype), v.astype(self.dtype),
-                                           is_causal=True)
+                                           is_causal=True,
+                                           implementation=attention_implementation(self.implementation, hd, self.dtype))
         return dense("out", self.d_model)(out.reshape(b, t, self.heads * hd))
 
 
@@ -126,12 +138,13 @@ class Block(nn.Module):
     compute: str
     init_std: float
     dtype: Any = jnp.bfloat16
+    attention: str = "auto"
 
     @nn.compact
     def __call__(self, x, _):
         h = RMSNorm(self.norm_eps, self.dtype, name="norm1")(x)
         x = x + Attention(self.d_model, self.heads, self.kv_heads, self.rope_theta, self.compute, self.init_std,
-                          self.dtype, name="attn")(h)
+                          self.dtype, self.attention, name="attn")(h)
         h = RMSNorm(self.norm_eps, self.dtype, name="norm2")(x)
         x = x + MLP(self.d_model, self.hidden, self.compute, self.init_std, self.dtype, name="mlp")(h)
         return x, None
@@ -154,6 +167,7 @@ class GPT(nn.Module):
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    attention: str = "auto"  # auto | xla | cudnn, see attention_implementation
     init_std: float = 0.02
     keep_first: int = 0
     keep_last: int = 0
@@ -175,7 +189,7 @@ class GPT(nn.Module):
                 length=n,
             )
             x, _ = stack(self.d_model, self.heads, self.kv_heads or self.heads, self.hidden, self.rope_theta,
-                         self.norm_eps, self.compute, self.init_std, self.dtype, name=name)(x, None)
+                         self.norm_eps, self.compute, self.init_std, self.dtype, self.attention, name=name)(x, None)
         x = RMSNorm(self.norm_eps, self.dtype, name="norm_f")(x)
         if self.tie_embeddings:
             # Logits in the activation dtype, like the untied head (and HF's lm_head).
@@ -195,6 +209,7 @@ def from_config(model_cfg, nvfp4_cfg) -> GPT:
         rope_theta=model_cfg.rope_theta,
         norm_eps=model_cfg.norm_eps,
         tie_embeddings=model_cfg.tie_embeddings,
+        attention=model_cfg.attention,
         init_std=model_cfg.init_std,
         keep_first=nvfp4_cfg.keep_first_blocks,
         keep_last=nvfp4_cfg.keep_last_blocks,

@@ -41,12 +41,19 @@ from typing import Any, Dict, List
 
 import numpy as np
 
-# Llama-style shapes; the repo's GPT has no grouped-query attention, so k/v are full MHA
-# projections (d_model x d_model) and the models are a little larger than Llama's.
-PRESETS: Dict[str, Dict[str, int]] = {
+# Llama 3's exact shapes (grouped-query attention with 8 key/value heads, untied head):
+# 8.03B and 70.6B parameters. "1b" is a multi-head (no GQA) Llama-style model kept for the
+# committed scaling results; "8b"/"70b" are aliases of the Llama 3 presets.
+LLAMA3_8B = dict(d_model=4096, layers=32, heads=32, kv_heads=8, mlp_hidden=14336, vocab=128256,
+                 rope_theta=500000.0)
+LLAMA3_70B = dict(d_model=8192, layers=80, heads=64, kv_heads=8, mlp_hidden=28672, vocab=128256,
+                  rope_theta=500000.0)
+PRESETS: Dict[str, Dict[str, Any]] = {
     "1b": dict(d_model=2048, layers=16, heads=32, mlp_hidden=8192, vocab=128256),
-    "8b": dict(d_model=4096, layers=32, heads=32, mlp_hidden=14336, vocab=128256),
-    "70b": dict(d_model=8192, layers=80, heads=64, mlp_hidden=28672, vocab=128256),
+    "llama3_8b": LLAMA3_8B,
+    "llama3_70b": LLAMA3_70B,
+    "8b": LLAMA3_8B,
+    "70b": LLAMA3_70B,
 }
 NVLINK_GBPS = 900.0  # NVLink 5, per GPU per direction, inside one NVL72 rack
 IB_GBPS = 50.0  # 400 Gb/s InfiniBand per GPU, across racks
@@ -627,7 +634,9 @@ def markdown(report: Dict[str, Any]) -> str:
     lines = [
         f"# Scale: {report['model']} on {report['mesh_spec']}",
         "",
-        f"- model: d_model={cfg['d_model']}, layers={cfg['layers']}, heads={cfg['heads']} (full MHA, no GQA), "
+        f"- model: d_model={cfg['d_model']}, layers={cfg['layers']}, heads={cfg['heads']}, "
+        f"kv_heads={cfg.get('kv_heads') or cfg['heads']}"
+        f"{' (full MHA, no GQA)' if not cfg.get('kv_heads') or cfg['kv_heads'] == cfg['heads'] else ''}, "
         f"mlp_hidden={cfg['mlp_hidden']}, vocab={cfg['vocab']}; {report['numel'] / 1e9:.3f} B parameters"
         + (f" (layers/vocab overridden from the preset: {report['overrides']})" if report["overrides"] else ""),
         f"- compiled with all {cfg['layers']} layers (blocks under nn.scan: compile cost does not grow with depth), "

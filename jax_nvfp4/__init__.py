@@ -21,7 +21,7 @@ from jax_nvfp4.array import (
     transpose,
 )
 from jax_nvfp4.comm import collective_bytes, total_bytes
-from jax_nvfp4.export import ExportError, export_nvfp4, load_nvfp4
+from jax_nvfp4.export import ExportError, export_hf, export_nvfp4, load_nvfp4
 from jax_nvfp4.gemm import BackendUnavailableError, dot, last_backend, resolve_backend
 from jax_nvfp4.nn import NVFP4Dense
 from jax_nvfp4.numerics import hadamard_matrix, hadamard_transform
@@ -55,6 +55,7 @@ __all__ = [
     "NVFP4Dense",
     "dot",
     "ExportError",
+    "export_hf",
     "export_nvfp4",
     "load_nvfp4",
     "last_backend",

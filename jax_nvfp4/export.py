@@ -1,6 +1,7 @@
-"""Export NVFP4 weights alone, for inference or another framework: ``export_nvfp4`` / ``load_nvfp4``.
+"""Export trained weights: this project's own NVFP4 format (``export_nvfp4`` / ``load_nvfp4``)
+and Hugging Face Llama checkpoints for serving engines (``export_hf``).
 
-A directory with one ``.npy`` file per array and a ``manifest.json``::
+The native format is a directory with one ``.npy`` file per array and a ``manifest.json``::
 
     {"format": "jax_nvfp4.export", "version": 2,
      "leaves": [{"path": "blocks/attn/q/kernel", "keys": [["dict", "blocks"], ...],
@@ -38,10 +39,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_nvfp4.array import NVFP4Array, is_nvfp4, packed_shapes
+from jax_nvfp4.array import NVFP4Array, dequantize, is_nvfp4, packed_shapes
 from jax_nvfp4.params import path_str
 
-__all__ = ["ExportError", "export_nvfp4", "is_export", "load_nvfp4", "EXPORT_FORMAT", "EXPORT_VERSION"]
+__all__ = ["ExportError", "export_hf", "export_nvfp4", "hf_tensors", "is_export", "llama_config", "load_nvfp4",
+           "nvfp4_to_compressed_tensors", "EXPORT_FORMAT", "EXPORT_VERSION", "NVFP4A16_QUANTIZATION_CONFIG"]
 
 EXPORT_FORMAT = "jax_nvfp4.export"
 EXPORT_VERSION = 2  # 2: the manifest hashes itself
@@ -370,3 +372,252 @@ def load_nvfp4(directory: str, *, like=None):
             raise ExportError(f"{directory}: leaves do not match `like`: missing {missing[:3]}, extra {extra[:3]}")
         return jax.tree_util.tree_unflatten(treedef, [by_path[p] for p in want])
     return _build([(keys, v) for _, keys, v in out])
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+#
+# A Llama checkpoint (``config.json`` + safetensors) of a ``train.model.GPT``-shaped params tree
+# (``embed``, ``<segment>/attn/{q,k,v,out}/kernel``, ``<segment>/mlp/{gate,up,down}/kernel``,
+# ``<segment>/norm{1,2}/scale`` stacked over layers, ``norm_f/scale``, ``head/kernel``). The
+# model's rotary layout, RMSNorm and SwiGLU are HF Llama's own, so weights map one to one;
+# only the Flax ``[in, out]`` kernels become torch's ``[out, in]``.
+
+_HF_LAYER = {
+    "attn/q/kernel": "self_attn.q_proj", "attn/k/kernel": "self_attn.k_proj",
+    "attn/v/kernel": "self_attn.v_proj", "attn/out/kernel": "self_attn.o_proj",
+    "mlp/gate/kernel": "mlp.gate_proj", "mlp/up/kernel": "mlp.up_proj", "mlp/down/kernel": "mlp.down_proj",
+    "norm1/scale": "input_layernorm", "norm2/scale": "post_attention_layernorm",
+}
+_HF_TOP = {"embed": "model.embed_tokens", "norm_f/scale": "model.norm", "head/kernel": "lm_head"}
+
+# compressed-tensors' ``NVFP4A16`` preset (NVFP4 weights in 1x16 groups with E4M3 scales and a
+# float32 global scale; bf16 activations), as ``QuantizationConfig.model_dump_json`` writes it
+# (compressed-tensors 0.20). Weight-only: the model was trained with bf16 activations.
+NVFP4A16_QUANTIZATION_CONFIG = {
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+        "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}}},
+    "quant_method": "compressed-tensors",
+    "format": "nvfp4-pack-quantized",
+    "quantization_status": "compressed",
+}
+
+
+def llama_config(*, vocab: int, d_model: int, layers: int, heads: int, mlp_hidden: int,
+                 kv_heads: Optional[int] = None, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
+                 tie_embeddings: bool = False, max_position_embeddings: int = 2048,
+                 bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None) -> Dict[str, Any]:
+    """The ``config.json`` of a ``LlamaForCausalLM`` with these shapes (bf16, no rope scaling)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": int(vocab), "hidden_size": int(d_model), "intermediate_size": int(mlp_hidden),
+        "num_hidden_layers": int(layers), "num_attention_heads": int(heads),
+        "num_key_value_heads": int(kv_heads or heads), "head_dim": int(d_model) // int(heads),
+        "hidden_act": "silu", "rms_norm_eps": float(norm_eps), "rope_theta": float(rope_theta),
+        "rope_scaling": None, "max_position_embeddings": int(max_position_embeddings),
+        "tie_word_embeddings": bool(tie_embeddings), "attention_bias": False, "mlp_bias": False,
+        "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True,
+        "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
+        "torch_dtype": "bfloat16", "dtype": "bfloat16",
+    }
+
+
+def nvfp4_to_compressed_tensors(q: NVFP4Array) -> Dict[str, np.ndarray]:
+    """``[..., in, out]`` kernels (16x16 tiles; leading axes are batch axes, e.g. layers) as
+    compressed-tensors' NVFP4 tensors of the ``[..., out, in]`` torch weights, bit for bit,
+    without re-quantizing:
+
+    - ``weight_packed`` ``[..., out, in/2] uint8``: the codes of ``q.T`` (element ``2k`` in the
+      low nibble, as here);
+    - ``weight_scale`` ``[..., out, in/16] float8_e4m3fn``: each 16x16 tile's E4M3 scale
+      repeated on its 16 rows (a 1x16 block scale per row);
+    - ``weight_global_scale`` ``[..., 1] float32``: ``S = 448 * 6 / amax``, the global encode
+      scale (compressed-tensors decodes ``fp4 * scale / S``).
+    """
+    if q.block != (16, 16):
+        raise ValueError(f"nvfp4_to_compressed_tensors: needs 16x16 tiles, got {q}")
+    if q.shape[-2] % 16:
+        raise ExportError(f"a kernel with {q.shape[-2]} input features: compressed-tensors NVFP4 needs a multiple of 16")
+    return {k: np.asarray(v) for k, v in _to_compressed_tensors(q).items()}
+
+
+@jax.jit
+def _to_compressed_tensors(q: NVFP4Array):
+    from jax_nvfp4 import numerics as nx
+
+    t = q.T  # [..., out, in]: codes and tile scales transposed, no re-quantization
+    n_out = t.shape[-2]
+    scale = jnp.repeat(t.scale, 16, axis=-2)[..., :n_out, :]
+    return {"weight_packed": t.data, "weight_scale": scale,
+            "weight_global_scale": nx.global_encode_scale(t.amax)[..., None]}
+
+
+@jax.jit
+def _dequantized_bf16(q: NVFP4Array):
+    return dequantize(q, jnp.bfloat16)
+
+
+def _segment_offsets(flat, segments) -> Dict[str, int]:
+    sizes: Dict[str, int] = {}
+    for path, leaf in flat:
+        seg = path.split("/", 1)[0]
+        if seg in segments and "/" in path:
+            sizes[seg] = int(leaf.shape[0])
+    offsets, n = {}, 0
+    for seg in segments:
+        offsets[seg] = n
+        n += sizes.get(seg, 0)
+    return offsets
+
+
+def hf_tensors(params, *, fmt: str = "bf16", segments=("blocks",)):
+    """``(tensors, ignore)``: an iterator of ``(HF name, numpy array)`` for ``params`` in the
+    HF Llama layout, and (``fmt="nvfp4"``) the names of Linear modules left in bf16.
+
+    ``fmt="bf16"``: every tensor bf16, the NVFP4 leaves dequantized (``dequantize``).
+    ``fmt="nvfp4"``: NVFP4 kernels as :func:`nvfp4_to_compressed_tensors`; the rest bf16.
+    ``segments``: the stacked-layer sub-trees in layer order (``blocks_first``, ``blocks``,
+    ``blocks_last`` for ``train.model.GPT``).
+
+    Call on every process of a multi-process run (sharded leaves are gathered).
+    """
+    from jax_nvfp4.sharding import logical
+
+    if fmt not in ("bf16", "nvfp4"):
+        raise ValueError(f"fmt must be 'bf16' or 'nvfp4', got {fmt!r}")
+    params = logical(params)  # stored (tile-major) params: their logical form
+    flat = [(path_str(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_nvfp4)[0]]
+    offsets = _segment_offsets(flat, segments)
+    names = []
+    for path, leaf in flat:
+        seg, _, rest = path.partition("/")
+        if path in _HF_TOP:
+            names.append((path, leaf, None, _HF_TOP[path]))
+        elif seg in segments and rest in _HF_LAYER:
+            names.append((path, leaf, seg, _HF_LAYER[rest]))
+        else:
+            raise ExportError(f"export_hf: parameter {path!r} has no Hugging Face Llama counterpart")
+    ignore = []
+    linear = lambda path: path.endswith("/kernel")
+
+    def tensors(leaf, path):
+        """``{suffix: [..., *shape] host array}`` for a whole (stacked) leaf, converted at once."""
+        if is_nvfp4(leaf) and fmt == "nvfp4" and linear(path):
+            return nvfp4_to_compressed_tensors(leaf)
+        value = np.asarray(_dequantized_bf16(leaf)) if is_nvfp4(leaf) else np.asarray(jnp.asarray(leaf, jnp.bfloat16))
+        return {"weight": np.swapaxes(value, -1, -2) if linear(path) else value}
+
+    def gen():
+        for path, leaf, seg, hf in names:
+            if is_nvfp4(leaf):
+                host = NVFP4Array(_host(leaf.data), _host(leaf.scale_bits), _host(leaf.amax_bits), leaf.matrix_shape, leaf.block)
+            else:
+                host = _host(leaf)
+            arrays = tensors(host, path)
+            quantized = "weight_packed" in arrays
+            if seg is None:
+                modules = [(hf, ())]
+            else:
+                modules = [(f"model.layers.{offsets[seg] + i}.{hf}", (i,)) for i in range(int(host.shape[0]))]
+            for module, idx in modules:
+                if fmt == "nvfp4" and linear(path) and not quantized:
+                    ignore.append(module)
+                for suffix, a in arrays.items():
+                    yield f"{module}.{suffix}", a[idx]
+
+    return gen(), ignore
+
+
+def _write_safetensors(tensors, directory: str, max_shard_bytes: int) -> None:
+    """``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` + the index, written shard by
+    shard (at most about one shard in memory)."""
+    from safetensors.numpy import save_file
+
+    shards, current, size = [], {}, 0
+
+    def flush():
+        nonlocal current, size
+        if current:
+            name = f"shard-{len(shards):05d}.tmp"
+            save_file(current, os.path.join(directory, name), metadata={"format": "pt"})
+            shards.append((name, list(current)))
+            current, size = {}, 0
+
+    total = 0
+    for name, value in tensors:
+        arr = np.ascontiguousarray(value)
+        if size and size + arr.nbytes > max_shard_bytes:
+            flush()
+        current[name] = arr
+        size += arr.nbytes
+        total += arr.nbytes
+    flush()
+    if len(shards) == 1:
+        os.rename(os.path.join(directory, shards[0][0]), os.path.join(directory, "model.safetensors"))
+        return
+    weight_map = {}
+    for k, (tmp, keys) in enumerate(shards):
+        final = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.rename(os.path.join(directory, tmp), os.path.join(directory, final))
+        weight_map.update({key: final for key in keys})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+
+
+def export_hf(params, config: Dict[str, Any], directory: str, *, fmt: str = "bf16", segments=("blocks",),
+              tokenizer: Optional[str] = None, max_shard_bytes: int = 5 << 30) -> str:
+    """Write a Hugging Face ``LlamaForCausalLM`` checkpoint of ``params`` into ``directory``.
+
+    Args:
+      config: the ``config.json`` (:func:`llama_config`).
+      fmt: ``"bf16"``: dequantized bf16 weights (``transformers`` loads them as they are).
+        ``"nvfp4"``: NVFP4 kernels in compressed-tensors' ``nvfp4-pack-quantized`` layout
+        (lossless: the same codes, scales and amax), the quantization config in
+        ``config.json``; leaves that are not NVFP4 (embeddings, norms, kept layers, the head)
+        stay bf16, their Linear modules listed in ``ignore``.
+      segments: the stacked-layer sub-trees in layer order.
+      tokenizer: a ``tokenizer.json`` to copy in (with a ``tokenizer_config.json``).
+
+    Call it on every process; process 0 writes. Returns ``directory``.
+
+    Raises:
+      FileExistsError: ``directory`` exists and is not empty (nothing is written).
+      ExportError: a parameter without a Llama counterpart, or non-finite NVFP4 amax.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
+        raise FileExistsError(f"export_hf: {directory} exists and is not empty")
+    from jax_nvfp4.sharding import logical
+
+    params = logical(params)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_nvfp4)[0]:
+        if is_nvfp4(leaf) and not bool(jnp.all(leaf.isfinite())):
+            raise ExportError(f"export_hf: leaf {path_str(path)!r} has a non-finite amax (NaN or Inf); nothing written")
+    tensors, ignore = hf_tensors(params, fmt=fmt, segments=segments)
+    if jax.process_index() != 0:
+        for _ in tensors:  # the other processes take part in the gathers
+            pass
+        return directory
+    parent = os.path.dirname(directory) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=parent)
+    try:
+        _write_safetensors(tensors, tmp, max_shard_bytes)
+        cfg = dict(config)
+        if fmt == "nvfp4":
+            cfg["quantization_config"] = dict(NVFP4A16_QUANTIZATION_CONFIG, ignore=sorted(set(ignore)))
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        if tokenizer:
+            shutil.copyfile(tokenizer, os.path.join(tmp, "tokenizer.json"))
+            with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
+                json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+                           "model_max_length": cfg.get("max_position_embeddings")}, f, indent=2)
+        os.chmod(tmp, 0o755)
+        if os.path.isdir(directory):
+            os.rmdir(directory)  # empty, checked above
+        os.rename(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory

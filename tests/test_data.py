@@ -10,8 +10,11 @@ from train.data import (
     DataIterator,
     MarkovSource,
     TextFileSource,
+    TokenFileSource,
+    eval_batches,
     make_data_iterator,
     make_source,
+    read_token_header,
     split_batch,
 )
 
@@ -163,3 +166,109 @@ def test_make_source_from_config(tmp_path):
         make_source(cfg.data, cfg.model)
     cfg = load_config(None, ["data.source=file", f"data.path={path}", "model.seq_len=50"])
     assert isinstance(make_source(cfg.data, cfg.model), TextFileSource)
+
+
+# ----------------------------------------------------------------------------- token files
+def token_file(tmp_path, n=5000, vocab=70000, name="toks.bin"):
+    """A token file whose token i is i % vocab (uint32): a window's content gives its position."""
+    from train.prepare import FORMAT
+
+    path = tmp_path / name
+    np.arange(n, dtype="<u4").__mod__(vocab).astype("<u4").tofile(path)
+    (tmp_path / (name + ".json")).write_text(
+        f'{{"format": "{FORMAT}", "version": 1, "dtype": "uint32", "vocab": {vocab}, "tokens": {n}}}')
+    return path
+
+
+def test_prepare_trains_a_bpe_and_round_trips(tmp_path):
+    from tokenizers import Tokenizer
+
+    from train.prepare import EOS, main
+
+    docs = []
+    for i, text in enumerate(["def f(x):\n    return x + 1\n" * 30, "class A:\n    pass\n" * 40]):
+        docs.append(tmp_path / f"d{i}.py")
+        docs[-1].write_text(text)
+    out = tmp_path / "c.bin"
+    assert main([str(d) for d in docs] + ["--out", str(out), "--vocab-size", "300"]) == 0
+    meta = read_token_header(out)
+    # At most the asked size (a tiny corpus runs out of pairs to merge first).
+    assert meta["dtype"] == "uint16" and 257 < meta["vocab"] <= 300 and meta["documents"] == 2
+    ids = np.memmap(out, dtype=np.uint16, mode="r")
+    assert len(ids) == meta["tokens"] and ids.max() < meta["vocab"]
+    tok = Tokenizer.from_file(str(out) + ".tokenizer.json")
+    assert tok.decode(ids.tolist(), skip_special_tokens=False) == docs[0].read_text() + EOS + docs[1].read_text()
+    # Fewer tokens than bytes: the BPE merged something.
+    assert len(ids) < 0.8 * sum(len(d.read_bytes()) for d in docs)
+    # Refusals: an existing output, a missing input (one line, exit 2, nothing written).
+    assert main([str(docs[0]), "--out", str(out)]) == 2
+    assert main([str(tmp_path / "missing.txt"), "--out", str(tmp_path / "n.bin")]) == 2
+    assert not (tmp_path / "n.bin").exists()
+    # A given tokenizer.json is used as is.
+    out2 = tmp_path / "c2.bin"
+    assert main([str(docs[1]), "--out", str(out2), "--tokenizer", str(out) + ".tokenizer.json"]) == 0
+    np.testing.assert_array_equal(np.memmap(out2, dtype=np.uint16, mode="r"),
+                                  np.asarray(tok.encode(docs[1].read_text()).ids, np.uint16))
+
+
+def test_token_source_windows_cover_each_epoch_once(tmp_path):
+    src = TokenFileSource(token_file(tmp_path, n=16 * 12 + 1))
+    assert src.vocab == 70000 and src.num_windows(17) == 12
+    it = DataIterator(src, 4, 16, seed=5)
+    epoch = np.concatenate([it.batch_at(s) for s in range(3)])  # 12 windows = one epoch
+    assert epoch.dtype == np.int32 and epoch.shape == (12, 17)
+    np.testing.assert_array_equal(epoch - epoch[:, :1], np.arange(17)[None].repeat(12, 0))  # contiguous
+    assert sorted(epoch[:, 0] // 16) == list(range(12))  # every window once
+    nxt = np.concatenate([it.batch_at(s) for s in range(3, 6)])
+    assert sorted(nxt[:, 0] // 16) == list(range(12)) and not np.array_equal(nxt, epoch)  # reshuffled
+    np.testing.assert_array_equal(DataIterator(src, 4, 16, seed=5).batch_at(4), it.batch_at(4))
+    assert not np.array_equal(DataIterator(src, 4, 16, seed=6).batch_at(0), it.batch_at(0))
+
+
+def test_token_source_process_shards_are_disjoint(tmp_path):
+    src = TokenFileSource(token_file(tmp_path, n=64 * 40 + 1))
+    whole = np.concatenate([DataIterator(src, 8, 64, seed=1).batch_at(s) for s in range(5)])
+    starts = []
+    for p in range(2):
+        it = DataIterator(src, 8, 64, seed=1, process_index=p, process_count=2)
+        part = np.concatenate([it.batch_at(s) for s in range(5)])
+        np.testing.assert_array_equal(part, np.concatenate([whole[s * 8 + p * 4:s * 8 + p * 4 + 4] for s in range(5)]))
+        starts.append(set(part[:, 0].tolist()))
+    assert not starts[0] & starts[1] and len(starts[0] | starts[1]) == 40  # one epoch, split in two
+
+
+def test_token_source_resumes_bitwise(tmp_path):
+    src = TokenFileSource(token_file(tmp_path, n=3001))
+    it = DataIterator(src, 4, 32, seed=2)
+    for _ in range(7):
+        next(it)
+    state = it.get_state()
+    rest = [next(it) for _ in range(30)]  # crosses epochs (93 windows)
+    resumed = DataIterator(TokenFileSource(token_file(tmp_path, n=3001, name="same.bin")), 4, 32)
+    resumed.set_state(state)
+    assert state == {"step": 7, "seed": 2}
+    for a in rest:
+        np.testing.assert_array_equal(next(resumed), a)
+
+
+def test_token_source_validation_split_and_errors(tmp_path):
+    path = token_file(tmp_path, n=1001)
+    cfg = load_config(None, ["data.source=tokens", f"data.path={path}", "model.vocab=70000", "model.seq_len=16",
+                             "data.val_fraction=0.2", "train.eval_every=5"])
+    train, val = make_source(cfg.data, cfg.model), make_source(cfg.data, cfg.model, split="val")
+    assert isinstance(train, TokenFileSource) and len(train) == 801 and len(val) == 200
+    assert int(train.tokens[-1]) == 800 and int(val.tokens[0]) == 801  # the held-out tail
+    batches = eval_batches(cfg, val)
+    assert len(batches) == cfg.train.eval_batches and all(b.min() >= 801 for b in batches)
+    np.testing.assert_array_equal(eval_batches(cfg, val)[1], batches[1])
+    with pytest.raises(ConfigError, match="model.vocab=1000: smaller than the vocabulary"):
+        make_source(load_config(None, ["data.source=tokens", f"data.path={path}", "model.vocab=1000"]).data,
+                    load_config(None, ["model.vocab=1000"]).model)
+    with pytest.raises(ConfigError, match="train.eval_every=5: needs a held-out split"):
+        load_config(None, ["data.source=tokens", f"data.path={path}", "train.eval_every=5"])
+    (tmp_path / "bad.bin").write_bytes(b"\0" * 10)
+    with pytest.raises(ConfigError, match="no sidecar"):
+        TokenFileSource(tmp_path / "bad.bin")
+    (tmp_path / "toks.bin").write_bytes(b"\0" * 8)  # truncated behind its sidecar's back
+    with pytest.raises(ConfigError, match="do not hold the 1001"):
+        TokenFileSource(path)

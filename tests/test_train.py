@@ -46,6 +46,34 @@ def test_cli_end_to_end(tmp_path):
     assert "entropy floor" in proc.stdout and "of a bf16" in proc.stdout
 
 
+def test_cli_compare_on_text_reports_validation_gap_and_exports_hf(tmp_path):
+    """--compare bf16 on a real text file (a Python stdlib source, as bytes) with a held-out
+    tail: both validation losses and their gap come first in the summary; --export-hf writes
+    the two Hugging Face checkpoints."""
+    import sysconfig
+
+    text = os.path.join(sysconfig.get_paths()["stdlib"], "argparse.py")
+    out, hf = tmp_path / "run", tmp_path / "hf"
+    proc = subprocess.run(
+        [sys.executable, "-m", "train", "--config", TINY, "--out", str(out), "--no-progress", "--compare", "bf16",
+         "--export-hf", str(hf), "--set", "train.steps=4", "--set", "data.source=file", "--set", f"data.path={text}",
+         "--set", "data.val_fraction=0.1", "--set", "train.eval_every=2", "--set", "train.eval_batches=1",
+         "--set", "mesh.simulate_devices=2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},  # 2 simulated devices, not 8
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    a, b = summary["runs"]
+    assert summary["final_val_loss_gap"] == a["final_val_loss"] - b["final_val_loss"]
+    assert [s for s, _ in a["val_history"]] == [2, 4] and [s for s, _ in b["val_history"]] == [2, 4]
+    lines = proc.stdout.split("== summary")[1].splitlines()
+    assert lines[1].startswith("validation loss: nvfp4 weights") and "gap" in lines[1]
+    for fmt in ("bf16", "nvfp4"):
+        assert {"config.json", "model.safetensors"} <= set(os.listdir(hf / fmt))
+    assert "quantization_config" in json.loads((hf / "nvfp4" / "config.json").read_text())
+
+
 def test_cli_config_errors_are_one_line_and_write_nothing(tmp_path):
     out = tmp_path / "never"
     for args, needle in (
@@ -171,3 +199,43 @@ def test_step_temporaries_do_not_grow_with_the_weights_of_every_layer():
     grown = big.temp_size_in_bytes - small.temp_size_in_bytes
     per_layer_weights = 2 * (4 * 128 * 128 + 3 * 128 * 352)
     assert grown < 6 * per_layer_weights * 0.5, (grown, per_layer_weights)
+
+
+def test_prepared_tokens_train_with_validation_and_resume(tmp_path, compile_cache):
+    """python -m train.prepare on Python stdlib sources -> data.source=tokens trains, the
+    validation loss lands in metrics.jsonl and the summary; a run stopped after its step-3
+    checkpoint resumes with the data position it saved (the bitwise data resume itself is
+    test_data.test_token_source_resumes_bitwise)."""
+    import sysconfig
+
+    from train import prepare
+
+    std = sysconfig.get_paths()["stdlib"]
+    files = [os.path.join(std, "json", n) for n in ("decoder.py", "encoder.py", "scanner.py")]
+    corpus = str(tmp_path / "corpus.bin")
+    meta = prepare.prepare(files, corpus, vocab_size=512)
+    assert meta["vocab"] == 512 and meta["tokens"] > 5000
+    cfg = tiny("data.source=tokens", f"data.path={corpus}", "model.vocab=512", "data.val_fraction=0.1",
+               "train.eval_every=3", "train.eval_batches=2", "train.steps=6", "data.batch_size=8", "model.kv_heads=1",
+               f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every=3", "mesh.data=2")
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_3(step, params, opt_state, it):
+        if step == 3:
+            assert it.get_state() == {"step": 3, "seed": 0}
+            raise Stop
+
+    out = str(tmp_path / "run")
+    with pytest.raises(Stop):
+        loop.run(cfg, mesh_of(cfg, 2), out, progress=False, on_step=stop_after_3)
+    r = loop.run(cfg, mesh_of(cfg, 2), out, progress=False)
+    assert r["start_step"] == 3 and r["data_state"] == {"step": 6, "seed": 0}
+    recs = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in recs] == list(range(1, 7))
+    assert [x["step"] for x in recs if "val_loss" in x] == [3, 6]
+    assert r["final_val_loss"] == recs[-1]["val_loss"] and recs[-1]["val_loss"] < recs[2]["val_loss"]
+    assert r["final_val_loss"] < np.log(512)  # learned something about held-out text
+    summary = loop.summarize([r], out)
+    assert summary["runs"][0]["final_val_loss"] == r["final_val_loss"]

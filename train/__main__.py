@@ -22,6 +22,10 @@ length is refused too (``checkpoint.allow_change``, ``optim.schedule_steps``: se
 ``--export DIR`` writes the trained NVFP4 weights (``jax_nvfp4.export_nvfp4``) into a new or
 empty directory, or over a previous export; any other non-empty directory is refused before
 training starts.
+``--export-hf DIR`` writes a Hugging Face Llama checkpoint of them: ``DIR/bf16`` (dequantized,
+for ``transformers`` ``LlamaForCausalLM``) and ``DIR/nvfp4`` (the compressed-tensors NVFP4
+layout vLLM reads, lossless); see ``jax_nvfp4.export.export_hf``. DIR must not exist or be
+empty (checked before training).
 
 Exit status (one line on stderr for every failure):
 0 done; 2 bad config, mesh, data file, checkpoint or export directory (nothing written);
@@ -57,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--out", help="output directory (default: train.out_dir)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--export", metavar="DIR", help="after training, write the NVFP4 weights to DIR")
+    p.add_argument("--export-hf", metavar="DIR", help="after training, write Hugging Face Llama checkpoints "
+                   "to DIR/bf16 and DIR/nvfp4 (DIR must be new or empty)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more overrides")
     return p.parse_args(argv)
 
@@ -75,6 +81,12 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, [*args.sets, *args.overrides])
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.export_hf and os.path.isdir(args.export_hf) and os.listdir(args.export_hf):
+        print(f"error: --export-hf {args.export_hf}: exists and is not empty; nothing written", file=sys.stderr)
+        return 2
+    if args.export_hf and os.path.exists(args.export_hf) and not os.path.isdir(args.export_hf):
+        print(f"error: --export-hf {args.export_hf}: exists and is not a folder; nothing written", file=sys.stderr)
         return 2
 
     import jax
@@ -118,6 +130,7 @@ def main(argv=None) -> int:
         validate_for_devices(cfg, jax.device_count())
         mesh = mesh_lib.build_mesh(cfg.mesh)
         data_lib.make_source(cfg.data, cfg.model)  # a missing or unreadable data file fails here
+        data_lib.make_source(cfg.data, cfg.model, split="val")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -161,6 +174,26 @@ def main(argv=None) -> int:
 
             # overwrite replaces a previous export only (export_nvfp4 refuses anything else).
             nv.export_nvfp4(runs[0]["params"], args.export, overwrite=True)
+        if args.export_hf:
+            from jax_nvfp4 import export as export_lib
+
+            tokenizer = eos = None
+            if cfg.data.source == "tokens":
+                meta = data_lib.read_token_header(cfg.data.path)
+                path = os.path.join(os.path.dirname(os.path.abspath(cfg.data.path)), meta.get("tokenizer") or "")
+                tokenizer, eos = (path, meta.get("eos_id")) if os.path.isfile(path) else (None, None)
+            m = cfg.model
+            hf_cfg = export_lib.llama_config(
+                vocab=m.vocab, d_model=m.d_model, layers=m.layers, heads=m.heads, kv_heads=m.n_kv_heads,
+                mlp_hidden=m.mlp_hidden, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+                tie_embeddings=m.tie_embeddings, max_position_embeddings=m.seq_len, eos_token_id=eos)
+            from train.model import SEGMENTS as layer_prefixes
+            export_lib.export_hf(runs[0]["params"], hf_cfg, os.path.join(args.export_hf, "bf16"), fmt="bf16",
+                                 segments=layer_prefixes, tokenizer=tokenizer)
+            export_lib.export_hf(runs[0]["params"], hf_cfg, os.path.join(args.export_hf, "nvfp4"), fmt="nvfp4",
+                                 segments=layer_prefixes, tokenizer=tokenizer)
+            if is_main:
+                print(f"exported Hugging Face Llama checkpoints: {args.export_hf}/bf16, {args.export_hf}/nvfp4")
     except CheckpointWriteError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
         return 5
@@ -286,10 +319,15 @@ def print_summary(summary, out_dir: str) -> None:
     r0 = summary["runs"][0]
     floor = r0["entropy_floor"]
     print(f"\n== summary ({out_dir}) ==")
+    if "final_val_loss_gap" in summary:
+        a, b = summary["runs"]
+        print(f"validation loss: {a['label']} {a['final_val_loss']:.4f}, {b['label']} {b['final_val_loss']:.4f}; "
+              f"NVFP4 - bf16 gap {summary['final_val_loss_gap']:+.4f} nats")
     for r in summary["runs"]:
+        val = f"; validation loss {r['final_val_loss']:.4f}" if r.get("final_val_loss") is not None else ""
         gap = f" ({r['final_loss'] - floor:+.3f} above the entropy floor {floor:.3f})" if floor is not None else ""
         step_ms = f"{r['median_step_time_s'] * 1e3:.1f} ms" if r["median_step_time_s"] else "n/a"
-        print(f"{r['label']:>14}: final loss {r['final_loss']:.4f}{gap}; step {step_ms}; "
+        print(f"{r['label']:>14}: final loss {r['final_loss']:.4f}{gap}{val}; step {step_ms}; "
               f"all-gather {r['all_gather_bytes'] / 1e6:.3f} MB/step/device; skipped steps {r['skipped_steps']}")
     if "gather_vs_bf16" in summary:
         print(f"params all-gathered: {r0['all_gather_bytes']:,} B/step/device = {summary['gather_vs_bf16']:.4f} of a bf16 "
@@ -298,7 +336,7 @@ def print_summary(summary, out_dir: str) -> None:
         print(f"  of which NVFP4 weights: {r0['nvfp4_gather_bytes']:,} B = {summary['nvfp4_gather_vs_bf16']:.4f} of their bf16 "
               f"gather (limit for 16x16 tiles: 0.2520); the rest are weights kept in bf16")
     if "final_loss_gap" in summary:
-        print(f"NVFP4 - bf16 final loss: {summary['final_loss_gap']:+.4f} nats; gathered bytes ratio "
+        print(f"NVFP4 - bf16 final training loss (tail mean): {summary['final_loss_gap']:+.4f} nats; gathered bytes ratio "
               f"{summary.get('gathered_bytes_ratio', float('nan')):.4f}; step time ratio {summary.get('step_time_ratio', float('nan')):.3f}")
     print(f"files: {out_dir}/metrics.jsonl, {out_dir}/loss.png, {out_dir}/summary.json")
 

@@ -157,16 +157,22 @@ def _check_section(obj: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer (pre-norm, rotary positions)."""
+    """A decoder-only transformer with the Llama architecture (pre-norm RMSNorm, rotary
+    positions, grouped-query attention, SwiGLU MLP)."""
 
     section: ClassVar[str] = "model"
     vocab: int = _field(256, gt=0)
     d_model: int = _field(128, gt=0)
     layers: int = _field(4, gt=0)
     heads: int = _field(4, gt=0)
+    kv_heads: int = _field(0, ge=0, doc="key/value heads (grouped-query attention); 0 = model.heads")
     mlp_hidden: int = _field(352, gt=0)
     seq_len: int = _field(128, gt=0)
     rope_theta: float = _field(10000.0, gt=0)
+    norm_eps: float = _field(1e-5, gt=0)
+    tie_embeddings: bool = _field(False, doc="the head is the embedding matrix transposed")
+    # jax.nn.dot_product_attention implementation; auto = cuDNN's fused kernel on GPU, else XLA.
+    attention: str = _field("auto", choices=("auto", "xla", "cudnn"))
     init_std: float = _field(0.02, gt=0)
 
     def __post_init__(self):
@@ -174,6 +180,8 @@ class ModelConfig:
         if self.d_model % self.heads:
             raise ConfigError(f"model.d_model={self.d_model}: must be divisible by "
                               f"model.heads={self.heads}")
+        if self.heads % self.n_kv_heads:
+            raise ConfigError(f"model.kv_heads={self.kv_heads}: must divide model.heads={self.heads}")
         if (self.d_model // self.heads) % 2:
             # Rotary embeddings rotate pairs of channels within each head.
             raise ConfigError(f"model.heads={self.heads}: head size model.d_model/model.heads="
@@ -183,14 +191,23 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.heads
 
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or self.heads
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from. ``batch_size`` is global: sequences per optimizer step."""
 
     section: ClassVar[str] = "data"
-    source: str = _field("markov", choices=("markov", "file"))
+    source: str = _field("markov", choices=("markov", "file", "tokens"))
+    # file: any file, its bytes are the tokens; tokens: a token file from python -m train.prepare.
     path: Optional[str] = _field(None)
+    # Held-out data for the validation loss: a file of the same kind, or the last fraction of
+    # data.path (then not trained on). The Markov source draws validation rows from its own stream.
+    val_path: Optional[str] = _field(None)
+    val_fraction: float = _field(0.0, ge=0, lt=1)
     batch_size: int = _field(32, gt=0)
     # Size of the Markov chain's alphabet (tokens 0..states-1), see train.data.MarkovSource.
     markov_states: int = _field(64, ge=2)
@@ -198,12 +215,14 @@ class DataConfig:
 
     def __post_init__(self):
         _check_section(self)
-        if self.source == "file" and not self.path:
-            raise ConfigError("data.path: required when data.source='file'")
-        if self.source != "file" and self.path:
+        if self.source in ("file", "tokens") and not self.path:
+            raise ConfigError(f"data.path: required when data.source={self.source!r}")
+        if self.source not in ("file", "tokens") and self.path:
             # The path would be ignored: the run would train on something else than asked.
             raise ConfigError(f"data.path={self.path!r}: data.source={self.source!r} does not read a file; "
-                              "set data.source=file to train on it (or data.path=null)")
+                              "set data.source=file or tokens to train on it (or data.path=null)")
+        if self.val_path and self.val_fraction:
+            raise ConfigError("data.val_fraction: set either data.val_path or data.val_fraction, not both")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +302,8 @@ class TrainConfig:
     section: ClassVar[str] = "train"
     steps: int = _field(300, gt=0)
     log_every: int = _field(10, gt=0)
-    eval_every: int = _field(0, ge=0, doc="0 = no evaluation")
+    eval_every: int = _field(0, ge=0, doc="validation loss every N steps and at the end; 0 = none")
+    eval_batches: int = _field(4, gt=0, doc="validation batches (of data.batch_size rows) per evaluation")
     out_dir: str = _field("runs/default")
     seed: int = _field(0, ge=0)
     remat: str = _field("dots", choices=("dots", "nothing"),
@@ -344,6 +364,10 @@ class Config:
         if self.data.source == "markov" and self.data.markov_states > m.vocab:
             raise ConfigError(f"data.markov_states={self.data.markov_states}: exceeds "
                               f"model.vocab={m.vocab} (Markov tokens are 0..states-1)")
+        if (self.train.eval_every and self.data.source != "markov" and not self.data.val_path
+                and not self.data.val_fraction):
+            raise ConfigError(f"train.eval_every={self.train.eval_every}: needs a held-out split "
+                              "(data.val_path or data.val_fraction)")
         if self.data.source == "file" and m.vocab < 256:
             raise ConfigError(f"model.vocab={m.vocab}: data.source='file' yields byte "
                               "tokens 0..255, needs model.vocab >= 256")
@@ -635,11 +659,15 @@ def validate_for_devices(cfg: Config, n_devices: int) -> dict[str, int]:
     if tensor > 1:
         m = cfg.model
         # 16 = the NVFP4 block: each tensor shard must hold whole blocks.
-        for name, size in (("model.d_model", m.d_model), ("model.mlp_hidden", m.mlp_hidden)):
+        kv_width = ("model.kv_heads x head size", m.n_kv_heads * m.head_dim)
+        for name, size in (("model.d_model", m.d_model), ("model.mlp_hidden", m.mlp_hidden), kv_width):
             if size % (16 * tensor):
                 raise ConfigError(f"{name}={size}: must be divisible by 16 x mesh tensor axis "
                                   f"({tensor}) = {16 * tensor}")
         if m.heads % tensor:
             raise ConfigError(f"model.heads={m.heads}: must be divisible by the mesh tensor "
                               f"axis ({tensor}) to shard attention heads")
+        if m.n_kv_heads % tensor:
+            raise ConfigError(f"model.kv_heads={m.n_kv_heads}: must be divisible by the mesh "
+                              f"tensor axis ({tensor}) to shard key/value heads")
     return axes

@@ -1,6 +1,6 @@
 """Token sources and a deterministic, resumable, per-process-sharded batch iterator.
 
-Two sources:
+Three sources:
 
 - :class:`MarkovSource`: a seeded sparse first-order Markov chain, built here (no downloads),
   whose entropy rate is known exactly. Each batch row starts from the stationary distribution
@@ -8,16 +8,30 @@ Two sources:
   reachable mean cross-entropy: training prints it as the loss floor.
 - :class:`TextFileSource`: the bytes of any file as tokens (vocab 256), read through a memory
   map so a large corpus costs no RAM.
+- :class:`TokenFileSource`: a flat token file written by ``python -m train.prepare`` (uint16 or
+  uint32, a JSON sidecar says which and the vocabulary size), memory-mapped. It is cut into
+  non-overlapping windows (every token is a target once per epoch), visited in a shuffled order
+  that changes every epoch.
 
-Batches are pure functions of ``(seed, stream, step, row)``: row ``r`` of step ``s`` draws from
-``np.random.default_rng([seed, stream, s, r])``. Hence resuming needs only ``{"step", "seed"}``,
-and each process can generate just its own rows, whose union over processes is exactly the
-single-process batch.
+Batches are pure functions of ``(seed, stream, step, row)``. For the first two sources row ``r``
+of step ``s`` draws from ``np.random.default_rng([seed, stream, s, r])``; for token files, global
+row ``g = s * batch_size + r`` is window ``shuffle(g)`` of a Grain ``MapDataset`` (an index
+shuffle with O(1) memory and random access, re-drawn each epoch, so a corpus of billions of
+windows needs no permutation table). Hence resuming needs only ``{"step", "seed"}``, each process
+generates just its own rows, the union over processes is exactly the single-process batch, and
+within an epoch two processes never read the same window. Grain's own iterators (worker
+processes, prefetch) are not used: slicing a memory map is cheaper than their hand-off, and the
+position stays one integer.
+
+Held-out data (:func:`make_source` with ``split="val"``): ``data.val_path`` (a file of the same
+kind), or the last ``data.val_fraction`` of the training file; the Markov source, being
+infinite, draws validation rows from its own stream.
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 import os
 from typing import Any, Mapping, Protocol, Sequence
 
@@ -30,6 +44,8 @@ __all__ = [
     "MarkovSource",
     "Source",
     "TextFileSource",
+    "TokenFileSource",
+    "read_token_header",
     "make_data_iterator",
     "make_source",
     "split_batch",
@@ -153,30 +169,46 @@ def _stationary(p: np.ndarray) -> np.ndarray:
     return pi / pi.sum()
 
 
+def _check_file(path: str, key: str) -> int:
+    """The size of the readable regular file ``path``, else a ConfigError naming ``key``."""
+    if not os.path.exists(path):
+        raise ConfigError(f"{key}={path!r}: file not found")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{key}={path!r}: not a regular file")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"{key}={path!r}: not readable (permission denied)")
+    size = os.path.getsize(path)
+    if size == 0:
+        raise ConfigError(f"{key}={path!r}: file is empty")
+    return size
+
+
+def _fraction_range(n: int, part: tuple[float, float]) -> tuple[int, int]:
+    """Token range ``[start, stop)`` of the fraction ``part`` of ``n`` tokens."""
+    return int(round(n * part[0])), int(round(n * part[1]))
+
+
 class TextFileSource:
-    """The bytes of a file as tokens 0..255; windows start at uniform random offsets."""
+    """The bytes of a file as tokens 0..255; windows start at uniform random offsets.
+
+    ``part=(a, b)`` restricts it to the bytes ``[a*n, b*n)`` (a train/validation split)."""
 
     vocab = 256
 
-    def __init__(self, path: str | os.PathLike, min_tokens: int = 2):
+    def __init__(self, path: str | os.PathLike, min_tokens: int = 2, *, key: str = "data.path",
+                 part: tuple[float, float] = (0.0, 1.0)):
         path = os.fspath(path)
         self.path = path
-        if not os.path.exists(path):
-            raise ConfigError(f"data.path={path!r}: file not found")
-        if not os.path.isfile(path):
-            raise ConfigError(f"data.path={path!r}: not a regular file")
-        if not os.access(path, os.R_OK):
-            raise ConfigError(f"data.path={path!r}: not readable (permission denied)")
-        size = os.path.getsize(path)
-        if size == 0:
-            raise ConfigError(f"data.path={path!r}: file is empty")
-        if size < min_tokens:
-            raise ConfigError(f"data.path={path!r}: {size} bytes, too short for one window of "
+        size = _check_file(path, key)
+        start, stop = _fraction_range(size, part)
+        if stop - start < min_tokens:
+            where = "" if part == (0.0, 1.0) else f" (bytes {start}..{stop} of this split)"
+            raise ConfigError(f"{key}={path!r}: {stop - start} bytes{where}, too short for one window of "
                               f"{min_tokens} tokens (model.seq_len + 1)")
         try:
-            self.tokens = np.memmap(path, dtype=np.uint8, mode="r")
+            self.tokens = np.memmap(path, dtype=np.uint8, mode="r")[start:stop]
         except OSError as e:
-            raise ConfigError(f"data.path={path!r}: cannot read: {e}") from None
+            raise ConfigError(f"{key}={path!r}: cannot read: {e}") from None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -197,6 +229,96 @@ class TextFileSource:
 
     def __repr__(self) -> str:
         return f"TextFileSource({self.path!r}, {len(self)} bytes)"
+
+
+TOKENS_FORMAT = "jax_nvfp4.tokens"
+
+
+def read_token_header(path: str | os.PathLike, key: str = "data.path") -> dict[str, Any]:
+    """The JSON sidecar ``PATH.json`` of a token file: ``{"format", "dtype", "vocab", "tokens",
+    ...}``, checked against the file's size."""
+    path = os.fspath(path)
+    size = _check_file(path, key)
+    meta_path = path + ".json"
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{key}={path!r}: no sidecar {os.path.basename(meta_path)}; "
+                          "write token files with python -m train.prepare") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}={path!r}: cannot read {meta_path}: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != TOKENS_FORMAT:
+        raise ConfigError(f"{key}={path!r}: {meta_path} is not a {TOKENS_FORMAT} sidecar")
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        raise ConfigError(f"{key}={path!r}: sidecar dtype {meta.get('dtype')!r}, expected uint16 or uint32")
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    if size % itemsize or size // itemsize != meta.get("tokens"):
+        raise ConfigError(f"{key}={path!r}: {size} bytes do not hold the {meta.get('tokens')} "
+                          f"{meta['dtype']} tokens its sidecar declares (truncated or altered)")
+    if not isinstance(meta.get("vocab"), int) or meta["vocab"] < 1:
+        raise ConfigError(f"{key}={path!r}: sidecar vocab {meta.get('vocab')!r} is not a positive integer")
+    return meta
+
+
+class TokenFileSource:
+    """A flat token file (``python -m train.prepare``) read through a memory map.
+
+    Window ``w`` is ``tokens[w*L : w*L + L + 1]`` for ``L = length - 1``: consecutive windows
+    overlap by one token, so each token is a target exactly once per epoch. ``part=(a, b)``
+    restricts the source to the tokens ``[a*n, b*n)``.
+    """
+
+    def __init__(self, path: str | os.PathLike, min_tokens: int = 2, *, key: str = "data.path",
+                 part: tuple[float, float] = (0.0, 1.0)):
+        self.path = os.fspath(path)
+        meta = read_token_header(self.path, key)
+        self.vocab, self.meta = int(meta["vocab"]), meta
+        start, stop = _fraction_range(int(meta["tokens"]), part)
+        if stop - start < min_tokens:
+            raise ConfigError(f"{key}={self.path!r}: {stop - start} tokens in this split, too short for one "
+                              f"window of {min_tokens} tokens (model.seq_len + 1)")
+        try:
+            self.tokens = np.memmap(self.path, dtype=np.dtype(meta["dtype"]), mode="r")[start:stop]
+        except OSError as e:
+            raise ConfigError(f"{key}={self.path!r}: cannot read: {e}") from None
+        self._order: dict[tuple[int, int, int], Any] = {}
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def entropy_rate(self) -> None:
+        return None
+
+    def num_windows(self, length: int) -> int:
+        return (len(self) - 1) // (length - 1)
+
+    def order(self, seed: int, stream: int, length: int):
+        """The Grain dataset mapping a global row index to a window index (any index >= 0;
+        epoch ``e`` covers indices ``[e*N, (e+1)*N)`` in its own shuffled order)."""
+        key = (seed, stream, length)
+        if key not in self._order:
+            import grain
+
+            n = self.num_windows(length)
+            if n < 1:
+                raise ConfigError(f"data.path={self.path!r}: {len(self)} tokens, too short for one "
+                                  f"window of {length} tokens (model.seq_len + 1)")
+            # One Grain seed per (seed, stream): train and validation orders are independent.
+            self._order[key] = grain.MapDataset.range(n).shuffle(seed=(seed * 7919 + stream) % 2**31)
+        return self._order[key]
+
+    def windows_at(self, indices: Sequence[int], seed: int, stream: int, length: int) -> np.ndarray:
+        """``[len(indices), length] int32``: the windows of the global row ``indices``."""
+        order = self.order(seed, stream, length)
+        out = np.empty((len(indices), length), np.int32)
+        for i, g in enumerate(indices):
+            w = int(order[int(g)])
+            out[i] = self.tokens[w * (length - 1): w * (length - 1) + length]
+        return out
+
+    def __repr__(self) -> str:
+        return f"TokenFileSource({self.path!r}, {len(self)} tokens, vocab {self.vocab})"
 
 
 class DataIterator:
@@ -237,6 +359,9 @@ class DataIterator:
 
     def batch_at(self, step: int) -> np.ndarray:
         """This process's rows of batch ``step``: ``[local_batch, seq_len + 1] int32``."""
+        if hasattr(self.source, "windows_at"):
+            rows = [int(step) * self.batch_size + r for r in self.rows]
+            return self.source.windows_at(rows, self.seed, self.stream, self.seq_len + 1)
         rngs = [np.random.default_rng([self.seed, self.stream, int(step), r]) for r in self.rows]
         return self.source.windows(rngs, self.seq_len + 1)
 
@@ -266,12 +391,33 @@ def split_batch(batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return batch[:, :-1], batch[:, 1:]
 
 
-def make_source(data: DataConfig, model: ModelConfig) -> Source:
+EVAL_STREAM = 1
+
+
+def make_source(data: DataConfig, model: ModelConfig, split: str = "train") -> Source | None:
+    """The training source, or with ``split="val"`` the held-out one (None when the config
+    names none: a file source without ``data.val_path`` or ``data.val_fraction``)."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     if data.source == "markov":
         return MarkovSource(vocab=model.vocab, states=data.markov_states, seed=data.seed)
-    if data.source == "file":
-        return TextFileSource(data.path, min_tokens=model.seq_len + 1)
-    raise ConfigError(f"data.source={data.source!r}: must be 'markov' or 'file'")
+    if data.source not in ("file", "tokens"):
+        raise ConfigError(f"data.source={data.source!r}: must be 'markov', 'file' or 'tokens'")
+    cls = TextFileSource if data.source == "file" else TokenFileSource
+    n = model.seq_len + 1
+    if split == "val":
+        if data.val_path:
+            src = cls(data.val_path, n, key="data.val_path")
+        elif data.val_fraction > 0:
+            src = cls(data.path, n, part=(1.0 - data.val_fraction, 1.0))
+        else:
+            return None
+    else:
+        src = cls(data.path, n, part=(0.0, 1.0 - (0.0 if data.val_path else data.val_fraction)))
+    if src.vocab > model.vocab:
+        raise ConfigError(f"model.vocab={model.vocab}: smaller than the vocabulary of "
+                          f"{src.path!r} ({src.vocab})")
+    return src
 
 
 def make_data_iterator(cfg: Config, *, process_index: int = 0, process_count: int = 1,
@@ -281,3 +427,12 @@ def make_data_iterator(cfg: Config, *, process_index: int = 0, process_count: in
     return DataIterator(source, cfg.data.batch_size, cfg.model.seq_len, cfg.data.seed,
                         process_index=process_index, process_count=process_count,
                         stream=stream)
+
+
+def eval_batches(cfg: Config, source: Source, *, process_index: int = 0,
+                 process_count: int = 1) -> list[np.ndarray]:
+    """The ``train.eval_batches`` validation batches (this process's rows), the same at every
+    evaluation so that validation losses are comparable along a run and across runs."""
+    it = make_data_iterator(cfg, process_index=process_index, process_count=process_count,
+                            stream=EVAL_STREAM, source=source)
+    return [it.batch_at(i) for i in range(cfg.train.eval_batches)]

@@ -32,7 +32,7 @@ import jax_nvfp4 as nv
 from train import checkpoint as checkpoint_lib
 from train import data as data_lib
 from train.config import Config, validate_for_devices
-from train.model import TENSOR_RULES, cross_entropy, from_config
+from train.model import TENSOR_RULES, cross_entropy, from_config, nvfp4_collection
 
 
 # ----------------------------------------------------------------------------- components
@@ -260,6 +260,36 @@ def make_step(cfg: Config, model, tx, rules, mesh):
     return step
 
 
+# ----------------------------------------------------------------------------- evaluation
+def make_eval(cfg: Config, model, rules: nv.Rules, mesh, batch_sharding):
+    """``evaluate(params, batch) -> [batch] float32``: each row's mean next-token loss.
+
+    Its own jitted function, apart from the train step: the stored params are gathered
+    (``nv.gather``: packed bytes for NVFP4 leaves), dequantized to bf16 and run forward, with
+    the recipe's GEMMs when ``nvfp4.compute=nvfp4`` (round to nearest: no rounding key).
+    Per-row losses come back replicated and the host averages them in a fixed order, so the
+    validation loss does not depend on how devices or processes sum.
+    """
+    nvfp4_compute = cfg.nvfp4.weights == "nvfp4" and cfg.nvfp4.compute == "nvfp4"
+
+    def evaluate(params, batch):
+        gathered = nv.gather(params, mesh, rules=rules)
+        variables = {"params": nv.dequantize_params(gathered, jnp.bfloat16)}
+        if nvfp4_compute:
+            variables["nvfp4"] = nvfp4_collection(gathered)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = model.apply(variables, inputs)
+        return jax.vmap(cross_entropy)(logits, targets)
+
+    return jax.jit(evaluate, in_shardings=(None, batch_sharding), out_shardings=NamedSharding(mesh, P()))
+
+
+def validation_loss(eval_fn, params, batches) -> float:
+    """Mean loss over the validation ``batches`` (global arrays), summed on the host in order."""
+    rows = [np.asarray(jax.device_get(eval_fn(params, b)), np.float64) for b in batches]
+    return float(np.mean(np.concatenate(rows)))
+
+
 # ----------------------------------------------------------------------------- accounting
 def gather_accounting(trainer: Trainer, params, opt_state, batch) -> Dict[str, Any]:
     """Bytes per step read from the compiled step's HLO, per device.
@@ -378,6 +408,12 @@ def run(
         trainer, params, opt_state = build(cfg, mesh, init=start is None)
         source = data_lib.make_source(cfg.data, cfg.model)
         it = data_lib.make_data_iterator(cfg, process_index=jax.process_index(), process_count=jax.process_count(), source=source)
+        val_batches, eval_fn = [], None
+        if cfg.train.eval_every:
+            val_source = data_lib.make_source(cfg.data, cfg.model, split="val")
+            val_batches = [global_batch(trainer, b) for b in data_lib.eval_batches(
+                cfg, val_source, process_index=jax.process_index(), process_count=jax.process_count())]
+            eval_fn = make_eval(cfg, trainer.model, trainer.rules, mesh, trainer.batch_sharding)
         base_key = jax.random.key(cfg.train.seed + 2)
         if start is not None:
             r = ckpt.restore(start, trainer.abstract_params, trainer.abstract_state,
@@ -428,13 +464,16 @@ def run(
                 times.append(dt)
             rec = {"step": step + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                    "gathered_bytes": acct["all_gather_bytes"], "skipped": skipped}
+            if eval_fn is not None and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
+                rec["val_loss"] = validation_loss(eval_fn, params, val_batches)
             history.append(rec)
             if fh:
                 fh.write(json_record(rec) + "\n")
                 fh.flush()
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                shown = [h["val_loss"] for h in history if "val_loss" in h]
+                bar.set_postfix(loss=f"{loss:.3f}", **({"val": f"{shown[-1]:.3f}"} if shown else {}), tok_s=f"{rec['tokens_per_s']:.0f}",
                                 gather=f"{acct['all_gather_bytes'] / 1e6:.2f}MB", skipped=skipped, refresh=False)
             if limit and in_a_row >= limit:
                 # Diverged: every step is being thrown away. Stop before checkpointing it.
@@ -455,6 +494,7 @@ def run(
         if ckpt is not None:
             ckpt.close()  # waits for an asynchronous save of the last good step
     losses = [h["loss"] for h in history]
+    val = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
     tail = losses[-max(1, min(20, len(losses) // 5)):]
     return {
         "label": label or cfg.nvfp4.weights,
@@ -462,6 +502,8 @@ def run(
         "start_step": start,
         "final_loss": float(np.mean(tail)) if tail else float("nan"),
         "last_loss": losses[-1] if losses else float("nan"),
+        "final_val_loss": val[-1][1] if val else None,
+        "val_history": val,
         "entropy_floor": source.entropy_rate(),
         "median_step_time_s": float(np.median(times)) if times else None,
         "skipped_steps": skipped_before,
@@ -481,7 +523,11 @@ def plot_losses(runs, path: str, floor: Optional[float]) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in runs:
-        ax.plot(np.arange(1, len(r["history"]) + 1), r["history"], label=r["label"])
+        line, = ax.plot(np.arange(1, len(r["history"]) + 1), r["history"], label=f"{r['label']} (train)")
+        if r.get("val_history"):
+            steps, vals = zip(*r["val_history"])
+            ax.plot(steps, vals, "o--", color=line.get_color(), ms=6, mec="k", lw=1.5, zorder=3,
+                    label=f"{r['label']} (validation)")
     if floor is not None:
         ax.axhline(floor, color="k", ls="--", lw=1, label=f"entropy floor {floor:.3f}")
     ax.set_xlabel("step")
@@ -496,7 +542,7 @@ def plot_losses(runs, path: str, floor: Optional[float]) -> None:
 
 def summarize(runs, out_dir: str) -> Dict[str, Any]:
     """Write summary.json (+ loss.png); return the summary without arrays."""
-    keep = ("label", "steps", "final_loss", "last_loss", "entropy_floor", "median_step_time_s",
+    keep = ("label", "steps", "final_loss", "last_loss", "final_val_loss", "val_history", "entropy_floor", "median_step_time_s",
             "skipped_steps", "all_gather_bytes", "bf16_gather_bytes", "nvfp4_gather_bytes",
             "nvfp4_bf16_gather_bytes", "collectives", "temp_bytes")
     summary = {"runs": [{k: r[k] for k in keep} for r in runs]}
@@ -507,6 +553,8 @@ def summarize(runs, out_dir: str) -> Dict[str, Any]:
         summary["nvfp4_gather_vs_bf16"] = first["nvfp4_gather_bytes"] / first["nvfp4_bf16_gather_bytes"]
     if len(runs) == 2:
         a, b = runs
+        if a.get("final_val_loss") is not None and b.get("final_val_loss") is not None:
+            summary["final_val_loss_gap"] = a["final_val_loss"] - b["final_val_loss"]
         summary["final_loss_gap"] = a["final_loss"] - b["final_loss"]
         if b["all_gather_bytes"]:
             summary["gathered_bytes_ratio"] = a["all_gather_bytes"] / b["all_gather_bytes"]

@@ -1,0 +1,255 @@
+"""jax_nvfp4.export.export_hf: Hugging Face Llama checkpoints, bf16 and compressed-tensors NVFP4.
+
+The CI tests read the safetensors files with their own header parser and decode the
+compressed-tensors NVFP4 layout themselves; the ``hf`` extra's tests (torch, transformers,
+compressed-tensors) load the exports with those libraries and skip cleanly without them.
+"""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_nvfp4 as nv
+from jax_nvfp4.export import export_hf, llama_config
+from train.model import GPT, SEGMENTS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+ST_DTYPES = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F32": np.float32, "U8": np.uint8}
+SHAPES = dict(vocab=96, d_model=64, layers=3, heads=4, kv_heads=2, hidden=96, rope_theta=500000.0)
+
+
+def read_safetensors(path):
+    """``{name: array}`` from the file's own header: 8-byte length, JSON, raw little-endian data."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header.pop("__metadata__", None)
+    out = {}
+    for name, e in header.items():
+        a, b = e["data_offsets"]
+        out[name] = np.frombuffer(raw[8 + n + a:8 + n + b], ST_DTYPES[e["dtype"]]).reshape(e["shape"])
+    return out
+
+
+def decode_compressed_tensors(packed, scale, global_scale):
+    """The compressed-tensors NVFP4 layout read from its definition, in float32:
+    ``e2m1(nibble) * scale * (1 / global_scale)``, element ``2k`` in the low nibble."""
+    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+    vals = E2M1[codes]
+    s = np.repeat(scale.astype(np.float32), 16, axis=1)[:, :vals.shape[1]]
+    return (vals * s) * (np.float32(1) / global_scale.astype(np.float32)[0])
+
+
+def tiny_model(tie=False, keep_first=1):
+    return GPT(vocab=SHAPES["vocab"], d_model=SHAPES["d_model"], layers=SHAPES["layers"], heads=SHAPES["heads"],
+               kv_heads=SHAPES["kv_heads"], hidden=SHAPES["hidden"], rope_theta=SHAPES["rope_theta"],
+               tie_embeddings=tie, init_std=0.08, keep_first=keep_first)
+
+
+def tiny_params(tie=False, keep_first=1):
+    """NVFP4 params of the tiny GQA model; norm scales randomized so they matter."""
+    model = tiny_model(tie, keep_first)
+    policy = nv.Policy(keep=("embed", "head", "norm", "^blocks_first/"), keep_dtype=jnp.bfloat16)
+
+    @jax.jit  # one compile, not one per eager op
+    def make(key):
+        fp32 = model.init(key, jnp.zeros((1, 8), jnp.int32))["params"]
+        keys = iter(jax.random.split(jax.random.key(1), 64))
+        fp32 = jax.tree_util.tree_map_with_path(
+            lambda p, x: x * (1 + 0.3 * jax.random.normal(next(keys), x.shape)) if "norm" in nv.path_str(p) else x, fp32)
+        return nv.quantize_params(fp32, policy)
+
+    return model, make(jax.random.key(0))
+
+
+def hf_config(tie=False):
+    return llama_config(vocab=SHAPES["vocab"], d_model=SHAPES["d_model"], layers=SHAPES["layers"],
+                        heads=SHAPES["heads"], kv_heads=SHAPES["kv_heads"], mlp_hidden=SHAPES["hidden"],
+                        rope_theta=SHAPES["rope_theta"], tie_embeddings=tie, max_position_embeddings=64)
+
+
+def layer_leaves(params):
+    """``{(layer, path-in-block): leaf of that layer}`` over the scanned segments, in layer order."""
+    out, base = {}, 0
+    for seg in SEGMENTS:
+        if seg not in params:
+            continue
+        flat = jax.tree_util.tree_flatten_with_path(params[seg], is_leaf=nv.is_nvfp4)[0]
+        n = flat[0][1].shape[0]
+        for path, leaf in flat:
+            for i in range(n):
+                out[(base + i, nv.path_str(path))] = jax.tree.map(lambda a: a[i], leaf)
+        base += n
+    return out
+
+
+HF_NAME = {"attn/q/kernel": "self_attn.q_proj", "attn/k/kernel": "self_attn.k_proj", "attn/v/kernel": "self_attn.v_proj",
+           "attn/out/kernel": "self_attn.o_proj", "mlp/gate/kernel": "mlp.gate_proj", "mlp/up/kernel": "mlp.up_proj",
+           "mlp/down/kernel": "mlp.down_proj", "norm1/scale": "input_layernorm",
+           "norm2/scale": "post_attention_layernorm"}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    model, params = tiny_params()
+    root = tmp_path_factory.mktemp("hf")
+    for fmt in ("bf16", "nvfp4"):
+        export_hf(params, hf_config(), str(root / fmt), fmt=fmt, segments=SEGMENTS)
+    return model, params, root
+
+
+def test_nvfp4_export_decodes_to_dequantize_bit_for_bit(exported):
+    _, params, root = exported
+    st = read_safetensors(root / "nvfp4" / "model.safetensors")
+    cfg = json.loads((root / "nvfp4" / "config.json").read_text())
+    q = cfg["quantization_config"]
+    assert q["quant_method"] == "compressed-tensors" and q["format"] == "nvfp4-pack-quantized"
+    assert q["config_groups"]["group_0"]["weights"]["group_size"] == 16
+    n_nvfp4 = 0
+    for (layer, path), leaf in layer_leaves(params).items():
+        module = f"model.layers.{layer}.{HF_NAME[path]}"
+        if not nv.is_nvfp4(leaf):
+            # Kept bf16 (norms; layer 0 is blocks_first): plain weights, Linear ones ignored.
+            w = st[f"{module}.weight"]
+            want = np.asarray(leaf.astype(jnp.bfloat16))
+            np.testing.assert_array_equal(w.view(np.uint16), (want.T if path.endswith("kernel") else want).view(np.uint16))
+            assert (module in q["ignore"]) == path.endswith("kernel")
+            continue
+        n_nvfp4 += 1
+        n_in, n_out = leaf.shape
+        packed, scale, gs = (st[f"{module}.{k}"] for k in ("weight_packed", "weight_scale", "weight_global_scale"))
+        assert packed.dtype == np.uint8 and packed.shape == (n_out, n_in // 2)
+        assert scale.dtype == ml_dtypes.float8_e4m3fn and scale.shape == (n_out, n_in // 16)
+        assert gs.dtype == np.float32 and gs.shape == (1,)
+        assert gs[0] == np.float32(448 * 6) / np.asarray(leaf.amax)
+        want = np.asarray(nv.dequantize(leaf, jnp.float32)).T
+        got = decode_compressed_tensors(packed, scale, gs)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        assert f"{module}.weight" not in st
+    assert n_nvfp4 == 2 * 7  # layers 1 and 2, seven kernels each
+    assert "lm_head" in q["ignore"] and cfg["num_key_value_heads"] == 2 and not cfg["tie_word_embeddings"]
+
+
+def test_bf16_export_equals_dequantized_weights(exported):
+    _, params, root = exported
+    st = read_safetensors(root / "bf16" / "model.safetensors")
+    deq = nv.dequantize_params(params, jnp.bfloat16)
+    names = {f"model.layers.{layer}.{HF_NAME[path]}.weight": (np.asarray(leaf).T if path.endswith("kernel") else np.asarray(leaf))
+             for (layer, path), leaf in layer_leaves(deq).items()}
+    names["model.embed_tokens.weight"] = np.asarray(deq["embed"])
+    names["model.norm.weight"] = np.asarray(deq["norm_f"]["scale"])
+    names["lm_head.weight"] = np.asarray(deq["head"]["kernel"]).T
+    assert sorted(st) == sorted(names)
+    for k, want in names.items():
+        assert st[k].dtype == ml_dtypes.bfloat16, k
+        np.testing.assert_array_equal(st[k].view(np.uint16), want.astype(ml_dtypes.bfloat16).view(np.uint16), err_msg=k)
+    cfg = json.loads((root / "bf16" / "config.json").read_text())
+    assert "quantization_config" not in cfg and cfg["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_tied_head_and_refusals(tmp_path):
+    _, params = tiny_params(tie=True, keep_first=0)
+    assert "head" not in params
+    out = tmp_path / "tied"
+    export_hf(params, hf_config(tie=True), str(out), fmt="nvfp4", segments=SEGMENTS)
+    st = read_safetensors(out / "model.safetensors")
+    assert "lm_head.weight" not in st and json.loads((out / "config.json").read_text())["tie_word_embeddings"]
+    with pytest.raises(FileExistsError, match="not empty"):
+        export_hf(params, hf_config(tie=True), str(out), fmt="bf16", segments=SEGMENTS)
+    with pytest.raises(nv.ExportError, match="no Hugging Face Llama counterpart"):
+        export_hf({"blocks": {"odd": {"kernel": jnp.ones((1, 16, 16))}}}, hf_config(), str(tmp_path / "x"))
+
+
+def test_cli_refuses_a_non_empty_export_folder(tmp_path):
+    (tmp_path / "keep.txt").write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "train", "--export-hf", str(tmp_path), "--no-progress",
+                           "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "not empty" in proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["keep.txt"]
+
+
+# ----------------------------------------------------------------------------- the hf extra
+def test_transformers_loads_the_bf16_export_and_logits_match(exported, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model, params, root = exported
+    tokens = np.random.default_rng(0).integers(0, SHAPES["vocab"], (2, 24))
+    logits = lambda m, p: np.asarray(jax.jit(m.apply)({"params": nv.dequantize_params(p, jnp.bfloat16)}, jnp.asarray(tokens)))
+    ours = logits(model, params)
+    results = {}
+    for tie in (False, True):
+        if tie:
+            tmodel, tparams = tiny_params(tie=True, keep_first=0)
+            ours_t = logits(tmodel, tparams)
+            path = export_hf(tparams, hf_config(tie=True), str(tmp_path / "tied"), fmt="bf16", segments=SEGMENTS)
+        else:
+            ours_t, path = ours, str(root / "bf16")
+        hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager")
+        assert hf.config.num_key_value_heads == 2 and hf.config.tie_word_embeddings == tie
+        with torch.no_grad():
+            theirs = hf(torch.tensor(tokens)).logits.float().numpy()
+        diff = np.abs(theirs - ours_t)
+        results[tie] = (float(diff.max()), float(np.abs(ours_t).max()))
+        print(f"\ntie_embeddings={tie}: max |logit diff| {diff.max():.4g}, mean {diff.mean():.3g}, "
+              f"max |logit| {np.abs(ours_t).max():.3g}, argmax agreement {np.mean(theirs.argmax(-1) == ours_t.argmax(-1)):.3f}")
+        # bf16 tolerance: a few bf16 ulps of the logits' scale (different GEMM/softmax orders).
+        assert diff.max() <= 0.02 * max(1.0, np.abs(ours_t).max()), results[tie]
+        assert np.mean(theirs.argmax(-1) == ours_t.argmax(-1)) > 0.95
+
+
+def test_compressed_tensors_decompresses_the_nvfp4_export_bit_for_bit(exported):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    _, params, root = exported
+    qcfg = QuantizationConfig.model_validate(json.loads((root / "nvfp4" / "config.json").read_text())["quantization_config"])
+    scheme = qcfg.config_groups["group_0"]
+    tensors = load_file(str(root / "nvfp4" / "model.safetensors"))
+    checked = 0
+    for (layer, path), leaf in layer_leaves(params).items():
+        if not nv.is_nvfp4(leaf):
+            continue
+        module = f"model.layers.{layer}.{HF_NAME[path]}"
+        sd = {k: tensors[f"{module}.{k}"] for k in ("weight_packed", "weight_scale", "weight_global_scale")}
+        w = NVFP4PackedCompressor.decompress(sd, scheme)["weight"]
+        assert w.dtype == torch.bfloat16
+        want = np.asarray(nv.dequantize(leaf, jnp.bfloat16)).T
+        np.testing.assert_array_equal(w.view(torch.int16).numpy().view(np.uint16), want.view(np.uint16), err_msg=module)
+        checked += 1
+    assert checked == 14
+
+
+def test_transformers_loads_the_nvfp4_export_as_the_bf16_weights(exported):
+    """transformers + compressed-tensors read DIR/nvfp4 (decompressed on load) into exactly the
+    weights of DIR/bf16, so both give the same logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    _, _, root = exported
+    try:
+        qcfg = transformers.CompressedTensorsConfig(dequantize=True)
+    except TypeError:  # transformers before the run_compressed rename
+        qcfg = transformers.CompressedTensorsConfig(run_compressed=False)
+    a = transformers.LlamaForCausalLM.from_pretrained(str(root / "bf16"), dtype=torch.bfloat16)
+    b = transformers.LlamaForCausalLM.from_pretrained(str(root / "nvfp4"), dtype=torch.bfloat16, quantization_config=qcfg)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert set(sa) <= set(sb)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    tokens = torch.tensor(np.random.default_rng(1).integers(0, SHAPES["vocab"], (2, 16)))
+    with torch.no_grad():
+        assert torch.equal(a(tokens).logits, b(tokens).logits)

@@ -1,0 +1,113 @@
+"""train.model: Llama 3 shapes, grouped-query attention, HF Llama's rotary/RMSNorm, tied head."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks.scale import PRESETS
+from train.config import ConfigError, from_dict, load_config, validate_for_devices
+from train.model import GPT, RMSNorm, from_config, rotary
+
+
+def param_count(preset):
+    cfg = from_dict({"model": dict(preset, seq_len=16)})
+    model = from_config(cfg.model, cfg.nvfp4)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32)))["params"]
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes)), shapes
+
+
+@pytest.mark.parametrize("name, billions", [("llama3_8b", 8.03), ("llama3_70b", 70.6)])
+def test_llama3_presets_have_llama3_parameter_counts(name, billions):
+    n, shapes = param_count(PRESETS[name])
+    assert abs(n / (billions * 1e9) - 1) < 0.005, n
+    # Exactly Llama 3's (HF's num_parameters() of Meta-Llama-3-8B / 70B).
+    assert n == {"llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496}[name]
+    d, layers = PRESETS[name]["d_model"], PRESETS[name]["layers"]
+    assert shapes["blocks"]["attn"]["k"]["kernel"].shape == (layers, d, 8 * 128)
+    assert PRESETS["8b"] is PRESETS["llama3_8b"] and PRESETS["70b"] is PRESETS["llama3_70b"]
+
+
+def test_gqa_matches_repeated_kv_reference():
+    """jax.nn.dot_product_attention with 2 kv heads for 4 query heads equals causal softmax
+    attention with each kv head repeated for its query group (float32)."""
+    model = GPT(vocab=64, d_model=64, layers=1, heads=4, kv_heads=2, hidden=64, dtype=jnp.float32, init_std=0.2)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)))
+    params = model.init(jax.random.key(0), tokens)["params"]
+    attn = params["blocks"]["attn"]
+    assert attn["k"]["kernel"].shape == (1, 64, 32) and attn["q"]["kernel"].shape == (1, 64, 64)
+
+    x = jax.random.normal(jax.random.key(1), (2, 12, 64))
+    from train.model import Attention
+
+    layer = Attention(64, 4, 2, 10000.0, "dequant", 0.2, jnp.float32, "xla")
+    p = layer.init(jax.random.key(2), x)
+    got = layer.apply(p, x)
+    w = {k: p["params"][k]["kernel"] for k in ("q", "k", "v", "out")}
+    q = rotary((x @ w["q"]).reshape(2, 12, 4, 16), 10000.0)
+    k = rotary((x @ w["k"]).reshape(2, 12, 2, 16), 10000.0)
+    v = (x @ w["v"]).reshape(2, 12, 2, 16)
+    k, v = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)  # query head h uses kv head h // 2
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0
+    logits = jnp.where(jnp.tril(jnp.ones((12, 12), bool)), logits, -jnp.inf)
+    want = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, -1), v).reshape(2, 12, 64) @ w["out"]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert model.apply({"params": params}, tokens).shape == (2, 12, 64)
+
+
+def test_rotary_is_hf_rotate_half():
+    """HF Llama: q * cos + rotate_half(q) * sin with rotate_half(x) = cat(-x2, x1) and
+    inv_freq = theta ** -(arange(0, hd, 2) / hd); written here in NumPy float64."""
+    x = np.random.default_rng(0).standard_normal((1, 7, 3, 8)).astype(np.float32)
+    theta, hd = 500000.0, 8
+    inv = 1.0 / theta ** (np.arange(0, hd, 2) / hd)
+    ang = np.arange(7)[:, None] * inv[None]
+    emb = np.concatenate([ang, ang], -1)[None, :, None, :]
+    rot = np.concatenate([-x[..., 4:], x[..., :4]], -1)
+    want = x * np.cos(emb) + rot * np.sin(emb)
+    np.testing.assert_allclose(np.asarray(rotary(jnp.asarray(x), theta)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_rmsnorm_rounds_like_hf():
+    """HF: weight * (x_f32 * rsqrt(mean(x^2) + eps)).to(bf16), the product in bf16."""
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 32)), jnp.bfloat16)
+    scale = jnp.asarray(np.random.default_rng(2).uniform(0.5, 1.5, 32), jnp.float32)
+    got = RMSNorm(1e-5).apply({"params": {"scale": scale}}, x)
+    xf = np.asarray(x, np.float32)
+    y = (xf / np.sqrt(np.mean(xf * xf, -1, keepdims=True) + np.float32(1e-5))).astype(jnp.bfloat16)
+    want = (y.astype(np.float32) * np.asarray(scale.astype(jnp.bfloat16), np.float32)).astype(jnp.bfloat16)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0.008)
+
+
+def test_attention_implementation_choice():
+    from train.model import attention_implementation
+
+    # This suite runs on CPU: auto is XLA there; cuDNN is only asked for on GPU.
+    assert jax.default_backend() == "cpu"
+    assert attention_implementation("auto", 128, jnp.bfloat16) == "xla"
+    assert attention_implementation("cudnn", 128, jnp.bfloat16) == "cudnn"
+    assert load_config(None, ["model.attention=xla"]).model.attention == "xla"
+    with pytest.raises(ConfigError, match="model.attention"):
+        load_config(None, ["model.attention=flash"])
+
+
+def test_tied_head_has_no_head_kernel():
+    model = GPT(vocab=48, d_model=32, layers=1, heads=2, hidden=32, tie_embeddings=True)
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    params = model.init(jax.random.key(0), tokens)["params"]
+    assert "head" not in params and params["embed"].shape == (48, 32)
+    assert model.apply({"params": params}, tokens).shape == (1, 4, 48)
+
+
+def test_kv_heads_config_checks():
+    assert load_config(None, ["model.kv_heads=2"]).model.n_kv_heads == 2
+    assert load_config(None, []).model.n_kv_heads == 4
+    with pytest.raises(ConfigError, match="model.kv_heads=3: must divide model.heads=4"):
+        load_config(None, ["model.kv_heads=3"])
+    cfg = load_config(None, ["model.kv_heads=1", "model.d_model=256", "model.mlp_hidden=512", "mesh.tensor=2",
+                             "mesh.data=4"])
+    with pytest.raises(ConfigError, match="model.kv_heads=1: must be divisible by the mesh tensor axis"):
+        validate_for_devices(cfg, 8)

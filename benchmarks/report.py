@@ -216,9 +216,9 @@ def _traffic_md(t: Dict[str, Any]) -> List[str]:
         f"Reproduce: {_cmd(t)}. {_point_label(p)}; {_where(t['meta'])}.",
         "Bytes per device per step, read from the compiled step's HLO (`jax_nvfp4.collective_bytes` "
         "per instruction, times the trip count of the loops around it), and attributed by the Python "
-        "call stack XLA keeps for each instruction (`benchmarks/hlo.py`): a collective that comes from "
-        "`jax_nvfp4.gather` is a parameter gather, one from `train.loop.ordered_mean` (or an "
-        "all-reduce in the backward pass) is the gradient reduction, and so on.",
+        "name scope and call stack XLA keeps for each instruction (`benchmarks/hlo.py`): a collective "
+        "in the `weight_gather` scope (each layer's gather, forward and rematerialised backward) is a "
+        "parameter gather, one in the `ordered_reduce` scope the gradient reduction, and so on.",
         "",
         "| | NVFP4 weights | bf16 weights | NVFP4 / bf16 |",
         "|---|---:|---:|---:|",

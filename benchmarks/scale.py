@@ -325,7 +325,7 @@ def analyze_hlo(hlo: str, mesh, nvl_domain: int, nvlink_gbps: float = NVLINK_GBP
             scope = scope.group(1) if scope else ""
             if f"{nv.collectives.GATHER_SCOPE}" in scope:
                 purpose = "weight gather"
-            elif nv.collectives.REDUCE_SCOPE in scope and op == "all-to-all":
+            elif nv.collectives.REDUCE_SCOPE in scope and purpose not in ("grad norm", "loss / metrics"):
                 purpose = "grad reduce"
             if purpose == "model fwd/bwd" and op in ("all-reduce", "reduce-scatter") and rules_data_axis(mesh) in axes:
                 purpose = "grad reduce"  # XLA's own gradient sum, placed inside the backward pass
@@ -606,7 +606,7 @@ def _ratio(a, b) -> str:
 ROWS = (
     # key, label, analytic key (or None), kind
     ("params", "params (stored: NVFP4 packed + plain leaves)", "params", "b"),
-    ("master", "float32 master (MasterArray, padded)", "master", "b"),
+    ("master", "float32 master (Tiled, padded)", "master", "b"),
     ("opt_state", "optimizer state (Adam m, v + scalars)", "opt_state", "b"),
     ("other_state", "other state (skip count, PRNG key)", None, "b"),
     ("xla_argument", "XLA arguments (state + batch)", None, "b"),
@@ -660,7 +660,7 @@ def markdown(report: Dict[str, Any]) -> str:
         if a["master_unpadded"] and a["master"] > a["master_unpadded"] * 1.0005:
             lines += [f"- {r['weights']}: the tile padding of the NVFP4 masters adds "
                       f"{100 * (a['master'] / a['master_unpadded'] - 1):.1f}% to master and Adam state "
-                      f"(rows rounded up to a multiple of 16 x {r['axes']['data']})."]
+                      f"(each matrix's 16x16 tiles rounded up to a multiple of {r['axes']['data']})."]
         if r["unsharded_large_leaves"]:
             lines += [f"- **layout warning ({r['weights']})**: {len(r['unsharded_large_leaves'])} large leaves are "
                       f"stored replicated across the data axis ({r['axes']['data']} does not divide their "

@@ -316,6 +316,8 @@ class Tiled:
         return self.layout.spec(self.value.ndim - 4)
 
     def __repr__(self) -> str:
+        if not hasattr(self.value, "shape"):  # a tree of specs or shardings
+            return f"Tiled({self.value!r}, layout={self.layout})"
         return f"Tiled(shape={self.shape}, dtype={self.value.dtype}, layout={self.layout})"
 
 
@@ -383,6 +385,8 @@ class TiledNVFP4:
         return jnp.isfinite(self.amax)
 
     def __repr__(self) -> str:
+        if not hasattr(self.data, "shape"):  # a tree of specs or shardings
+            return f"TiledNVFP4({self.data!r}, {self.scale_bits!r}, {self.amax_bits!r}, layout={self.layout})"
         return f"TiledNVFP4(shape={self.shape}, layout={self.layout})"
 
 

@@ -139,9 +139,11 @@ def master_weights(
         grads_m = _grads_to_master(grads, state.master, m, grad_dtype)
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads_m)]))
         updates_m, inner_state = inner.update(grads_m, state.inner_state, state.master, **extra)
-        # The update is materialised once: master + u and (float32) param + u are then the
-        # same addition (XLA may otherwise contract one of them into a multiply-add).
-        updates_m = jax.lax.optimization_barrier(updates_m)
+        # The update of a float32 plain param is materialised once: master + u and param + u
+        # are then the same addition (XLA may otherwise contract one of them into a
+        # multiply-add). Other leaves keep their update fused into the master's.
+        f32_plain = _f32_plain_mask(params, updates_m)
+        updates_m = jax.tree.map(lambda u, b: jax.lax.optimization_barrier(u) if b else u, updates_m, f32_plain)
         master = optax.apply_updates(state.master, updates_m)
         master = _constrain_master(master, m)
 
@@ -187,6 +189,19 @@ def master_weights(
         return jax.tree.unflatten(treedef, updates), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _f32_plain_mask(params, updates_m):
+    """A tree like ``updates_m`` (its array leaves): True where the param is a float32 plain leaf."""
+    leaves_p, treedef = jax.tree.flatten(params, is_leaf=_is_param_leaf)
+    subtrees = treedef.flatten_up_to(updates_m)
+    out = []
+    for p, u in zip(leaves_p, subtrees):
+        pv = p.value if isinstance(p, Tiled) else p
+        f32 = (not _backs_nvfp4(p) and hasattr(pv, "dtype") and jnp.issubdtype(pv.dtype, jnp.floating)
+               and jnp.finfo(pv.dtype).bits >= 32)
+        out.append(jax.tree.map(lambda _: f32, u))
+    return treedef.unflatten(out)
 
 
 def _backs_nvfp4(p) -> bool:

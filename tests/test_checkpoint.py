@@ -444,8 +444,8 @@ def two_checkpoints(tmp_path_factory):
     import optax
 
     rng = np.random.default_rng(0)
-    params = nv.quantize_params({"w": rng.standard_normal((64, 96)).astype(np.float32),
-                                 "b": rng.standard_normal(96).astype(np.float32)})
+    params = nv.shard_params(nv.quantize_params({"w": rng.standard_normal((64, 96)).astype(np.float32),
+                                 "b": rng.standard_normal(96).astype(np.float32)}))
     tx = nv.master_weights(optax.adam(1e-3))
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     states = {1: (params, tx.init(params))}
@@ -494,3 +494,29 @@ def test_a_flipped_byte_is_refused_or_falls_back_never_restored(two_checkpoints,
     # Restored: then it is bit for bit what was saved at that step, and the newest intact one.
     same_bytes(ckpt_lib.host_arrays(r.params, r.opt_state), two_checkpoints["host"][step])
     assert step == 2 or (fallback and "/2/" in str(victim))
+
+
+def test_checkpoint_of_the_previous_format_is_refused_in_one_line(tmp_path):
+    """A checkpoint written before the tile layout (format 1: logical masters, no content
+    hashes) is refused with one line that says so, not restored into the wrong layout."""
+    import optax
+    from jax.sharding import Mesh
+
+    rng = np.random.default_rng(0)
+    params = nv.shard_params(nv.quantize_params({"w": rng.standard_normal((32, 64)).astype(np.float32)}))
+    state = nv.master_weights(optax.adam(1e-3)).init(params)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    d = tmp_path / "ck"
+    ck = ckpt_lib.Checkpointer(str(d))
+    ck.save(1, params, state, mesh=mesh, data_state={"step": 1, "seed": 0})
+    ck.close()
+    meta_file = d / "1" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["version"] = 1
+    meta_file.write_text(json.dumps(meta))
+    (d / "1" / ckpt_lib.HASHES).unlink()  # format 1 had no content hashes
+    ck = ckpt_lib.Checkpointer(str(d))
+    with pytest.raises(ckpt_lib.CheckpointError, match="format version 1") as e:
+        ck.restore(1, params, state, nv.shardings(params, mesh), nv.shardings(state, mesh))
+    ck.close()
+    assert "\n" not in str(e.value) and "before the tile layout" in str(e.value)

@@ -6,7 +6,7 @@ a clear error instead of hanging in a collective. Then both are restarted with t
 command (through ``scripts/launch_local.sh``) and continue from the step-2 checkpoint. The
 losses of the whole run, its final checkpoint and its export are bit-identical to one
 process with 8 devices: every cross-device float sum in the step is a data movement followed
-by a sum in a fixed order (``train.loop.ordered_mean``), so the collective implementation
+by a sum in a fixed order (``jax_nvfp4.collectives``), so the collective implementation
 (in-process vs gloo) cannot change a bit.
 """
 

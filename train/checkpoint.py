@@ -359,6 +359,7 @@ class Checkpointer:
             with open(rec, "rb") as f:
                 record = json.loads(f.read().decode("utf-8"))
         except FileNotFoundError:
+            self.read_meta(step)  # a checkpoint of an older format is refused as such, in one line
             raise CheckpointError(f"{where}: no content hashes ({HASHES}): its save did not finish recording "
                                   "them, so it cannot be verified") from None
         except (OSError, ValueError) as e:

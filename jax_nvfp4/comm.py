@@ -25,20 +25,25 @@ def _arrays(type_text: str):
         yield dtype, shape
 
 
+def _results(line: str):
+    """``(op, dtype, shape)`` of each result array of a collective instruction line."""
+    m = _LINE.search(line)
+    if not m:
+        return
+    type_text, op, start = m.group(1), m.group(2), m.group(3)
+    arrays = list(_arrays(type_text))
+    if start and type_text.startswith("(") and len(arrays) >= 2:
+        # (operands..., outputs...): the second half is the result.
+        arrays = arrays[len(arrays) // 2:]
+    for dtype, shape in arrays:
+        if dtype in _BYTES:
+            yield op, dtype, shape
+
+
 def _line_bytes(lines: Iterable[str]) -> Dict[Tuple[str, str], float]:
     out: Dict[Tuple[str, str], float] = collections.defaultdict(float)
     for line in lines:
-        m = _LINE.search(line)
-        if not m:
-            continue
-        type_text, op, start = m.group(1), m.group(2), m.group(3)
-        arrays = list(_arrays(type_text))
-        if start and type_text.startswith("(") and len(arrays) >= 2:
-            # (operands..., outputs...): the second half is the result.
-            arrays = arrays[len(arrays) // 2:]
-        for dtype, shape in arrays:
-            if dtype not in _BYTES:
-                continue
+        for op, dtype, shape in _results(line):
             out[(op, dtype)] += _BYTES[dtype] * math.prod(shape)
     return out
 
@@ -73,18 +78,10 @@ def collectives(hlo_text: str) -> List[Dict[str, object]]:
     rows: List[Dict[str, object]] = []
     for comp, lines in comps.items():
         for line in lines:
-            m = _LINE.search(line)
-            if not m:
-                continue
-            type_text, op, start = m.group(1), m.group(2), m.group(3)
-            arrays = list(_arrays(type_text))
-            if start and type_text.startswith("(") and len(arrays) >= 2:
-                arrays = arrays[len(arrays) // 2:]
             name = re.search(r'op_name="([^"]*)"', line)
-            for dtype, shape in arrays:
-                if dtype in _BYTES:
-                    rows.append({"op": op, "dtype": dtype, "shape": shape, "bytes": _BYTES[dtype] * math.prod(shape),
-                                 "times": mult.get(comp, 1), "op_name": name.group(1) if name else ""})
+            for op, dtype, shape in _results(line):
+                rows.append({"op": op, "dtype": dtype, "shape": shape, "bytes": _BYTES[dtype] * math.prod(shape),
+                             "times": mult.get(comp, 1), "op_name": name.group(1) if name else ""})
     return rows
 
 

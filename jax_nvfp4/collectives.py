@@ -118,6 +118,12 @@ class GatherConfig:
 def _gather_forward(stored, cfg: GatherConfig):
     """(logical weight in ``cfg.dtype`` or None, gathered NVFP4Array or None)."""
     axis = cfg.axis
+    if _size(axis) == 1:  # nothing to gather: the shard is the whole parameter
+        if isinstance(stored, TiledNVFP4):
+            return (None, stored.to_array()) if cfg.nvfp4 else (stored.dequantize(cfg.dtype), None)
+        if isinstance(stored, Tiled):
+            return stored.logical().astype(cfg.dtype), None
+        return stored.astype(cfg.dtype), None
     with jax.named_scope(GATHER_SCOPE):
         if isinstance(stored, TiledNVFP4):
             dim = stored.data.ndim - 3
@@ -135,7 +141,7 @@ def _gather_forward(stored, cfg: GatherConfig):
             dim = stored.value.ndim - 3
             full = all_gather_bits(stored.value, axis, dim=dim, tiled=True)
             return stored.layout.from_tiles(full).astype(cfg.dtype), None
-        return stored, None
+        return stored.astype(cfg.dtype), None
 
 
 def _zero_cotangent(x):

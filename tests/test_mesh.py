@@ -205,6 +205,10 @@ _PROBE = textwrap.dedent("""
         with open(sys.argv[1], "w") as f:
             json.dump({"procs": procs, "total": float(total), "n": jax.device_count(),
                        "describe": describe_mesh(mesh, 4)}, f)
+    # Leave the distributed runtime while the interpreter is whole (a teardown at exit crashed
+    # once in gloo with heap corruption under load).
+    total.block_until_ready()
+    jax.distributed.shutdown()
 """)
 
 

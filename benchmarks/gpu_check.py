@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import traceback
 
@@ -31,18 +30,17 @@ if _ROOT not in sys.path:  # run as a script from a checkout
 
 H200_SPEC_BYTES_PER_S = 4.8e12  # NVIDIA H200 HBM3e specification, 4.8 TB/s
 _WIDE_FLOATS = ("f16", "bf16", "f32", "f64")
-_DTYPE_RE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+?|f4e2m1fn)\[")
 
 
 def _gathers(hlo: str):
-    """``[(op, [dtypes of its result])]`` for each all-gather in compiled HLO text."""
-    out = []
-    for line in hlo.splitlines():
-        m = re.search(r"\s(all-gather(?:-start)?)\(", line)
-        if m and "=" in line[: m.start()]:
-            lhs = line[line.index("=", 0, m.start()) + 1: m.start()]
-            out.append((m.group(1), sorted(set(_DTYPE_RE.findall(lhs)))))
-    return out
+    """``[("all-gather", [dtypes of its results])]`` for each all-gather instruction of compiled
+    HLO text (read by ``jax_nvfp4.comm.parse``)."""
+    import jax_nvfp4 as nv
+
+    by_instruction = {}
+    for c in nv.comm.parse(hlo).select(op="all-gather"):
+        by_instruction.setdefault((c.computation, c.instruction), set()).add(c.dtype)
+    return [("all-gather", sorted(d)) for d in by_instruction.values()]
 
 
 def check_all_gather() -> dict:

@@ -170,12 +170,14 @@ def plot_memory(points: List[Dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+# Purposes of jax_nvfp4.comm.PURPOSES shown in the report, in order, with their labels.
 PURPOSE_LABELS = {
-    "param_gather": "parameter all-gather",
-    "grad_reduce": "gradient reduction",
-    "grad_norm": "gradient-clipping norm",
-    "requantize": "re-quantization",
-    "other": "other (loss, flags)",
+    "weight gather": "weight all-gather",
+    "grad reduce": "gradient reduction",
+    "grad norm": "gradient-clipping norm",
+    "re-quantize": "re-quantization",
+    "loss / metrics": "loss and metrics",
+    "other": "other",
 }
 
 
@@ -214,9 +216,9 @@ def _traffic_md(t: Dict[str, Any]) -> List[str]:
         "## 1. Bytes all-gathered per step (parameters) and gradient reduction",
         "",
         f"Reproduce: {_cmd(t)}. {_point_label(p)}; {_where(t['meta'])}.",
-        "Bytes per device per step, read from the compiled step's HLO (`jax_nvfp4.collective_bytes` "
-        "per instruction, times the trip count of the loops around it), and attributed by the Python "
-        "name scope and call stack XLA keeps for each instruction (`benchmarks/hlo.py`): a collective "
+        "Bytes per device per step, read from the compiled step's HLO by `jax_nvfp4.comm.parse` (each "
+        "instruction's result, times the trip count of the loops around it) and attributed by the "
+        "name scope and Python call stack XLA keeps for each instruction: a collective "
         "in the `weight_gather` scope (each layer's gather, forward and rematerialised backward) is a "
         "parameter gather, one in the `ordered_reduce` scope the gradient reduction, and so on.",
         "",
@@ -391,7 +393,7 @@ def _notes_md(res: Dict[str, Any]) -> List[str]:
     ]
     point = next((res[s]["point"] for s in ("traffic", "memory", "speed") if s in res), None)
     if point is not None:
-        ops = {w: ", ".join(sorted(point[w]["collectives_by_purpose"].get("grad_reduce", {}))) or "nothing"
+        ops = {w: ", ".join(sorted(point[w]["collectives_by_purpose"].get("grad reduce", {}))) or "nothing"
                for w in ("nvfp4", "bf16")}
         notes.append(f"- Gradient reduction ({_point_label(point)}) moves {ops['nvfp4']} with NVFP4 weights and "
                      f"{ops['bf16']} with bf16 weights. With `train.loop`'s ordered reduction the "
@@ -399,20 +401,12 @@ def _notes_md(res: Dict[str, Any]) -> List[str]:
                      "master is replicated) and are summed on the device in a fixed order, so the bytes "
                      "are whole per-shard gradients, padded to the masters' 16x16 tiles; NVFP4 and bf16 "
                      "differ only where their masters are laid out differently.")
-        rq = point["nvfp4"]["collectives_by_purpose"].get("requantize", {})
+        rq = point["nvfp4"]["collectives_by_purpose"].get("re-quantize", {})
         if rq:
             notes.append(f"- Re-quantization with NVFP4 weights adds {_mb(sum(rq.values()))} per step "
                          f"({', '.join(sorted(rq))}): the global amax, and collective-permutes moving "
                          "packed tiles from the masters' padded layout to the params' layout where a "
                          "row count is not a multiple of 16 x data.")
-        tga = point["nvfp4"].get("train_gather_accounting", {})
-        if tga and tga.get("all_gather_bytes") != point["nvfp4"]["gather"]["param_gather_bytes"]:
-            notes.append(f"- `train.loop.gather_accounting` (what `python -m train` prints) counts every "
-                         f"all-gather of the step: {tga['all_gather_bytes']:,} B with NVFP4 weights and "
-                         f"{point['bf16']['train_gather_accounting']['all_gather_bytes']:,} B with bf16 "
-                         f"weights here, against {point['nvfp4']['gather']['param_gather_bytes']:,} B and "
-                         f"{point['bf16']['gather']['param_gather_bytes']:,} B of parameter gathers; the "
-                         "difference is gradient and norm traffic that travels as all-gathers.")
     return notes + [""]
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -88,155 +87,7 @@ class MeshSpec:
         return f"{self.kind}-{self.count}{dom}" + (f"-t{self.tensor}" if self.tensor > 1 else "")
 
 
-# ----------------------------------------------------------------------------- HLO analysis
-def _computations(hlo: str) -> Dict[str, List[str]]:
-    comps, name = {}, None
-    for line in hlo.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{") and "(" in line:
-            head = line.split("(", 1)[0].split()
-            name = head[-1].lstrip("%")
-            comps[name] = []
-            if head[0] == "ENTRY":
-                comps["__entry__"] = [name]
-        elif name is not None and line.startswith(" "):
-            comps[name].append(line)
-    return comps
-
-
-def _multipliers(comps: Dict[str, List[str]]):
-    """How many times each computation runs per step: the product of the known trip counts of
-    the ``while`` loops around it. Returns (multipliers, warnings)."""
-    callers = {}
-    warnings = []
-    for comp, lines in comps.items():
-        if comp == "__entry__":
-            continue
-        for line in lines:
-            trip = 1
-            if re.search(r"\swhile\(", line):
-                t = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-                if t:
-                    trip = int(t.group(1))
-                else:
-                    warnings.append("a while loop without a known trip count: its collectives are counted once")
-            for kind, callee in re.findall(r"(body|condition|calls|to_apply)=%([\w.\-]+)", line):
-                callers.setdefault(callee, []).append((comp, trip if kind == "body" else 1))
-            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                for callee in re.findall(r"%([\w.\-]+)", group):
-                    callers.setdefault(callee, []).append((comp, 1))
-    entry = comps["__entry__"][0]
-
-    @functools.lru_cache(maxsize=None)
-    def mult(c):
-        if c == entry:
-            return 1
-        return sum(mult(caller) * f for caller, f in callers.get(c, ()))
-
-    return {c: mult(c) for c in comps if c != "__entry__"}, warnings
-
-
-def _stacks(hlo: str) -> Dict[int, List[tuple]]:
-    """``stack_frame_id -> [(file, function), ...]`` (innermost first) from the HLO module's
-    FileNames / FunctionNames / FileLocations / StackFrames tables (empty when absent)."""
-    tables, cur = {}, None
-    for line in hlo.splitlines():
-        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-            cur = tables.setdefault(line, {})
-            continue
-        m = re.match(r"(\d+) (.*)$", line) if cur is not None else None
-        if not m:
-            cur = None
-            continue
-        cur[int(m.group(1))] = m.group(2)
-    files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
-    funcs = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
-    locs = {}
-    for k, v in tables.get("FileLocations", {}).items():
-        f, fn = re.search(r"file_name_id=(\d+)", v), re.search(r"function_name_id=(\d+)", v)
-        locs[k] = (files.get(int(f.group(1)), "?") if f else "?", funcs.get(int(fn.group(1)), "?") if fn else "?")
-    parents = {}
-    for k, v in tables.get("StackFrames", {}).items():
-        loc, par = re.search(r"file_location_id=(\d+)", v), re.search(r"parent_frame_id=(\d+)", v)
-        parents[k] = (int(loc.group(1)) if loc else 0, int(par.group(1)) if par else 0)
-    # This XLA prints parent_frame_id one above the frame it names (a root frame shows its own
-    # id); detect that and shift, so the chains below follow real callers.
-    if any(k == par for k, (_, par) in parents.items()):
-        parents = {k: (loc, par - 1) for k, (loc, par) in parents.items()}
-    out = {}
-    for k in parents:
-        chain, seen, f = [], set(), k
-        while f in parents and f not in seen:
-            seen.add(f)
-            loc, par = parents[f]
-            if loc in locs:
-                chain.append(locs[loc])
-            f = par
-        out[k] = chain
-    return out
-
-
-# Innermost known function of a collective's Python stack -> what the collective is for.
-# (move_bits / sharding helpers are skipped: their caller decides.)
-_PURPOSE = (
-    ("ordered_reduce_scatter", "grad reduce"),
-    ("bwd", "grad reduce"),
-    ("_grads_to_master", "grad reduce"),
-    ("global_norm", "grad norm"),
-    ("clip_by_global_norm", "grad norm"),
-    ("requantize", "re-quantize"),
-    ("_constrain_master", "master relayout"),
-    ("_gather_forward", "weight gather"),
-    ("gather_dequantized", "weight gather"),
-    ("gather", "weight gather"),
-    ("master_weights", "optimizer"),
-    ("ordered_mean", "loss / metrics"),
-    ("make_step", "loss / metrics"),
-)
-
-
-def _purpose(chain: List[tuple]) -> str:
-    for path, func in chain:
-        name = func.split(".<locals>")[0]
-        for key, purpose in _PURPOSE:
-            if name == key:
-                if purpose == "loss / metrics" and any(f.endswith("model.py") or f.endswith("nn.py") for f, _ in chain):
-                    return "model fwd/bwd"
-                return purpose
-        if path.endswith(("train/model.py", "jax_nvfp4/nn.py", "jax_nvfp4/gemm.py")):
-            return "model fwd/bwd"
-    return "other"
-
-
-def _groups(line: str, n: int) -> List[np.ndarray]:
-    """Replica groups (logical device ids = positions in ``mesh.devices.flat``) of a collective;
-    pairs ``[src, dst]`` for a collective-permute."""
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if m:
-        sizes = [(a, int(s)) for a, s in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
-        names = [a for a, _ in sizes]
-        axes = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2))]
-        ids = np.arange(math.prod(s for _, s in sizes)).reshape([s for _, s in sizes])
-        rest = [i for i in range(len(sizes)) if i not in axes]
-        ids = np.transpose(ids, rest + axes)
-        return list(ids.reshape(-1, math.prod(sizes[i][1] for i in axes)))
-    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if m:
-        shape = [int(x) for x in m.group(1).split(",")]
-        dims = [int(x) for x in m.group(2).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if m.group(3):
-            ids = np.transpose(ids, [int(x) for x in m.group(3).split(",")])
-        return list(ids.reshape(shape[0], -1))
-    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
-    if m:
-        groups = [np.array([int(x) for x in g.split(",") if x]) for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
-        return [g for g in groups if g.size] or [np.arange(n)]
-    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
-    if m:
-        return [np.array([int(a), int(b)]) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
-    return [np.arange(n)]
-
-
+# ----------------------------------------------------------------------------- link model
 def collective_time(op: str, nbytes: float, n: int, k: int, nvlink_gbps: float, ib_gbps: float):
     """Modelled seconds of one collective moving ``nbytes`` per device (its per-device result
     size, as ``jax_nvfp4.collective_bytes`` counts it) over a group of ``n`` devices spread
@@ -286,61 +137,36 @@ def ring_bytes(op: str, nbytes: float, n: int) -> float:
 
 
 def analyze_hlo(hlo: str, mesh, nvl_domain: int, nvlink_gbps: float = NVLINK_GBPS, ib_gbps: float = IB_GBPS):
-    """Every collective of a compiled step: op, dtype, per-device bytes per step (loop trip
-    counts included), mesh axes and NVLink domains its groups span, modelled time."""
+    """Every collective of a compiled step (read by ``jax_nvfp4.comm.parse``), grouped by
+    purpose, op, dtype, mesh axes, group size and NVLink domains spanned: per-device bytes per
+    step (loop trip counts included), ring bytes on the wire and modelled time."""
     import jax_nvfp4 as nv
     from train.mesh import device_domains
 
-    flat_devs = list(mesh.devices.flat)
-    domains = np.array(device_domains(flat_devs, nvl_domain))
-    n_dev = len(flat_devs)
-    comps = _computations(hlo)
-    mult, warnings = _multipliers(comps)
-    stacks = _stacks(hlo)
-    rows = {}
-    for comp, lines in comps.items():
-        if comp == "__entry__":
-            continue
-        for line in lines:
-            counts = nv.collective_bytes(line)
-            if not counts:
-                continue
-            op = next(iter(counts))[0]
-            groups = _groups(line, n_dev)
-            if op == "collective-permute":
-                n, k = 2, 2 if any(domains[g[0]] != domains[g[1]] for g in groups) else 1
-            else:
-                n = max(len(g) for g in groups)
-                k = max(len(set(domains[g].tolist())) for g in groups)
-            axes = set()
-            for g in groups:
-                coords = np.array(np.unravel_index(g, mesh.devices.shape))
-                axes |= {a for i, a in enumerate(mesh.axis_names) if len(set(coords[i].tolist())) > 1}
-            axis = "+".join(a for a in mesh.axis_names if a in axes) or "-"
-            sf = re.search(r"stack_frame_id=(\d+)", line)
-            purpose = _purpose(stacks.get(int(sf.group(1)), [])) if sf else "other"
-            # The library's name scopes say it directly (the per-layer gathers and gradient
-            # reductions run inside custom-VJP code whose Python frames XLA does not keep).
-            scope = re.search(r'op_name="([^"]*)"', line)
-            scope = scope.group(1) if scope else ""
-            if f"{nv.collectives.GATHER_SCOPE}" in scope:
-                purpose = "weight gather"
-            elif nv.collectives.REDUCE_SCOPE in scope and purpose not in ("grad norm", "loss / metrics"):
-                purpose = "grad reduce"
-            if purpose == "model fwd/bwd" and op in ("all-reduce", "reduce-scatter") and rules_data_axis(mesh) in axes:
-                purpose = "grad reduce"  # XLA's own gradient sum, placed inside the backward pass
-            for (_, dtype), b in counts.items():
-                key = (purpose, op, dtype, axis, n, k)
-                r = rows.setdefault(key, dict(purpose=purpose, op=op, dtype=dtype, axis=axis, group=n, domains=k,
-                                              instances=0, bytes=0, wire=0.0, time_flat_s=0.0, time_2level_s=0.0))
-                times = mult[comp]
-                flat, two = collective_time(op, b, n, k, nvlink_gbps, ib_gbps)
-                r["instances"] += times
-                r["bytes"] += b * times
-                r["wire"] += ring_bytes(op, b, n) * times
-                r["time_flat_s"] += flat * times
-                r["time_2level_s"] += two * times
-    return sorted(rows.values(), key=lambda r: (r["purpose"], r["op"], r["axis"], r["dtype"])), sorted(set(warnings))
+    domains = np.array(device_domains(list(mesh.devices.flat), nvl_domain))
+    n_dev = domains.size
+    program = nv.comm.parse(hlo, mesh, data_axes=(rules_data_axis(mesh),))
+    rows, seen = {}, set()
+    for c in program.collectives:
+        groups = [np.asarray(g) for g in c.groups] or [np.arange(n_dev)]
+        if c.op == "collective-permute":
+            n, k = 2, 2 if any(domains[g[0]] != domains[g[1]] for g in groups) else 1
+        else:
+            n = max(len(g) for g in groups)
+            k = max(len(set(domains[g].tolist())) for g in groups)
+        axis = "+".join(c.axes) or "-"
+        key = (c.purpose, c.op, c.dtype, axis, n, k)
+        r = rows.setdefault(key, dict(purpose=c.purpose, op=c.op, dtype=c.dtype, axis=axis, group=n, domains=k,
+                                      instances=0, bytes=0, wire=0.0, time_flat_s=0.0, time_2level_s=0.0))
+        flat, two = collective_time(c.op, c.bytes, n, k, nvlink_gbps, ib_gbps)
+        if (c.computation, c.instruction, key) not in seen:  # one instance per instruction
+            seen.add((c.computation, c.instruction, key))
+            r["instances"] += c.times
+        r["bytes"] += int(c.per_call)
+        r["wire"] += ring_bytes(c.op, c.bytes, n) * c.times
+        r["time_flat_s"] += flat * c.times
+        r["time_2level_s"] += two * c.times
+    return sorted(rows.values(), key=lambda r: (r["purpose"], r["op"], r["axis"], r["dtype"])), list(program.warnings)
 
 
 def rules_data_axis(mesh) -> str:
@@ -558,8 +384,7 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
         collective_permute=sel("collective-permute"),
         grad_reduce=sel(purpose="grad reduce"),
         # Re-quantized bytes moved from the master's padded layout to the params layout.
-        relayout=(sel(purpose="params relayout") + sel(purpose="master relayout")
-                  + sel("collective-permute", None, "re-quantize")),
+        relayout=sel(purpose="master relayout") + sel("collective-permute", None, "re-quantize"),
         wire_gather=sel(f="wire", **gather) + sel("all-gather", ("u8",), "re-quantize", "wire"),
         wire_reduce=sel(purpose="grad reduce", f="wire"),
         time_flat_s=sum(r["time_flat_s"] for r in colls),

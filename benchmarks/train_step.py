@@ -4,8 +4,8 @@ For a model size and a data-axis size, :func:`measure_pair` builds the trainer o
 twice (``nvfp4.weights=nvfp4`` and ``=bf16``), compiles each step once, and reads:
 
 1. traffic: bytes per device per step of every collective in the compiled HLO, loop trip
-   counts applied (:mod:`benchmarks.hlo`), and ``train.loop.gather_accounting``'s split of the
-   parameter all-gather into NVFP4 leaves and their bf16 equivalent;
+   counts applied, by purpose, and the weight gathers split into NVFP4 leaves and their bf16
+   equivalent (:mod:`jax_nvfp4.comm`, the accounting ``python -m train`` prints);
 2. memory: per-device bytes of params, float32 masters, the rest of the optimizer state (from
    the arrays' addressable shards), the float gradient tree (analytic: every device holds the
    whole gradient of its weights before the cross-device reduction), and the compiled step's
@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_nvfp4 as nv
-from benchmarks import hlo
 from train import data as data_lib
 from train import loop
 from train import mesh as mesh_lib
@@ -112,19 +111,6 @@ def state_memory(trainer, params, opt_state) -> Dict[str, int]:
 
 
 # ----------------------------------------------------------------------------- one point
-@dataclasses.dataclass
-class _AOT:
-    """Stands in for ``trainer.step_fn`` so ``gather_accounting`` reuses an executable."""
-
-    compiled: Any
-
-    def lower(self, *args, **kwargs):
-        return self
-
-    def compile(self):
-        return self.compiled
-
-
 def _extra_step_args(step_fn) -> tuple:
     """Arguments the train step takes after ``(params, opt_state, batch, key)``: a loss scale
     of 1 where the step has one (its fault-injection hook)."""
@@ -153,11 +139,8 @@ def measure(cfg: Config, devices: Sequence[Any], *, time_steps: int = 3) -> Dict
     extra = _extra_step_args(trainer.step_fn)
     compiled = trainer.step_fn.lower(params, opt_state, batch, jax.random.key(0), *extra).compile()
     build_s = time.perf_counter() - t0
-    acct = loop.gather_accounting(dataclasses.replace(trainer, step_fn=_AOT(compiled)), params, opt_state, batch)
-    text = compiled.as_text()
-    per_step, warnings = hlo.collective_bytes_per_step(text)
-    by_purpose = hlo.collective_bytes_by_purpose(text)
-    gather = by_purpose.get("param_gather", {})
+    program = nv.comm.parse(compiled.as_text())
+    gathers = program.weight_gathers()
     memory = state_memory(trainer, params, opt_state)
     memory.update({f"compiled_{k}": v for k, v in _mem_stats(compiled).items()})
     n_params = sum(math.prod(l.shape) for l in jax.tree.leaves(params, is_leaf=nv.is_tiled))
@@ -178,28 +161,25 @@ def measure(cfg: Config, devices: Sequence[Any], *, time_steps: int = 3) -> Dict
         "data": dict(zip(mesh.axis_names, mesh.axis_sizes))["data"],
         "n_params": n_params,
         "n_nvfp4_params": n_nvfp4,
+        # Weight all-gathers of the compiled step (every layer's gathers, forward and
+        # rematerialised backward) and their bf16 equivalents: the same figures python -m train
+        # prints (jax_nvfp4.comm.Program.weight_gathers).
         "gather": {
-            # Parameter all-gathers of the compiled step (scope weight_gather: every layer's
-            # gathers, forward and rematerialised backward).
-            "param_gather_bytes": hlo.op_total(gather),
-            "nvfp4_gather_bytes": sum(v for k, v in gather.items() if k.endswith(":u8")),
-            # bf16 equivalents of the same gathers (train.loop.gather_accounting): 2 bytes per
-            # gathered value.
-            "bf16_gather_bytes": acct["bf16_gather_bytes"],
-            "nvfp4_bf16_gather_bytes": acct["nvfp4_bf16_gather_bytes"],
+            "param_gather_bytes": gathers["all_gather_bytes"],
+            "nvfp4_gather_bytes": gathers["nvfp4_gather_bytes"],
+            "bf16_gather_bytes": gathers["bf16_gather_bytes"],
+            "nvfp4_bf16_gather_bytes": gathers["nvfp4_bf16_gather_bytes"],
         },
-        "collectives_per_step": per_step,
-        "collectives_by_purpose": by_purpose,
-        "grad_reduce_bytes": hlo.op_total(by_purpose.get("grad_reduce", {})),
-        "all_collective_bytes": hlo.op_total(per_step),
-        # train.loop.gather_accounting (what python -m train prints), to cross-check the above.
-        "train_gather_accounting": {k: acct[k] for k in ("all_gather_bytes", "nvfp4_gather_bytes")},
+        "collectives_per_step": {f"{op}:{dt}": b for (op, dt), b in program.by("op", "dtype").items()},
+        "collectives_by_purpose": program.by_purpose(),
+        "grad_reduce_bytes": program.total(purpose="grad reduce"),
+        "all_collective_bytes": program.total(),
         "memory": memory,
         "step_time_s": statistics.median(times) if times else None,
         "step_times_s": times,
         "loss_after_steps": loss,
         "build_compile_s": build_s,
-        "hlo_warnings": warnings,
+        "hlo_warnings": list(program.warnings),
     }
     del trainer, params, opt_state, compiled
     gc.collect()

@@ -1,11 +1,33 @@
-"""Bytes moved by collectives, read from compiled HLO text."""
+"""Collective accounting of compiled HLO: the one module that reads XLA's program text.
+
+``parse(compiled.as_text())`` reads a compiled program once into a :class:`Program`: its
+computations, how many times each runs per call (the known trip counts of the ``while`` loops
+around it: ``scan`` over layers), the Python call stacks XLA keeps for each instruction, and
+every collective instruction as a :class:`Collective` row with its bytes, executions, replica
+groups, JAX name scope and **purpose** (what the collective is for). Everything that counts
+bytes in this project (the training CLI, the benchmarks, the scale report, the GPU check) reads
+these rows; nothing else parses HLO.
+
+Bytes are **per device**: each collective counts the size of its result on one device (an
+all-gather its gathered array, a reduce-scatter its shard, an all-reduce the whole reduced
+array); an asynchronous ``*-start`` op counts its output buffer once and its ``*-done`` half
+not at all.
+
+Purpose (:data:`PURPOSES`) comes first from the library's name scopes
+(``collectives.GATHER_SCOPE`` / ``REDUCE_SCOPE``: the per-layer gathers and gradient reductions
+run in custom-VJP code whose Python frames XLA does not keep), then from the innermost known
+function of the call stack (:data:`FUNCTION_PURPOSES`), then from the file it came from (model
+code), and, given a mesh, an XLA-inserted sum over the data axis inside the model's backward
+pass is a gradient reduction.
+"""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import re
-from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, Sequence, Tuple
 
 _OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "collective-broadcast")
 _BYTES = {
@@ -14,15 +36,137 @@ _BYTES = {
     "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e3m4": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e8m0fnu": 1,
     "f4e2m1fn": 0.5,
 }
-# "%name = <type> <op>(" where <type> is an array type or a tuple of them.
+# "%name = <type> <op>(" where <type> is an array type or a (nested) tuple of them.
 _LINE = re.compile(r"=\s*(\(.*?\)|[a-z0-9]+\[[^\]]*\](?:\{[^}]*\})?)\s+(" + "|".join(_OPS) + r")(-start)?\(")
 _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_FRAME = re.compile(r"stack_frame_id=(\d+)")
+_CALLEE = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+_CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+# What a collective is for. The keys are the values of ``Collective.purpose``.
+PURPOSES = {
+    "weight gather": "all-gather of stored weights at their point of use",
+    "grad reduce": "gradient reduction into the master shards",
+    "grad norm": "global gradient norm (clipping)",
+    "re-quantize": "re-quantization of the updated masters (shared amax)",
+    "master relayout": "masters moved to their sharding",
+    "optimizer": "inside the optimizer update",
+    "loss / metrics": "loss and metric reductions",
+    "model fwd/bwd": "inside the model (e.g. tensor-parallel sums)",
+    "other": "not attributed",
+}
+# Innermost function of a collective's Python stack -> its purpose (checked innermost first).
+FUNCTION_PURPOSES = (
+    ("ordered_reduce_scatter", "grad reduce"),
+    ("_grads_to_master", "grad reduce"),
+    ("global_norm", "grad norm"),
+    ("clip_by_global_norm", "grad norm"),
+    ("requantize", "re-quantize"),
+    ("_constrain_master", "master relayout"),
+    ("_gather_forward", "weight gather"),
+    ("gather_dequantized", "weight gather"),
+    ("gather", "weight gather"),
+    ("master_weights", "optimizer"),
+    ("ordered_mean", "loss / metrics"),
+    ("make_step", "loss / metrics"),
+)
+# Files whose code is the model: a collective raised there (and not by a known library
+# function) is part of the model's forward or backward pass.
+MODEL_FILES = ("model.py", "jax_nvfp4/nn.py", "jax_nvfp4/gemm.py")
 
 
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One result array of one collective instruction."""
+
+    op: str  # "all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", ...
+    dtype: str
+    shape: Tuple[int, ...]
+    bytes: float  # per device, one execution
+    times: int  # executions per call of the program (enclosing loop trip counts)
+    op_name: str  # the JAX name-scope path from the instruction's metadata
+    stack: Tuple[Tuple[str, str], ...]  # (file, function) of its Python call stack, innermost first
+    groups: Tuple[Tuple[int, ...], ...]  # replica groups (logical device ids); () = all devices
+    computation: str
+    instruction: str  # the instruction's name (one instruction may have several result arrays)
+    purpose: str
+    axes: Tuple[str, ...] = ()  # mesh axes its groups span (when parsed with a mesh)
+
+    @property
+    def per_call(self) -> float:
+        """Bytes per device per call of the program."""
+        return self.bytes * self.times
+
+    def group_size(self, n_devices: int) -> int:
+        return max((len(g) for g in self.groups), default=n_devices) if self.groups else n_devices
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """Compiled HLO text, read once."""
+
+    computations: Mapping[str, Sequence[str]]
+    entry: str
+    multipliers: Mapping[str, int]
+    warnings: Tuple[str, ...]
+    collectives: Tuple[Collective, ...]
+
+    def select(self, *, op=None, dtype=None, purpose=None) -> List[Collective]:
+        """Rows matching each given field (a string or a tuple of accepted values)."""
+        ok = lambda want, v: want is None or v == want or (isinstance(want, tuple) and v in want)
+        return [c for c in self.collectives if ok(op, c.op) and ok(dtype, c.dtype) and ok(purpose, c.purpose)]
+
+    def total(self, **fields) -> int:
+        """Bytes per device per call of the rows :meth:`select` picks."""
+        return int(sum(c.per_call for c in self.select(**fields)))
+
+    def by(self, *fields: str) -> Dict[tuple, int]:
+        """Bytes per device per call, summed by the given ``Collective`` fields."""
+        out: Dict[tuple, float] = collections.defaultdict(float)
+        for c in self.collectives:
+            out[tuple(getattr(c, f) for f in fields)] += c.per_call
+        return {k: int(v) for k, v in sorted(out.items())}
+
+    def by_purpose(self) -> Dict[str, Dict[str, int]]:
+        """``{purpose: {"op:dtype": bytes per device per call}}``."""
+        out: Dict[str, Dict[str, int]] = {}
+        for (purpose, op, dtype), b in self.by("purpose", "op", "dtype").items():
+            out.setdefault(purpose, {})[f"{op}:{dtype}"] = b
+        return out
+
+    def weight_gathers(self) -> Dict[str, int]:
+        """The weight all-gathers of a training step, per device per call.
+
+        ``all_gather_bytes``: every gather of stored weights (forward and rematerialised
+        backward, times the scan's trip count); ``nvfp4_gather_bytes``: the packed (u8) share of
+        it; ``bf16_gather_bytes``: what the same gathers move with bf16 weights (2 bytes per
+        gathered value; an NVFP4 tile's codes ``[..., 16, 8]`` hold two values per byte);
+        ``nvfp4_bf16_gather_bytes``: that figure for the NVFP4 leaves alone (the denominator of
+        the NVFP4-leaf gather ratio); ``other_gather_bytes``: all-gathers that move no weights
+        (ordered loss and norm sums)."""
+        weight = self.select(op="all-gather", purpose="weight gather")
+        packed = [c for c in weight if c.dtype == "u8"]
+        codes = [c for c in packed if tuple(c.shape[-2:]) == (16, 8)]
+        nvfp4_bf16 = int(sum(4 * c.per_call for c in codes))
+        plain_bf16 = int(sum(c.per_call * 2 / _BYTES[c.dtype] for c in weight if c.dtype != "u8"))
+        total = lambda rows: int(sum(c.per_call for c in rows))
+        return {
+            "all_gather_bytes": total(weight),
+            "nvfp4_gather_bytes": total(packed),
+            "bf16_gather_bytes": nvfp4_bf16 + plain_bf16,
+            "nvfp4_bf16_gather_bytes": nvfp4_bf16,
+            "other_gather_bytes": self.total(op="all-gather") - total(weight),
+        }
+
+
+# ----------------------------------------------------------------------------- parsing
 def _arrays(type_text: str):
     for dtype, dims in _ARRAY.findall(type_text):
-        shape = tuple(int(d) for d in dims.split(",") if d)
-        yield dtype, shape
+        yield dtype, tuple(int(d) for d in dims.split(",") if d)
 
 
 def _results(line: str):
@@ -32,73 +176,27 @@ def _results(line: str):
         return
     type_text, op, start = m.group(1), m.group(2), m.group(3)
     arrays = list(_arrays(type_text))
-    if start and type_text.startswith("(") and len(arrays) >= 2:
-        # (operands..., outputs...): the second half is the result.
+    if start and type_text.startswith("(("):
+        # ((operands...), (outputs...)): the second tuple is the result.
+        depth, cut = 0, len(type_text)
+        for i, ch in enumerate(type_text):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 1 and ch == ")":
+                cut = i
+                break
+        arrays = list(_arrays(type_text[cut + 1:]))
+    elif start and type_text.startswith("(") and len(arrays) >= 2:
+        # (operand, output): the second half is the result.
         arrays = arrays[len(arrays) // 2:]
     for dtype, shape in arrays:
         if dtype in _BYTES:
             yield op, dtype, shape
 
 
-def _line_bytes(lines: Iterable[str]) -> Dict[Tuple[str, str], float]:
-    out: Dict[Tuple[str, str], float] = collections.defaultdict(float)
-    for line in lines:
-        for op, dtype, shape in _results(line):
-            out[(op, dtype)] += _BYTES[dtype] * math.prod(shape)
-    return out
-
-
-def collective_bytes(hlo_text: str) -> Dict[Tuple[str, str], int]:
-    """Bytes per ``(collective op, dtype)`` moved by one execution of compiled HLO, **per
-    device**.
-
-    Each collective counts the size of its result on one device: an all-gather its gathered
-    array, a reduce-scatter its shard, an all-reduce the whole reduced array. Asynchronous
-    ``*-start`` ops count their output buffer once (the ``*-done`` halves are not counted).
-    A collective inside a ``while`` loop with a known trip count (``scan`` over layers) counts
-    once per iteration. Pass ``jax.jit(f).lower(...).compile().as_text()``; text without
-    computations (a few instruction lines) counts each line once.
-    """
-    if "ENTRY" not in hlo_text:
-        out = _line_bytes(hlo_text.splitlines())
-    else:
-        mult, _, comps = multipliers(hlo_text)
-        out = collections.defaultdict(float)
-        for comp, lines in comps.items():
-            for k, v in _line_bytes(lines).items():
-                out[k] += v * mult.get(comp, 0)
-    return {k: int(v) for k, v in sorted(out.items())}
-
-
-def collectives(hlo_text: str) -> List[Dict[str, object]]:
-    """Every collective instruction of compiled HLO: ``{"op", "dtype", "shape", "bytes"
-    (per device, one execution), "times" (executions per call: enclosing loop trip counts),
-    "op_name" (the JAX name-scope path from the metadata)}``; one row per result array."""
-    mult, _, comps = multipliers(hlo_text)
-    rows: List[Dict[str, object]] = []
-    for comp, lines in comps.items():
-        for line in lines:
-            name = re.search(r'op_name="([^"]*)"', line)
-            for op, dtype, shape in _results(line):
-                rows.append({"op": op, "dtype": dtype, "shape": shape, "bytes": _BYTES[dtype] * math.prod(shape),
-                             "times": mult.get(comp, 1), "op_name": name.group(1) if name else ""})
-    return rows
-
-
-def total_bytes(counts: Dict[Tuple[str, str], int], op: str = None) -> int:
-    """Sum of :func:`collective_bytes` entries, optionally for one op."""
-    return sum(v for (o, _), v in counts.items() if op is None or o == op)
-
-
-# ---------------------------------------------------------------- HLO structure helpers
-_CALLEE = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
-_CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
 def computations(hlo: str) -> Tuple[Dict[str, List[str]], str]:
-    """``({name: body lines}, entry name)`` of compiled HLO text."""
+    """``({name: body lines}, entry name)`` of compiled HLO text. Text without an ``ENTRY``
+    computation (a few instruction lines) is one computation named ``""``."""
     comps: Dict[str, List[str]] = {}
     entry, name = None, None
     for line in hlo.splitlines():
@@ -113,17 +211,14 @@ def computations(hlo: str) -> Tuple[Dict[str, List[str]], str]:
         elif name is not None:
             comps[name].append(line)
     if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
+        return {"": [l for l in hlo.splitlines() if l.strip()]}, ""
     return comps, entry
 
 
-def multipliers(hlo: str) -> Tuple[Dict[str, int], List[str], Dict[str, List[str]]]:
-    """How many times each computation runs per call of the entry computation.
-
-    Returns ``(multipliers, warnings, computations)``; a ``while`` without a known trip count
-    counts once and adds a warning.
-    """
-    comps, entry = computations(hlo)
+def multipliers(comps: Mapping[str, Sequence[str]], entry: str) -> Tuple[Dict[str, int], List[str]]:
+    """How many times each computation runs per call of ``entry``: the product of the known
+    trip counts of the ``while`` loops around it, summed over its call sites. A ``while``
+    without a known trip count counts once and adds a warning."""
     edges: Dict[str, List[Tuple[str, int]]] = collections.defaultdict(list)
     warnings: List[str] = []
     for comp, lines in comps.items():
@@ -154,46 +249,168 @@ def multipliers(hlo: str) -> Tuple[Dict[str, int], List[str], Dict[str, List[str
                 visit(callee, m * trip, depth + 1)
 
     visit(entry, 1)
-    return dict(mult), warnings, comps
+    return dict(mult), sorted(set(warnings))
 
 
-
-
-def stack_functions(hlo: str) -> Dict[int, List[str]]:
-    """``{stack_frame_id: [function names, innermost first]}`` from the HLO module's tables."""
-    tables: Dict[str, Dict[int, str]] = {"FileNames": {}, "FunctionNames": {}, "FileLocations": {},
-                                         "StackFrames": {}}
+def stacks(hlo: str) -> Dict[int, List[Tuple[str, str]]]:
+    """``{stack_frame_id: [(file, function), ...] innermost first}`` from the module's
+    ``FileNames`` / ``FunctionNames`` / ``FileLocations`` / ``StackFrames`` tables (empty when
+    the text has none)."""
+    tables: Dict[str, Dict[int, str]] = {t: {} for t in _TABLES}
     current = None
     for line in hlo.splitlines():
         head = line.strip()
         if head in tables:
-            current = head
+            current = tables[head]
             continue
-        if current is None:
-            continue
-        m = re.match(r"(\d+)\s+(.*)$", head)
+        m = re.match(r"(\d+)\s+(.*)$", head) if current is not None else None
         if not m:
-            if head.startswith(("%", "ENTRY", "HloModule")) or (head and not head[0].isdigit()):
-                current = None
+            current = None
             continue
-        tables[current][int(m.group(1))] = m.group(2)
-    func_of_loc = {}
-    for i, text in tables["FileLocations"].items():
-        f = re.search(r"function_name_id=(\d+)", text)
-        if f:
-            func_of_loc[i] = tables["FunctionNames"].get(int(f.group(1)), "").strip('"')
+        current[int(m.group(1))] = m.group(2)
+    files = {k: v.strip('"') for k, v in tables["FileNames"].items()}
+    funcs = {k: v.strip('"') for k, v in tables["FunctionNames"].items()}
+    locs = {}
+    for k, v in tables["FileLocations"].items():
+        f, fn = re.search(r"file_name_id=(\d+)", v), re.search(r"function_name_id=(\d+)", v)
+        locs[k] = (files.get(int(f.group(1)), "?") if f else "?", funcs.get(int(fn.group(1)), "?") if fn else "?")
     frames = {}
-    for i, text in tables["StackFrames"].items():
-        loc = re.search(r"file_location_id=(\d+)", text)
-        parent = re.search(r"parent_frame_id=(\d+)", text)
-        frames[i] = (int(loc.group(1)) if loc else 0, int(parent.group(1)) if parent else 0)
+    for k, v in tables["StackFrames"].items():
+        loc, par = re.search(r"file_location_id=(\d+)", v), re.search(r"parent_frame_id=(\d+)", v)
+        frames[k] = (int(loc.group(1)) if loc else 0, int(par.group(1)) if par else 0)
+    # XLA prints parent_frame_id one above the frame it names (a root frame shows its own id,
+    # 1): detect that and shift, so the chains follow real callers.
+    if any(k == par for k, (_, par) in frames.items()):
+        frames = {k: (loc, par - 1) for k, (loc, par) in frames.items()}
     out = {}
-    for i in frames:
-        names, j, seen = [], i, set()
-        while j in frames and j not in seen:
-            seen.add(j)
-            loc, parent = frames[j]
-            names.append(func_of_loc.get(loc, ""))
-            j = parent - 1  # parent ids are written one above the frame they name; 0 = none
-        out[i] = names
+    for k in frames:
+        chain, seen, f = [], set(), k
+        while f in frames and f not in seen:
+            seen.add(f)
+            loc, par = frames[f]
+            if loc in locs:
+                chain.append(locs[loc])
+            f = par
+        out[k] = chain
     return out
+
+
+def replica_groups(line: str) -> Tuple[Tuple[int, ...], ...]:
+    """Replica groups of a collective instruction (logical device ids: positions in the
+    compiled program's device assignment, ``mesh.devices.flat``); source-target pairs of a
+    collective-permute; ``()`` for "all devices in one group"."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:
+        import numpy as np
+
+        sizes = [(a, int(s)) for a, s in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+        names = [a for a, _ in sizes]
+        axes = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2))]
+        ids = np.arange(math.prod(s for _, s in sizes)).reshape([s for _, s in sizes])
+        rest = [i for i in range(len(sizes)) if i not in axes]
+        ids = np.transpose(ids, rest + axes).reshape(-1, math.prod(sizes[i][1] for i in axes))
+        return tuple(tuple(int(x) for x in g) for g in ids)
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        import numpy as np
+
+        shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(3):
+            ids = np.transpose(ids, [int(x) for x in m.group(3).split(",")])
+        return tuple(tuple(int(x) for x in g) for g in ids.reshape(shape[0], -1))
+    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+    if m:
+        groups = [tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([\d,]*)\}", m.group(1))]
+        return tuple(g for g in groups if g)
+    m = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+    if m:
+        return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1)))
+    return ()
+
+
+def purpose(op: str, op_name: str, stack: Sequence[Tuple[str, str]]) -> str:
+    """What a collective is for (a key of :data:`PURPOSES`), from its JAX name scope and its
+    Python call stack (innermost first)."""
+    from jax_nvfp4.collectives import GATHER_SCOPE, REDUCE_SCOPE
+
+    label = "other"
+    for path, func in stack:
+        name = func.split(".<locals>")[0]
+        hit = next((p for key, p in FUNCTION_PURPOSES if name == key), None)
+        if hit == "loss / metrics" and any(f.endswith(MODEL_FILES) for f, _ in stack):
+            hit = "model fwd/bwd"
+        if hit is None and path.endswith(MODEL_FILES):
+            hit = "model fwd/bwd"
+        if hit is not None:
+            label = hit
+            break
+    if GATHER_SCOPE in op_name:
+        return "weight gather"
+    if REDUCE_SCOPE in op_name and label not in ("grad norm", "loss / metrics"):
+        return "grad reduce"
+    return label
+
+
+def _mesh_axes(groups, mesh) -> Tuple[str, ...]:
+    """Mesh axes along which the devices of ``groups`` differ."""
+    import numpy as np
+
+    shape = tuple(mesh.devices.shape)
+    if not groups:
+        return tuple(a for a, s in zip(mesh.axis_names, shape) if s > 1)
+    axes = set()
+    for g in groups:
+        coords = np.array(np.unravel_index(np.asarray(g), shape))
+        axes |= {a for i, a in enumerate(mesh.axis_names) if len(set(coords[i].tolist())) > 1}
+    return tuple(a for a in mesh.axis_names if a in axes)
+
+
+def parse(hlo_text: str, mesh=None, data_axes: Sequence[str] = ("data",)) -> Program:
+    """Read compiled HLO text (``jax.jit(f).lower(...).compile().as_text()``) once.
+
+    With ``mesh`` (the program's mesh), each collective also gets the mesh axes its groups
+    span, and an all-reduce or reduce-scatter over a ``data_axes`` axis inside model code
+    (XLA's own gradient sum placed in the backward pass) is a gradient reduction."""
+    comps, entry = computations(hlo_text)
+    mult, warnings = multipliers(comps, entry) if entry else ({"": 1}, [])
+    frames = stacks(hlo_text)
+    rows: List[Collective] = []
+    for comp, lines in comps.items():
+        times = mult.get(comp, 0)
+        if not times:
+            continue
+        for line in lines:
+            results = list(_results(line))
+            if not results:
+                continue
+            inst = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=", line)
+            name = _OP_NAME.search(line)
+            op_name = name.group(1) if name else ""
+            fid = _FRAME.search(line)
+            stack = tuple(frames.get(int(fid.group(1)), ())) if fid else ()
+            groups = replica_groups(line)
+            label = purpose(results[0][0], op_name, stack)
+            axes = _mesh_axes(groups, mesh) if mesh is not None else ()
+            if (label == "model fwd/bwd" and results[0][0] in ("all-reduce", "reduce-scatter")
+                    and set(axes) & set(data_axes)):
+                label = "grad reduce"
+            for op, dtype, shape in results:
+                rows.append(Collective(op=op, dtype=dtype, shape=shape, bytes=_BYTES[dtype] * math.prod(shape),
+                                       times=times, op_name=op_name, stack=stack, groups=groups,
+                                       computation=comp, instruction=inst.group(1) if inst else "", purpose=label, axes=axes))
+    return Program(computations=comps, entry=entry, multipliers=mult, warnings=tuple(warnings),
+                   collectives=tuple(rows))
+
+
+# ----------------------------------------------------------------------------- shortcuts
+def collective_bytes(hlo_text: str) -> Dict[Tuple[str, str], int]:
+    """Bytes per ``(collective op, dtype)`` moved by one call of compiled HLO, **per device**,
+    loop trip counts applied (see :func:`parse`)."""
+    return parse(hlo_text).by("op", "dtype")
+
+
+def total_bytes(counts: Dict[Tuple[str, str], int], op: str = None) -> int:
+    """Sum of :func:`collective_bytes` entries, optionally for one op."""
+    return sum(v for (o, _), v in counts.items() if op is None or o == op)

@@ -381,25 +381,6 @@ def test_gather_weight_forward_and_its_ordered_reduce_scatter(n):
     assert {(op, dt) for op, dt in counts} == {("all-gather", "u8"), ("all-to-all", "u16")}, counts
 
 
-def test_collective_bytes_parser():
-    hlo = """
-  %ag = u8[256,64]{1,0} all-gather(%p), channel_id=1, dimensions={0}
-  %ags = (u8[32,64]{1,0}, u8[256,64]{1,0}) all-gather-start(%p2), channel_id=2
-  %agd = u8[256,64]{1,0} all-gather-done(%ags)
-  %ar = (f32[], f32[128,256]{1,0}) all-reduce(%a, %b), channel_id=3, to_apply=%add
-  %rs = bf16[16,128]{1,0} reduce-scatter(%g), channel_id=4, dimensions={0}
-  %cp = f32[13,72]{1,0} collective-permute(%x), source_target_pairs={{0,1}}
-"""
-    counts = nv.collective_bytes(hlo)
-    assert counts == {
-        ("all-gather", "u8"): 2 * 256 * 64,
-        ("all-reduce", "f32"): 4 + 128 * 256 * 4,
-        ("reduce-scatter", "bf16"): 16 * 128 * 2,
-        ("collective-permute", "f32"): 13 * 72 * 4,
-    }
-    assert nv.total_bytes(counts, "all-gather") == 2 * 256 * 64
-
-
 def test_big_plain_leaf_with_no_divisible_axis_is_stored_sharded():
     n = 6
     mesh = make_mesh(n)

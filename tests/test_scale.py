@@ -84,37 +84,6 @@ def test_two_racks_with_a_tensor_axis(tmp_path):
 
 
 # ----------------------------------------------------------------------------- no compile
-def test_replica_group_formats():
-    mesh_fmt = "x = u8[4] all-gather(y), replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, dimensions={0}"
-    assert [g.tolist() for g in scale._groups(mesh_fmt, 8)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    iota = "x = f32[4] all-reduce(y), replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add"
-    assert [g.tolist() for g in scale._groups(iota, 8)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    explicit = "x = f32[4] all-reduce(y), replica_groups={{0,1},{2,3}}, to_apply=%add"
-    assert [g.tolist() for g in scale._groups(explicit, 4)] == [[0, 1], [2, 3]]
-    assert [g.tolist() for g in scale._groups("x = f32[4] all-reduce(y), replica_groups={}, to_apply=%a", 3)] == [[0, 1, 2]]
-    perm = "x = f32[4] collective-permute(y), channel_id=1, source_target_pairs={{0,1},{1,2}}"
-    assert [g.tolist() for g in scale._groups(perm, 4)] == [[0, 1], [1, 2]]
-
-
-def test_loop_trip_counts_multiply_collectives():
-    hlo = "\n".join([
-        "HloModule m",
-        "%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {",
-        "  %ar = f32[8]{0} all-reduce(%x), replica_groups={}, to_apply=%add",
-        "}",
-        "%cond (p: (s32[], f32[8])) -> pred[] {",
-        "  %c = pred[] constant(true)",
-        "}",
-        "ENTRY %main (a: f32[8]) -> f32[8] {",
-        '  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}',
-        "  %ag = u8[16]{0} all-gather(%z), replica_groups={}, dimensions={0}",
-        "}",
-    ])
-    comps = scale._computations(hlo)
-    mult, warnings = scale._multipliers(comps)
-    assert mult["body"] == 5 and mult["main"] == 1 and not warnings
-
-
 def test_time_model():
     gb = 1e9
     # Inside one domain: NVLink; across: the flat ring runs at the IB speed.

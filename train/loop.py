@@ -292,34 +292,15 @@ def validation_loss(eval_fn, params, batches) -> float:
 
 # ----------------------------------------------------------------------------- accounting
 def gather_accounting(trainer: Trainer, params, opt_state, batch) -> Dict[str, Any]:
-    """Bytes per step read from the compiled step's HLO, per device.
-
-    ``all_gather_bytes``: parameter gathers (scope ``weight_gather``: every layer's gathers,
-    forward and rematerialised backward, times the scan's trip count); the other all-gathers
-    (ordered loss / norm sums) are ``reduce_gather_bytes``. ``bf16_gather_bytes``: what the
-    same gathers would move with bf16 weights (2 bytes per gathered value: 4x the packed code
-    bytes of an NVFP4 gather); ``nvfp4_*``: the NVFP4 weights' share. ``collectives`` lists
-    every collective (bytes per step by op and dtype)."""
+    """Bytes per step read from the compiled step's HLO, per device: the weight gathers
+    (``jax_nvfp4.comm.Program.weight_gathers``), every collective by ``op:dtype``, and XLA's
+    temporary buffer size."""
     compiled = trainer.step_fn.lower(params, opt_state, batch, jax.random.key(0), np.float32(1)).compile()
-    text = compiled.as_text()
-    rows = nv.comm.collectives(text)
-    gathers = [r for r in rows if r["op"] == "all-gather"]
-    weight = [r for r in gathers if nv.collectives.GATHER_SCOPE in r["op_name"]]
-    per_step = lambda rs: int(sum(r["bytes"] * r["times"] for r in rs))
-    packed = [r for r in weight if r["dtype"] == "u8"]
-    codes = [r for r in packed if tuple(r["shape"][-2:]) == (16, 8)]
-    nvfp4_bf16 = 4 * per_step(codes)
-    plain = [r for r in weight if r["dtype"] != "u8"]
-    plain_bf16 = int(sum(r["bytes"] * r["times"] * 2 / nv.comm._BYTES[r["dtype"]] for r in plain))
-    counts = nv.collective_bytes(text)
+    program = nv.comm.parse(compiled.as_text())
     mem = compiled.memory_analysis()
     return {
-        "collectives": {f"{op}:{dt}": b for (op, dt), b in counts.items()},
-        "all_gather_bytes": per_step(weight),
-        "reduce_gather_bytes": per_step(gathers) - per_step(weight),
-        "bf16_gather_bytes": nvfp4_bf16 + plain_bf16,
-        "nvfp4_gather_bytes": per_step(packed),
-        "nvfp4_bf16_gather_bytes": nvfp4_bf16,
+        **program.weight_gathers(),
+        "collectives": {f"{op}:{dt}": b for (op, dt), b in program.by("op", "dtype").items()},
         "temp_bytes": getattr(mem, "temp_size_in_bytes", None) if mem is not None else None,
     }
 

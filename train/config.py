@@ -306,9 +306,11 @@ class TrainConfig:
     eval_batches: int = _field(4, gt=0, doc="validation batches (of data.batch_size rows) per evaluation")
     out_dir: str = _field("runs/default")
     seed: int = _field(0, ge=0)
-    remat: str = _field("dots", choices=("dots", "nothing"),
-                        doc="what a scanned layer keeps for its backward pass: 'dots' (its matmul "
-                            "outputs) or 'nothing'; never its gathered weights")
+    remat: str = _field("nothing", choices=("nothing", "dots"),
+                        doc="what a scanned layer keeps for its backward pass besides its input: "
+                            "'nothing' (recompute the layer; memory flat in depth) or 'dots' (its "
+                            "matmul outputs: less recompute, activation memory grows with depth); "
+                            "never its gathered weights")
 
     def __post_init__(self):
         _check_section(self)

@@ -169,26 +169,26 @@ def test_step_gathers_and_reduces_one_layer_at_a_time():
 
     layers = 4
     text, _ = _compiled_step_text(tiny(f"model.layers={layers}"))
-    rows = nv.comm.collectives(text)
-    weight = [r for r in rows if r["op"] == "all-gather" and nv.collectives.GATHER_SCOPE in r["op_name"]]
-    packed = [r for r in weight if r["dtype"] == "u8"]
+    rows = nv.comm.parse(text).collectives
+    weight = [r for r in rows if r.op == "all-gather" and nv.collectives.GATHER_SCOPE in r.op_name]
+    packed = [r for r in weight if r.dtype == "u8"]
     # Every NVFP4 weight's codes and scales (7 matrices per block) are gathered inside the scan
     # over layers: in the forward loop and again in the rematerialised backward loop, each
     # executed once per layer, never the whole stack at once.
-    assert len(packed) == 2 * 7 * 2 and all(r["times"] == layers for r in packed)
-    assert all(r["shape"][0] == 1 for r in packed)  # one layer's matrix (nt = 1), not [L, ...]
+    assert len(packed) == 2 * 7 * 2 and all(r.times == layers for r in packed)
+    assert all(r.shape[0] == 1 for r in packed)  # one layer's matrix (nt = 1), not [L, ...]
     # Plain weights (embedding, head: bf16) travel as their bits; nothing float32 is gathered.
-    assert {r["dtype"] for r in weight} == {"u8", "u16"}
-    assert not any(r["dtype"] in ("f32", "bf16", "f16") for r in rows if r["op"] == "all-gather")
+    assert {r.dtype for r in weight} == {"u8", "u16"}
+    assert not any(r.dtype in ("f32", "bf16", "f16") for r in rows if r.op == "all-gather")
     # Gradients: all-to-alls of bf16 bits inside the backward loop, per layer, one padded
     # bf16 copy of each matrix per device (the bytes of a bf16 reduce-scatter on the wire).
-    a2a = [r for r in rows if r["op"] == "all-to-all"]
-    assert {r["dtype"] for r in a2a} == {"u16"}
-    per_layer = sum(r["bytes"] * r["times"] for r in a2a if r["times"] == layers)
+    a2a = [r for r in rows if r.op == "all-to-all"]
+    assert {r.dtype for r in a2a} == {"u16"}
+    per_layer = sum(r.bytes * r.times for r in a2a if r.times == layers)
     d, h = 64, 176
     logical = layers * 2 * (4 * d * d + 3 * d * h)
     assert logical <= per_layer <= 1.5 * logical, (per_layer, logical)
-    assert not any(r["op"] in ("all-reduce", "reduce-scatter") and r["dtype"] in ("f32", "bf16") for r in rows)
+    assert not any(r.op in ("all-reduce", "reduce-scatter") and r.dtype in ("f32", "bf16") for r in rows)
 
 
 def test_step_never_holds_every_layers_weights_or_full_gradients():

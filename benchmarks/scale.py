@@ -62,20 +62,28 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 # ----------------------------------------------------------------------------- the mesh spec
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
-    """``gb200:R`` = R NVLink racks of ``nvl_domain`` devices (data across racks, tensor inside
-    one); ``data:N`` = a plain mesh with N data shards (``N x tensor`` devices)."""
+    """``gb200:R`` = R NVLink racks of ``nvl_domain`` devices (tensor inside one); ``data:N`` =
+    a plain mesh with N data shards (``N x tensor`` devices).
+
+    ``sharding`` (gb200 only): ``fsdp`` (mesh ``rack x data x tensor``, state sharded over
+    racks and the in-rack data axis, gathers and reductions one level at a time), ``hsdp``
+    (state sharded inside a rack, replicated across racks) or ``flat`` (one data axis over
+    every rack: ``mesh.layout: auto``)."""
 
     kind: str
     count: int
     tensor: int = 1
     nvl_domain: int = 72
+    sharding: str = "fsdp"
 
     @classmethod
-    def parse(cls, text: str, tensor: int = 1, nvl_domain: int = 72) -> "MeshSpec":
+    def parse(cls, text: str, tensor: int = 1, nvl_domain: int = 72, sharding: str = "fsdp") -> "MeshSpec":
         m = re.fullmatch(r"(gb200|data):(\d+)", text)
         if not m or int(m.group(2)) < 1:
             raise ValueError(f"--mesh {text!r}: expected gb200:RACKS or data:N, e.g. gb200:2 or data:16")
-        return cls(m.group(1), int(m.group(2)), tensor, nvl_domain)
+        if sharding not in ("fsdp", "hsdp", "flat"):
+            raise ValueError(f"--sharding {sharding!r}: expected fsdp, hsdp or flat")
+        return cls(m.group(1), int(m.group(2)), tensor, nvl_domain, sharding if m.group(1) == "gb200" else "flat")
 
     @property
     def devices(self) -> int:
@@ -84,7 +92,8 @@ class MeshSpec:
     @property
     def label(self) -> str:
         dom = f"-nvl{self.nvl_domain}" if self.kind == "gb200" and self.nvl_domain != 72 else ""
-        return f"{self.kind}-{self.count}{dom}" + (f"-t{self.tensor}" if self.tensor > 1 else "")
+        mode = f"-{self.sharding}" if self.kind == "gb200" and self.sharding != "fsdp" else ""
+        return f"{self.kind}-{self.count}{dom}" + (f"-t{self.tensor}" if self.tensor > 1 else "") + mode
 
 
 # ----------------------------------------------------------------------------- link model
@@ -126,6 +135,17 @@ def collective_time(op: str, nbytes: float, n: int, k: int, nvlink_gbps: float, 
     return flat, (two if k > 1 else flat)
 
 
+def ib_bytes(op: str, nbytes: float, n: int, k: int) -> float:
+    """Bytes one device receives across racks (InfiniBand) in the two-level algorithm of
+    :func:`collective_time` (0 inside one domain): all-gather B(k-1)/n; reduce-scatter
+    S(k-1); all-reduce 2(B/m)(k-1)/k; all-to-all B(n-m)/n; collective-permute B."""
+    if n <= 1 or k <= 1:
+        return 0.0
+    m = n / k
+    return {"all-gather": nbytes * (k - 1) / n, "reduce-scatter": nbytes * (k - 1),
+            "all-reduce": 2 * (nbytes / m) * (k - 1) / k, "all-to-all": nbytes * (n - m) / n}.get(op, nbytes)
+
+
 def ring_bytes(op: str, nbytes: float, n: int) -> float:
     """Bytes one device sends in a ring collective (``nbytes`` counted as in
     :func:`collective_time`): all-gather B(n-1)/n, reduce-scatter S(n-1), all-reduce 2B(n-1)/n,
@@ -145,7 +165,7 @@ def analyze_hlo(hlo: str, mesh, nvl_domain: int, nvlink_gbps: float = NVLINK_GBP
 
     domains = np.array(device_domains(list(mesh.devices.flat), nvl_domain))
     n_dev = domains.size
-    program = nv.comm.parse(hlo, mesh, data_axes=(rules_data_axis(mesh),))
+    program = nv.comm.parse(hlo, mesh, data_axes=tuple(a for a in ("rack", "data") if a in mesh.axis_names))
     rows, seen = {}, set()
     for c in program.collectives:
         groups = [np.asarray(g) for g in c.groups] or [np.arange(n_dev)]
@@ -157,20 +177,17 @@ def analyze_hlo(hlo: str, mesh, nvl_domain: int, nvlink_gbps: float = NVLINK_GBP
         axis = "+".join(c.axes) or "-"
         key = (c.purpose, c.op, c.dtype, axis, n, k)
         r = rows.setdefault(key, dict(purpose=c.purpose, op=c.op, dtype=c.dtype, axis=axis, group=n, domains=k,
-                                      instances=0, bytes=0, wire=0.0, time_flat_s=0.0, time_2level_s=0.0))
+                                      instances=0, bytes=0, wire=0.0, ib=0.0, time_flat_s=0.0, time_2level_s=0.0))
         flat, two = collective_time(c.op, c.bytes, n, k, nvlink_gbps, ib_gbps)
         if (c.computation, c.instruction, key) not in seen:  # one instance per instruction
             seen.add((c.computation, c.instruction, key))
             r["instances"] += c.times
         r["bytes"] += int(c.per_call)
         r["wire"] += ring_bytes(c.op, c.bytes, n) * c.times
+        r["ib"] += ib_bytes(c.op, c.bytes, n, k) * c.times
         r["time_flat_s"] += flat * c.times
         r["time_2level_s"] += two * c.times
     return sorted(rows.values(), key=lambda r: (r["purpose"], r["op"], r["axis"], r["dtype"])), list(program.warnings)
-
-
-def rules_data_axis(mesh) -> str:
-    return "data" if "data" in mesh.axis_names else mesh.axis_names[0]
 
 
 # ----------------------------------------------------------------------------- building the step
@@ -178,9 +195,11 @@ def make_config(preset: Dict[str, int], spec: MeshSpec, weights: str, seq_len: i
     from train.config import from_dict
 
     n_data = spec.devices // spec.tensor
+    two_level = spec.kind == "gb200" and spec.sharding != "flat"
     return from_dict({
         "model": dict(preset, seq_len=seq_len),
-        "mesh": dict(data=-1, tensor=spec.tensor, layout="gb200" if spec.kind == "gb200" else "auto",
+        "mesh": dict(data=-1, tensor=spec.tensor, layout="gb200" if two_level else "auto",
+                     sharding=spec.sharding if two_level else "fsdp",
                      nvl_domain=spec.nvl_domain, simulate_devices=0),
         "data": dict(batch_size=n_data * micro_batch, markov_states=2),
         "nvfp4": dict(weights=weights),
@@ -202,11 +221,12 @@ def _tree_bytes(tree) -> int:
     return sum(_nbytes(x) for x in jax.tree.leaves(tree))
 
 
-def analytic(params, rules, policy, n_data: int, n_tensor: int, racks_per_data_group: int,
-             nvlink_gbps: float, ib_gbps: float) -> Dict[str, Any]:
+def analytic(params, rules, policy, n_data: int, n_tensor: int, racks: int,
+             nvlink_gbps: float, ib_gbps: float, hsdp: bool = False) -> Dict[str, Any]:
     """The figures the layout should give, from logical shapes alone (no padding, every large
-    leaf divisible). ``t`` = the tensor split of a leaf (``n_tensor`` where a tensor rule
-    matches, else 1):
+    leaf divisible). ``N_data`` = ``n_data``, the devices the state is sharded over (every data
+    device; with ``hsdp`` the devices of one rack), ``racks`` = the NVLink domains the batch
+    spans, ``t`` = the tensor split of a leaf (``n_tensor`` where a tensor rule matches, else 1):
 
     - NVFP4 matrix stack of ``numel`` elements (``L x rows x cols``):
       packed gather bytes/device = passes (numel/2 + numel/256) / t (codes + E4M3 scales; amax
@@ -219,7 +239,12 @@ def analytic(params, rules, policy, n_data: int, n_tensor: int, racks_per_data_g
       where numel' counts the tile padding: per matrix (per tensor shard) ceil(r/16) ceil(c/16)
       tiles rounded up to a multiple of N_data, times 256;
     - ideal gradient reduction = a reduce-scatter of the bf16 gradients over the data axis,
-      result 2 numel / (N_data t) per device (all-reduce of 2 numel for small leaves).
+      result 2 numel / (N_data t) per device (all-reduce of 2 numel for small leaves); with
+      ``hsdp`` followed by an all-reduce of that shard across the racks.
+
+    Times: the ideal two-level algorithms of :func:`collective_time` over the N_data devices
+    spanning ``racks`` domains (``hsdp``: gathers and reduce-scatters inside a rack, the
+    shard's all-reduce across racks); ``ib_bytes`` = their InfiniBand bytes per device.
     """
     import jax
     import jax_nvfp4 as nv
@@ -269,14 +294,22 @@ def analytic(params, rules, policy, n_data: int, n_tensor: int, racks_per_data_g
             out["grad_reduce_scatter"] += 2 * numel / (n_data * t)
         else:
             out["grad_all_reduce"] += 2 * numel
-    k, n = racks_per_data_group, n_data
+    n = n_data
+    k = 1 if hsdp else racks  # NVLink domains a storage (gather, reduce-scatter) group spans
     gathered = out["gather_packed"] + out["gather_plain"]
     out["wire_gather"] = ring_bytes("all-gather", gathered, n)
     out["wire_reduce"] = (ring_bytes("reduce-scatter", out["grad_reduce_scatter"], n)
-                          + ring_bytes("all-reduce", out["grad_all_reduce"], n))
+                          + ring_bytes("all-reduce", out["grad_all_reduce"], n * (racks if hsdp else 1)))
     ag = collective_time("all-gather", gathered, n, k, nvlink_gbps, ib_gbps)
     rs = collective_time("reduce-scatter", out["grad_reduce_scatter"], n, k, nvlink_gbps, ib_gbps)
-    ar = collective_time("all-reduce", out["grad_all_reduce"], n, k, nvlink_gbps, ib_gbps)
+    ar = collective_time("all-reduce", out["grad_all_reduce"], n * (racks if hsdp else 1), racks, nvlink_gbps, ib_gbps)
+    out["ib_bytes"] = (ib_bytes("all-gather", gathered, n, k) + ib_bytes("reduce-scatter", out["grad_reduce_scatter"], n, k)
+                       + ib_bytes("all-reduce", out["grad_all_reduce"], n * (racks if hsdp else 1), racks))
+    if hsdp and racks > 1:  # the rack's reduced shard, all-reduced across the racks
+        x = collective_time("all-reduce", out["grad_reduce_scatter"], racks, racks, nvlink_gbps, ib_gbps)
+        rs = (rs[0] + x[0], rs[1] + x[1])
+        out["wire_reduce"] += ring_bytes("all-reduce", out["grad_reduce_scatter"], racks)
+        out["ib_bytes"] += ib_bytes("all-reduce", out["grad_reduce_scatter"], racks, racks)
     out["time_gather_flat_s"], out["time_gather_2level_s"] = ag
     out["time_grad_rs_flat_s"], out["time_grad_rs_2level_s"] = rs
     out["time_flat_s"] = ag[0] + rs[0] + ar[0]
@@ -332,7 +365,7 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
     (a_params, a_state), (p_sh, s_sh) = loop.abstract_state(cfg, mesh, model, policy, rules, tx)
     sds = lambda t, s: jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), t, s)
     params, state = sds(a_params, p_sh), sds(a_state, s_sh)
-    batch_sh = NamedSharding(mesh, P("data"))
+    batch_sh = NamedSharding(mesh, P(loop.batch_axes(mesh, rules)))
     batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), jnp.int32, sharding=batch_sh)
     key = jax.eval_shape(lambda: jax.random.key(0))
     step = jax.jit(
@@ -390,10 +423,15 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
         time_flat_s=sum(r["time_flat_s"] for r in colls),
         time_2level_s=sum(r["time_2level_s"] for r in colls),
     )
-    # The data groups of the mesh: how many NVLink domains one spans (for the analytic times).
+    # The batch groups of the mesh (one per tensor index): how many NVLink domains one spans.
     domains = np.array(mesh_lib.device_domains(list(mesh.devices.flat), spec.nvl_domain)).reshape(mesh.devices.shape)
-    k_data = max(len(set(domains[:, j].tolist())) for j in range(domains.shape[1]))
-    ana = analytic(a_params, rules, policy, axes["data"], axes["tensor"], k_data, nvlink_gbps, ib_gbps)
+    t_dim = mesh.axis_names.index("tensor")
+    k_data = max(len(set(np.take(domains, j, axis=t_dim).ravel().tolist())) for j in range(domains.shape[t_dim]))
+    n_store = nv.layout.axis_size(mesh, rules.data_axis)
+    axes = dict(axes, storage=n_store, racks=k_data)
+    ana = analytic(a_params, rules, policy, n_store, axes["tensor"], k_data, nvlink_gbps, ib_gbps,
+                   hsdp=rules.replica_axis is not None)
+    measured["ib_bytes"] = sum(r["ib"] for r in colls)
     specs = nv.partition_specs(a_params, mesh, rules)
     return {
         "weights": cfg.nvfp4.weights,
@@ -405,7 +443,8 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
         "analytic": ana,
         "collectives": colls,
         "warnings": warnings,
-        "unsharded_large_leaves": unsharded_large_leaves(a_params, specs, rules, axes["data"]),
+        "sharding": spec.sharding,
+        "unsharded_large_leaves": unsharded_large_leaves(a_params, specs, rules, n_store),
     }
 
 
@@ -448,9 +487,22 @@ ROWS = (
     ("collective_permute", "collective-permute: total", None, "b"),
     ("wire_gather", "weight all-gathers, ring bytes sent", "wire_gather", "b"),
     ("wire_reduce", "gradient reduction, ring bytes sent (analytic: bf16 reduce-scatter)", "wire_reduce", "b"),
+    ("ib_bytes", "InfiniBand bytes received per device (two-level model)", "ib_bytes", "b"),
     ("time_flat_s", "modelled time of all collectives, flat ring", "time_flat_s", "s"),
     ("time_2level_s", "modelled time of all collectives, two-level", "time_2level_s", "s"),
 )
+
+
+SHARDING_TEXT = {
+    "fsdp": "fsdp (mesh.layout gb200: axes rack x data x tensor; the state is sharded over (data, rack), "
+            "racks minor: each layer's gather crosses racks first on 1/I of the bytes, then gathers inside "
+            "the rack; each gradient is summed inside the rack first, then only the rack's 1/I shard crosses "
+            "InfiniBand; I = data devices per rack)",
+    "hsdp": "hsdp (mesh.layout gb200, mesh.sharding hsdp: the state is sharded over the in-rack data axis and "
+            "replicated across racks; weight gathers never leave a rack; gradients are reduce-scattered inside "
+            "the rack, then the rack's shard is summed across racks)",
+    "flat": "flat (one data axis over every device: gathers and reductions span racks as one group)",
+}
 
 
 def markdown(report: Dict[str, Any]) -> str:
@@ -467,6 +519,7 @@ def markdown(report: Dict[str, Any]) -> str:
         f"- compiled with all {cfg['layers']} layers (blocks under nn.scan: compile cost does not grow with depth), "
         "so no per-layer figure is extrapolated",
         f"- {runs[0]['mesh']}",
+        f"- sharding: {SHARDING_TEXT[runs[0].get('sharding', 'flat')]}",
         f"- batch: {report['micro_batch']} sequence(s) of {report['seq_len']} tokens per data shard (temporaries are "
         "for this micro-batch)",
         "- step: train.loop.make_step (FSDP): inside the scan over layers, each layer all-gathers its packed "
@@ -485,7 +538,7 @@ def markdown(report: Dict[str, Any]) -> str:
         if a["master_unpadded"] and a["master"] > a["master_unpadded"] * 1.0005:
             lines += [f"- {r['weights']}: the tile padding of the NVFP4 masters adds "
                       f"{100 * (a['master'] / a['master_unpadded'] - 1):.1f}% to master and Adam state "
-                      f"(each matrix's 16x16 tiles rounded up to a multiple of {r['axes']['data']})."]
+                      f"(each matrix's 16x16 tiles rounded up to a multiple of {r['axes']['storage']})."]
         if r["unsharded_large_leaves"]:
             lines += [f"- **layout warning ({r['weights']})**: {len(r['unsharded_large_leaves'])} large leaves are "
                       f"stored replicated across the data axis ({r['axes']['data']} does not divide their "
@@ -515,7 +568,8 @@ def markdown(report: Dict[str, Any]) -> str:
     for r in runs:
         a = r["analytic"]
         lines += [
-            f"Analytic collective time ({r['weights']}, data axis n={r['axes']['data']}, spanning "
+            f"Analytic collective time ({r['weights']}, {r.get('sharding', 'flat')}: state sharded over "
+            f"{r['axes']['storage']} devices, batch over {r['axes']['data']} spanning "
             f"{r['data_group_domains']} NVLink domain(s)): weight all-gather {_fmt_s(a['time_gather_flat_s'])} flat / "
             f"{_fmt_s(a['time_gather_2level_s'])} two-level; bf16 gradient reduce-scatter "
             f"{_fmt_s(a['time_grad_rs_flat_s'])} flat / {_fmt_s(a['time_grad_rs_2level_s'])} two-level.",
@@ -593,6 +647,9 @@ def parse_args(argv=None):
     p.add_argument("--mesh", default="gb200:2", help="gb200:RACKS (RACKS x nvl-domain devices) or data:N")
     p.add_argument("--tensor", type=int, default=1, help="tensor-axis size (inside one NVLink domain)")
     p.add_argument("--nvl-domain", type=int, default=72, help="devices per NVLink domain (72 = NVL72)")
+    p.add_argument("--sharding", choices=("fsdp", "hsdp", "flat"), default="fsdp",
+                   help="gb200 meshes: fsdp (rack x data axes, state sharded over both), hsdp (sharded "
+                        "inside a rack, replicated across racks) or flat (one data axis over all racks)")
     p.add_argument("--weights", choices=("nvfp4", "bf16", "both"), default="both")
     p.add_argument("--layers", type=int, help="override the preset's layer count (e.g. for a fast test)")
     p.add_argument("--vocab", type=int, help="override the preset's vocabulary size")
@@ -624,7 +681,7 @@ def _request_devices(n: int) -> None:
 
 def main(argv=None) -> Dict[str, Any]:
     args = parse_args(argv)
-    spec = MeshSpec.parse(args.mesh, args.tensor, args.nvl_domain)
+    spec = MeshSpec.parse(args.mesh, args.tensor, args.nvl_domain, args.sharding)
     preset = dict(PRESETS[args.model])
     overrides = {k: v for k, v in (("layers", args.layers), ("vocab", args.vocab)) if v is not None}
     preset.update(overrides)

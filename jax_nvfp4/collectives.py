@@ -65,9 +65,29 @@ def _size(axis) -> int:
     return jax.lax.psum(1, axis)
 
 
+def _levels(axis) -> Tuple[str, ...]:
+    """The mesh axes of a (possibly tuple) data axis, major first: shard ``(i_1, ..., i_k)``
+    of a tuple axis is shard ``i_1 n_2 ... n_k + ... + i_k`` of the whole."""
+    return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+
+
+def all_gather_levels(x: jax.Array, axis, *, dim: int = 0) -> jax.Array:
+    """Tiled all-gather of ``x`` along ``dim`` over ``axis``; over a tuple axis one level at
+    a time, the minor (last) axis first. With ``("data", "rack")`` (racks minor) the first,
+    cross-rack gather moves 1/I of the bytes (I = devices per rack) and the second stays in
+    the rack. Same result as one all-gather over the tuple."""
+    for a in reversed(_levels(axis)):
+        if _size(a) > 1:
+            x = jax.lax.all_gather(x, a, axis=dim, tiled=True)
+    return x
+
+
 def all_gather_bits(x: jax.Array, axis, *, dim: int = 0, tiled: bool = False) -> jax.Array:
-    """``jax.lax.all_gather`` of ``x``'s bits (floats travel as same-width unsigned ints)."""
-    out = jax.lax.all_gather(to_bits(x), axis, axis=dim, tiled=tiled)
+    """``jax.lax.all_gather`` of ``x``'s bits (floats travel as same-width unsigned ints);
+    ``tiled`` gathers over a tuple axis level by level (:func:`all_gather_levels`)."""
+    if tiled:
+        return from_bits(all_gather_levels(to_bits(x), axis, dim=dim), x.dtype)
+    out = jax.lax.all_gather(to_bits(x), axis, axis=dim, tiled=False)
     return from_bits(out, x.dtype)
 
 
@@ -82,27 +102,52 @@ def ordered_mean(x: jax.Array, axis) -> jax.Array:
         return fold_sum(parts) / np.float32(n)
 
 
-def ordered_reduce_scatter(tiles: jax.Array, axis) -> jax.Array:
-    """Mean over ``axis`` of every device's full tile array ``[..., nt, T, 16, 16]``, each
-    device receiving its own ``T / N`` tiles ``[..., nt, T/N, 16, 16]`` float32 (inside
-    ``shard_map``): an all-to-all of the bits, then a fold in shard order."""
-    n = _size(axis)
+def ordered_reduce_scatter(tiles: jax.Array, axis, replica_axis=None) -> jax.Array:
+    """Mean over ``axis`` (and ``replica_axis``) of every device's full tile array
+    ``[..., nt, T, 16, 16]``, each device receiving its own ``T / N`` tiles
+    ``[..., nt, T/N, 16, 16]`` float32 (inside ``shard_map``).
+
+    One level per mesh axis of ``axis``, major first: an all-to-all of the bits sends each
+    device of the level its part, which it folds in shard order in float32. Over
+    ``("data", "rack")`` the gradient is summed inside each rack first (over NVLink), then
+    only the rack's partial sums of this device's 1/I of the tiles cross racks (I = devices
+    per rack), folded in rack order: the sum is ``sum_rack(sum_in_rack(g))``, a fixed order
+    that no runtime or process layout changes (it rounds differently from the one-level fold
+    over the same devices). Partial sums travel in the gradient's dtype (one rounding per
+    level for bf16 gradients, as in any bf16 reduce-scatter; float32 gradients stay exact).
+
+    ``replica_axis`` (hybrid sharding: the masters are replicated over it, e.g. racks): the
+    partial sums are then all-gathered over it and folded in its order, the same sum on every
+    replica.
+    """
+    levels = [a for a in _levels(axis) if _size(a) > 1]
+    replicas = _size(replica_axis) if replica_axis is not None else 1
+    n = _size(axis) * replicas
     if n == 1:
         return tiles.astype(jnp.float32)
-    *lead, nt, t, a, b = tiles.shape
+    *lead, nt, _, a, b = tiles.shape
     k = len(lead)
+    x = tiles
     with jax.named_scope(REDUCE_SCOPE):
-        parts = tiles.reshape(*lead, nt, n, t // n, a, b)
-        parts = jnp.moveaxis(parts, k + 1, 0)  # [n, ..., nt, T/n, 16, 16]; row j goes to device j
-        moved = jax.lax.all_to_all(to_bits(parts), axis, 0, 0, tiled=True)
-        return fold_sum(from_bits(moved, tiles.dtype)) / np.float32(n)
+        for ax in levels:
+            m = _size(ax)
+            send = x.astype(tiles.dtype)
+            t = send.shape[k + 1]
+            parts = jnp.moveaxis(send.reshape(*lead, nt, m, t // m, a, b), k + 1, 0)  # row j -> device j
+            moved = jax.lax.all_to_all(to_bits(parts), ax, 0, 0, tiled=True)
+            x = fold_sum(from_bits(moved, tiles.dtype))
+        if replicas > 1:
+            x = fold_sum(all_gather_bits(x.astype(tiles.dtype), replica_axis))
+        return x.astype(jnp.float32) / np.float32(n)
 
 
 @dataclasses.dataclass(frozen=True)
 class GatherConfig:
     """How :func:`gather_weight` materialises a weight.
 
-    ``axis``: the data axis (name or tuple) the shards are split over. ``dtype``: the weight's
+    ``axis``: the data axis (name or tuple, major first) the shards are split over;
+    ``replica_axis``: a mesh axis the shards are replicated over (hybrid sharding; the
+    gradient is also averaged over it), or None. ``dtype``: the weight's
     compute dtype (its gradient arrives in it). ``packed``: gather the packed NVFP4 bytes and
     dequantize after (True), or dequantize each shard and gather the dequantized values
     (False; the bf16-gather reference, bit-identical values). ``nvfp4``: also return the
@@ -113,6 +158,12 @@ class GatherConfig:
     dtype: Any = jnp.bfloat16
     packed: bool = True
     nvfp4: bool = False
+    replica_axis: Optional[str] = None
+
+    @property
+    def batch_axes(self) -> Tuple[str, ...]:
+        """Every mesh axis the batch is split over (the gradient is averaged over all)."""
+        return (*((self.replica_axis,) if self.replica_axis else ()), *_levels(self.axis))
 
 
 def _gather_forward(stored, cfg: GatherConfig):
@@ -128,8 +179,8 @@ def _gather_forward(stored, cfg: GatherConfig):
         if isinstance(stored, TiledNVFP4):
             dim = stored.data.ndim - 3
             if cfg.packed or cfg.nvfp4:
-                full = TiledNVFP4(jax.lax.all_gather(stored.data, axis, axis=dim, tiled=True),
-                                  jax.lax.all_gather(stored.scale_bits, axis, axis=dim, tiled=True),
+                full = TiledNVFP4(all_gather_levels(stored.data, axis, dim=dim),
+                                  all_gather_levels(stored.scale_bits, axis, dim=dim),
                                   stored.amax_bits, stored.layout)
             if cfg.nvfp4:
                 return None, full.to_array()
@@ -169,9 +220,10 @@ def _gather_fn(cfg: GatherConfig):
         g = ct[1] if cfg.nvfp4 else ct
         if isinstance(master, Tiled):
             tiles = master.layout.to_tiles(g)
-            grad = Tiled(ordered_reduce_scatter(tiles, cfg.axis).astype(master.value.dtype), master.layout)
+            grad = Tiled(ordered_reduce_scatter(tiles, cfg.axis, cfg.replica_axis).astype(master.value.dtype),
+                         master.layout)
         else:
-            grad = ordered_mean(g, cfg.axis).astype(master.dtype)
+            grad = ordered_mean(g, cfg.batch_axes).astype(master.dtype)
         return _zero_cotangent(stored), grad
 
     fetch.defvjp(fwd, bwd)

@@ -48,8 +48,14 @@ class Rules:
     """How parameters are laid out on a mesh (sharding is data, decided here).
 
     Args:
-      data_axis: the mesh axis (or tuple of axes, e.g. ``("data_in_rack", "rack")``) that
-        shards storage: params, masters, optimizer state, gradients.
+      data_axis: the mesh axis (or tuple of axes, major first, e.g. ``("data", "rack")``)
+        that shards storage: params, masters, optimizer state, gradients. A tuple is gathered
+        and reduced one level per axis (:mod:`jax_nvfp4.collectives`): with the rack axis
+        minor, weight gathers cross racks first on 1/I of the bytes and gradients are summed
+        inside the rack first (I = devices per rack).
+      replica_axis: a mesh axis the batch is split over but storage is replicated over
+        (hybrid sharding, HSDP: e.g. racks, so weight gathers never leave a rack); gradients
+        are averaged over it too. None: every batch axis shards storage (FSDP).
       tensor_axis: the mesh axis that splits weights for compute (absent from the mesh = off).
       tensor: ``(regex, dim)`` pairs: a matrix whose path matches is split over the tensor axis
         along ``dim`` (-1: columns, e.g. QKV and MLP-in kernels; -2: rows, e.g. attention-out
@@ -61,6 +67,7 @@ class Rules:
     """
 
     data_axis: object = "data"
+    replica_axis: Optional[str] = None
     tensor_axis: Optional[str] = "tensor"
     tensor: Tuple[Tuple[str, int], ...] = ()
     stacked: Tuple[str, ...] = ()
@@ -86,6 +93,12 @@ class Rules:
     @property
     def data_axes(self) -> Tuple[str, ...]:
         return tuple(self.data_axis) if isinstance(self.data_axis, (tuple, list)) else (self.data_axis,)
+
+    @property
+    def batch_axes(self) -> Tuple[str, ...]:
+        """Every mesh axis the batch is split over: the replica axis (if any), then the data
+        axes."""
+        return (*((self.replica_axis,) if self.replica_axis else ()), *self.data_axes)
 
 
 DEFAULT_RULES = Rules()

@@ -108,10 +108,16 @@ def test_rerun_after_the_end_trains_nothing(reference, resumed, tmp_path):
 
 # ----------------------------------------------------------------------------- reshard
 # A step compiles a new program per mesh: take one on the uneven (6) and the tensor mesh.
-@pytest.mark.parametrize("data,tensor,step", [(4, 1, False), (6, 1, True), (1, 1, False), (4, 2, True)])
-def test_restore_onto_another_mesh(reference, resumed, data, tensor, step):
-    cfg = tiny(f"mesh.data={data}", f"mesh.tensor={tensor}")
-    mesh = mesh_of(cfg, data * tensor)
+RACKS = ("mesh.layout=gb200", "mesh.nvl_domain=4")  # 2 racks of 4 on 8 devices
+
+
+@pytest.mark.parametrize("data,tensor,step,extra", [
+    (4, 1, False, ()), (6, 1, True, ()), (1, 1, False, ()), (4, 2, True, ()),
+    (8, 1, False, RACKS), (4, 1, True, (*RACKS, "mesh.sharding=hsdp")),  # hsdp: 4 shards per rack
+])
+def test_restore_onto_another_mesh(reference, resumed, data, tensor, step, extra):
+    cfg = tiny(f"mesh.data={-1 if extra else data}", f"mesh.tensor={tensor}", *extra)
+    mesh = mesh_of(cfg, 8 if extra else data * tensor)
     trainer, _, _ = loop.build(cfg, mesh, init=False)
     ck = ckpt_lib.Checkpointer(str(resumed["ck"]))
     r = ck.restore(6, trainer.abstract_params, trainer.abstract_state, trainer.param_shardings, trainer.state_shardings)

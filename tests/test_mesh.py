@@ -1,4 +1,5 @@
-"""train.mesh: (data, tensor) meshes, GB200 NVL72 layouts, multi-process launch.
+"""train.mesh: (data, tensor) and (rack, data, tensor) meshes, GB200 NVL72 layouts, multi-process
+launch.
 
 In-process tests use the 8 simulated CPU devices from conftest.py; the two-rack (144-device)
 layout and the multi-process launch run in subprocesses, since a process's device count is
@@ -36,7 +37,11 @@ def _ids(mesh_or_grid) -> np.ndarray:
 
 
 def _check_hybrid(ids: np.ndarray, domain: int) -> None:
-    """Tensor groups inside one domain; data runs across domains first, then within."""
+    """Tensor groups inside one domain; data runs across domains first, then within (a
+    ``[rack, data, tensor]`` grid: rack r is domain r)."""
+    if ids.ndim == 3:
+        np.testing.assert_array_equal(ids // domain, np.arange(ids.shape[0])[:, None, None] + 0 * ids)
+        ids = ids.reshape(-1, ids.shape[-1])
     dom = ids // domain
     assert (dom == dom[:, :1]).all(), "a tensor group crosses NVLink domains"
     n_dom = len(np.unique(dom))
@@ -76,15 +81,20 @@ def test_gb200_layout_in_process():
     # 8 simulated devices as two "racks" of 4: ids 0-3 and 4-7.
     cfg = MeshConfig(tensor=2, layout="gb200", nvl_domain=4)
     mesh = build_mesh(cfg)
-    assert dict(mesh.shape) == {"data": 4, "tensor": 2}
+    assert dict(mesh.shape) == {"rack": 2, "data": 2, "tensor": 2}
+    assert mesh.axis_types == (AxisType.Auto,) * 3
     ids = _ids(mesh)
     _check_hybrid(ids, 4)
-    np.testing.assert_array_equal(ids, [[0, 1], [2, 3], [4, 5], [6, 7]])
+    np.testing.assert_array_equal(ids, [[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
     assert describe_mesh(mesh, 4) == (
-        "mesh data=4 x tensor=2 on 8 cpu devices, 2 NVLink domain(s) of 4; "
-        "data: spans 2 domains; tensor: within one domain")
-    # auto picks the same layout once devices span several domains ...
-    np.testing.assert_array_equal(_ids(build_mesh(dataclasses.replace(cfg, layout="auto"))), ids)
+        "mesh rack=2 x data=2 x tensor=2 on 8 cpu devices, 2 NVLink domain(s) of 4; "
+        "rack: spans 2 domains; data: within one domain; tensor: within one domain")
+    # auto picks the same device order, as one data axis, once devices span several domains ...
+    np.testing.assert_array_equal(_ids(build_mesh(dataclasses.replace(cfg, layout="auto"))), ids.reshape(4, 2))
+    # mesh.racks, when given, must be what the devices span (the SLURM script sets it).
+    assert dict(build_mesh(dataclasses.replace(cfg, racks=2)).shape)["rack"] == 2
+    with pytest.raises(ConfigError, match=r"mesh.racks=3: the 8 devices fall into 2 NVLink domain"):
+        build_mesh(dataclasses.replace(cfg, racks=3))
     # ... and a plain one inside a single domain.
     plain = build_mesh(MeshConfig(tensor=2))
     assert "1 NVLink domain(s) of 8; data: within one domain" in describe_mesh(plain, 72)
@@ -123,8 +133,8 @@ def test_domains_from_slice_index_use_hybrid_mesh():
     devs = [FakeDevice(id=i, process_index=i // 4, slice_index=(i // 4) % 2) for i in range(16)]
     assert device_domains(devs, 8) == [d.slice_index for d in devs]
     grid = device_grid(MeshConfig(tensor=4, layout="gb200", nvl_domain=8), devs)
-    assert grid.shape == (4, 4)
-    sl = np.vectorize(lambda d: d.slice_index)(grid)
+    assert grid.shape == (2, 2, 4)
+    sl = np.vectorize(lambda d: d.slice_index)(grid.reshape(4, 4))
     assert (sl == sl[:, :1]).all()
     np.testing.assert_array_equal(sl[:, 0], [0, 0, 1, 1])
 
@@ -134,7 +144,8 @@ def test_domains_from_process_index():
     devs = [FakeDevice(id=p * 1024 + j, process_index=p) for p in range(8) for j in range(2)]
     assert device_domains(devs, 4) == [p // 2 for p in range(8) for _ in range(2)]
     grid = device_grid(MeshConfig(tensor=2, layout="gb200", nvl_domain=4), devs)
-    procs = np.vectorize(lambda d: d.process_index)(grid)
+    assert grid.shape == (4, 2, 2)
+    procs = np.vectorize(lambda d: d.process_index)(grid.reshape(8, 2))
     np.testing.assert_array_equal(procs, np.repeat(np.arange(8), 2).reshape(8, 2))
     dom = procs // 2
     assert (dom == dom[:, :1]).all()
@@ -153,7 +164,7 @@ _RACKS_SCRIPT = textwrap.dedent("""
     import jax
     from train.config import MeshConfig
     from train.mesh import build_mesh, describe_mesh
-    def ids(m): return [[d.id for d in row] for row in m.devices]
+    def ids(m): return [[[d.id for d in row] for row in rack] for rack in m.devices] if m.devices.ndim == 3 else [[d.id for d in row] for row in m.devices]
     out = {"n": jax.device_count()}
     m = build_mesh(MeshConfig(tensor=4, layout="gb200", nvl_domain=72))
     out["gb200"] = ids(m); out["shape"] = dict(m.shape); out["describe"] = describe_mesh(m, 72)
@@ -171,16 +182,15 @@ def test_two_nvl72_racks_simulated():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
-    assert out["n"] == 144 and out["shape"] == {"data": 36, "tensor": 4}
+    assert out["n"] == 144 and out["shape"] == {"rack": 2, "data": 18, "tensor": 4}
     ids = np.array(out["gb200"])
     assert sorted(ids.ravel().tolist()) == list(range(144))
     _check_hybrid(ids, 72)
-    assert set((ids[:, 0] // 72).tolist()) == {0, 1}  # data spans both racks
-    np.testing.assert_array_equal(np.array(out["auto"]), ids)
-    assert out["describe"] == ("mesh data=36 x tensor=4 on 144 cpu devices, 2 NVLink domain(s) "
-                               "of 72; data: spans 2 domains; tensor: within one domain")
+    np.testing.assert_array_equal(np.array(out["auto"]), ids.reshape(36, 4))
+    assert out["describe"] == ("mesh rack=2 x data=18 x tensor=4 on 144 cpu devices, 2 NVLink domain(s) "
+                               "of 72; rack: spans 2 domains; data: within one domain; tensor: within one domain")
     ids8 = np.array(out["nvl8"])
-    assert ids8.shape == (8, 2)
+    assert ids8.shape == (2, 4, 2)
     _check_hybrid(ids8, 8)
     assert "2 NVLink domain(s) of 8" in out["describe8"]
 
@@ -196,12 +206,12 @@ _PROBE = textwrap.dedent("""
     from train.config import MeshConfig
     from train.mesh import build_mesh, describe_mesh
     mesh = build_mesh(MeshConfig(tensor=2, layout="gb200", nvl_domain=4))
-    rows = mesh.shape["data"] // jax.process_count()
+    rows = mesh.shape["rack"] * mesh.shape["data"] // jax.process_count()
     local = np.full((rows, 1), jax.process_index() + 1, np.float32)
-    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), local)
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P(("rack", "data"))), local)
     total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x)
     if jax.process_index() == 0:
-        procs = [[d.process_index for d in row] for row in mesh.devices]
+        procs = [[d.process_index for d in row] for row in mesh.devices.reshape(-1, 2)]
         with open(sys.argv[1], "w") as f:
             json.dump({"procs": procs, "total": float(total), "n": jax.device_count(),
                        "describe": describe_mesh(mesh, 4)}, f)
@@ -234,8 +244,7 @@ def test_launch_local_two_processes_gloo(tmp_path):
     assert out["n"] == 8
     assert out["procs"] == [[0, 0], [0, 0], [1, 1], [1, 1]]
     assert out["total"] == 2 * 1 + 2 * 2  # a cross-process reduction over gloo
-    assert "2 NVLink domain(s) of 4; data: spans 2 domains; tensor: within one domain" in (
-        out["describe"])
+    assert "2 NVLink domain(s) of 4; rack: spans 2 domains; data: within one domain" in out["describe"]
 
 
 def test_launch_local_stops_all_on_failure(tmp_path):

@@ -1,5 +1,8 @@
 """Multi-controller training: 2 processes x 4 CPU devices (gloo over 127.0.0.1) against 1 x 8.
 
+The job runs on the two-level GB200 layout (``mesh.layout=gb200``, 2 racks of 4: one rack per
+process), so the cross-rack level of every weight gather and gradient sum crosses processes.
+
 One sequence, shared by the tests: two processes start the tiny job with checkpoints every 2
 steps; process 1 dies abruptly after step 3 (``TRAIN_FAULT_EXIT``); process 0 must stop with
 a clear error instead of hanging in a collective. Then both are restarted with the same
@@ -29,7 +32,8 @@ from train.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "train", "configs", "tiny.yaml")
-JOB = ("train.steps=6", "model.d_model=96", "model.heads=2", "model.mlp_hidden=192", "data.batch_size=24")
+JOB = ("train.steps=6", "model.d_model=96", "model.heads=2", "model.mlp_hidden=192", "data.batch_size=24",
+       "mesh.layout=gb200", "mesh.nvl_domain=4")
 HEARTBEAT_S = 10
 SURVIVOR_DEADLINE_S = 60
 

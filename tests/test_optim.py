@@ -381,6 +381,60 @@ def test_gather_weight_forward_and_its_ordered_reduce_scatter(n):
     assert {(op, dt) for op, dt in counts} == {("all-gather", "u8"), ("all-to-all", "u16")}, counts
 
 
+@pytest.mark.parametrize("mode", ["fsdp", "hsdp"])
+def test_two_level_gather_and_reduction_over_racks(mode):
+    """A (rack 2, data 3) mesh. fsdp: the state is sharded over ("data", "rack"), racks minor;
+    the forward gathers across racks first (1/I of the bytes), then inside the rack; the VJP
+    sums inside each rack first, then the racks' bf16 partial sums of this device's tiles.
+    hsdp: sharded over data only, replicated over racks; the racks' partials are all-gathered.
+    Both give sum_rack(bf16(sum_in_rack(g))) / 6, bit for bit."""
+    import ml_dtypes
+
+    mesh = jax.make_mesh((2, 3), ("rack", "data"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:6])
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((40, 72)) * 0.1, jnp.float32)
+    axis, replica = (("data", "rack"), None) if mode == "fsdp" else ("data", "rack")
+    lay = nv.Layout((40, 72), 6 if mode == "fsdp" else 3, data_axis=axis)
+    stored = nv.TiledNVFP4.from_array(nv.quantize(x), lay)
+    master = nv.Tiled.from_logical(x, lay)
+    spec = lay.spec(0)
+    stored = jax.device_put(stored, jax.tree.map(lambda s: NamedSharding(mesh, s), stored.specs(),
+                                                 is_leaf=lambda s: isinstance(s, P)))
+    master = nv.Tiled(jax.device_put(master.value, NamedSharding(mesh, spec)), lay)
+    cot = jnp.asarray(rng.standard_normal((2, 3, 40, 72)) * 10.0 ** rng.integers(-3, 3, (2, 3, 40, 72)),
+                      jnp.bfloat16)
+    cfg = nv.GatherConfig(axis, jnp.bfloat16, replica_axis=replica)
+
+    def local(stored, master, c):
+        w, vjp = jax.vjp(lambda m: nv.gather_weight(stored, m, cfg), master)
+        return w[None, None], vjp(c[0, 0])[0]
+
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(stored.specs(), nv.Tiled(spec, lay), P("rack", "data")),
+                              out_specs=(P("rack", "data"), nv.Tiled(spec, lay)), check_vma=False))
+    w, g = f(stored, master, cot)
+    want_w = np.asarray(nv.dequantize(nv.quantize(x), jnp.bfloat16), np.float32)
+    for r in range(2):
+        for i in range(3):
+            np.testing.assert_array_equal(np.asarray(w[r, i], np.float32), want_w)
+    c = np.asarray(cot, np.float32)
+    partial = [((c[r, 0] + c[r, 1]) + c[r, 2]).astype(ml_dtypes.bfloat16).astype(np.float32) for r in range(2)]
+    want_g = (partial[0] + partial[1]) * (np.float32(1) / np.float32(6))
+    assert np.asarray(g.logical()).tobytes() == want_g.tobytes()
+
+    rows = nv.comm.parse(f.lower(stored, master, cot).compile().as_text(), mesh).collectives
+    got = {(r.op, r.dtype, r.axes) for r in rows}
+    if mode == "fsdp":
+        assert got == {("all-gather", "u8", ("rack",)), ("all-gather", "u8", ("data",)),
+                       ("all-to-all", "u16", ("data",)), ("all-to-all", "u16", ("rack",))}, got
+        across = [r for r in rows if r.op == "all-gather" and r.axes == ("rack",)]
+        assert {g for r in across for g in r.groups} == {(0, 3), (1, 4), (2, 5)}
+        # The cross-rack gather moves R/N = 1/I of the tiles: 2 of the 6 shards.
+        assert max(r.shape[-3] for r in across if len(r.shape) == 4) == lay.padded_tiles // 3
+    else:
+        assert got == {("all-gather", "u8", ("data",)), ("all-to-all", "u16", ("data",)),
+                       ("all-gather", "u16", ("rack",))}, got
+
+
 def test_big_plain_leaf_with_no_divisible_axis_is_stored_sharded():
     n = 6
     mesh = make_mesh(n)

@@ -43,7 +43,7 @@ def assert_matches_formula(run, gathers=True):
 def test_1b_on_16_devices_matches_the_formulas(tmp_path):
     report, stdout = run_scale(tmp_path, "--mesh", "data:16")
     (run,) = report["runs"]
-    assert report["devices"] == 16 and run["axes"] == {"data": 16, "tensor": 1}
+    assert report["devices"] == 16 and run["axes"] == {"data": 16, "tensor": 1, "storage": 16, "racks": 1}
     assert report["config"]["layers"] == 16 and report["config"]["vocab"] == 128256
     assert_matches_formula(run)
     # Packed NVFP4 gather: 0.5 + 1/256 bytes per weight per pass (forward, and the
@@ -63,24 +63,50 @@ def test_1b_on_16_devices_matches_the_formulas(tmp_path):
 
 @pytest.mark.slow
 def test_two_racks_with_a_tensor_axis(tmp_path):
-    # 2 "racks" of 8 devices, tensor 2 inside a rack, data 8 across both; 2 layers for speed.
+    # 2 "racks" of 8 devices (mesh rack 2 x data 4 x tensor 2, FSDP over (data, rack)); 2 layers.
     report, _ = run_scale(tmp_path, "--mesh", "gb200:2", "--nvl-domain", "8", "--tensor", "2", "--layers", "2")
     (run,) = report["runs"]
-    assert run["axes"] == {"data": 8, "tensor": 2}
-    assert "2 NVLink domain(s) of 8" in run["mesh"] and "tensor: within one domain" in run["mesh"]
-    assert run["data_group_domains"] == 2
+    assert run["axes"] == {"data": 8, "tensor": 2, "storage": 8, "racks": 2} and run["sharding"] == "fsdp"
+    assert run["mesh"].startswith("mesh rack=2 x data=4 x tensor=2 on 16 cpu devices, 2 NVLink domain(s) of 8; "
+                                  "rack: spans 2 domains; data: within one domain; tensor: within one domain")
     # With a tensor axis the per-layer gather also collects the tensor shards (the layers then
     # compute unsplit, and reduce unsplit gradients): more bytes than the formula's 1/t, a
     # known limit of the FSDP step.
     assert_matches_formula(run, gathers=False)
     for key in ("gather_packed", "wire_reduce"):
         assert run["measured"][key] >= 0.95 * run["analytic"][key], key
-    by_axis = {}
+    by = {}
     for c in run["collectives"]:
-        by_axis.setdefault(c["axis"], []).append(c)
-    # Tensor-parallel activation sums stay inside a rack; the weight gathers cross racks.
-    assert by_axis["tensor"] and all(c["domains"] == 1 and c["group"] == 2 for c in by_axis["tensor"])
-    assert any(c["op"] == "all-gather" and c["dtype"] == "u8" and c["domains"] == 2 for c in by_axis["data"])
+        by.setdefault((c["purpose"], c["op"], c["dtype"], c["axis"]), []).append(c)
+    # Tensor-parallel sums stay inside a rack; a weight gather crosses racks first (groups of
+    # one device per rack), then runs inside the rack; a gradient is summed inside the rack
+    # (bf16 bits), then its rack partials cross racks (bf16 bits, 1/4 of the tiles).
+    assert all(c["domains"] == 1 and c["group"] == 2 for k, cs in by.items() if k[3] == "tensor" for c in cs)
+    assert [(c["group"], c["domains"]) for c in by[("weight gather", "all-gather", "u8", "rack")]] == [(2, 2)]
+    assert [(c["group"], c["domains"]) for c in by[("weight gather", "all-gather", "u8", "data")]] == [(4, 1)]
+    assert [(c["group"], c["domains"]) for c in by[("grad reduce", "all-to-all", "u16", "data")]] == [(4, 1)]
+    across = by[("grad reduce", "all-to-all", "u16", "rack")]
+    assert [(c["group"], c["domains"]) for c in across] == [(2, 2)]
+    inside = by[("grad reduce", "all-to-all", "u16", "data")][0]
+    assert across[0]["bytes"] == pytest.approx(inside["bytes"] / 4, rel=0.02)
+
+
+@pytest.mark.slow
+def test_hsdp_keeps_weight_gathers_inside_a_rack(tmp_path):
+    # HSDP on 2 racks of 8: the state is sharded over the 8 devices of a rack (twice the
+    # per-device state of FSDP over 16) and replicated across racks; no weight gather leaves a
+    # rack; the gradient's only cross-rack traffic is the rack's 1/8 shard.
+    report, _ = run_scale(tmp_path, "--mesh", "gb200:2", "--nvl-domain", "8", "--layers", "2", "--sharding", "hsdp")
+    (run,) = report["runs"]
+    assert run["axes"] == {"data": 16, "tensor": 1, "storage": 8, "racks": 2} and report["mesh_spec"] == "gb200-2-nvl8-hsdp"
+    assert_matches_formula(run)
+    m, a = run["measured"], run["analytic"]
+    assert m["ib_bytes"] == pytest.approx(a["ib_bytes"], rel=0.02)
+    assert m["time_2level_s"] <= 1.05 * a["time_2level_s"]
+    gathers = [c for c in run["collectives"] if c["purpose"] == "weight gather"]
+    assert gathers and all(c["domains"] == 1 and c["axis"] == "data" for c in gathers)
+    across = [c for c in run["collectives"] if c["domains"] > 1 and c["bytes"] > 1e6]
+    assert {(c["purpose"], c["op"], c["axis"]) for c in across} == {("grad reduce", "all-gather", "rack")}
 
 
 # ----------------------------------------------------------------------------- no compile
@@ -94,11 +120,25 @@ def test_time_model():
     flat, two = scale.collective_time("reduce-scatter", 1 * gb, 144, 2, 900, 50)
     assert flat == pytest.approx(143 / 50) and two == pytest.approx(2 * 71 / 900 + 1 / 50)
     assert scale.ring_bytes("all-reduce", 10, 5) == 16 and scale.ring_bytes("reduce-scatter", 10, 5) == 40
+    # InfiniBand bytes of the two-level algorithms: none inside a domain; an all-gather over
+    # 144 = 2 x 72 receives 1/144 of the result across; a rack-pair all-to-all half of it.
+    assert scale.ib_bytes("all-gather", 144, 72, 1) == 0
+    assert scale.ib_bytes("all-gather", 144, 144, 2) == 1
+    assert scale.ib_bytes("all-to-all", 10, 2, 2) == 5 and scale.ib_bytes("reduce-scatter", 3, 144, 2) == 3
 
 
 def test_mesh_spec():
     s = scale.MeshSpec.parse("gb200:2", tensor=4)
     assert (s.devices, s.label) == (144, "gb200-2-t4")
     assert scale.MeshSpec.parse("data:16").devices == 16
+    assert scale.MeshSpec.parse("gb200:4", sharding="hsdp").label == "gb200-4-hsdp"
+    assert scale.MeshSpec.parse("gb200:2", sharding="flat").label == "gb200-2-flat"
+    assert scale.MeshSpec.parse("data:16", sharding="hsdp").sharding == "flat"  # no racks to speak of
+    cfg = scale.make_config(scale.PRESETS["1b"], scale.MeshSpec.parse("gb200:2", sharding="hsdp"), "nvfp4", 128, 1)
+    assert (cfg.mesh.layout, cfg.mesh.sharding) == ("gb200", "hsdp")
+    assert scale.make_config(scale.PRESETS["1b"], scale.MeshSpec.parse("gb200:2", sharding="flat"), "nvfp4", 128,
+                             1).mesh.layout == "auto"
+    with pytest.raises(ValueError, match="--sharding 'x'"):
+        scale.MeshSpec.parse("gb200:2", sharding="x")
     with pytest.raises(ValueError, match="gb200:RACKS"):
         scale.MeshSpec.parse("racks:2")

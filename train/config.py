@@ -232,8 +232,16 @@ class MeshConfig:
     section: ClassVar[str] = "mesh"
     data: int = _field(-1, ge=-1)
     tensor: int = _field(1, ge=-1)
-    layout: str = _field("auto", choices=("auto", "gb200"))
+    layout: str = _field("auto", choices=("auto", "gb200"),
+                         doc="gb200: a rack axis across NVLink domains, data inside one, "
+                             "tensor groups inside one")
     nvl_domain: int = _field(72, gt=0)
+    racks: int = _field(0, ge=0, doc="with layout gb200: the expected number of racks "
+                                     "(NVLink domains); 0 = whatever the devices span")
+    sharding: str = _field("fsdp", choices=("fsdp", "hsdp"),
+                           doc="with layout gb200: fsdp shards the state over racks and the "
+                               "data axis; hsdp shards it inside a rack and replicates it across "
+                               "racks (weight gathers never leave a rack; R x the state)")
     # CPU only: simulated host devices to request when XLA_FLAGS does not say (0 = don't).
     simulate_devices: int = _field(8, ge=0)
 

@@ -45,10 +45,26 @@ def policy_for(cfg: Config) -> nv.Policy:
 
 
 def rules_for(cfg: Config) -> nv.Rules:
-    # Scanned segments stack layers on axis 0. Large bf16 leaves (embeddings, head, the bf16
-    # baseline's weights) are stored sharded and gathered like the NVFP4 ones, so the two
-    # weight formats are compared like for like.
-    return nv.Rules(data_axis="data", tensor_axis="tensor", tensor=TENSOR_RULES, stacked=(r"^blocks",))
+    """Where the state lives. Scanned segments stack layers on axis 0. Large bf16 leaves
+    (embeddings, head, the bf16 baseline's weights) are stored sharded and gathered like the
+    NVFP4 ones, so the two weight formats are compared like for like.
+
+    With ``mesh.layout: gb200`` (axes rack, data, tensor): ``mesh.sharding: fsdp`` shards the
+    state over ``("data", "rack")``, racks minor, so a weight gather crosses racks first on
+    1/I of the bytes and a gradient is summed inside the rack first; ``hsdp`` shards it over
+    ``data`` (inside the rack) and replicates it across racks."""
+    common = dict(tensor_axis="tensor", tensor=TENSOR_RULES, stacked=(r"^blocks",))
+    if cfg.mesh.layout != "gb200":
+        return nv.Rules(data_axis="data", **common)
+    if cfg.mesh.sharding == "hsdp":
+        return nv.Rules(data_axis="data", replica_axis="rack", **common)
+    return nv.Rules(data_axis=("data", "rack"), **common)
+
+
+def batch_axes(mesh, rules: nv.Rules) -> tuple:
+    """The mesh axes the batch rows are split over, in mesh order (racks first: each
+    process's devices hold consecutive rows)."""
+    return tuple(a for a in mesh.axis_names if a in rules.batch_axes)
 
 
 def schedule_for(cfg: Config):
@@ -161,7 +177,7 @@ def build(cfg: Config, mesh, *, init: bool = True) -> tuple:
     params = opt_state = None
     if init:
         params, opt_state, _ = init_state(cfg, mesh, model, policy, rules, tx)
-    batch_sharding = NamedSharding(mesh, P("data"))
+    batch_sharding = NamedSharding(mesh, P(batch_axes(mesh, rules)))
     step = jax.jit(
         make_step(cfg, model, tx, rules, mesh),
         in_shardings=(p_sh, s_sh, batch_sharding, None, None),
@@ -204,12 +220,13 @@ def make_step(cfg: Config, model, tx, rules, mesh):
     # Gradients take the dtype of the weights they are taken against: float32 weights (cast
     # to bf16 inside the layers) make the cross-device gradient sum float32.
     wdtype = jnp.float32 if cfg.nvfp4.grad_reduce_dtype == "float32" else jnp.bfloat16
-    gather_cfg = nv.GatherConfig(rules.data_axis, wdtype, packed=cfg.nvfp4.param_gather == "packed")
+    gather_cfg = nv.GatherConfig(rules.data_axis, wdtype, packed=cfg.nvfp4.param_gather == "packed",
+                                 replica_axis=rules.replica_axis)
     accum = cfg.optim.grad_accum
     fmodel = model.clone(remat=cfg.train.remat)
-    data_axes = rules.data_axes
+    data_axes = batch_axes(mesh, rules)
     tensor_on = rules.tensor_axis in mesh.axis_names and mesh.shape[rules.tensor_axis] > 1
-    # Manual over the data axes; a tensor axis of size > 1 stays with XLA (Megatron-style
+    # Manual over the batch axes; a tensor axis of size > 1 stays with XLA (Megatron-style
     # splits inside the layers, propagated from the weights' shardings).
     manual = set(data_axes) if tensor_on else set(mesh.axis_names)
     is_node = lambda x: nv.is_tiled(x)

@@ -1,9 +1,13 @@
-"""Device meshes ``("data", "tensor")``, including GB200 NVL72 (NVLink-domain-aware) layouts.
+"""Device meshes, including GB200 NVL72 (NVLink-domain-aware) layouts with a rack axis.
 
 On GB200 NVL72 one rack is one NVLink domain of 72 GPUs (18 trays x 4); racks talk over
-InfiniBand. The tensor axis talks every layer, so each tensor group must sit inside one domain;
-the data axis runs across domains (outer, the "DCN" part) and then within a domain (inner, the
-"ICI" part), like ``mesh_utils.create_hybrid_device_mesh`` does for TPU slices.
+InfiniBand (~18x less bandwidth per GPU). The tensor axis talks every layer, so each tensor
+group must sit inside one domain. ``mesh.layout: auto`` builds ``("data", "tensor")``, the data
+axis running across domains first (outer) and then within a domain (inner), like
+``mesh_utils.create_hybrid_device_mesh`` does for TPU slices. ``mesh.layout: gb200`` says where
+the links are: ``("rack", "data", "tensor")``, ``rack`` across NVLink domains (the DCN part) and
+``data`` inside one (the ICI part), so the step can gather and reduce one level at a time
+(``mesh.sharding``: FSDP over both axes, or HSDP sharded in the rack and replicated across).
 
 The domain of a device, in order of preference:
 
@@ -31,6 +35,8 @@ from train.config import ConfigError, MeshConfig, resolve_mesh_axes
 
 __all__ = [
     "AXES",
+    "RACK_AXES",
+    "axis_names",
     "build_mesh",
     "configure_host_devices",
     "describe_mesh",
@@ -40,6 +46,12 @@ __all__ = [
 ]
 
 AXES = ("data", "tensor")
+RACK_AXES = ("rack", "data", "tensor")
+
+
+def axis_names(cfg_mesh: MeshConfig) -> tuple[str, ...]:
+    """The mesh axes ``cfg_mesh`` builds: with ``layout: gb200`` a rack axis first."""
+    return RACK_AXES if cfg_mesh.layout == "gb200" else AXES
 
 
 def resolve_axes(cfg_mesh: MeshConfig, n_devices: int) -> dict[str, int]:
@@ -115,14 +127,20 @@ def _hybrid_grid(axes: dict[str, int], devices: Sequence[Any], nvl_domain: int,
 
 
 def device_grid(cfg_mesh: MeshConfig, devices: Sequence[Any] | None = None) -> np.ndarray:
-    """The ``[data, tensor]`` object array of devices that :func:`build_mesh` uses."""
+    """The object array of devices that :func:`build_mesh` uses: ``[data, tensor]``, or
+    ``[rack, data in the rack, tensor]`` with ``layout: gb200``."""
     devices = list(jax.devices() if devices is None else devices)
     axes = resolve_axes(cfg_mesh, len(devices))
     if cfg_mesh.layout == "gb200":
         if axes["tensor"] > cfg_mesh.nvl_domain or cfg_mesh.nvl_domain % axes["tensor"]:
             raise ConfigError(f"mesh.tensor={axes['tensor']}: must divide mesh.nvl_domain="
                               f"{cfg_mesh.nvl_domain} so each tensor group stays in one domain")
-        return _hybrid_grid(axes, devices, cfg_mesh.nvl_domain, strict=True)
+        grid = _hybrid_grid(axes, devices, cfg_mesh.nvl_domain, strict=True)
+        racks = len(set(device_domains(devices, cfg_mesh.nvl_domain)))
+        if cfg_mesh.racks and cfg_mesh.racks != racks:
+            raise ConfigError(f"mesh.racks={cfg_mesh.racks}: the {len(devices)} devices fall into "
+                              f"{racks} NVLink domain(s) of mesh.nvl_domain={cfg_mesh.nvl_domain}")
+        return grid.reshape(racks, grid.shape[0] // racks, grid.shape[1])
     if len(set(device_domains(devices, cfg_mesh.nvl_domain))) > 1:
         grid = _hybrid_grid(axes, devices, cfg_mesh.nvl_domain, strict=False)
         if grid is not None:
@@ -136,13 +154,14 @@ def device_grid(cfg_mesh: MeshConfig, devices: Sequence[Any] | None = None) -> n
 
 
 def build_mesh(cfg_mesh: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
-    """A ``Mesh`` over ``devices`` (default: all) with axes ``("data", "tensor")``.
+    """A ``Mesh`` over ``devices`` (default: all) with axes :func:`axis_names`.
 
-    Both axes are ``AxisType.Auto``: ``jax.make_mesh`` defaults to Explicit axes in recent JAX,
-    and ``with_sharding_constraint`` rejects those.
+    Every axis is ``AxisType.Auto`` (the tensor axis is left to XLA's propagation inside the
+    layers).
     """
     grid = device_grid(cfg_mesh, devices)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+    names = axis_names(cfg_mesh)
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def _axis_domain_spread(domains: np.ndarray, axis: int) -> int:

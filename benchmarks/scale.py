@@ -640,6 +640,47 @@ def markdown(report: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- FSDP vs HSDP vs flat
+def sharding_table(results_dir: str = RESULTS) -> str:
+    """Markdown table of the NVFP4 runs on GB200 racks in ``results_dir`` (files
+    ``scale_<model>_gb200-<R>[-hsdp|-flat].json``, default preset shapes, data axis only): per
+    device memory and modelled communication per step for each sharding."""
+    rows = []
+    for path in sorted(os.listdir(results_dir)):
+        m = re.fullmatch(r"scale_(\w+?)_gb200-(\d+)(?:-(hsdp|flat))?\.json", path)
+        if not m:
+            continue
+        with open(os.path.join(results_dir, path)) as f:
+            rep = json.load(f)
+        run = next((r for r in rep["runs"] if r["weights"] == "nvfp4"), None)
+        if run is None or rep.get("overrides"):
+            continue
+        me, an = run["measured"], run["analytic"]
+        state = me["params"] + me["master"] + me["opt_state"]
+        order = {"fsdp": 0, "hsdp": 1, "flat": 2}[m.group(3) or "fsdp"]
+        rows.append(((m.group(1), int(m.group(2)), order), [
+            m.group(1), m.group(2), m.group(3) or "fsdp", _fmt_bytes(state), _fmt_bytes(me["xla_peak"]),
+            _fmt_bytes(me["ib_bytes"]), _fmt_bytes(an["ib_bytes"]), _fmt_s(me["time_2level_s"]),
+            _fmt_s(an["time_2level_s"]), _ratio(me["time_2level_s"], an["time_2level_s"])]))
+    lines = [
+        "# FSDP vs HSDP vs one flat data axis on GB200 NVL72 racks",
+        "",
+        "NVFP4 weights, `python -m benchmarks scale --model M --mesh gb200:R --weights nvfp4 --sharding S` "
+        "(per device, per step, 1 x 128 tokens per device, data axis only; table: "
+        "`python -m benchmarks scale --table`). fsdp: state sharded over racks x in-rack data, gathers and "
+        "gradient sums one level at a time; hsdp: sharded inside a rack, replicated across racks; flat: one "
+        "data axis over every rack (`mesh.layout: auto`). Modelled time: the two-level link model of each "
+        "collective as compiled; analytic: the ideal two-level algorithms for the same sharding (see "
+        "`scale_*.md`).",
+        "",
+        "| model | racks | sharding | state (params + master + Adam) | peak | InfiniBand bytes | ... analytic | "
+        "modelled comm time | ... analytic | ratio |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += ["| " + " | ".join(r) + " |" for _, r in sorted(rows)]
+    return "\n".join(lines) + "\n"
+
+
 # ----------------------------------------------------------------------------- CLI
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.splitlines()[0])
@@ -658,6 +699,8 @@ def parse_args(argv=None):
     p.add_argument("--nvlink-gbps", type=float, default=NVLINK_GBPS)
     p.add_argument("--ib-gbps", type=float, default=IB_GBPS)
     p.add_argument("--out", default=RESULTS, help="directory for scale_<model>_<mesh>.json/.md ('' = none)")
+    p.add_argument("--table", action="store_true",
+                   help="only write the FSDP / HSDP / flat table of the results in --out (SHARDING.md)")
     return p.parse_args(argv)
 
 
@@ -681,6 +724,12 @@ def _request_devices(n: int) -> None:
 
 def main(argv=None) -> Dict[str, Any]:
     args = parse_args(argv)
+    if args.table:
+        text = sharding_table(args.out)
+        with open(os.path.join(args.out, "SHARDING.md"), "w") as f:
+            f.write(text)
+        print(text)
+        return {"table": text}
     spec = MeshSpec.parse(args.mesh, args.tensor, args.nvl_domain, args.sharding)
     preset = dict(PRESETS[args.model])
     overrides = {k: v for k, v in (("layers", args.layers), ("vocab", args.vocab)) if v is not None}

@@ -142,3 +142,21 @@ def test_mesh_spec():
         scale.MeshSpec.parse("gb200:2", sharding="x")
     with pytest.raises(ValueError, match="gb200:RACKS"):
         scale.MeshSpec.parse("racks:2")
+
+
+def test_sharding_table_reads_the_rack_results(tmp_path):
+    def write(name, peak, ib, t, t_ana, overrides=None):
+        run = {"weights": "nvfp4",
+               "measured": {"params": 1e9, "master": 2e9, "opt_state": 4e9, "xla_peak": peak, "ib_bytes": ib,
+                            "time_2level_s": t},
+               "analytic": {"ib_bytes": ib, "time_2level_s": t_ana}}
+        (tmp_path / name).write_text(json.dumps({"runs": [run], "overrides": overrides or {}}))
+
+    write("scale_8b_gb200-2.json", 6e9, 1e9, 0.02, 0.02)
+    write("scale_8b_gb200-2-flat.json", 6e9, 5e9, 0.06, 0.02)
+    write("scale_8b_gb200-2-hsdp.json", 9e9, 2e9, 0.03, 0.03)
+    write("scale_8b_gb200-2-t8.json", 1, 1, 1, 1)  # a tensor run: not a row
+    write("scale_70b_l40_gb200-2.json", 1, 1, 1, 1, {"layers": 40})  # not the preset: not a row
+    rows = [l for l in scale.sharding_table(str(tmp_path)).splitlines() if l.startswith("| 8b")]
+    assert [r.split(" | ")[2] for r in rows] == ["fsdp", "hsdp", "flat"]
+    assert rows[2].endswith("| 60.00 ms | 20.00 ms | 3.000 |") and "| 7.000 GB |" in rows[0]

@@ -12,8 +12,10 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
+from jax_nvfp4.layout import PACKED_GATHER_RATIO
+
 SECTIONS = ("traffic", "memory", "speed", "quantize", "convergence", "scaling")
-LEAF_LIMIT = (0.5 + 1 / 256) / 2
+LEAF_LIMIT = PACKED_GATHER_RATIO
 LEAF_TARGET = 0.2525
 GAP_TARGET = 0.1
 STATE_PARTS = ("params", "master", "optimizer", "grads")

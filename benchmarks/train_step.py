@@ -47,7 +47,7 @@ SIZES: Dict[str, Dict[str, Any]] = {
 }
 # The 2D-tile physical limit of a packed gather: 4 bits per value plus one E4M3 byte per
 # 16x16 tile, over 16 bits per bf16 value.
-LEAF_LIMIT = (0.5 + 1 / 256) / 2
+LEAF_LIMIT = nv.layout.PACKED_GATHER_RATIO
 
 
 def size_config(size: str, weights: str, extra: Sequence[str] = ()) -> Config:
@@ -158,7 +158,7 @@ def measure(cfg: Config, devices: Sequence[Any], *, time_steps: int = 3) -> Dict
                 times.append(time.perf_counter() - t)
     out = {
         "weights": cfg.nvfp4.weights,
-        "data": dict(zip(mesh.axis_names, mesh.axis_sizes))["data"],
+        "data": mesh.shape["data"],
         "n_params": n_params,
         "n_nvfp4_params": n_nvfp4,
         # Weight all-gathers of the compiled step (every layer's gathers, forward and

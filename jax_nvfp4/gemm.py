@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_nvfp4 import numerics as nx
-from jax_nvfp4.array import BLOCK_1D, BLOCK_2D, NVFP4Array, dequantize, quantize, transpose
+from jax_nvfp4.array import BLOCK_1D, BLOCK_2D, NVFP4Array, _ceil_to, dequantize, quantize, transpose
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "dot", "last_backend", "resolve_backend"]
 
@@ -133,10 +133,6 @@ def last_backend() -> Optional[str]:
 
 
 # ------------------------------------------------------------------------------ GEMM kernels
-def _ceil_to(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 def _native_operand(q: NVFP4Array):
     """``(e2m1 [Rp, Kp] float4, scales [Rp, Kp/16] e4m3, D)`` with K (the last logical
     axis) the contraction. A 2D-tiled array's tile scale is repeated over its 16 rows, the

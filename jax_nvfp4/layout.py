@@ -37,6 +37,9 @@ from jax_nvfp4 import numerics as nx
 from jax_nvfp4.array import BLOCK_2D, NVFP4Array, flat_index, quantize_padded
 
 TILE = 16
+# Bytes of a packed 16x16 tile (128 code bytes + 1 E4M3 scale byte) per byte of the same tile in
+# bf16 (512): the floor of an NVFP4 weight gather against a bf16 one, (0.5 + 1/256) / 2.
+PACKED_GATHER_RATIO = (TILE * TILE / 2 + 1) / (2 * TILE * TILE)
 
 
 def _ceil_div(n: int, m: int) -> int:
@@ -187,20 +190,23 @@ class Layout:
         return 1.0 - r * c / (self.n_tensor * self.padded_tiles * TILE * TILE)
 
     # -- logical <-> tiles
+    def _split(self, x: jax.Array) -> jax.Array:
+        """``[..., R, C]`` -> ``[..., nt, R / nt, C]`` or ``[..., nt, R, C / nt]``: the tensor
+        shards' sub-matrices (``nt = 1``: a new axis)."""
+        *batch, r, c = x.shape
+        nt, k = self.n_tensor, len(batch)
+        if self.tensor_dim == -1:
+            return jnp.moveaxis(x.reshape(*batch, r, nt, c // nt), k + 1, k)
+        if self.tensor_dim == -2:
+            return x.reshape(*batch, nt, r // nt, c)
+        return x[..., None, :, :]
+
     def to_tiles(self, x: jax.Array, width: int = TILE) -> jax.Array:
         """``[..., rows, cols']`` -> ``[..., nt, T, 16, width]``, zero-padded. ``width`` 16 for
         values; 8 for packed codes (``cols'`` = bytes per row)."""
-        *batch, r, c = x.shape
+        *batch, _, _ = x.shape
         nt, k = self.n_tensor, len(batch)
-        scale = width / TILE  # columns of x per logical column
-        sr, sc = self.sub
-        sc_x = int(sc * scale) if self.tensor_dim == -1 else c
-        if self.tensor_dim == -1:
-            x = jnp.moveaxis(x.reshape(*batch, r, nt, sc_x), k + 1, k)
-        elif self.tensor_dim == -2:
-            x = x.reshape(*batch, nt, sr, c)
-        else:
-            x = x[..., None, :, :]
+        x = self._split(x)
         gr, gc = self.grid
         x = jnp.pad(x, [(0, 0)] * (k + 1) + [(0, gr * TILE - x.shape[-2]), (0, gc * width - x.shape[-1])])
         x = x.reshape(*batch, nt, gr, TILE, gc, width)
@@ -234,13 +240,7 @@ class Layout:
         *batch, _, _ = s.shape
         gr, gc = self.grid
         nt, k = self.n_tensor, len(batch)
-        if self.tensor_dim == -1:
-            s = jnp.moveaxis(s.reshape(*batch, gr, nt, gc), k + 1, k)
-        elif self.tensor_dim == -2:
-            s = s.reshape(*batch, nt, gr, gc)
-        else:
-            s = s[..., None, :, :]
-        s = s.reshape(*batch, nt, gr * gc)
+        s = self._split(s).reshape(*batch, nt, gr * gc)
         return jnp.pad(s, [(0, 0)] * (k + 1) + [(0, self.padded_tiles - self.tiles)])
 
     def scales_from_tiles(self, s: jax.Array) -> jax.Array:

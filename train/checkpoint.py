@@ -285,7 +285,7 @@ class Checkpointer:
                 "data": np.asarray(jax.random.key_data(base_key)).tolist(),
             },
             "leaves": describe(params, opt_state),
-            "mesh": {str(k): int(v) for k, v in zip(mesh.axis_names, mesh.axis_sizes)},
+            "mesh": {str(k): int(v) for k, v in mesh.shape.items()},
             "process_count": jax.process_count(),
             "run": run,
         }

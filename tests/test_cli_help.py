@@ -37,3 +37,22 @@ def test_check_gpu_when_no_backend_starts(capsys, monkeypatch):
     assert nv_main.main(["--check-gpu"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("no GPU: ") and "JAX_PLATFORMS=cuda (AssertionError)" in err
+
+
+def test_train_help_is_plain_text_with_examples_and_every_config_key(capsys):
+    import dataclasses
+
+    from train import __main__ as train_main
+    from train.config import SECTIONS
+
+    with pytest.raises(SystemExit) as e:
+        train_main.parse_args(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and "::" not in out  # no reStructuredText markup
+    examples = out[out.index("Examples:"):].split("\n\n")[0].splitlines()[1:]
+    assert sum(l.strip().startswith("python -m train") for l in examples) >= 3
+    for name, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f"{name}.{f.name}=" in out, f"{name}.{f.name}"
+    assert "model.layers=2 " in out and "nvfp4.keep_bf16=[embed,head,norm]" in out and "=False" not in out

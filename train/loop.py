@@ -535,7 +535,7 @@ def plot_losses(runs, path: str, floor: Optional[float]):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
     two = len(runs) == 2
     fig, axes = plt.subplots(2 if two else 1, 1, figsize=(7, 6.5 if two else 4), sharex=True, squeeze=False,
@@ -554,9 +554,10 @@ def plot_losses(runs, path: str, floor: Optional[float]):
         ax.axhline(floor, color="k", ls=":", lw=1, label=f"entropy floor {floor:.3f}")
     ax.set_ylabel("loss (nats/token)")
     ax.set_yscale("log")
-    plain = FuncFormatter(lambda v, _: f"{v:g}")  # 2, 3, 1.5 rather than 2x10^0
-    ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain)
+    # Ticks at 1.5, 2, 3, ... labelled as such rather than 2x10^0 (a log axis's default).
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_locator(NullLocator())
     ax.legend()
     ax.grid(alpha=0.3, which="both")
     if two:

@@ -223,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = report.write(args.out)
     total = time.perf_counter() - t_start
     print()
-    print(report.headline(report.load(args.out)))
+    print(report.headline(report.load(args.out), report.report_path(args.out)))
     for m in summary["misses"]:
         print(f"OUTSIDE TARGET: {m}")
     if not summary["misses"]:

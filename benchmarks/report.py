@@ -80,7 +80,7 @@ def target_misses(res: Dict[str, Any]) -> List[str]:
             seen.add((key, "leaf"))
             if r["leaf_gather"] is not None and r["leaf_gather"] > LEAF_TARGET:
                 out.append(f"{sec}: {_point_label(p)}: NVFP4-leaf gather ratio {r['leaf_gather']:.4f} "
-                           f"> target {LEAF_TARGET} (limit {LEAF_LIMIT:.4f})")
+                           f"> target {LEAF_TARGET} (16x16 tiles: 129/512 = {LEAF_LIMIT:.5f})")
         if (key, "mem") not in seen and r["state_memory"] is not None:
             seen.add((key, "mem"))
             if r["state_memory"] >= 1:
@@ -107,8 +107,16 @@ def _plt():
     return plt
 
 
-def plot_scaling(points: List[Dict[str, Any]], path: str) -> None:
+# One marker per weight format in every plot (hollow for the bf16 baseline), one colour per size.
+MARKERS = {"nvfp4": dict(marker="o"), "bf16": dict(marker="s", mfc="none")}
+
+
+def plot_scaling(points: List[Dict[str, Any]], path: str):
+    """The scaling figure (returned, closed): bytes, ratios, memory and time against the
+    data-axis size; plain tick labels (data sizes as numbers, bytes and seconds with units)."""
     plt = _plt()
+    from matplotlib.ticker import EngFormatter, FixedLocator, NullFormatter, NullLocator
+
     sizes = list(dict.fromkeys(p["size"] for p in points))
     colors = dict(zip(sizes, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
@@ -118,32 +126,42 @@ def plot_scaling(points: List[Dict[str, Any]], path: str) -> None:
         x = [p["data"] for p in ps]
         col = colors[size]
         for w, ls in (("nvfp4", "-"), ("bf16", "--")):
+            style = dict(color=col, label=f"{size} {w}", **MARKERS[w])
             g = [(p["data"], p[w]["gather"]["param_gather_bytes"]) for p in ps if p[w]["gather"]["param_gather_bytes"]]
             if g:  # data=1 gathers nothing: no point on a log axis
-                a.plot(*zip(*g), ls, marker="o", color=col, label=f"{size} {w}")
-            c.plot(x, [p[w]["memory"]["total"] for p in ps], ls, marker="o", color=col, label=f"{size} {w}")
+                a.plot(*zip(*g), ls, **style)
+            c.plot(x, [p[w]["memory"]["total"] for p in ps], ls, **style)
             t = [(p["data"], p[w]["step_time_s"]) for p in ps if p[w]["step_time_s"]]
             if t:
-                d.plot(*zip(*t), ls, marker="o", color=col, label=f"{size} {w}")
+                d.plot(*zip(*t), ls, **style)
         lr = [(p["data"], p["ratios"]["leaf_gather"]) for p in ps if p["ratios"]["leaf_gather"] is not None]
         mr = [(p["data"], p["ratios"]["model_gather"]) for p in ps if p["ratios"]["model_gather"] is not None]
         if lr:
-            b.plot(*zip(*lr), "-", marker="o", color=col, label=f"{size}: NVFP4 leaves")
+            b.plot(*zip(*lr), "-", marker="o", color=col, label=f"{size}: NVFP4 weights, packed / bf16 of the same weights")
         if mr:
-            b.plot(*zip(*mr), ":", marker="s", color=col, label=f"{size}: whole model")
-    b.axhline(LEAF_LIMIT, color="k", lw=1, ls="--", label=f"2D-tile limit {LEAF_LIMIT:.4f}")
+            b.plot(*zip(*mr), ":", marker="^", color=col, label=f"{size}: whole model, NVFP4 run / bf16 run")
+    b.axhline(LEAF_LIMIT, color="k", lw=1, ls="--", label=f"16x16 tiles: 129/512 = {LEAF_LIMIT:.5f}")
     a.set(title="params all-gathered per step per device", ylabel="bytes", yscale="log")
     b.set(title="gathered bytes, NVFP4 / bf16", ylabel="ratio", ylim=(0, 1))
     c.set(title="training state per device (params+master+opt+grads)", ylabel="bytes", yscale="log")
     d.set(title="median step time", ylabel="seconds", yscale="log")
+    datas = sorted({p["data"] for p in points})
+    for ax, unit in ((a, "B"), (c, "B"), (d, "s")):
+        ax.yaxis.set_major_formatter(EngFormatter(unit=unit))
+        ax.yaxis.set_minor_formatter(NullFormatter())
     for ax in axes.flat:
         ax.set_xscale("log", base=2)
+        # The measured data-axis sizes, written as numbers (not 2^k).
+        ax.xaxis.set_major_locator(FixedLocator(datas))
+        ax.xaxis.set_major_formatter(lambda v, _: f"{v:g}")
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel("data-axis size")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, ncol=2)
+        ax.legend(fontsize=6, ncol=2 if ax is not b else 1)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+    return fig
 
 
 def plot_memory(points: List[Dict[str, Any]], path: str) -> None:
@@ -226,17 +244,17 @@ def _traffic_md(t: Dict[str, Any]) -> List[str]:
         "",
         "| | NVFP4 weights | bf16 weights | NVFP4 / bf16 |",
         "|---|---:|---:|---:|",
-        f"| params all-gathered, whole model (HLO vs HLO) | {_mb(g['param_gather_bytes'])} | "
+        f"| params all-gathered, whole model (NVFP4 run's HLO / bf16 run's HLO) | {_mb(g['param_gather_bytes'])} | "
         f"{_mb(b['gather']['param_gather_bytes'])} | **{_r(r['model_gather'], 4)}** |",
-        f"| NVFP4 leaves only (packed bytes vs the same leaves in bf16) | {_mb(g['nvfp4_gather_bytes'])} | "
-        f"{_mb(g['nvfp4_bf16_gather_bytes'])} | **{_r(r['leaf_gather'], 4)}** (limit {LEAF_LIMIT:.4f}, "
-        f"target <= {LEAF_TARGET}) |",
+        f"| packed gather ratio: NVFP4 weights' gathered bytes / a bf16 gather of the same weights | "
+        f"{_mb(g['nvfp4_gather_bytes'])} | {_mb(g['nvfp4_bf16_gather_bytes'])} | **{_r(r['leaf_gather'], 5)}** "
+        f"(16x16 tiles: 129/512 = {LEAF_LIMIT:.5f}; target <= {LEAF_TARGET}) |",
         f"| gradient reduction | {_mb(n['grad_reduce_bytes'])} | {_mb(b['grad_reduce_bytes'])} | "
         f"{_r(r['grad_reduce'])} |",
         f"| every collective of the step | {_mb(n['all_collective_bytes'])} | {_mb(b['all_collective_bytes'])} | "
         f"{_r(r['all_collectives'])} |",
         "",
-        f"The NVFP4 leaves reach {_r(r['leaf_gather_vs_limit'], 4)} of the 2D-tile limit "
+        f"The NVFP4 leaves reach {_r(r['leaf_gather_vs_limit'], 4)} of the 16x16-tile value "
         f"(0.5 + 1/256) / 2 = {LEAF_LIMIT:.4f}. The whole-model ratio is higher because the embedding "
         "and the head stay bf16 and are gathered as 16-bit words. Against the analytic bf16 gather of "
         f"the same sharded leaves the whole model moves {_r(r['model_gather_vs_analytic_bf16'], 4)}.",
@@ -453,22 +471,34 @@ def write(out_dir: str) -> Dict[str, Any]:
     with open(os.path.join(out_dir, "REPORT.md"), "w") as f:
         f.write("\n".join(lines))
     with open(os.path.join(out_dir, "HEADLINE.md"), "w") as f:
-        f.write(headline(res))
+        f.write(headline(res, report_path(out_dir)))
     return {"misses": misses, "sections": sorted(res)}
 
 
-def headline(res: Dict[str, Any]) -> str:
-    """A short Markdown table of the main ratios (included by the README)."""
+def report_path(out_dir: str) -> str:
+    """Where ``out_dir``'s REPORT.md is, as a link from the repository root (where the README
+    that includes HEADLINE.md is), or as given when it lies outside the repository."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.abspath(os.path.join(out_dir, "REPORT.md"))
+    rel = os.path.relpath(path, root)
+    return path if rel.startswith(os.pardir) else rel.replace(os.sep, "/")
+
+
+def headline(res: Dict[str, Any], report_path: str = "benchmarks/results/REPORT.md") -> str:
+    """A short Markdown table of the main ratios (included by the README); its last line
+    points to ``report_path``, the report written with it."""
     rows = []
     meta = None
     t = res.get("traffic")
     if t:
         p, meta = t["point"], t["meta"]
         n, b, r = p["nvfp4"], p["bf16"], p["ratios"]
-        rows.append((f"params all-gathered per step per device ({p['size']} model, data={p['data']})",
+        rows.append((f"params all-gathered per step per device, whole model: NVFP4 run / bf16 run "
+                     f"({p['size']} model, data={p['data']})",
                      _mb(n["gather"]["param_gather_bytes"]), _mb(b["gather"]["param_gather_bytes"]), _r(r["model_gather"])))
-        rows.append(("... of which NVFP4 weights (limit 0.2520)", _mb(n["gather"]["nvfp4_gather_bytes"]),
-                     _mb(n["gather"]["nvfp4_bf16_gather_bytes"]), f"**{_r(r['leaf_gather'], 4)}**"))
+        rows.append((f"packed gather ratio: NVFP4 weights' gathered bytes / a bf16 gather of the same weights "
+                     f"(16x16 tiles: 129/512 = {LEAF_LIMIT:.5f})", _mb(n["gather"]["nvfp4_gather_bytes"]),
+                     _mb(n["gather"]["nvfp4_bf16_gather_bytes"]), f"**{_r(r['leaf_gather'], 5)}**"))
         rows.append(("gradient reduction bytes per step", _mb(n["grad_reduce_bytes"]), _mb(b["grad_reduce_bytes"]),
                      _r(r["grad_reduce"])))
     m = res.get("memory")
@@ -506,7 +536,7 @@ def headline(res: Dict[str, Any]) -> str:
     out = ["| figure | NVFP4 | bf16 / baseline | ratio |", "|---|---:|---:|---:|"]
     out += [f"| {a} | {b} | {c_} | {d} |" for a, b, c_, d in rows]
     out += ["", f"Measured by `python -m benchmarks` on {_where(meta)}; details in "
-            "[benchmarks/results/REPORT.md](benchmarks/results/REPORT.md).", ""]
+            f"[{report_path}]({report_path}).", ""]
     return "\n".join(out)
 
 

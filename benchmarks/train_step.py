@@ -41,8 +41,8 @@ CONFIGS = os.path.join(ROOT, "train", "configs")
 # Model sizes: a config file under train/configs plus overrides (what `python -m train` takes).
 SIZES: Dict[str, Dict[str, Any]] = {
     "tiny": {"config": "tiny.yaml", "overrides": []},  # d=64, 2 layers, seq 64, batch 16
-    "small": {"config": "default.yaml", "overrides": []},  # d=128, 4 layers, seq 128, batch 32
-    "medium": {"config": "default.yaml",
+    "small": {"config": "small.yaml", "overrides": []},  # d=128, 4 layers, seq 128, batch 32
+    "medium": {"config": "small.yaml",
                "overrides": ["model.d_model=256", "model.heads=8", "model.mlp_hidden=704"]},
 }
 # The 2D-tile physical limit of a packed gather: 4 bits per value plus one E4M3 byte per

@@ -246,6 +246,16 @@ def gather_weight(stored, master, cfg: GatherConfig = GatherConfig()):
 
 
 # ----------------------------------------------------------------------------- outside shard_map
+def constrain(x, sharding):
+    """``with_sharding_constraint``, or ``jax.sharding.reshard`` on meshes with Explicit axes
+    (the default of ``jax.make_mesh``), where a constraint is refused."""
+    mesh = getattr(sharding, "mesh", None)
+    types = getattr(mesh, "axis_types", ())
+    if any(str(t).endswith("Explicit") for t in types):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
 def reshard_bits(x, sharding, *, min_itemsize: int = 1):
     """Reshard ``x`` (under ``jit``) through its same-width unsigned bits, so the collective
     only moves bytes: XLA can neither widen it (XLA:CPU widens bf16 and float8 collectives) nor
@@ -253,9 +263,9 @@ def reshard_bits(x, sharding, *, min_itemsize: int = 1):
     into the collective. Float arrays narrower than ``min_itemsize`` bytes, and non-floats,
     are resharded as they are."""
     if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize < min_itemsize:
-        return jax.lax.with_sharding_constraint(x, sharding)
+        return constrain(x, sharding)
     bits = jax.lax.optimization_barrier(to_bits(x))
-    bits = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(bits, sharding))
+    bits = jax.lax.optimization_barrier(constrain(bits, sharding))
     return from_bits(bits, x.dtype)
 
 

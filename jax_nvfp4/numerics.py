@@ -101,9 +101,8 @@ def encode_e2m1_stochastic(v: jax.Array, uniform: jax.Array) -> jax.Array:
     """
     a = jnp.abs(v)
     lo_idx = sum((a >= t).astype(jnp.int32) for t in E2M1_VALUES[1:])
-    table = jnp.asarray(E2M1_VALUES)
-    lo = table[lo_idx]
-    hi = table[jnp.minimum(lo_idx + 1, 7)]
+    lo = decode_e2m1(lo_idx)
+    hi = decode_e2m1(jnp.minimum(lo_idx + 1, 7))
     gap = hi - lo
     p = jnp.where(gap > 0, (a - lo) / jnp.where(gap > 0, gap, 1.0), 0.0)
     mag = (lo_idx + (uniform < p).astype(jnp.int32)).astype(jnp.uint8)
@@ -111,8 +110,17 @@ def encode_e2m1_stochastic(v: jax.Array, uniform: jax.Array) -> jax.Array:
 
 
 def decode_e2m1(codes: jax.Array) -> jax.Array:
-    """E2M1 codes (uint8, 0..15) to float32 values."""
-    return jnp.asarray(_DECODE)[codes.astype(jnp.int32)]
+    """E2M1 codes (uint8, 0..15) to float32 values (code 8 is -0.0).
+
+    Elementwise arithmetic on the code's bits rather than a table lookup: a gather from a
+    constant table is refused for sharded codes on meshes with Explicit axes (``jax.make_mesh``'s
+    default), and the values are the same bits (see ``_DECODE``).
+    """
+    c = codes.astype(jnp.int32)
+    e, m = (c >> 1) & 3, (c & 1).astype(jnp.float32)
+    scale = jnp.where(e == 1, 1.0, jnp.where(e == 2, 2.0, 4.0)).astype(jnp.float32)
+    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * scale)  # subnormal 0, 0.5; then 1..6
+    return jnp.where((c & 8) != 0, -mag, mag)
 
 
 def pack_codes(codes: jax.Array) -> jax.Array:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_nvfp4.array import NVFP4Array, is_nvfp4
-from jax_nvfp4.collectives import reshard_bits
+from jax_nvfp4.collectives import constrain, reshard_bits
 from jax_nvfp4.layout import DEFAULT_RULES, Layout, Rules, Tiled, TiledNVFP4, axis_size, is_tiled, layout_for, quantize_tiles
 from jax_nvfp4.params import DEFAULT_POLICY, Policy, path_str
 
@@ -58,16 +58,6 @@ def spec_of(leaf) -> P:
     if isinstance(leaf, Tiled):
         return leaf.spec()
     return P()
-
-
-def constrain(x, sharding):
-    """``with_sharding_constraint``, or ``jax.sharding.reshard`` on meshes with Explicit axes
-    (the default of ``jax.make_mesh``), where a constraint is refused."""
-    mesh = getattr(sharding, "mesh", None)
-    types = getattr(mesh, "axis_types", ())
-    if any(str(t).endswith("Explicit") for t in types):
-        return jax.sharding.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, sharding)
 
 
 # ----------------------------------------------------------------------------- logical <-> stored
@@ -216,15 +206,19 @@ def requantize(m: Tiled, mesh=None, *, key=None, cast_bf16: bool = False) -> Til
     t_ax = lay.tensor_axis if lay.n_tensor > 1 else None
     d_ax = lay.data_axis if lay.n_data > 1 else None
 
-    def local(v):
+    def local(v, *k):
         reduce = lambda bits: jax.lax.pmax(bits, tuple(flat_axes))
         ti = jax.lax.axis_index(t_ax) * v.shape[-4] if t_ax is not None else 0
         to = jax.lax.axis_index(d_ax) * v.shape[-3] if d_ax is not None else 0
-        q = quantize_tiles(v, lay, key=key, reduce_amax=reduce, tensor_index=ti, tile_offset=to)
+        q = quantize_tiles(v, lay, key=k[0] if k else None, reduce_amax=reduce, tensor_index=ti, tile_offset=to)
         return q.data, q.scale_bits, q.amax_bits
 
     k = value.ndim - 4
+    # The key is an argument, not a closure: shard_map refuses to close over a value that
+    # lives on a mesh with Explicit axes.
+    keys = () if key is None else (key,)
     data, scale, amax = jax.shard_map(
-        local, mesh=mesh, in_specs=(spec,), out_specs=(spec, lay.spec(k, 0), P()), check_vma=False,
-    )(value)
+        local, mesh=mesh, in_specs=(spec, *(P() for _ in keys)), out_specs=(spec, lay.spec(k, 0), P()),
+        check_vma=False,
+    )(value, *keys)
     return TiledNVFP4(data, scale, amax, lay)

@@ -3,22 +3,68 @@
 # devices, gloo collectives, coordinated over 127.0.0.1. The same multi-controller code path as a
 # multi-node GPU run, minus the GPUs.
 #
-#   scripts/launch_local.sh N [train args...]
-#   scripts/launch_local.sh 2 --config train/configs/tiny.yaml --set mesh.simulate_devices=4
+#   scripts/launch_local.sh N [--devices-per-process K] [--check-against DIR] [train args...]
+#   scripts/launch_local.sh 2 --config train/configs/tiny.yaml --out runs/tiny-2x4 \
+#       --check-against runs/tiny      # after: python -m train --config train/configs/tiny.yaml
+#
+# The 8 simulated CPU devices of one process are split over the N processes: N x (8/N) devices,
+# the same mesh as `python -m train` alone (N must divide 8; otherwise give
+# --devices-per-process K, or mesh.simulate_devices=K among the train args, for N x K devices).
+# --check-against DIR: once every process has finished, compare this run's per-step losses
+# (metrics.jsonl) with DIR/metrics.jsonl bit for bit and say so (python -m train.runs); the
+# exit status is then the comparison's (0 same, 1 different, 2 a file missing).
+# gloo's connection lines ("[Gloo] Rank 0 is connected to 1 peer ranks...") are filtered out.
 #
 # Environment: PYTHON (default: python), LAUNCH_MODULE (default: train; tests swap in a probe),
 # LAUNCH_PORT (default: a free port). Exits with the first non-zero status of any process, after
 # killing the others: a process left alone would otherwise block forever in a collective.
 set -u
 
-if [[ $# -lt 1 || ! "$1" =~ ^[1-9][0-9]*$ ]]; then
-  echo "usage: $0 N [args for python -m ${LAUNCH_MODULE:-train}...]" >&2
+usage() {
+  echo "usage: $0 N [--devices-per-process K] [--check-against DIR] [args for python -m ${LAUNCH_MODULE:-train}...]" >&2
   exit 2
+}
+if [[ $# -lt 1 || ! "$1" =~ ^[1-9][0-9]*$ ]]; then
+  usage
 fi
 n=$1
 shift
 python=${PYTHON:-python}
 module=${LAUNCH_MODULE:-train}
+
+# The launcher's own options, wherever they are among the train args.
+per_process="" check_against="" rest=()
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --devices-per-process) [[ $# -ge 2 && "$2" =~ ^[1-9][0-9]*$ ]] || usage; per_process=$2; shift 2 ;;
+    --devices-per-process=*) per_process=${1#*=}; [[ "$per_process" =~ ^[1-9][0-9]*$ ]] || usage; shift ;;
+    --check-against) [[ $# -ge 2 ]] || usage; check_against=$2; shift 2 ;;
+    --check-against=*) check_against=${1#*=}; shift ;;
+    *) rest+=("$1"); shift ;;
+  esac
+done
+set -- "${rest[@]+"${rest[@]}"}"
+if [[ -n "$check_against" && ! -f "$check_against/metrics.jsonl" ]]; then
+  echo "launch_local: --check-against $check_against: no metrics.jsonl there; nothing started" >&2
+  exit 2
+fi
+
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
+# Simulated CPU devices per process: K, else 8/N, unless the train args or XLA_FLAGS say.
+device_args=()
+if [[ "$JAX_PLATFORMS" == cpu && "${XLA_FLAGS:-}" != *xla_force_host_platform_device_count* \
+      && " $* " != *mesh.simulate_devices=* ]]; then
+  if [[ -z "$per_process" ]]; then
+    if (( 8 % n != 0 )); then
+      echo "launch_local: $n processes cannot split 8 simulated devices evenly; pass --devices-per-process K" \
+           "(N x K devices in all)" >&2
+      exit 2
+    fi
+    per_process=$((8 / n))
+  fi
+  device_args=(--set "mesh.simulate_devices=$per_process")
+  echo "launch_local: $n processes x $per_process simulated CPU devices = $((n * per_process)) devices"
+fi
 
 # Ask the OS for a free port rather than hard-coding one: parallel launches (CI, tests) collide.
 port=${LAUNCH_PORT:-$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
@@ -29,7 +75,15 @@ export JAX_COORDINATOR_ADDRESS="127.0.0.1:${port}"
 export JAX_NUM_PROCESSES="$n"
 # CPU collectives across processes need gloo; JAX reads its config flags from the environment.
 export JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo
-export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
+# Output goes through a filter (below): keep it line by line.
+export PYTHONUNBUFFERED=1
+
+# Every line but gloo's connection reports, as it comes. Its threads write them concurrently,
+# so one report can start mid-line or lose its "[Gloo] Rank " prefix to another line.
+quiet_gloo() {
+  grep --line-buffered -v -E '\[Gloo\]|is connected to [0-9]+ peer ranks'
+  return 0
+}
 
 # True while $1 runs: kill -0 also succeeds for an exited child not yet reaped (a zombie).
 alive() {
@@ -58,7 +112,8 @@ cleanup() {
 trap 'cleanup; exit 130' INT TERM
 
 for ((i = 0; i < n; i++)); do
-  JAX_PROCESS_ID=$i "$python" -m "$module" "$@" &
+  JAX_PROCESS_ID=$i "$python" -m "$module" "${device_args[@]+"${device_args[@]}"}" "$@" \
+    > >(quiet_gloo) 2> >(quiet_gloo >&2) &
   pids+=($!)
 done
 
@@ -86,5 +141,11 @@ done
 if [[ $status -ne 0 ]]; then
   pids=("${running[@]+"${running[@]}"}")
   cleanup
+  exit $status
 fi
-exit $status
+wait 2>/dev/null  # the output filters
+if [[ -n "$check_against" ]]; then
+  "$python" -m train.runs --against "$check_against" -- "${device_args[@]+"${device_args[@]}"}" "$@"
+  exit $?
+fi
+exit 0

@@ -33,7 +33,11 @@ def test_files_and_commands(results):
     text = (results / "REPORT.md").read_text()
     for section in ("traffic", "memory", "speed", "quantize", "scaling"):
         assert f"`python -m benchmarks {section} --quick" in text, section
-    assert "| figure | NVFP4 |" in (results / "HEADLINE.md").read_text()
+    head = (results / "HEADLINE.md").read_text()
+    assert "| figure | NVFP4 |" in head
+    # It points to the report written with it, not to the committed one.
+    assert f"details in [{results / 'REPORT.md'}]" in head
+    assert sum("packed gather ratio: " in line for line in head.splitlines()) == 1
 
 
 def test_traffic_ratios(results):

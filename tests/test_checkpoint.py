@@ -100,8 +100,12 @@ def test_resume_is_bit_identical_and_metrics_continue(reference, resumed):
     assert ckpt_lib.Checkpointer(str(resumed["ck"])).all_steps() == [2, 4, 6]
 
 
-def test_rerun_after_the_end_trains_nothing(reference, resumed, tmp_path):
+def test_rerun_after_the_end_trains_nothing(reference, resumed, tmp_path, capsys):
+    capsys.readouterr()
     r = loop.run(resumed["cfg"], mesh_of(resumed["cfg"], 8), str(resumed["out"]), progress=False)
+    said = capsys.readouterr().out
+    assert "is at step 6 = train.steps: the run is already finished, nothing to train" in said
+    assert "resuming" not in said
     assert r["start_step"] == 6 and r["history"] == reference["history"]
     assert len((resumed["out"] / "metrics.jsonl").read_text().splitlines()) == 6
 
@@ -435,7 +439,10 @@ def test_extending_a_run_keeps_its_schedule(reference, resumed, tmp_path, capsys
     cfg = tiny(f"checkpoint.dir={ck}", "train.steps=8", "optim.schedule_steps=6")
     capsys.readouterr()
     r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path / "out"), progress=False)
-    assert "resuming from step 6 of 8" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "resuming from step 6 of 8" in said
+    # Something is said before the (silent) compilation, and how long it took after it.
+    assert said.index("compiling the train step...") < said.index("compiled in ")
     assert r["start_step"] == 6 and len(r["history"]) == 2 and all(np.isfinite(r["history"]))
     # The schedule is the stored one: past its end the learning rate stays at its final value.
     sched = loop.schedule_for(cfg)

@@ -45,9 +45,10 @@ def _error(overrides=(), path=None) -> str:
 def test_defaults():
     cfg = load_config(None, [])
     assert cfg == Config()
-    assert (cfg.model.d_model, cfg.model.layers, cfg.model.mlp_hidden) == (128, 4, 352)
+    # The default job is sized to finish in 2 minutes on 2 CPU cores (README, set-up).
+    assert (cfg.model.d_model, cfg.model.layers, cfg.model.mlp_hidden, cfg.model.seq_len) == (64, 2, 192, 64)
     assert cfg.nvfp4.keep_bf16 == ("embed", "head", "norm")
-    assert cfg.data.batch_size == 32 and cfg.optim.lr == 3e-3
+    assert cfg.data.batch_size == 16 and cfg.optim.lr == 3e-3 and cfg.mesh.simulate_devices == 8
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.model.layers = 3
 
@@ -59,6 +60,10 @@ def test_shipped_configs_load():
     tiny = load_config(os.path.join(CONFIGS, "tiny.yaml"))
     assert (tiny.model.d_model, tiny.model.layers, tiny.train.steps) == (64, 2, 50)
     assert tiny.optim == Config().optim.__class__(warmup_steps=5)  # inherited from base
+    # The benchmarks' "small" model keeps its shape whatever the default becomes.
+    small = load_config(os.path.join(CONFIGS, "small.yaml"))
+    assert (small.model.d_model, small.model.layers, small.model.heads, small.model.mlp_hidden,
+            small.model.seq_len, small.data.batch_size, small.data.markov_states) == (128, 4, 4, 352, 128, 32, 64)
 
 
 def test_yaml_base_inheritance_and_floats(tmp_path):
@@ -182,9 +187,9 @@ def test_round_trip(tmp_path):
     (["mesh.tensor=-2"], "mesh.tensor=-2: must be >= -1"),
     (["mesh.tensor=-1"], "mesh.data=-1 and mesh.tensor=-1"),
     # cross-field rules
-    (["model.d_model=130"], "model.d_model=130: must be divisible by model.heads=4"),
+    (["model.d_model=130", "model.heads=4"], "model.d_model=130: must be divisible by model.heads=4"),
     (["model.d_model=12", "model.heads=4"], "model.heads=4: head size"),
-    (["nvfp4.keep_first_blocks=3", "nvfp4.keep_last_blocks=2"],
+    (["model.layers=4", "nvfp4.keep_first_blocks=3", "nvfp4.keep_last_blocks=2"],
      "nvfp4.keep_first_blocks=3 + nvfp4.keep_last_blocks=2: exceeds model.layers=4"),
     (["data.source=file"], "data.path: required when data.source='file'"),
     (["data.source=file", "data.path=x", "model.vocab=100"], "model.vocab=100"),
@@ -248,13 +253,13 @@ def test_resolve_mesh_axes():
     (["mesh.data=3", "mesh.tensor=-1"], 8, "mesh.data=3: does not divide the 8 devices"),
     (["mesh.data=4", "mesh.tensor=4"], 8, "mesh.data=4 x mesh.tensor=4 = 16: must equal the 8"),
     (["data.batch_size=36"], 8, "data.batch_size=36: must be divisible by mesh data axis (8)"),
-    (["optim.grad_accum=8"], 8, "data.batch_size=32: must be divisible by mesh data axis (8) "
+    (["data.batch_size=32", "optim.grad_accum=8"], 8, "data.batch_size=32: must be divisible by mesh data axis (8) "
                                 "x optim.grad_accum (8) = 64"),
     (["mesh.layout=gb200", "mesh.nvl_domain=6", "mesh.tensor=4"], 8, "mesh.tensor=4: must divide"
                                                                      " mesh.nvl_domain=6"),
     (["mesh.layout=gb200", "mesh.nvl_domain=4", "mesh.tensor=8"], 8, "mesh.tensor=8"),
     (["mesh.layout=gb200", "mesh.nvl_domain=3"], 8, "mesh.nvl_domain=3"),
-    (["mesh.tensor=4"], 8, "model.mlp_hidden=352: must be divisible by 16 x mesh tensor axis "
+    (["mesh.tensor=4", "model.heads=4", "model.mlp_hidden=352"], 8, "model.mlp_hidden=352: must be divisible by 16 x mesh tensor axis "
                            "(4) = 64"),
     (["mesh.tensor=2", "model.d_model=120", "model.heads=2"], 8, "model.d_model=120"),
     (["mesh.tensor=2", "model.heads=1"], 8, "model.heads=1: must be divisible by the mesh"),
@@ -271,6 +276,6 @@ def test_device_checks_pass():
     cfg = load_config(None, ["mesh.tensor=2", "mesh.layout=gb200", "data.batch_size=8",
                              "optim.grad_accum=2"])
     assert validate_for_devices(cfg, 8) == {"data": 4, "tensor": 2}
-    cfg = load_config(None, ["mesh.tensor=4", "mesh.layout=gb200", "model.mlp_hidden=384",
+    cfg = load_config(None, ["mesh.tensor=4", "mesh.layout=gb200", "model.heads=4", "model.mlp_hidden=384",
                              "data.batch_size=72"])
     assert validate_for_devices(cfg, 144) == {"data": 36, "tensor": 4}

@@ -154,14 +154,14 @@ def test_text_file_errors(tmp_path):
 
 
 def test_make_source_from_config(tmp_path):
-    cfg = load_config(None, ["data.markov_states=32", "data.seed=4"])
+    cfg = load_config(None, ["data.markov_states=32", "data.seed=4", "data.batch_size=32", "model.seq_len=128"])
     src = make_source(cfg.data, cfg.model)
     assert isinstance(src, MarkovSource) and src.states == 32 and src.seed == 4
     it = make_data_iterator(cfg, process_index=1, process_count=2)
     assert it.batch_at(0).shape == (16, 129)
     path = tmp_path / "c.txt"
     path.write_bytes(b"z" * 100)
-    cfg = load_config(None, ["data.source=file", f"data.path={path}"])
+    cfg = load_config(None, ["data.source=file", f"data.path={path}", "model.seq_len=128"])
     with pytest.raises(ConfigError, match="100 bytes, too short for one window of 129"):
         make_source(cfg.data, cfg.model)
     cfg = load_config(None, ["data.source=file", f"data.path={path}", "model.seq_len=50"])

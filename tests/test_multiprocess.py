@@ -66,7 +66,7 @@ def proc_env(cache, **extra):
 
 
 @pytest.fixture(scope="module")
-def sequence(compile_cache, tmp_path_factory):
+def sequence(compile_cache, tmp_path_factory, reference):
     base = tmp_path_factory.mktemp("mp")
     ck, out, export = base / "ck", base / "out", base / "export"
     port = free_port()
@@ -103,8 +103,12 @@ def sequence(compile_cache, tmp_path_factory):
     faulted = {"rcs": rcs, "died_at": died_at, "survivor_at": survivor_at, "logs": texts,
                "steps_on_disk": sorted(int(d) for d in os.listdir(ck) if d.isdigit()) if ck.exists() else []}
 
+    # The launcher's own split this time (2 x 8/2 devices, not XLA_FLAGS), and its comparison
+    # with the single-process run.
     env = proc_env(compile_cache, LAUNCH_PORT=str(free_port()), PYTHON=sys.executable)
-    restarted = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2", *job_args(ck, out, export)],
+    del env["XLA_FLAGS"]
+    restarted = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2", "--check-against",
+                                reference["out_dir"], *job_args(ck, out, export)],
                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     return {"faulted": faulted, "restarted": restarted, "ck": ck, "out": out, "export": export}
 
@@ -113,7 +117,9 @@ def sequence(compile_cache, tmp_path_factory):
 def reference(tmp_path_factory):
     cfg = load_config(TINY, list(JOB))
     mesh = mesh_lib.build_mesh(cfg.mesh, jax.devices()[:8])
-    r = loop.run(cfg, mesh, str(tmp_path_factory.mktemp("ref")), progress=False)
+    out = tmp_path_factory.mktemp("ref")
+    r = loop.run(cfg, mesh, str(out), progress=False)
+    r["out_dir"] = str(out)
     r["host"] = ckpt_lib.host_arrays(r["params"], r["opt_state"])
     r["trainer"] = loop.build(cfg, mesh, init=False)[0]
     return r
@@ -136,6 +142,9 @@ def test_survivor_of_a_dead_peer_stops_with_a_clear_error(sequence):
 def test_restart_continues_and_two_processes_match_one(sequence, reference):
     r = sequence["restarted"]
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    assert "launch_local: 2 processes x 4 simulated CPU devices = 8 devices" in r.stdout
+    assert r.stdout.strip().splitlines()[-1].endswith("losses match bit for bit (6 steps)"), r.stdout[-2000:]
+    assert "[Gloo]" not in r.stdout + r.stderr and "peer ranks" not in r.stdout + r.stderr
     recs = [json.loads(line) for line in (sequence["out"] / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in recs] == [1, 2, 3, 4, 5, 6]
     assert [x["loss"] for x in recs] == reference["history"]

@@ -1,46 +1,50 @@
-"""``python -m train``: train the configured model with NVFP4 weights.
+"""python -m train: train the configured model with NVFP4 weights.
 
-Examples::
+Examples:
+  python -m train                                  the default job: 2 layers, 300 steps, 8 simulated CPU devices
+  python -m train --config train/configs/tiny.yaml --set train.steps=20 --no-progress
+  python -m train --compare bf16                   NVFP4 and bf16 weights side by side (loss.png, summary)
+  python -m train --set checkpoint.dir=ckpt --set checkpoint.every=50   rerun the same command to resume
+  scripts/launch_local.sh 2 --config train/configs/tiny.yaml            2 processes x 4 CPU devices
 
-    python -m train                                   # default config, embedded corpus, 8 CPU devices
-    python -m train --config train/configs/tiny.yaml --set train.steps=20
-    python -m train --compare bf16                    # NVFP4 and bf16 weights side by side
-    python -m train model.layers=2 nvfp4.compute=nvfp4
+Config: a .yaml/.gin file (--config; train/configs/default.yaml lists every key with a comment)
+plus KEY=VALUE overrides (--set KEY=VALUE, or bare KEY=VALUE). The keys and their defaults are
+listed below. A wrong key, type or value is a one-line error (exit 2) and nothing runs.
 
-Multi-process: set ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
-(``scripts/launch_local.sh`` does, for N processes on 127.0.0.1), or run under SLURM.
-``JAX_HEARTBEAT_TIMEOUT`` (s, default 30) bounds how long the others wait for a dead process;
-``JAX_INIT_TIMEOUT`` (default 300) and ``JAX_SHUTDOWN_TIMEOUT`` (default 60) bound start-up and
+Multi-process: set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID
+(scripts/launch_local.sh does, for N processes on 127.0.0.1), or run under SLURM.
+JAX_HEARTBEAT_TIMEOUT (s, default 30) bounds how long the others wait for a dead process;
+JAX_INIT_TIMEOUT (default 300) and JAX_SHUTDOWN_TIMEOUT (default 60) bound start-up and
 shut-down.
 
-Checkpoints: ``--set checkpoint.dir=D --set checkpoint.every=K`` saves every K steps and at the
-end; rerunning the same command resumes from the latest checkpoint in D (bit-identically).
-A corrupt checkpoint (content hash mismatch) is refused; ``--set checkpoint.fallback=true``
-resumes from the newest intact one. A checkpoint of another model, data, optimizer or schedule
-length is refused too (``checkpoint.allow_change``, ``optim.schedule_steps``: see
-``train.checkpoint.check_resume``).
-``--export DIR`` writes the trained NVFP4 weights (``jax_nvfp4.export_nvfp4``) into a new or
-empty directory, or over a previous export; any other non-empty directory is refused before
-training starts.
-``--export-hf DIR`` writes a Hugging Face Llama checkpoint of them: ``DIR/bf16`` (dequantized,
-for ``transformers`` ``LlamaForCausalLM``) and ``DIR/nvfp4`` (the compressed-tensors NVFP4
-layout vLLM reads, lossless); see ``jax_nvfp4.export.export_hf``. DIR must not exist or be
-empty (checked before training).
+Checkpoints: --set checkpoint.dir=D --set checkpoint.every=K saves every K steps and at the
+end; rerunning the same command resumes from the latest checkpoint in D (bit-identically) and
+says "resuming from step N of M". A corrupt checkpoint (content hash mismatch) is refused;
+--set checkpoint.fallback=true resumes from the newest intact one. A checkpoint of another
+model, data, optimizer or schedule length is refused too (checkpoint.allow_change,
+optim.schedule_steps; see train.checkpoint.check_resume).
+--export DIR writes the trained NVFP4 weights (jax_nvfp4.export_nvfp4) into a new or empty
+directory, or over a previous export; any other non-empty directory is refused before
+training starts. --export-hf DIR writes Hugging Face Llama checkpoints of them: DIR/bf16
+(dequantized, for transformers' LlamaForCausalLM) and DIR/nvfp4 (the compressed-tensors NVFP4
+layout vLLM reads, lossless); DIR must not exist or be empty (checked before training).
 
 Exit status (one line on stderr for every failure):
-0 done; 2 bad config, mesh, data file, checkpoint or export directory (nothing written);
-3 the run stopped on non-finite gradients: ``nvfp4.nonfinite=error``, or
-``nvfp4.max_skipped_in_a_row`` skipped steps in a row (diverged); the line names the step;
-4 a runtime failure such as a lost or frozen peer process;
-5 a checkpoint could not be written mid-run (the checkpoints before it are intact).
+  0 done; 2 bad config, mesh, data file, checkpoint or export directory (nothing written);
+  3 the run stopped on non-finite gradients: nvfp4.nonfinite=error, or
+    nvfp4.max_skipped_in_a_row skipped steps in a row (diverged); the line names the step;
+  4 a runtime failure such as a lost or frozen peer process;
+  5 a checkpoint could not be written mid-run (the checkpoints before it are intact).
 
 Fault injection (rehearse failures on a real run; see the README):
-``TRAIN_FAULT_EXIT=STEP[:PROCESS]`` makes the process (every one, or only ``PROCESS``) exit
-abruptly with status 17 after step STEP; ``TRAIN_FAULT_NONFINITE=STEP:VALUE[,STEP:VALUE...]``
-multiplies the loss of those steps by VALUE (``nan``, ``inf``);
-``TRAIN_FAULT_STOP=STEP[:PROCESS]`` freezes the process (SIGSTOP) after step STEP, as a hung
-host would; ``TRAIN_FAULT_READONLY=STEP`` makes every checkpoint write after step STEP fail
-with "Permission denied", as a directory that became read-only would.
+  TRAIN_FAULT_EXIT=STEP[:PROCESS]   the process (every one, or only PROCESS) exits abruptly
+                                    with status 17 after step STEP
+  TRAIN_FAULT_NONFINITE=STEP:VALUE[,STEP:VALUE...]   multiplies the loss of those steps by
+                                    VALUE (nan, inf)
+  TRAIN_FAULT_STOP=STEP[:PROCESS]   freezes the process (SIGSTOP) after step STEP, as a hung
+                                    host would
+  TRAIN_FAULT_READONLY=STEP         every checkpoint write after step STEP fails with
+                                    "Permission denied", as a directory that became read-only would
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ import sys
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m train", description=__doc__.strip(), epilog=config_keys_help(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="a .yaml/.yml or .gin file (default: the built-in default config)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set model.layers=4 (repeatable)")
@@ -65,6 +70,28 @@ def parse_args(argv=None):
                    "to DIR/bf16 and DIR/nvfp4 (DIR must be new or empty)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more overrides")
     return p.parse_args(argv)
+
+
+def config_keys_help(width: int = 100) -> str:
+    """Every config key with its default, by section (plain text, for --help)."""
+    import textwrap
+
+    from train.config import SECTIONS
+
+    lines = ["config keys (defaults; train/configs/default.yaml explains each):"]
+    for name, cls in SECTIONS.items():
+        items = []
+        for f in dataclasses.fields(cls):
+            v = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if v is None:
+                v = "null"
+            elif isinstance(v, bool):
+                v = str(v).lower()
+            elif isinstance(v, (list, tuple)):
+                v = "[" + ",".join(map(str, v)) + "]"
+            items.append(f"{name}.{f.name}={v}")
+        lines += textwrap.wrap(" ".join(items), width, initial_indent="  ", subsequent_indent="    ")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -316,6 +343,10 @@ def make_checkpoints_read_only() -> None:
 
 
 def print_summary(summary, out_dir: str) -> None:
+    """The end-of-run lines: per run, the training loss (mean of the last steps, named), the
+    last step's loss, the validation loss when evaluated; then ONE gather ratio, named by what
+    it divides (the NVFP4 weights' packed gather bytes over a bf16 gather of the same weights),
+    and every other ratio labelled with its denominator."""
     r0 = summary["runs"][0]
     floor = r0["entropy_floor"]
     print(f"\n== summary ({out_dir}) ==")
@@ -324,22 +355,34 @@ def print_summary(summary, out_dir: str) -> None:
         print(f"validation loss: {a['label']} {a['final_val_loss']:.4f}, {b['label']} {b['final_val_loss']:.4f}; "
               f"NVFP4 - bf16 gap {summary['final_val_loss_gap']:+.4f} nats")
     for r in summary["runs"]:
+        n = r.get("final_loss_steps") or 1
+        what = f"mean training loss over the last {n} steps" if n > 1 else "training loss of the last step"
         val = f"; validation loss {r['final_val_loss']:.4f}" if r.get("final_val_loss") is not None else ""
         gap = f" ({r['final_loss'] - floor:+.3f} above the entropy floor {floor:.3f})" if floor is not None else ""
+        last = f"; last step {r['last_loss']:.4f}" if n > 1 and r.get("last_loss") is not None else ""
         step_ms = f"{r['median_step_time_s'] * 1e3:.1f} ms" if r["median_step_time_s"] else "n/a"
-        print(f"{r['label']:>14}: final loss {r['final_loss']:.4f}{gap}{val}; step {step_ms}; "
-              f"all-gather {r['all_gather_bytes'] / 1e6:.3f} MB/step/device; skipped steps {r['skipped_steps']}")
-    if "gather_vs_bf16" in summary:
-        print(f"params all-gathered: {r0['all_gather_bytes']:,} B/step/device = {summary['gather_vs_bf16']:.4f} of a bf16 "
-              f"gather of the same params ({r0['bf16_gather_bytes']:,} B)")
+        print(f"{r['label']:>14}: {what} {r['final_loss']:.4f}{gap}{last}{val}; step {step_ms}; "
+              f"params all-gathered {r['all_gather_bytes']:,} B/step/device; skipped steps {r['skipped_steps']}")
     if "nvfp4_gather_vs_bf16" in summary:
-        print(f"  of which NVFP4 weights: {r0['nvfp4_gather_bytes']:,} B = {summary['nvfp4_gather_vs_bf16']:.4f} of their bf16 "
-              f"gather (limit for 16x16 tiles: 0.2520); the rest are weights kept in bf16")
+        print(f"packed gather ratio: {summary['nvfp4_gather_vs_bf16']:.5f} = the NVFP4 weights' all-gathers, "
+              f"{r0['nvfp4_gather_bytes']:,} B/step/device / a bf16 gather of the same weights, "
+              f"{r0['nvfp4_bf16_gather_bytes']:,} B")
+        print(f"  (16x16 tiles: 4-bit codes + 1 scale byte per 256 values = 129/512 = {TILE_GATHER_RATIO:.5f} of bf16; "
+              f"less where a small leaf's scales stay replicated)")
+    if "gather_vs_bf16" in summary:
+        print(f"  whole model, weights kept in bf16 included: {r0['all_gather_bytes']:,} B = {summary['gather_vs_bf16']:.4f} x "
+              f"a bf16 gather of the same params ({r0['bf16_gather_bytes']:,} B)")
     if "final_loss_gap" in summary:
-        print(f"NVFP4 - bf16 final training loss (tail mean): {summary['final_loss_gap']:+.4f} nats; gathered bytes ratio "
-              f"{summary.get('gathered_bytes_ratio', float('nan')):.4f}; step time ratio {summary.get('step_time_ratio', float('nan')):.3f}")
+        a, b = summary["runs"]
+        print(f"NVFP4 - bf16 training loss (means over the last steps, above): {summary['final_loss_gap']:+.4f} nats")
+        print(f"  params all-gathered, NVFP4 run / bf16 run (each run's own HLO; the bf16 run keeps weights below "
+              f"the shard size replicated, not gathered): {summary.get('gathered_bytes_ratio', float('nan')):.4f}; "
+              f"median step time, NVFP4 run / bf16 run: {summary.get('step_time_ratio', float('nan')):.3f}")
     print(f"files: {out_dir}/metrics.jsonl, {out_dir}/loss.png, {out_dir}/summary.json")
 
+
+# The packed gather's bytes per bf16 byte for 16x16 tiles: (0.5 + 1/256) / 2 = 129/512.
+TILE_GATHER_RATIO = 129 / 512
 
 if __name__ == "__main__":
     code = main()

@@ -162,12 +162,12 @@ class ModelConfig:
 
     section: ClassVar[str] = "model"
     vocab: int = _field(256, gt=0)
-    d_model: int = _field(128, gt=0)
-    layers: int = _field(4, gt=0)
-    heads: int = _field(4, gt=0)
+    d_model: int = _field(64, gt=0)
+    layers: int = _field(2, gt=0)
+    heads: int = _field(2, gt=0)
     kv_heads: int = _field(0, ge=0, doc="key/value heads (grouped-query attention); 0 = model.heads")
-    mlp_hidden: int = _field(352, gt=0)
-    seq_len: int = _field(128, gt=0)
+    mlp_hidden: int = _field(192, gt=0)
+    seq_len: int = _field(64, gt=0)
     rope_theta: float = _field(10000.0, gt=0)
     norm_eps: float = _field(1e-5, gt=0)
     tie_embeddings: bool = _field(False, doc="the head is the embedding matrix transposed")
@@ -208,9 +208,9 @@ class DataConfig:
     # data.path (then not trained on). The Markov source draws validation rows from its own stream.
     val_path: Optional[str] = _field(None)
     val_fraction: float = _field(0.0, ge=0, lt=1)
-    batch_size: int = _field(32, gt=0)
+    batch_size: int = _field(16, gt=0)
     # Size of the Markov chain's alphabet (tokens 0..states-1), see train.data.MarkovSource.
-    markov_states: int = _field(64, ge=2)
+    markov_states: int = _field(32, ge=2)
     seed: int = _field(0, ge=0)
 
     def __post_init__(self):

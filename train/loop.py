@@ -403,6 +403,11 @@ def run(
         start = ckpt.restorable_step(cfg.checkpoint.fallback) if ckpt is not None else None
         if start is not None:
             checkpoint_lib.check_resume(os.path.join(ckpt.directory, str(start)), ckpt.read_meta(start), cfg)
+        name = label or cfg.nvfp4.weights
+        t_compile = time.perf_counter()
+        if is_main:
+            # Building the state and compiling the step take a while before the first step.
+            print(f"{name}: compiling the train step...", flush=True)
         trainer, params, opt_state = build(cfg, mesh, init=start is None)
         source = data_lib.make_source(cfg.data, cfg.model)
         it = data_lib.make_data_iterator(cfg, process_index=jax.process_index(), process_count=jax.process_count(), source=source)
@@ -418,14 +423,19 @@ def run(
                              trainer.param_shardings, trainer.state_shardings)
             params, opt_state, base_key = r.params, r.opt_state, r.base_key
             it.set_state(r.data_state)
-            if is_main:
+            if is_main and start < cfg.train.steps:
                 print(f"resuming from step {start} of {cfg.train.steps} ({ckpt.directory})", flush=True)
+            elif is_main:
+                print(f"checkpoint {ckpt.directory} is at step {start} = train.steps: the run is already finished, "
+                      f"nothing to train (raise train.steps to continue it; see README, Checkpoints)", flush=True)
         start = start or 0
         if on_start is not None:
             on_start()
 
         batch0 = global_batch(trainer, it.batch_at(0))
         acct = gather_accounting(trainer, params, opt_state, batch0)
+        if is_main:
+            print(f"{name}: compiled in {time.perf_counter() - t_compile:.1f} s", flush=True)
         metrics_path = os.path.join(out_dir, "metrics.jsonl")
         history = []
         if is_main:
@@ -436,7 +446,7 @@ def run(
             from tqdm.auto import tqdm
 
             bar = tqdm(total=cfg.train.steps, initial=min(start, cfg.train.steps),
-                       desc=label or cfg.nvfp4.weights, dynamic_ncols=True)
+                       desc=name, dynamic_ncols=True)
         tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
         times = []
         skipped_before = int(nv.find_state(opt_state).skipped)
@@ -498,7 +508,8 @@ def run(
         "label": label or cfg.nvfp4.weights,
         "steps": cfg.train.steps,
         "start_step": start,
-        "final_loss": float(np.mean(tail)) if tail else float("nan"),
+        "final_loss": float(np.mean(tail)) if tail else float("nan"),  # mean of the last final_loss_steps
+        "final_loss_steps": len(tail),
         "last_loss": losses[-1] if losses else float("nan"),
         "final_val_loss": val[-1][1] if val else None,
         "val_history": val,
@@ -513,34 +524,65 @@ def run(
     }
 
 
-def plot_losses(runs, path: str, floor: Optional[float]) -> None:
+def plot_losses(runs, path: str, floor: Optional[float]):
+    """``loss.png``: the training (and validation) loss of each run against the step, on a log
+    axis with plain tick labels; with two runs (``--compare``) a second panel shows their
+    difference per step (first run - second: NVFP4 - bf16), since the curves overlap. Returns
+    the (closed) figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in runs:
-        line, = ax.plot(np.arange(1, len(r["history"]) + 1), r["history"], label=f"{r['label']} (train)")
+    two = len(runs) == 2
+    fig, axes = plt.subplots(2 if two else 1, 1, figsize=(7, 6.5 if two else 4), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": [2, 1]} if two else None)
+    ax = axes[0, 0]
+    styles = [dict(color="tab:blue", ls="-", lw=1.4), dict(color="tab:orange", ls="--", lw=1.4),
+              dict(color="tab:purple", ls="-.", lw=1.4), dict(color="tab:red", ls=(0, (1, 1)), lw=1.4)]
+    for i, r in enumerate(runs):
+        st = styles[i % len(styles)]
+        ax.plot(np.arange(1, len(r["history"]) + 1), r["history"], label=f"{r['label']} (train)", **st)
         if r.get("val_history"):
             steps, vals = zip(*r["val_history"])
-            ax.plot(steps, vals, "o--", color=line.get_color(), ms=6, mec="k", lw=1.5, zorder=3,
+            ax.plot(steps, vals, "osD^"[i % 4], ls=":", color=st["color"], ms=6, mec="k", lw=1.2, zorder=3,
                     label=f"{r['label']} (validation)")
     if floor is not None:
-        ax.axhline(floor, color="k", ls="--", lw=1, label=f"entropy floor {floor:.3f}")
-    ax.set_xlabel("step")
+        ax.axhline(floor, color="k", ls=":", lw=1, label=f"entropy floor {floor:.3f}")
     ax.set_ylabel("loss (nats/token)")
     ax.set_yscale("log")
+    # Ticks at 1.5, 2, 3, ... labelled as such rather than 2x10^0 (a log axis's default).
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_locator(NullLocator())
     ax.legend()
-    ax.grid(alpha=0.3)
+    ax.grid(alpha=0.3, which="both")
+    if two:
+        a, b = runs
+        n = min(len(a["history"]), len(b["history"]))
+        diff = np.asarray(a["history"][:n], np.float64) - np.asarray(b["history"][:n], np.float64)
+        dx = axes[1, 0]
+        dx.plot(np.arange(1, n + 1), diff, color="tab:green", lw=1, label=f"{a['label']} - {b['label']} (train, per step)")
+        if a.get("val_history") and b.get("val_history"):
+            vb = dict(b["val_history"])
+            pts = [(s, v - vb[s]) for s, v in a["val_history"] if s in vb]
+            if pts:
+                dx.plot(*zip(*pts), "D", color="k", ms=5, label="validation difference")
+        dx.axhline(0, color="k", lw=0.8)
+        dx.set_ylabel("loss difference (nats)")
+        dx.legend(fontsize=8)
+        dx.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return fig
 
 
 def summarize(runs, out_dir: str) -> Dict[str, Any]:
     """Write summary.json (+ loss.png); return the summary without arrays."""
-    keep = ("label", "steps", "final_loss", "last_loss", "final_val_loss", "val_history", "entropy_floor", "median_step_time_s",
+    keep = ("label", "steps", "final_loss", "final_loss_steps", "last_loss", "final_val_loss", "val_history", "entropy_floor", "median_step_time_s",
             "skipped_steps", "all_gather_bytes", "bf16_gather_bytes", "nvfp4_gather_bytes",
             "nvfp4_bf16_gather_bytes", "collectives", "temp_bytes")
     summary = {"runs": [{k: r[k] for k in keep} for r in runs]}

@@ -1,0 +1,58 @@
+"""What the command lines say about themselves: ``--help`` texts and the GPU check."""
+
+import pytest
+
+from jax_nvfp4 import __main__ as nv_main
+
+
+def test_jax_nvfp4_help_prints_help_and_runs_nothing(capsys, monkeypatch):
+    monkeypatch.setattr(nv_main, "demo", lambda: pytest.fail("--help ran the demo"))
+    with pytest.raises(SystemExit) as e:
+        nv_main.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--check-gpu" in out and "python -m train --help" in out
+
+
+def test_check_gpu_fails_in_one_line_without_a_gpu(capsys):
+    import jax
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("runs on a GPU")
+    assert nv_main.main(["--check-gpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("no GPU: ") and 'pip install -e ".[gpu]"' in err
+
+
+def test_check_gpu_when_no_backend_starts(capsys, monkeypatch):
+    # JAX_PLATFORMS=cuda with the CPU build of jaxlib: JAX fails with a bare AssertionError
+    # when asked for its backend; the check says it in one line, not a traceback.
+    import jax
+
+    def no_backend():
+        raise AssertionError()
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    monkeypatch.setattr(jax, "default_backend", no_backend)
+    assert nv_main.main(["--check-gpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("no GPU: ") and "JAX_PLATFORMS=cuda (AssertionError)" in err
+
+
+def test_train_help_is_plain_text_with_examples_and_every_config_key(capsys):
+    import dataclasses
+
+    from train import __main__ as train_main
+    from train.config import SECTIONS
+
+    with pytest.raises(SystemExit) as e:
+        train_main.parse_args(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and "::" not in out  # no reStructuredText markup
+    examples = out[out.index("Examples:"):].split("\n\n")[0].splitlines()[1:]
+    assert sum(l.strip().startswith("python -m train") for l in examples) >= 3
+    for name, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f"{name}.{f.name}=" in out, f"{name}.{f.name}"
+    assert "model.layers=2 " in out and "nvfp4.keep_bf16=[embed,head,norm]" in out and "=False" not in out

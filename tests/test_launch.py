@@ -1,0 +1,113 @@
+"""``scripts/launch_local.sh``'s own logic (device split, gloo filter, --check-against) with a
+probe that imports no JAX, and the loss comparison it runs (``train.runs``)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from train import runs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PROBE = textwrap.dedent("""
+    import json, os, sys
+    args = sys.argv[1:]
+    rank = os.environ["JAX_PROCESS_ID"]
+    print(f"[Gloo] Rank {rank} is connected to 1 peer ranks. Expected number of connected peer ranks is : 1")
+    print(f"[Gloo] Rank {rank} on stderr", file=sys.stderr)
+    # Two gloo threads writing at once: one line loses its prefix to the other.
+    print("[Gloo] Rank [Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3")
+    print("2 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3")
+    print(f"probe {rank} argv " + json.dumps(args))
+    if rank == "0" and "--out" in args:
+        out = args[args.index("--out") + 1]
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            for i, loss in enumerate(json.loads(os.environ["PROBE_LOSSES"])):
+                f.write(json.dumps({"step": i + 1, "loss": loss}) + "\\n")
+""")
+
+
+def launch(tmp_path, *args, losses=(), xla_flags=None):
+    pkg = tmp_path / "probe"
+    pkg.mkdir(exist_ok=True)
+    (pkg / "__main__.py").write_text(PROBE)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(PYTHON=sys.executable, LAUNCH_MODULE="probe", LAUNCH_PORT="1", PROBE_LOSSES=json.dumps(list(losses)),
+               PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    if xla_flags:
+        env["XLA_FLAGS"] = xla_flags
+    return subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), *map(str, args)], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+
+def argv_of(proc, rank):
+    line = next(l for l in proc.stdout.splitlines() if l.startswith(f"probe {rank} argv "))
+    return json.loads(line.split(" argv ", 1)[1])
+
+
+def test_devices_are_split_so_n_processes_make_one_8_device_mesh(tmp_path):
+    p = launch(tmp_path, 2, "--config", "c.yaml")
+    assert p.returncode == 0, p.stderr
+    assert "launch_local: 2 processes x 4 simulated CPU devices = 8 devices" in p.stdout
+    assert argv_of(p, 0) == argv_of(p, 1) == ["--set", "mesh.simulate_devices=4", "--config", "c.yaml"]
+    # gloo's connection lines are gone from both streams; everything else comes through.
+    assert "[Gloo]" not in p.stdout + p.stderr and "peer ranks" not in p.stdout + p.stderr
+    assert argv_of(launch(tmp_path, 8), 7)[:2] == ["--set", "mesh.simulate_devices=1"]
+
+
+def test_uneven_split_is_refused_unless_the_count_is_given(tmp_path):
+    p = launch(tmp_path, 3)
+    assert p.returncode == 2 and "--devices-per-process" in p.stderr and "probe" not in p.stdout
+    p = launch(tmp_path, 3, "--devices-per-process", 2, "x=1")
+    assert p.returncode == 0 and argv_of(p, 2) == ["--set", "mesh.simulate_devices=2", "x=1"]
+    # The user's own count wins (train args or XLA_FLAGS): nothing added.
+    assert argv_of(launch(tmp_path, 3, "--set", "mesh.simulate_devices=2"), 0) == ["--set", "mesh.simulate_devices=2"]
+    p = launch(tmp_path, 3, xla_flags="--xla_force_host_platform_device_count=2")
+    assert p.returncode == 0 and argv_of(p, 0) == []
+
+
+def test_check_against_reports_match_and_first_difference(tmp_path):
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": x}) + "\n"
+                                               for i, x in enumerate([5.5, 3.25, 2.0625])))
+    p = launch(tmp_path, 2, "--out", tmp_path / "a", "--check-against", ref, losses=[5.5, 3.25, 2.0625])
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == f"check against {ref}: losses match bit for bit (3 steps)"
+    p = launch(tmp_path, 2, "--check-against", ref, "--out", tmp_path / "b", losses=[5.5, 3.2500000000000004, 2.0])
+    assert p.returncode == 1
+    assert "losses differ first at step 2: 3.2500000000000004 here, 3.25 in" in p.stdout
+    p = launch(tmp_path, 2, "--check-against", tmp_path / "nowhere", "--out", tmp_path / "c")
+    assert p.returncode == 2 and "no metrics.jsonl" in p.stderr and "probe" not in p.stdout
+
+
+def test_compare_losses(tmp_path):
+    def write(name, recs):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return str(path)
+
+    a = write("a", [{"step": 1, "loss": 1.0}, {"step": 2, "loss": None}, {"step": 3, "loss": 0.1 + 0.2}])
+    assert runs.compare_losses(a, write("b", [{"step": 1, "loss": 1.0}, {"step": 2, "loss": None},
+                                              {"step": 3, "loss": 0.30000000000000004}])) == (
+        True, "losses match bit for bit (3 steps)")
+    same, msg = runs.compare_losses(a, write("c", [{"step": 1, "loss": 1.0}, {"step": 2, "loss": None},
+                                                   {"step": 3, "loss": 0.3}]))
+    assert not same and msg.startswith("losses differ first at step 3: 0.30000000000000004 here, 0.3 in")
+    same, msg = runs.compare_losses(a, write("d", [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}]))
+    assert not same and "this run has 3 steps (1..3)" in msg and "has 2 steps (1..2)" in msg
+    same, msg = runs.compare_losses(a, write("e", [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0},
+                                                   {"step": 3, "loss": 0.1 + 0.2}]))
+    assert not same and "step 2: None here, 2.0" in msg
+
+
+def test_metrics_path_follows_out_and_config(tmp_path):
+    assert runs.metrics_path(["--out", "x/y"]) == os.path.join("x/y", "metrics.jsonl")
+    assert runs.metrics_path(["--config", os.path.join(ROOT, "train", "configs", "tiny.yaml")]) == os.path.join(
+        "runs/tiny", "metrics.jsonl")
+    assert runs.metrics_path(["--set", "train.out_dir=z"]) == os.path.join("z", "metrics.jsonl")

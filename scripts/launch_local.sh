@@ -78,10 +78,12 @@ export JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo
 # Output goes through a filter (below): keep it line by line.
 export PYTHONUNBUFFERED=1
 
-# Every line but gloo's connection reports, as it comes. Its threads write them concurrently,
-# so one report can start mid-line or lose its "[Gloo] Rank " prefix to another line.
+# Every line but gloo's connection reports, as it comes. Its threads write them to stderr
+# concurrently, piece by piece, so one report can be cut into several lines ("[Gloo] Rank 0 is
+# connected to 3", "peer ranks. Expected number of connected peer ranks is : 3", "7"): drop
+# any line holding a piece of one, and bare numbers.
 quiet_gloo() {
-  grep --line-buffered -v -E '\[Gloo\]|is connected to [0-9]+ peer ranks'
+  grep --line-buffered -v -E '\[Gloo\]|Rank [0-9]+ is connected|is connected to|peer ranks|^[[:space:]]*[0-9]+[[:space:]]*$'
   return 0
 }
 

@@ -108,7 +108,7 @@ def test_gb200_layout_in_process():
     (MeshConfig(tensor=8, layout="gb200", nvl_domain=4), 8, "mesh.tensor=8: must divide "
                                                             "mesh.nvl_domain=4"),
     (MeshConfig(tensor=2, layout="gb200", nvl_domain=3), 6, "mesh.tensor=2: must divide"),
-    (MeshConfig(tensor=2, layout="gb200", nvl_domain=4), 6, "unequal sizes [2, 4]"),
+    (MeshConfig(tensor=2, layout="gb200", nvl_domain=4), 6, "6 devices span several domains but are not a whole"),
     (MeshConfig(tensor=3), 8, "mesh.tensor=3: does not divide the 8 devices"),
 ])
 def test_mesh_errors(cfg, n, expect):

@@ -40,9 +40,9 @@ def test_gqa_matches_repeated_kv_reference():
     assert attn["k"]["kernel"].shape == (1, 64, 32) and attn["q"]["kernel"].shape == (1, 64, 64)
 
     x = jax.random.normal(jax.random.key(1), (2, 12, 64))
-    from train.model import Attention
+    from train.model import Attention, Dims
 
-    layer = Attention(64, 4, 2, 10000.0, "dequant", 0.2, jnp.float32, "xla")
+    layer = Attention(Dims(64, 4, 2, hidden=0, init_std=0.2, dtype=jnp.float32, attention="xla"))
     p = layer.init(jax.random.key(2), x)
     got = layer.apply(p, x)
     w = {k: p["params"][k]["kernel"] for k in ("q", "k", "v", "out")}
@@ -103,11 +103,11 @@ def test_tied_head_has_no_head_kernel():
 
 
 def test_kv_heads_config_checks():
-    assert load_config(None, ["model.kv_heads=2"]).model.n_kv_heads == 2
-    assert load_config(None, []).model.n_kv_heads == 4
+    assert load_config(None, ["model.heads=4", "model.kv_heads=2"]).model.n_kv_heads == 2
+    assert load_config(None, ["model.heads=4"]).model.n_kv_heads == 4  # 0 = as many as the query heads
     with pytest.raises(ConfigError, match="model.kv_heads=3: must divide model.heads=4"):
-        load_config(None, ["model.kv_heads=3"])
-    cfg = load_config(None, ["model.kv_heads=1", "model.d_model=256", "model.mlp_hidden=512", "mesh.tensor=2",
+        load_config(None, ["model.heads=4", "model.kv_heads=3"])
+    cfg = load_config(None, ["model.heads=4", "model.kv_heads=1", "model.d_model=256", "model.mlp_hidden=512", "mesh.tensor=2",
                              "mesh.data=4"])
     with pytest.raises(ConfigError, match="model.kv_heads=1: must be divisible by the mesh tensor axis"):
         validate_for_devices(cfg, 8)

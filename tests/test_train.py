@@ -139,6 +139,26 @@ def test_recipe_compute_converges(tmp_path, nvfp4_vs_bf16):
     assert abs(gap) < 0.25
 
 
+def test_metrics_are_read_every_log_every_steps(tmp_path, monkeypatch):
+    # The host waits for the device only where it reads metrics: the first step, every
+    # train.log_every steps, the last; each read fetches the steps in flight at once.
+    reads = []
+    real = jax.device_get
+
+    def counting(x):
+        if isinstance(x, list) and x and isinstance(x[0], dict) and "loss" in x[0]:
+            reads.append(len(x))
+        return real(x)
+
+    monkeypatch.setattr(jax, "device_get", counting)
+    cfg = tiny("train.steps=7", "train.log_every=3")
+    r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=False)
+    assert reads == [1, 2, 3, 1]
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in recs] == list(range(1, 8)) and [x["loss"] for x in recs] == r["history"]
+    assert recs[3]["step_time_s"] == recs[4]["step_time_s"] == recs[5]["step_time_s"]  # one read, its mean
+
+
 def test_tensor_axis_trains(tmp_path):
     cfg = tiny("train.steps=4", "mesh.data=4", "mesh.tensor=2", "model.mlp_hidden=192")
     r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=False)

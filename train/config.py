@@ -153,10 +153,23 @@ def _check_section(obj: Any) -> None:
 
 
 # -- sections -----------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Section:
+    """A config section: every field is type- and range-checked from its :func:`_field`
+    metadata at construction; :meth:`check` adds the rules that tie fields together."""
+
+    section: ClassVar[str] = ""
+
+    def __post_init__(self):
+        _check_section(self)
+        self.check()
+
+    def check(self) -> None:
+        """Cross-field rules (raise :class:`ConfigError`); none by default."""
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(_Section):
     """A decoder-only transformer with the Llama architecture (pre-norm RMSNorm, rotary
     positions, grouped-query attention, SwiGLU MLP)."""
 
@@ -175,8 +188,7 @@ class ModelConfig:
     attention: str = _field("auto", choices=("auto", "xla", "cudnn"))
     init_std: float = _field(0.02, gt=0)
 
-    def __post_init__(self):
-        _check_section(self)
+    def check(self) -> None:
         if self.d_model % self.heads:
             raise ConfigError(f"model.d_model={self.d_model}: must be divisible by "
                               f"model.heads={self.heads}")
@@ -197,7 +209,7 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DataConfig:
+class DataConfig(_Section):
     """Where tokens come from. ``batch_size`` is global: sequences per optimizer step."""
 
     section: ClassVar[str] = "data"
@@ -213,8 +225,7 @@ class DataConfig:
     markov_states: int = _field(32, ge=2)
     seed: int = _field(0, ge=0)
 
-    def __post_init__(self):
-        _check_section(self)
+    def check(self) -> None:
         if self.source in ("file", "tokens") and not self.path:
             raise ConfigError(f"data.path: required when data.source={self.source!r}")
         if self.source not in ("file", "tokens") and self.path:
@@ -226,7 +237,7 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshConfig:
+class MeshConfig(_Section):
     """Device mesh ``(data, tensor)``; -1 on one axis means "all remaining devices"."""
 
     section: ClassVar[str] = "mesh"
@@ -245,8 +256,7 @@ class MeshConfig:
     # CPU only: simulated host devices to request when XLA_FLAGS does not say (0 = don't).
     simulate_devices: int = _field(8, ge=0)
 
-    def __post_init__(self):
-        _check_section(self)
+    def check(self) -> None:
         for name in ("data", "tensor"):
             if getattr(self, name) == 0:
                 raise ConfigError(f"mesh.{name}=0: must be a positive size or -1 (the rest)")
@@ -255,7 +265,7 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimConfig:
+class OptimConfig(_Section):
     """The inner optax optimizer applied to the float32 master weights."""
 
     section: ClassVar[str] = "optim"
@@ -272,12 +282,9 @@ class OptimConfig:
     # a finished run, raise train.steps and set this to the checkpoint's length.
     schedule_steps: int = _field(0, ge=0, doc="schedule length; 0 = train.steps")
 
-    def __post_init__(self):
-        _check_section(self)
-
 
 @dataclasses.dataclass(frozen=True)
-class NVFP4Config:
+class NVFP4Config(_Section):
     """Which weights live in NVFP4 and how they move and compute."""
 
     section: ClassVar[str] = "nvfp4"
@@ -296,8 +303,7 @@ class NVFP4Config:
     max_skipped_in_a_row: int = _field(10, ge=0, doc="0 = no limit")
     grad_reduce_dtype: str = _field("grad", choices=("grad", "float32"))
 
-    def __post_init__(self):
-        _check_section(self)
+    def check(self) -> None:
         for i, pattern in enumerate(self.keep_bf16):
             try:
                 re.compile(pattern)
@@ -306,10 +312,11 @@ class NVFP4Config:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(_Section):
     section: ClassVar[str] = "train"
     steps: int = _field(300, gt=0)
-    log_every: int = _field(10, gt=0)
+    log_every: int = _field(10, gt=0, doc="the host reads the step metrics every N steps (metrics.jsonl, "
+                                          "progress bar); steps in between run without waiting")
     eval_every: int = _field(0, ge=0, doc="validation loss every N steps and at the end; 0 = none")
     eval_batches: int = _field(4, gt=0, doc="validation batches (of data.batch_size rows) per evaluation")
     out_dir: str = _field("runs/default")
@@ -320,12 +327,9 @@ class TrainConfig:
                             "matmul outputs: less recompute, activation memory grows with depth); "
                             "never its gathered weights")
 
-    def __post_init__(self):
-        _check_section(self)
-
 
 @dataclasses.dataclass(frozen=True)
-class CheckpointConfig:
+class CheckpointConfig(_Section):
     section: ClassVar[str] = "checkpoint"
     dir: Optional[str] = _field(None)
     every: int = _field(0, ge=0, doc="0 = no periodic checkpoints")
@@ -338,8 +342,7 @@ class CheckpointConfig:
     # run then continues with the new values (see train.checkpoint.check_resume).
     allow_change: Tuple[str, ...] = _field(())
 
-    def __post_init__(self):
-        _check_section(self)
+    def check(self) -> None:
         for key in self.allow_change:
             section, _, name = key.partition(".")
             cls = SECTIONS.get(section)
@@ -646,6 +649,14 @@ def resolve_mesh_axes(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
     if data * tensor != n_devices:
         raise ConfigError(f"mesh.data={data} x mesh.tensor={tensor} = {data * tensor}: "
                           f"must equal the {n_devices} devices")
+    dom = mesh.nvl_domain
+    if mesh.layout == "gb200":
+        if tensor > dom or dom % tensor:
+            raise ConfigError(f"mesh.tensor={tensor}: must divide mesh.nvl_domain={dom} so "
+                              "each tensor group stays inside one NVLink domain")
+        if n_devices > dom and n_devices % dom:
+            raise ConfigError(f"mesh.nvl_domain={dom}: {n_devices} devices span several "
+                              "domains but are not a whole number of them")
     return {"data": data, "tensor": tensor}
 
 
@@ -658,14 +669,6 @@ def validate_for_devices(cfg: Config, n_devices: int) -> dict[str, int]:
         raise ConfigError(
             f"data.batch_size={cfg.data.batch_size}: must be divisible by mesh data axis "
             f"({data}) x optim.grad_accum ({cfg.optim.grad_accum}) = {per}")
-    dom = cfg.mesh.nvl_domain
-    if cfg.mesh.layout == "gb200":
-        if tensor > dom or dom % tensor:
-            raise ConfigError(f"mesh.tensor={tensor}: must divide mesh.nvl_domain={dom} so "
-                              "each tensor group stays inside one NVLink domain")
-        if n_devices > dom and n_devices % dom:
-            raise ConfigError(f"mesh.nvl_domain={dom}: {n_devices} devices span several "
-                              "domains but are not a whole number of them")
     if tensor > 1:
         m = cfg.model
         # 16 = the NVFP4 block: each tensor shard must hold whole blocks.

@@ -452,44 +452,61 @@ def run(
         skipped_before = int(nv.find_state(opt_state).skipped)
         in_a_row, limit = 0, cfg.nvfp4.max_skipped_in_a_row
         run_id = checkpoint_lib.run_identity(cfg)
+        # The host reads metrics every train.log_every steps (and at checkpoints, evaluations,
+        # the first and last step, every step with nvfp4.nonfinite=error or an on_step hook):
+        # between those, steps are dispatched without waiting for the previous one.
+        pending = []
+        t_mark = time.perf_counter()
         for step in range(start, cfg.train.steps):
             batch = global_batch(trainer, next(it))
             scale = np.float32(inject.get(step + 1, 1.0))
-            t0 = time.perf_counter()
             params, opt_state, m = trainer.step_fn(params, opt_state, batch, jax.random.fold_in(base_key, step), scale)
-            loss = float(m["loss"])  # syncs: the time below is the whole step
-            dt = time.perf_counter() - t0
-            skipped = int(m["skipped"])
-            if cfg.nvfp4.nonfinite == "error" and skipped > skipped_before:
-                # Before any checkpoint of this step: the state on disk stays the last good one.
-                try:
-                    nv.raise_if_skipped(opt_state, skipped_before)
-                except FloatingPointError as e:
-                    raise FloatingPointError(f"step {step + 1}: {e}") from None
-            in_a_row = in_a_row + 1 if skipped > skipped_before else 0
-            skipped_before = skipped
-            if step > start:
-                times.append(dt)
-            rec = {"step": step + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-                   "gathered_bytes": acct["all_gather_bytes"], "skipped": skipped}
-            if eval_fn is not None and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
-                rec["val_loss"] = validation_loss(eval_fn, params, val_batches)
-            history.append(rec)
+            pending.append((step, m))
+            last = step + 1 == cfg.train.steps
+            ckpt_due = ckpt is not None and ((cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or last)
+            eval_due = eval_fn is not None and ((step + 1) % cfg.train.eval_every == 0 or last)
+            if not (last or ckpt_due or eval_due or on_step is not None or step == start
+                    or cfg.nvfp4.nonfinite == "error" or (step + 1) % cfg.train.log_every == 0):
+                continue
+            fetched = jax.device_get([pm for _, pm in pending])  # waits for the steps in flight
+            now = time.perf_counter()
+            dt = (now - t_mark) / len(pending)  # the mean step time since the last read
+            t_mark = now
+            for (s, _), mm in zip(pending, fetched):
+                loss, skipped = float(mm["loss"]), int(mm["skipped"])
+                if cfg.nvfp4.nonfinite == "error" and skipped > skipped_before:
+                    # Read every step in this mode, before any checkpoint of this step: the
+                    # state on disk stays the last good one.
+                    try:
+                        nv.raise_if_skipped(opt_state, skipped_before)
+                    except FloatingPointError as e:
+                        raise FloatingPointError(f"step {s + 1}: {e}") from None
+                in_a_row = in_a_row + 1 if skipped > skipped_before else 0
+                skipped_before = skipped
+                if s > start:
+                    times.append(dt)
+                rec = {"step": s + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
+                       "gathered_bytes": acct["all_gather_bytes"], "skipped": skipped}
+                if s == step and eval_due:
+                    rec["val_loss"] = validation_loss(eval_fn, params, val_batches)
+                history.append(rec)
+                if fh:
+                    fh.write(json_record(rec) + "\n")
+                if bar is not None:
+                    bar.update(1)
+                    shown = [h["val_loss"] for h in history if "val_loss" in h]
+                    bar.set_postfix(loss=f"{loss:.3f}", **({"val": f"{shown[-1]:.3f}"} if shown else {}),
+                                    tok_s=f"{rec['tokens_per_s']:.0f}",
+                                    gather=f"{acct['all_gather_bytes'] / 1e6:.2f}MB", skipped=skipped, refresh=False)
+                if limit and in_a_row >= limit:
+                    # Diverged: every step is being thrown away. Stop before checkpointing it.
+                    raise FloatingPointError(
+                        f"step {s + 1}: {in_a_row} steps in a row skipped for non-finite gradients (loss {loss}); "
+                        f"the run has diverged (nvfp4.max_skipped_in_a_row={limit}; 0 = no limit)")
+            pending.clear()
             if fh:
-                fh.write(json_record(rec) + "\n")
                 fh.flush()
-            if bar is not None:
-                bar.update(1)
-                shown = [h["val_loss"] for h in history if "val_loss" in h]
-                bar.set_postfix(loss=f"{loss:.3f}", **({"val": f"{shown[-1]:.3f}"} if shown else {}), tok_s=f"{rec['tokens_per_s']:.0f}",
-                                gather=f"{acct['all_gather_bytes'] / 1e6:.2f}MB", skipped=skipped, refresh=False)
-            if limit and in_a_row >= limit:
-                # Diverged: every step is being thrown away. Stop before checkpointing it.
-                raise FloatingPointError(
-                    f"step {step + 1}: {in_a_row} steps in a row skipped for non-finite gradients (loss {loss}); "
-                    f"the run has diverged (nvfp4.max_skipped_in_a_row={limit}; 0 = no limit)")
-            if ckpt is not None and ((cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0)
-                                     or step + 1 == cfg.train.steps):
+            if ckpt_due:
                 ckpt.save(step + 1, params, opt_state, mesh=mesh, rules=trainer.rules, base_key=base_key,
                           data_state=it.get_state(), run=run_id)
             if on_step is not None:

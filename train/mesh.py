@@ -131,10 +131,7 @@ def device_grid(cfg_mesh: MeshConfig, devices: Sequence[Any] | None = None) -> n
     ``[rack, data in the rack, tensor]`` with ``layout: gb200``."""
     devices = list(jax.devices() if devices is None else devices)
     axes = resolve_axes(cfg_mesh, len(devices))
-    if cfg_mesh.layout == "gb200":
-        if axes["tensor"] > cfg_mesh.nvl_domain or cfg_mesh.nvl_domain % axes["tensor"]:
-            raise ConfigError(f"mesh.tensor={axes['tensor']}: must divide mesh.nvl_domain="
-                              f"{cfg_mesh.nvl_domain} so each tensor group stays in one domain")
+    if cfg_mesh.layout == "gb200":  # resolve_axes checked the tensor axis against the domain
         grid = _hybrid_grid(axes, devices, cfg_mesh.nvl_domain, strict=True)
         racks = len(set(device_domains(devices, cfg_mesh.nvl_domain)))
         if cfg_mesh.racks and cfg_mesh.racks != racks:

@@ -16,6 +16,8 @@ kernels are ``[d_model, kv_heads * head_dim]``.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Dict, Optional
 
 import flax.linen as nn
@@ -85,68 +87,66 @@ def attention_implementation(choice: str, head_dim: int, dtype) -> str:
     return "cudnn" if jax.default_backend() == "gpu" and fits else "xla"
 
 
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """The hyperparameters the layers of a block read (frozen, hashable: a Flax attribute)."""
+
+    d_model: int
+    heads: int
+    kv_heads: int
+    hidden: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    compute: str = "dequant"
+    init_std: float = 0.02
+    dtype: Any = jnp.bfloat16
+    attention: str = "auto"  # auto | xla | cudnn, see attention_implementation
+
+    def dense(self, name: str, features: int) -> NVFP4Dense:
+        return linear(features, name, self.compute, self.dtype, self.init_std)
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention: ``heads`` query heads share ``kv_heads`` key/value
     heads (``heads % kv_heads == 0``; ``kv_heads == heads`` is multi-head attention), through
     ``jax.nn.dot_product_attention`` (see :func:`attention_implementation`)."""
 
-    d_model: int
-    heads: int
-    kv_heads: int
-    rope_theta: float
-    compute: str
-    init_std: float
-    dtype: Any = jnp.bfloat16
-    implementation: str = "auto"
+    dims: Dims
 
     @nn.compact
     def __call__(self, x):
+        d = self.dims
         b, t, _ = x.shape
-        hd = self.d_model // self.heads
-        dense = lambda name, f: linear(f, name, self.compute, self.dtype, self.init_std)
-        q = dense("q", self.heads * hd)(x).reshape(b, t, self.heads, hd)
-        k = dense("k", self.kv_heads * hd)(x).reshape(b, t, self.kv_heads, hd)
-        v = dense("v", self.kv_heads * hd)(x).reshape(b, t, self.kv_heads, hd)
-        q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
-        out = jax.nn.dot_product_attention(q.astype(self.dtype), k.astype(self.dtype), v.astype(self.dtype),
-                                           is_causal=True,
-                                           implementation=attention_implementation(self.implementation, hd, self.dtype))
-        return dense("out", self.d_model)(out.reshape(b, t, self.heads * hd))
+        hd = d.d_model // d.heads
+        q = d.dense("q", d.heads * hd)(x).reshape(b, t, d.heads, hd)
+        k = d.dense("k", d.kv_heads * hd)(x).reshape(b, t, d.kv_heads, hd)
+        v = d.dense("v", d.kv_heads * hd)(x).reshape(b, t, d.kv_heads, hd)
+        q, k = rotary(q, d.rope_theta), rotary(k, d.rope_theta)
+        out = jax.nn.dot_product_attention(q.astype(d.dtype), k.astype(d.dtype), v.astype(d.dtype), is_causal=True,
+                                           implementation=attention_implementation(d.attention, hd, d.dtype))
+        return d.dense("out", d.d_model)(out.reshape(b, t, d.heads * hd))
 
 
 class MLP(nn.Module):
-    d_model: int
-    hidden: int
-    compute: str
-    init_std: float
-    dtype: Any = jnp.bfloat16
+    dims: Dims
 
     @nn.compact
     def __call__(self, x):
-        dense = lambda n, f: linear(f, n, self.compute, self.dtype, self.init_std)
-        h = jax.nn.silu(dense("gate", self.hidden)(x)) * dense("up", self.hidden)(x)
-        return dense("down", self.d_model)(h)
+        d = self.dims
+        h = jax.nn.silu(d.dense("gate", d.hidden)(x)) * d.dense("up", d.hidden)(x)
+        return d.dense("down", d.d_model)(h)
 
 
 class Block(nn.Module):
-    d_model: int
-    heads: int
-    kv_heads: int
-    hidden: int
-    rope_theta: float
-    norm_eps: float
-    compute: str
-    init_std: float
-    dtype: Any = jnp.bfloat16
-    attention: str = "auto"
+    dims: Dims
 
     @nn.compact
     def __call__(self, x, _):
-        h = RMSNorm(self.norm_eps, self.dtype, name="norm1")(x)
-        x = x + Attention(self.d_model, self.heads, self.kv_heads, self.rope_theta, self.compute, self.init_std,
-                          self.dtype, self.attention, name="attn")(h)
-        h = RMSNorm(self.norm_eps, self.dtype, name="norm2")(x)
-        x = x + MLP(self.d_model, self.hidden, self.compute, self.init_std, self.dtype, name="mlp")(h)
+        d = self.dims
+        h = RMSNorm(d.norm_eps, d.dtype, name="norm1")(x)
+        x = x + Attention(d, name="attn")(h)
+        h = RMSNorm(d.norm_eps, d.dtype, name="norm2")(x)
+        x = x + MLP(d, name="mlp")(h)
         return x, None
 
 
@@ -180,6 +180,8 @@ class GPT(nn.Module):
         embed = param(self, "embed", nn.initializers.normal(self.init_std), (self.vocab, self.d_model), jnp.float32)
         x = embed.astype(self.dtype)[tokens]
         counts = (self.keep_first, self.layers - self.keep_first - self.keep_last, self.keep_last)
+        dims = Dims(self.d_model, self.heads, self.kv_heads or self.heads, self.hidden, self.rope_theta, self.norm_eps,
+                    self.compute, self.init_std, self.dtype, self.attention)
         for name, n in zip(SEGMENTS, counts):
             if n == 0:
                 continue
@@ -189,8 +191,7 @@ class GPT(nn.Module):
                 split_rngs={"params": True, ROUNDING_RNG: True},
                 length=n,
             )
-            x, _ = stack(self.d_model, self.heads, self.kv_heads or self.heads, self.hidden, self.rope_theta,
-                         self.norm_eps, self.compute, self.init_std, self.dtype, self.attention, name=name)(x, None)
+            x, _ = stack(dims, name=name)(x, None)
         x = RMSNorm(self.norm_eps, self.dtype, name="norm_f")(x)
         if self.tie_embeddings:
             # Logits in the activation dtype, like the untied head (and HF's lm_head).
@@ -218,18 +219,11 @@ def _remat(block, policy: Optional[str]):
 
 
 def from_config(model_cfg, nvfp4_cfg) -> GPT:
+    same = ("vocab", "d_model", "layers", "heads", "rope_theta", "norm_eps", "tie_embeddings", "attention", "init_std")
     return GPT(
-        vocab=model_cfg.vocab,
-        d_model=model_cfg.d_model,
-        layers=model_cfg.layers,
-        heads=model_cfg.heads,
+        **{k: getattr(model_cfg, k) for k in same},
         kv_heads=model_cfg.n_kv_heads,
         hidden=model_cfg.mlp_hidden,
-        rope_theta=model_cfg.rope_theta,
-        norm_eps=model_cfg.norm_eps,
-        tie_embeddings=model_cfg.tie_embeddings,
-        attention=model_cfg.attention,
-        init_std=model_cfg.init_std,
         keep_first=nvfp4_cfg.keep_first_blocks,
         keep_last=nvfp4_cfg.keep_last_blocks,
         compute=nvfp4_cfg.compute if nvfp4_cfg.weights == "nvfp4" else "dequant",

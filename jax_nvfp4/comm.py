@@ -29,6 +29,8 @@ import math
 import re
 from typing import Dict, List, Mapping, Sequence, Tuple
 
+import numpy as np
+
 _OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute", "collective-broadcast")
 _BYTES = {
     "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8, "u64": 8,
@@ -301,8 +303,6 @@ def replica_groups(line: str) -> Tuple[Tuple[int, ...], ...]:
     collective-permute; ``()`` for "all devices in one group"."""
     m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
     if m:
-        import numpy as np
-
         sizes = [(a, int(s)) for a, s in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
         names = [a for a, _ in sizes]
         axes = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2))]
@@ -312,8 +312,6 @@ def replica_groups(line: str) -> Tuple[Tuple[int, ...], ...]:
         return tuple(tuple(int(x) for x in g) for g in ids)
     m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
     if m:
-        import numpy as np
-
         shape = [int(x) for x in m.group(1).split(",")]
         dims = [int(x) for x in m.group(2).split(",")]
         ids = np.arange(math.prod(dims)).reshape(dims)
@@ -355,8 +353,6 @@ def purpose(op: str, op_name: str, stack: Sequence[Tuple[str, str]]) -> str:
 
 def _mesh_axes(groups, mesh) -> Tuple[str, ...]:
     """Mesh axes along which the devices of ``groups`` differ."""
-    import numpy as np
-
     shape = tuple(mesh.devices.shape)
     if not groups:
         return tuple(a for a, s in zip(mesh.axis_names, shape) if s > 1)

@@ -342,6 +342,17 @@ def test_clear_errors():
         tx.update(quantized, state, params)
 
 
+def placed_weight(x, lay, mesh):
+    """``x`` as a stored NVFP4 param and its float32 master in ``lay``, sharded on ``mesh``;
+    and the master's PartitionSpec."""
+    stored = nv.TiledNVFP4.from_array(nv.quantize(x), lay)
+    spec = lay.spec(0)
+    stored = jax.device_put(stored, jax.tree.map(lambda s: NamedSharding(mesh, s), stored.specs(),
+                                                 is_leaf=lambda s: isinstance(s, P)))
+    master = nv.Tiled(jax.device_put(nv.Tiled.from_logical(x, lay).value, NamedSharding(mesh, spec)), lay)
+    return stored, master, spec
+
+
 @pytest.mark.parametrize("n", [3, 4])
 def test_gather_weight_forward_and_its_ordered_reduce_scatter(n):
     """Inside shard_map: the forward gathers packed bytes and dequantizes (the weight every
@@ -351,12 +362,7 @@ def test_gather_weight_forward_and_its_ordered_reduce_scatter(n):
     rng = np.random.default_rng(n)
     x = jnp.asarray(rng.standard_normal((40, 72)) * 0.1, jnp.float32)
     lay = nv.Layout((40, 72), n)
-    stored = nv.TiledNVFP4.from_array(nv.quantize(x), lay)
-    master = nv.Tiled.from_logical(x, lay)
-    spec = lay.spec(0)
-    stored = jax.device_put(stored, jax.tree.map(lambda s: NamedSharding(mesh, s), stored.specs(),
-                                                 is_leaf=lambda s: isinstance(s, P)))
-    master = nv.Tiled(jax.device_put(master.value, NamedSharding(mesh, spec)), lay)
+    stored, master, spec = placed_weight(x, lay, mesh)
     # Device i's gradient is cot[i]: bf16 values whose sum depends on the order.
     cot = jnp.asarray(rng.standard_normal((n, 40, 72)) * 10.0 ** rng.integers(-3, 3, (n, 40, 72)), jnp.bfloat16)
     cfg = nv.GatherConfig("data", jnp.bfloat16)
@@ -395,12 +401,7 @@ def test_two_level_gather_and_reduction_over_racks(mode):
     x = jnp.asarray(rng.standard_normal((40, 72)) * 0.1, jnp.float32)
     axis, replica = (("data", "rack"), None) if mode == "fsdp" else ("data", "rack")
     lay = nv.Layout((40, 72), 6 if mode == "fsdp" else 3, data_axis=axis)
-    stored = nv.TiledNVFP4.from_array(nv.quantize(x), lay)
-    master = nv.Tiled.from_logical(x, lay)
-    spec = lay.spec(0)
-    stored = jax.device_put(stored, jax.tree.map(lambda s: NamedSharding(mesh, s), stored.specs(),
-                                                 is_leaf=lambda s: isinstance(s, P)))
-    master = nv.Tiled(jax.device_put(master.value, NamedSharding(mesh, spec)), lay)
+    stored, master, spec = placed_weight(x, lay, mesh)
     cot = jnp.asarray(rng.standard_normal((2, 3, 40, 72)) * 10.0 ** rng.integers(-3, 3, (2, 3, 40, 72)),
                       jnp.bfloat16)
     cfg = nv.GatherConfig(axis, jnp.bfloat16, replica_axis=replica)

@@ -16,7 +16,7 @@ from typing import Any, Dict, Sequence
 import jax
 
 from benchmarks.train_step import size_config
-from train import loop
+from train import loop, summary
 from train import mesh as mesh_lib
 
 RUNS = (
@@ -44,7 +44,7 @@ def run(size: str, steps: int, devices: Sequence[Any], out_dir: str, *, log=prin
             jax.clear_caches()
     os.makedirs(out_dir, exist_ok=True)
     plot = os.path.join(out_dir, "convergence.png")
-    loop.plot_losses(runs, plot, runs[0]["entropy_floor"])
+    summary.plot_losses(runs, plot, runs[0]["entropy_floor"])
     by = {r["label"]: r for r in runs}
     n, b, c = by["nvfp4"], by["bf16"], by["nvfp4_compute"]
     floor = n["entropy_floor"]

@@ -3,7 +3,7 @@ per-device memory and collective traffic.
 
 Nothing is allocated: the model is built with ``jax.eval_shape``, params and optimizer state
 are ``jax.ShapeDtypeStruct`` with their shardings (``jax_nvfp4.shardings``), and the full step
-of ``train.loop.make_step`` (packed gather, dequantize, forward/backward, gradient reduction,
+of ``train.step.make_step`` (packed gather, dequantize, forward/backward, gradient reduction,
 ``master_weights`` update, sharded re-quantization) is lowered and compiled ahead of time for
 a mesh of simulated CPU devices. Figures come from the compiled program:
 
@@ -342,14 +342,14 @@ def unsharded_large_leaves(params, specs, rules, n_data: int) -> List[str]:
 
 
 def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps: float = IB_GBPS) -> Dict[str, Any]:
-    """Lower and compile the full training step of ``train.loop.make_step`` for ``cfg`` on
+    """Lower and compile the full training step of ``train.step.make_step`` for ``cfg`` on
     ``spec``'s simulated mesh."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import jax_nvfp4 as nv
-    from train import loop
+    from train import optimizer as optimizer_lib, step as step_lib
     from train import mesh as mesh_lib
     from train.config import validate_for_devices
     from train.model import from_config
@@ -357,19 +357,19 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
     axes = validate_for_devices(cfg, spec.devices)
     mesh = mesh_lib.build_mesh(cfg.mesh, jax.devices()[: spec.devices])
     model = from_config(cfg.model, cfg.nvfp4)
-    policy, rules = loop.policy_for(cfg), loop.rules_for(cfg)
-    tx = loop.make_optimizer(cfg, rules, policy, mesh)
+    policy, rules = step_lib.policy_for(cfg), step_lib.rules_for(cfg)
+    tx = optimizer_lib.make_optimizer(cfg, rules, policy, mesh)
 
     t0 = time.perf_counter()
     # eval_shape of the init, then the library's shardings: nothing is allocated.
-    (a_params, a_state), (p_sh, s_sh) = loop.abstract_state(cfg, mesh, model, policy, rules, tx)
+    (a_params, a_state), (p_sh, s_sh) = step_lib.abstract_state(cfg, mesh, model, policy, rules, tx)
     sds = lambda t, s: jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), t, s)
     params, state = sds(a_params, p_sh), sds(a_state, s_sh)
-    batch_sh = NamedSharding(mesh, P(loop.batch_axes(mesh, rules)))
+    batch_sh = NamedSharding(mesh, P(step_lib.batch_axes(mesh, rules)))
     batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), jnp.int32, sharding=batch_sh)
     key = jax.eval_shape(lambda: jax.random.key(0))
     step = jax.jit(
-        loop.make_step(cfg, model, tx, rules, mesh),
+        step_lib.make_step(cfg, model, tx, rules, mesh),
         in_shardings=(p_sh, s_sh, batch_sh, None),
         out_shardings=(p_sh, s_sh, None),
         donate_argnums=(0, 1),
@@ -522,7 +522,7 @@ def markdown(report: Dict[str, Any]) -> str:
         f"- sharding: {SHARDING_TEXT[runs[0].get('sharding', 'flat')]}",
         f"- batch: {report['micro_batch']} sequence(s) of {report['seq_len']} tokens per data shard (temporaries are "
         "for this micro-batch)",
-        "- step: train.loop.make_step (FSDP): inside the scan over layers, each layer all-gathers its packed "
+        "- step: train.step.make_step (FSDP): inside the scan over layers, each layer all-gathers its packed "
         "weight bytes, dequantizes, runs forward (remat: again in backward) and reduce-scatters its weight "
         "gradient into the master shards in a fixed order; then master_weights(AdamW) and sharded "
         "re-quantization of the tiles each device owns; AOT-compiled for simulated CPU devices",

@@ -1,6 +1,6 @@
 """Figures 1-3 of one compiled training step, NVFP4 weights vs bf16 weights on the same mesh.
 
-For a model size and a data-axis size, :func:`measure_pair` builds the trainer of ``train.loop``
+For a model size and a data-axis size, :func:`measure_pair` builds the trainer of ``train.step``
 twice (``nvfp4.weights=nvfp4`` and ``=bf16``), compiles each step once, and reads:
 
 1. traffic: bytes per device per step of every collective in the compiled HLO, loop trip
@@ -31,7 +31,7 @@ import numpy as np
 
 import jax_nvfp4 as nv
 from train import data as data_lib
-from train import loop
+from train import step as step_lib
 from train import mesh as mesh_lib
 from train.config import Config, load_config
 
@@ -131,11 +131,11 @@ def measure(cfg: Config, devices: Sequence[Any], *, time_steps: int = 3) -> Dict
     """Figures 1-3 of ``cfg``'s compiled step on a data-parallel mesh of ``devices``."""
     t0 = time.perf_counter()
     mesh = mesh_lib.build_mesh(cfg.mesh, list(devices))
-    trainer, params, opt_state = loop.build(cfg, mesh)
+    trainer, params, opt_state = step_lib.build(cfg, mesh)
     source = data_lib.make_source(cfg.data, cfg.model)
     it = data_lib.make_data_iterator(cfg, process_index=jax.process_index(),
                                      process_count=jax.process_count(), source=source)
-    batch = loop.global_batch(trainer, it.batch_at(0))
+    batch = step_lib.global_batch(trainer, it.batch_at(0))
     extra = _extra_step_args(trainer.step_fn)
     compiled = trainer.step_fn.lower(params, opt_state, batch, jax.random.key(0), *extra).compile()
     build_s = time.perf_counter() - t0

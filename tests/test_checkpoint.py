@@ -22,6 +22,8 @@ import jax_nvfp4 as nv
 from train import checkpoint as ckpt_lib
 from train import data as data_lib
 from train import loop
+from train import step as step_lib
+from train import optimizer as optimizer_lib
 from train import mesh as mesh_lib
 from train.config import load_config
 from train.model import from_config
@@ -122,7 +124,7 @@ RACKS = ("mesh.layout=gb200", "mesh.nvl_domain=4")  # 2 racks of 4 on 8 devices
 def test_restore_onto_another_mesh(reference, resumed, data, tensor, step, extra):
     cfg = tiny(f"mesh.data={-1 if extra else data}", f"mesh.tensor={tensor}", *extra)
     mesh = mesh_of(cfg, 8 if extra else data * tensor)
-    trainer, _, _ = loop.build(cfg, mesh, init=False)
+    trainer, _, _ = step_lib.build(cfg, mesh, init=False)
     ck = ckpt_lib.Checkpointer(str(resumed["ck"]))
     r = ck.restore(6, trainer.abstract_params, trainer.abstract_state, trainer.param_shardings, trainer.state_shardings)
     ck.close()
@@ -138,7 +140,7 @@ def test_restore_onto_another_mesh(reference, resumed, data, tensor, step, extra
         return
     # ... and it trains on.
     it = data_lib.make_data_iterator(cfg)
-    batch = loop.global_batch(trainer, it.batch_at(6))
+    batch = step_lib.global_batch(trainer, it.batch_at(6))
     before = np.asarray(nv.find_state(r.opt_state).master["blocks"]["mlp"]["up"]["kernel"].logical())
     params, opt_state, m = trainer.step_fn(r.params, r.opt_state, batch, jax.random.fold_in(r.base_key, 6), np.float32(1))
     assert np.isfinite(float(m["loss"])) and int(m["skipped"]) == 0
@@ -162,7 +164,7 @@ def test_incompatible_checkpoint_is_refused_by_the_cli(resumed, compile_cache, t
 
 def test_checkpoint_of_another_optimizer_is_refused(resumed):
     cfg = tiny("optim.name=sgd")
-    trainer, _, _ = loop.build(cfg, mesh_of(cfg, 8), init=False)
+    trainer, _, _ = step_lib.build(cfg, mesh_of(cfg, 8), init=False)
     ck = ckpt_lib.Checkpointer(str(resumed["ck"]))
     with pytest.raises(ckpt_lib.CheckpointError, match="does not match this model/optimizer") as e:
         ck.restore(6, trainer.abstract_params, trainer.abstract_state, trainer.param_shardings, trainer.state_shardings)
@@ -173,7 +175,7 @@ def test_checkpoint_of_another_optimizer_is_refused(resumed):
 def test_nonfinite_checkpoint_is_refused(reference, tmp_path, where):
     cfg = tiny()
     mesh = mesh_of(cfg, 8)
-    trainer, _, _ = loop.build(cfg, mesh, init=False)
+    trainer, _, _ = step_lib.build(cfg, mesh, init=False)
     params, opt_state = reference["params"], reference["opt_state"]
     mw = nv.find_state(opt_state)
     if where == "master":
@@ -215,7 +217,7 @@ def test_save_failing_at_its_commit_leaves_the_previous_checkpoint(reference, tm
 
     cfg = tiny()
     mesh = mesh_of(cfg, 8)
-    trainer, _, _ = loop.build(cfg, mesh, init=False)
+    trainer, _, _ = step_lib.build(cfg, mesh, init=False)
     d = str(tmp_path / "ck")
     ck = ckpt_lib.Checkpointer(d)
     ck.save(1, reference["params"], reference["opt_state"], mesh=mesh, rules=trainer.rules, data_state={"step": 1, "seed": 0})
@@ -445,8 +447,8 @@ def test_extending_a_run_keeps_its_schedule(reference, resumed, tmp_path, capsys
     assert said.index("compiling the train step...") < said.index("compiled in ")
     assert r["start_step"] == 6 and len(r["history"]) == 2 and all(np.isfinite(r["history"]))
     # The schedule is the stored one: past its end the learning rate stays at its final value.
-    sched = loop.schedule_for(cfg)
-    assert float(sched(7)) == float(sched(6)) == float(loop.schedule_for(tiny())(6))
+    sched = optimizer_lib.schedule_for(cfg)
+    assert float(sched(7)) == float(sched(6)) == float(optimizer_lib.schedule_for(tiny())(6))
     assert ckpt_lib.Checkpointer(str(ck)).read_meta(8)["run"]["optim.schedule_steps"] == 6
 
 

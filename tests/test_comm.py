@@ -13,7 +13,7 @@ from jax_nvfp4 import comm
 STEP = """HloModule jit_step, entry_computation_layout={()->()}
 
 FileNames
-1 "/src/train/loop.py"
+1 "/src/train/step.py"
 2 "/src/jax_nvfp4/collectives.py"
 3 "/src/train/model.py"
 
@@ -120,15 +120,15 @@ def test_stack_tables_follow_real_callers():
     # XLA prints parent ids one above the frame they name: frame 3 (Block.__call__) is called
     # from frame 1 (the step), frame 1 is a root.
     assert comm.stacks(STEP) == {
-        1: [("/src/train/loop.py", "make_step.<locals>.step")],
-        2: [("/src/jax_nvfp4/collectives.py", "ordered_mean"), ("/src/train/loop.py", "make_step.<locals>.step")],
-        3: [("/src/train/model.py", "Block.__call__"), ("/src/train/loop.py", "make_step.<locals>.step")],
+        1: [("/src/train/step.py", "make_step.<locals>.step")],
+        2: [("/src/jax_nvfp4/collectives.py", "ordered_mean"), ("/src/train/step.py", "make_step.<locals>.step")],
+        3: [("/src/train/model.py", "Block.__call__"), ("/src/train/step.py", "make_step.<locals>.step")],
     }
     # Tables that name true parents (a root has parent 0) are read as they are.
     true_parents = STEP.replace("1 {file_location_id=1 parent_frame_id=1}", "1 {file_location_id=1}")
     true_parents = true_parents.replace("parent_frame_id=2}", "parent_frame_id=1}")
     assert comm.stacks(true_parents)[3] == [("/src/train/model.py", "Block.__call__"),
-                                            ("/src/train/loop.py", "make_step.<locals>.step")]
+                                            ("/src/train/step.py", "make_step.<locals>.step")]
 
 
 def test_purposes_from_scopes_stacks_and_mesh():

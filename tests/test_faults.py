@@ -20,6 +20,7 @@ import pytest
 
 from train import checkpoint as ckpt_lib
 from train import loop
+from train import step as step_lib
 from train import mesh as mesh_lib
 from train.config import load_config
 
@@ -102,7 +103,7 @@ def test_nonfinite_error_stops_the_cli_and_keeps_the_last_checkpoint(tmp_path, c
     assert [x["step"] for x in recs] == [1, 2]
     # Only the checkpoint before the bad step exists, and it restores (finite, step 2).
     cfg = tiny()
-    trainer, _, _ = loop.build(cfg, mesh_lib.build_mesh(cfg.mesh, jax.devices()[:8]), init=False)
+    trainer, _, _ = step_lib.build(cfg, mesh_lib.build_mesh(cfg.mesh, jax.devices()[:8]), init=False)
     c = ckpt_lib.Checkpointer(str(ck))
     assert c.all_steps() == [2]
     r = c.restore(2, trainer.abstract_params, trainer.abstract_state, trainer.param_shardings, trainer.state_shardings)

@@ -4,7 +4,7 @@ import numpy as np
 
 from benchmarks import report
 from train import __main__ as cli
-from train import loop
+from train import summary as summary_lib
 
 
 def _run(label, history, **kw):
@@ -42,7 +42,7 @@ def test_summary_names_its_loss_and_one_gather_ratio(capsys):
 def test_loss_plot_has_a_difference_panel_and_plain_labels(tmp_path):
     a = [5.0, 3.0, 2.0, 1.7, 1.6]
     b = [5.0, 3.1, 2.0, 1.6, 1.7]
-    fig = loop.plot_losses([_run("nvfp4 weights", a), _run("bf16 weights", b)], str(tmp_path / "loss.png"), 1.5)
+    fig = summary_lib.plot_losses([_run("nvfp4 weights", a), _run("bf16 weights", b)], str(tmp_path / "loss.png"), 1.5)
     assert (tmp_path / "loss.png").stat().st_size > 0
     top, diff = fig.axes
     curves = [l for l in top.get_lines() if len(l.get_xdata()) == 5]
@@ -52,7 +52,7 @@ def test_loss_plot_has_a_difference_panel_and_plain_labels(tmp_path):
     labels = [t.get_text() for t in top.get_yticklabels(which="both") if t.get_text()]
     assert labels and not any("times" in t or "^" in t or "$" in t for t in labels), labels
     # One run: no difference panel.
-    assert len(loop.plot_losses([_run("nvfp4 weights", a)], str(tmp_path / "one.png"), None).axes) == 1
+    assert len(summary_lib.plot_losses([_run("nvfp4 weights", a)], str(tmp_path / "one.png"), None).axes) == 1
 
 
 def test_scaling_plot_marks_the_weight_formats_apart(tmp_path):

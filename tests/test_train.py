@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from train import loop
+from train import summary as summary_lib
+from train import step as step_lib
 from train import mesh as mesh_lib
 from train.config import load_config
 
@@ -174,7 +176,7 @@ def _compiled_step_text(cfg, n=8):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    trainer, _, _ = loop.build(cfg, mesh_of(cfg, n), init=False)
+    trainer, _, _ = step_lib.build(cfg, mesh_of(cfg, n), init=False)
     sds = lambda t, s: jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), t, s)
     batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), jnp.int32,
                                  sharding=trainer.batch_sharding)
@@ -294,5 +296,5 @@ def test_prepared_tokens_train_with_validation_and_resume(tmp_path, compile_cach
     assert [x["step"] for x in recs if "val_loss" in x] == [3, 6]
     assert r["final_val_loss"] == recs[-1]["val_loss"] and recs[-1]["val_loss"] < recs[2]["val_loss"]
     assert r["final_val_loss"] < np.log(512)  # learned something about held-out text
-    summary = loop.summarize([r], out)
+    summary = summary_lib.summarize([r], out)
     assert summary["runs"][0]["final_val_loss"] == r["final_val_loss"]

@@ -162,7 +162,7 @@ def main(argv=None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
 
-    from train import loop
+    from train import loop, summary as summary_lib
     from train.checkpoint import CheckpointError, CheckpointWriteError
 
     out_dir = args.out or cfg.train.out_dir
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
             sys.stdout.flush()
             os._exit(4)
         return 4
-    summary = loop.summarize(runs, out_dir)
+    summary = summary_lib.summarize(runs, out_dir)
     if is_main:
         print_summary(summary, out_dir)
     return 0

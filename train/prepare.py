@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from typing import Iterator, List, Sequence
 

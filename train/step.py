@@ -1,0 +1,271 @@
+"""The compiled train step and what it is built from: which params are NVFP4 and where the
+state lives (policy and rules), the state itself, the FSDP step, evaluation, and the bytes its
+compiled HLO moves.
+
+Reproducibility: every cross-device sum of floats in the step (gradients, the loss, the global
+gradient norm) is a pure data movement (all-to-all / all-gather of the values' bits) followed
+by a sum in a fixed order on each device. Results then do not depend on how the runtime
+implements its reductions, so one process with 8 devices and two processes with 4 each (gloo)
+train bit-identically. (Tensor-parallel partial sums inside the model stay XLA all-reduces;
+keep each tensor group inside one process for the same guarantee.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_nvfp4 as nv
+from train.config import Config, validate_for_devices
+from train.model import TENSOR_RULES, cross_entropy, from_config, nvfp4_collection
+from train.optimizer import make_optimizer
+
+
+def policy_for(cfg: Config) -> nv.Policy:
+    """Which params are NVFP4: everything the default policy takes, except the kept parts."""
+    if cfg.nvfp4.weights == "bf16":
+        return nv.Policy(keep=(".*",), keep_dtype=jnp.bfloat16)
+    keep = tuple(cfg.nvfp4.keep_bf16) + ("^blocks_first/", "^blocks_last/")
+    return nv.Policy(keep=keep, keep_dtype=jnp.bfloat16)
+
+
+def rules_for(cfg: Config) -> nv.Rules:
+    """Where the state lives. Scanned segments stack layers on axis 0. Large bf16 leaves
+    (embeddings, head, the bf16 baseline's weights) are stored sharded and gathered like the
+    NVFP4 ones, so the two weight formats are compared like for like.
+
+    With ``mesh.layout: gb200`` (axes rack, data, tensor): ``mesh.sharding: fsdp`` shards the
+    state over ``("data", "rack")``, racks minor, so a weight gather crosses racks first on
+    1/I of the bytes and a gradient is summed inside the rack first; ``hsdp`` shards it over
+    ``data`` (inside the rack) and replicates it across racks."""
+    common = dict(tensor_axis="tensor", tensor=TENSOR_RULES, stacked=(r"^blocks",))
+    if cfg.mesh.layout != "gb200":
+        return nv.Rules(data_axis="data", **common)
+    if cfg.mesh.sharding == "hsdp":
+        return nv.Rules(data_axis="data", replica_axis="rack", **common)
+    return nv.Rules(data_axis=("data", "rack"), **common)
+
+
+def batch_axes(mesh, rules: nv.Rules) -> tuple:
+    """The mesh axes the batch rows are split over, in mesh order (racks first: each
+    process's devices hold consecutive rows)."""
+    return tuple(a for a in mesh.axis_names if a in rules.batch_axes)
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything a run needs, built once from a config and a mesh."""
+
+    cfg: Config
+    mesh: Any
+    model: Any
+    policy: nv.Policy
+    rules: nv.Rules
+    tx: Any
+    param_shardings: Any
+    state_shardings: Any
+    step_fn: Any
+    batch_sharding: Any
+    abstract_params: Any = None
+    abstract_state: Any = None
+
+
+def _state_fn(cfg: Config, model, policy, rules, tx, mesh):
+    tokens = jnp.zeros((1, cfg.model.seq_len), jnp.int32)
+
+    def create(key):
+        fp32 = model.init({"params": key}, tokens)["params"]
+        fp32 = jax.tree.map(lambda a: a.astype(jnp.float32), fp32)
+        params = nv.shard_params(nv.quantize_params(fp32, policy), mesh, rules)
+        return params, tx.init(fp32)
+
+    return create
+
+
+def abstract_state(cfg: Config, mesh, model, policy, rules, tx):
+    """``((params, opt_state) as ShapeDtypeStructs, (param_shardings, state_shardings))``,
+    without computing anything: what :func:`init_state` would create, and where."""
+    create = _state_fn(cfg, model, policy, rules, tx, mesh)
+    with jax.set_mesh(mesh):
+        abstract = jax.eval_shape(create, jax.random.key(cfg.train.seed))
+    shard = (nv.shardings(abstract[0], mesh), nv.shardings(abstract[1], mesh))
+    return abstract, shard
+
+
+def init_state(cfg: Config, mesh, model, policy, rules, tx):
+    """Float32 init -> stored NVFP4 params and master-weight state, sharded (jit with
+    out_shardings, so no unsharded copy of the state is materialised on one device)."""
+    _, shard = abstract_state(cfg, mesh, model, policy, rules, tx)
+    with jax.set_mesh(mesh):
+        create = _state_fn(cfg, model, policy, rules, tx, mesh)
+        params, opt_state = jax.jit(create, out_shardings=shard)(jax.random.key(cfg.train.seed))
+    return params, opt_state, shard
+
+
+def build(cfg: Config, mesh, *, init: bool = True) -> tuple:
+    """``(trainer, params, opt_state)``; with ``init=False`` the state is only planned
+    (``trainer.abstract_params`` / ``abstract_state``) and ``params``/``opt_state`` are None,
+    e.g. to restore a checkpoint into."""
+    validate_for_devices(cfg, mesh.size)
+    model = from_config(cfg.model, cfg.nvfp4)
+    policy, rules = policy_for(cfg), rules_for(cfg)
+    tx = make_optimizer(cfg, rules, policy, mesh)
+    (a_params, a_state), (p_sh, s_sh) = abstract_state(cfg, mesh, model, policy, rules, tx)
+    params = opt_state = None
+    if init:
+        params, opt_state, _ = init_state(cfg, mesh, model, policy, rules, tx)
+    batch_sharding = NamedSharding(mesh, P(batch_axes(mesh, rules)))
+    step = jax.jit(
+        make_step(cfg, model, tx, rules, mesh),
+        in_shardings=(p_sh, s_sh, batch_sharding, None, None),
+        out_shardings=(p_sh, s_sh, None),
+        donate_argnums=(0, 1),
+    )
+    trainer = Trainer(cfg, mesh, model, policy, rules, tx, p_sh, s_sh, step, batch_sharding, a_params, a_state)
+    return trainer, params, opt_state
+
+
+def _manual(spec: P, axes) -> P:
+    """``spec`` keeping only the mesh axes a ``shard_map`` is manual over."""
+    out = []
+    for e in spec:
+        if isinstance(e, tuple):
+            kept = tuple(a for a in e if a in axes)
+            out.append(kept if len(kept) > 1 else (kept[0] if kept else None))
+        else:
+            out.append(e if e in axes else None)
+    return P(*out)
+
+
+def make_step(cfg: Config, model, tx, rules, mesh):
+    """The train step ``step(params, opt_state, batch, key, loss_scale=None)`` (FSDP, one
+    layer at a time).
+
+    The loss and its gradients are computed inside a ``shard_map`` over the data axis, each
+    device on its own rows. Every parameter reaches the model as a
+    :class:`jax_nvfp4.nn.ParamShard`; the layer that uses it all-gathers its packed bytes
+    there, inside the scan over layers, and the scanned blocks are rematerialised, so no
+    device holds more than one layer's weights. The gather's VJP reduce-scatters each layer's
+    weight gradient straight into this device's master shard, summed in a fixed order
+    (:func:`jax_nvfp4.gather_weight`): bit-identical for any process layout. Then the
+    ``master_weights`` optimizer updates and re-quantizes each shard in place.
+
+    ``loss_scale`` (step argument): a float32 scalar multiplying the loss, 1.0 in training; a
+    fault-injection hook (NaN/Inf make that step's gradients non-finite).
+    """
+    nvfp4_compute = cfg.nvfp4.weights == "nvfp4" and cfg.nvfp4.compute == "nvfp4"
+    # Gradients take the dtype of the weights they are taken against: float32 weights (cast
+    # to bf16 inside the layers) make the cross-device gradient sum float32.
+    wdtype = jnp.float32 if cfg.nvfp4.grad_reduce_dtype == "float32" else jnp.bfloat16
+    gather_cfg = nv.GatherConfig(rules.data_axis, wdtype, packed=cfg.nvfp4.param_gather == "packed",
+                                 replica_axis=rules.replica_axis)
+    accum = cfg.optim.grad_accum
+    fmodel = model.clone(remat=cfg.train.remat)
+    data_axes = batch_axes(mesh, rules)
+    tensor_on = rules.tensor_axis in mesh.axis_names and mesh.shape[rules.tensor_axis] > 1
+    # Manual over the batch axes; a tensor axis of size > 1 stays with XLA (Megatron-style
+    # splits inside the layers, propagated from the weights' shardings).
+    manual = set(data_axes) if tensor_on else set(mesh.axis_names)
+    is_node = lambda x: nv.is_tiled(x)
+
+    def local(params, masters, rows, key, loss_scale):
+        key = jax.random.fold_in(key, jax.lax.axis_index(data_axes))
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+
+        def loss_fn(masters, inp, tgt, k):
+            shards = jax.tree.map(lambda s, m: nv.nn.ParamShard(s, m, gather_cfg), params, masters, is_leaf=is_node)
+            rngs = {"rounding": k} if nvfp4_compute else None
+            logits = fmodel.apply({"params": shards}, inp, rngs=rngs)
+            return cross_entropy(logits, tgt) * loss_scale
+
+        grad_fn = jax.value_and_grad(loss_fn)
+        if accum == 1:
+            loss, grads = grad_fn(masters, inputs, targets, key)
+        else:
+            b = inputs.shape[0] // accum
+            micro = lambda a: a.reshape(accum, b, *a.shape[1:])
+
+            def body(carry, xs):
+                i, inp, tgt = xs
+                l, g = grad_fn(masters, inp, tgt, jax.random.fold_in(key, i))
+                return jax.tree.map(jnp.add, carry, (l, g)), None
+
+            zero = jax.tree.map(jnp.zeros_like, (jnp.zeros([], jnp.float32), masters))
+            (loss, grads), _ = jax.lax.scan(body, zero, (jnp.arange(accum), micro(inputs), micro(targets)))
+            loss, grads = loss / accum, jax.tree.map(lambda g: g / np.float32(accum), grads)
+        return nv.ordered_mean(loss, data_axes), grads
+
+    def step(params, opt_state, batch, key, loss_scale=None):
+        scale = jnp.float32(1) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
+        masters = nv.find_state(opt_state).master
+        p_specs = jax.tree.map(lambda s: _manual(s, manual), nv.partition_specs(params), is_leaf=lambda x: isinstance(x, P))
+        m_specs = jax.tree.map(lambda s: _manual(s, manual), nv.partition_specs(masters), is_leaf=lambda x: isinstance(x, P))
+        loss, grads = jax.shard_map(
+            local, mesh=mesh, axis_names=manual,
+            in_specs=(p_specs, m_specs, P(data_axes), P(), P()), out_specs=(P(), m_specs), check_vma=False,
+        )(params, masters, batch, key, scale)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        mw = nv.find_state(opt_state)
+        metrics = {"loss": loss, "skipped": mw.skipped, "grad_finite": jnp.all(
+            jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))}
+        return params, opt_state, metrics
+
+    return step
+
+
+# ----------------------------------------------------------------------------- evaluation
+def make_eval(cfg: Config, model, rules: nv.Rules, mesh, batch_sharding):
+    """``evaluate(params, batch) -> [batch] float32``: each row's mean next-token loss.
+
+    Its own jitted function, apart from the train step: the stored params are gathered
+    (``nv.gather``: packed bytes for NVFP4 leaves), dequantized to bf16 and run forward, with
+    the recipe's GEMMs when ``nvfp4.compute=nvfp4`` (round to nearest: no rounding key).
+    Per-row losses come back replicated and the host averages them in a fixed order, so the
+    validation loss does not depend on how devices or processes sum.
+    """
+    nvfp4_compute = cfg.nvfp4.weights == "nvfp4" and cfg.nvfp4.compute == "nvfp4"
+
+    def evaluate(params, batch):
+        gathered = nv.gather(params, mesh, rules=rules)
+        variables = {"params": nv.dequantize_params(gathered, jnp.bfloat16)}
+        if nvfp4_compute:
+            variables["nvfp4"] = nvfp4_collection(gathered)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = model.apply(variables, inputs)
+        return jax.vmap(cross_entropy)(logits, targets)
+
+    return jax.jit(evaluate, in_shardings=(None, batch_sharding), out_shardings=NamedSharding(mesh, P()))
+
+
+def validation_loss(eval_fn, params, batches) -> float:
+    """Mean loss over the validation ``batches`` (global arrays), summed on the host in order."""
+    rows = [np.asarray(jax.device_get(eval_fn(params, b)), np.float64) for b in batches]
+    return float(np.mean(np.concatenate(rows)))
+
+
+# ----------------------------------------------------------------------------- accounting
+def gather_accounting(trainer: Trainer, params, opt_state, batch) -> Dict[str, Any]:
+    """Bytes per step read from the compiled step's HLO, per device: the weight gathers
+    (``jax_nvfp4.comm.Program.weight_gathers``), every collective by ``op:dtype``, and XLA's
+    temporary buffer size."""
+    compiled = trainer.step_fn.lower(params, opt_state, batch, jax.random.key(0), np.float32(1)).compile()
+    program = nv.comm.parse(compiled.as_text())
+    mem = compiled.memory_analysis()
+    return {
+        **program.weight_gathers(),
+        "collectives": {f"{op}:{dt}": b for (op, dt), b in program.by("op", "dtype").items()},
+        "temp_bytes": getattr(mem, "temp_size_in_bytes", None) if mem is not None else None,
+    }
+
+
+# ----------------------------------------------------------------------------- batches
+def global_batch(trainer: Trainer, local: np.ndarray):
+    global_shape = (trainer.cfg.data.batch_size, local.shape[1])
+    return jax.make_array_from_process_local_data(trainer.batch_sharding, local, global_shape)

@@ -66,6 +66,9 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("--conv-steps", type=int, help="convergence budget in steps (default 300; quick: 40)")
     p.add_argument("--quant-size", type=int, help="square side for quantize throughput (default 4096; quick: 1024)")
     p.add_argument("--host-devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    p.add_argument("--against", metavar="REV",
+                   help="speed: also time the same NVFP4 step at git commit REV, back to back with this "
+                        "tree (benchmarks.against), e.g. the commit before the FSDP step")
     args = p.parse_args(argv)
     for s in args.sections:
         if s not in ("all", *SECTIONS):
@@ -196,9 +199,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             log(f"{'/'.join(point_sections)}: {args.ref_size} model, data={ref_data}")
             timed = args.repeats if "speed" in point_sections else 0
             ref = ts.measure_pair(args.ref_size, ref_data, devices, time_steps=timed, log=log)
+        extra: Dict[str, Any] = {}
+        if args.against and "speed" in point_sections:
+            from benchmarks import against
+
+            log(f"speed: this tree against {args.against}, {args.ref_size} model, data={ref_data}")
+            shape = against.shape_overrides(ts.size_config(args.ref_size, "nvfp4"))
+            extra["against"] = against.compare(args.against, shape, devices=ref_data, log=log)
         wall = time.perf_counter() - t0
         for s in point_sections:
-            _write(args.out, s, {"meta": _meta(s, flags, devices, wall), "point": ref})
+            _write(args.out, s, {"meta": _meta(s, flags, devices, wall), "point": ref,
+                                 **(extra if s == "speed" else {})})
 
     if "quantize" in args.sections:
         from benchmarks import quantize

@@ -86,6 +86,9 @@ def target_misses(res: Dict[str, Any]) -> List[str]:
             if r["state_memory"] >= 1:
                 out.append(f"{sec}: {_point_label(p)}: training-state memory ratio NVFP4/bf16 "
                            f"{r['state_memory']:.3f} is not < 1")
+    a = res.get("speed", {}).get("against")
+    if a and a["ratio"] > a["target"]:
+        out.append(f"speed: step time {a['ratio']:.3f}x that of commit {a['rev'][:10]} > target {a['target']}")
     c = res.get("convergence")
     if c:
         if abs(c["gap_nvfp4_minus_bf16"]) >= GAP_TARGET:
@@ -317,6 +320,24 @@ def _speed_md(s: Dict[str, Any]) -> List[str]:
         "On CPU the simulated devices share the host's cores and there is no interconnect to save: "
         "the step time shows the compute cost of quantizing and dequantizing, not the gather savings.",
         "",
+    ] + _against_md(s.get("against"))
+
+
+def _against_md(a: Optional[Dict[str, Any]]) -> List[str]:
+    """This tree's NVFP4 step against an earlier commit's (``--against REV``), side by side."""
+    if not a:
+        return []
+    n = len(a["step_times_s_here"])
+    return [
+        f"Against commit {a['rev'][:10]} ({a['rev_subject']}): the same NVFP4 step, same model and "
+        f"{a['devices']} devices, each tree in its own process, {a['rounds']} alternating rounds of "
+        f"{a['steps_per_round']} steps (median of {n} per side; `benchmarks.against`).",
+        "",
+        f"| | commit {a['rev'][:10]} | this tree | this tree / {a['rev'][:10]} |",
+        "|---|---:|---:|---:|",
+        f"| step time | {_ms(a['step_time_s_rev'])} | {_ms(a['step_time_s_here'])} | **{_r(a['ratio'])}** "
+        f"(target <= {a['target']}) |",
+        "",
     ]
 
 
@@ -416,7 +437,7 @@ def _notes_md(res: Dict[str, Any]) -> List[str]:
         ops = {w: ", ".join(sorted(point[w]["collectives_by_purpose"].get("grad reduce", {}))) or "nothing"
                for w in ("nvfp4", "bf16")}
         notes.append(f"- Gradient reduction ({_point_label(point)}) moves {ops['nvfp4']} with NVFP4 weights and "
-                     f"{ops['bf16']} with bf16 weights. With `train.loop`'s ordered reduction the "
+                     f"{ops['bf16']} with bf16 weights. With `train.step`'s ordered reduction the "
                      "gradients travel as bits (all-to-all into the masters' layout, all-gather where a "
                      "master is replicated) and are summed on the device in a fixed order, so the bytes "
                      "are whole per-shard gradients, padded to the masters' 16x16 tiles; NVFP4 and bf16 "

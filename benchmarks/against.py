@@ -28,6 +28,9 @@ TARGET = 1.15  # this tree's step time / REV's: the FSDP step may cost at most 1
 # Runs in a fresh interpreter with only one tree on sys.path. Prints one JSON line.
 _SCRIPT = r"""
 import json, sys, time
+# Only this tree: an editable install's finder would fill in modules this tree lacks from the
+# installed one (e.g. a module that a later commit added).
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
 import numpy as np
 import jax
 from train.config import load_config
@@ -36,6 +39,8 @@ try:
     from train.step import build  # this tree
 except ImportError:
     from train.loop import build  # older trees
+import train
+assert train.__file__.startswith(sys.argv[3]), (train.__file__, sys.argv[3])
 
 overrides, steps = json.loads(sys.argv[1]), int(sys.argv[2])
 cfg = load_config(None, overrides)
@@ -68,7 +73,7 @@ def _git(*args: str, cwd: str = ROOT) -> str:
 def _time_tree(tree: str, overrides: Sequence[str], steps: int, devices: int) -> Dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=tree, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(list(overrides)), str(steps)],
+    out = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(list(overrides)), str(steps), tree],
                          cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         tail = "\n".join(out.stderr.strip().splitlines()[-5:])

@@ -10,7 +10,8 @@ import pytest
 
 from benchmarks import scale
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
+
 
 
 def run_scale(tmp_path, *args):

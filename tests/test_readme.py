@@ -9,7 +9,6 @@ import pytest
 from conftest import ROOT
 
 
-
 def readme_section(title: str) -> str:
     """The python code blocks of the README section ``## title``, joined in order."""
     text = open(os.path.join(ROOT, "README.md")).read()

@@ -8,6 +8,9 @@ import pytest
 from benchmarks import __main__ as cli
 from benchmarks import report
 
+# One pytest-xdist worker runs this module: its module fixtures are computed once.
+pytestmark = pytest.mark.xdist_group("benchmarks")
+
 LIMIT = (0.5 + 1 / 256) / 2  # 129 packed bytes per 512 bf16 bytes of a 16x16 tile
 
 

@@ -26,6 +26,9 @@ from train.model import from_config
 
 from conftest import JOB, ROOT, job, main_here, mesh_of, sets
 
+# One pytest-xdist worker runs this module: its module fixtures are computed once.
+pytestmark = pytest.mark.xdist_group("checkpoint")
+
 
 def same_bytes(a: dict, b: dict, keys=None):
     keys = sorted(a) if keys is None else keys

@@ -31,6 +31,9 @@ from train import loop
 import conftest
 from conftest import ROOT, TINY, mesh_of, sets
 
+# One pytest-xdist worker runs this module: its module fixtures are computed once.
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
 JOB = (*conftest.JOB, "mesh.layout=gb200", "mesh.nvl_domain=4")
 HEARTBEAT_S = 10
 SURVIVOR_DEADLINE_S = 60

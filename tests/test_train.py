@@ -103,6 +103,7 @@ def nvfp4_vs_bf16(tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("nvfp4_vs_bf16")  # one pytest-xdist worker for the fixture's users
 def test_nvfp4_vs_bf16_final_loss_gap(nvfp4_vs_bf16):
     a, b = nvfp4_vs_bf16["nvfp4"], nvfp4_vs_bf16["bf16"]
     gap = a["final_loss"] - b["final_loss"]
@@ -115,6 +116,7 @@ def test_nvfp4_vs_bf16_final_loss_gap(nvfp4_vs_bf16):
     assert a["nvfp4_gather_bytes"] / a["nvfp4_bf16_gather_bytes"] <= 0.2525
 
 
+@pytest.mark.xdist_group("nvfp4_vs_bf16")
 def test_recipe_compute_converges(tmp_path, nvfp4_vs_bf16):
     cfg = tiny("train.steps=60", "nvfp4.compute=nvfp4", "nvfp4.stochastic_rounding=true")
     r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=False)

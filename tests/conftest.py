@@ -1,9 +1,23 @@
+"""What the test modules share: the simulated devices, one XLA compile cache for the whole run,
+the repository's paths, the tiny job and ways to run the CLI."""
+
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 
 # Multi-device tests in this process use 8 simulated CPU devices; set before jax is imported.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent XLA compile cache for this run: its test processes (pytest-xdist workers
+# inherit the variables) and every JAX subprocess they start, so that a program compiled once
+# is a cache read everywhere else. A cache the caller names is used and kept; ours is removed
+# at the end of the run.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax_nvfp4-tests-xla-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402
@@ -12,20 +26,57 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile("ci")
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "train", "configs", "tiny.yaml")
+# The tiny job of the reliability modules (checkpoint, faults, multiprocess): widths divisible
+# by 16 x 6, a batch divisible by 8, 6, 4 and 1. One job, so that its programs compile once.
+JOB = ("train.steps=6", "model.d_model=96", "model.heads=2", "model.mlp_hidden=192", "data.batch_size=24")
 
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    """A persistent XLA compile cache for a test module and the CLI subprocesses it starts
-    (shared by the modules of a session, so a repeated compile is a cache read)."""
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE and not hasattr(config, "workerinput"):  # the run's first process, not a worker
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+def tiny(*overrides):
+    """``train/configs/tiny.yaml`` with ``overrides`` (``section.key=value`` strings)."""
+    from train.config import load_config
+
+    return load_config(TINY, list(overrides))
+
+
+def job(*overrides):
+    """The reliability modules' tiny job (``JOB``) with ``overrides``."""
+    return tiny(*JOB, *overrides)
+
+
+def mesh_of(cfg, n):
+    """``cfg``'s mesh on the first ``n`` devices."""
     import jax
-    from jax.experimental.compilation_cache import compilation_cache as cc
 
-    path = str(tmp_path_factory.getbasetemp() / "jax-cache")
-    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    cc.reset_cache()
-    yield path
-    jax.config.update("jax_compilation_cache_dir", before[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
-    cc.reset_cache()
+    from train import mesh as mesh_lib
+
+    return mesh_lib.build_mesh(cfg.mesh, jax.devices()[:n])
+
+
+def sets(overrides):
+    """``--set`` arguments for ``overrides``."""
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def cli(args, env=None, timeout=240):
+    """``python -m train --config tiny.yaml --no-progress ARGS`` in a process of its own (the
+    run's compile cache included): the ``CompletedProcess``, text output captured."""
+    return subprocess.run([sys.executable, "-m", "train", "--config", TINY, "--no-progress", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
+
+
+def main_here(args, capfd):
+    """``python -m train --config tiny.yaml --no-progress ARGS`` in this process (its exit
+    status and stderr are the CLI's): ``(exit status, stdout, stderr lines)``."""
+    from train.__main__ import main
+
+    capfd.readouterr()
+    rc = main(["--config", TINY, "--no-progress", *args])
+    out, err = capfd.readouterr()
+    return rc, out, err.strip().splitlines()

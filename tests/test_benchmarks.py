@@ -8,6 +8,9 @@ import pytest
 from benchmarks import __main__ as cli
 from benchmarks import report
 
+# One pytest-xdist worker runs this module: its module fixtures are computed once.
+pytestmark = pytest.mark.xdist_group("benchmarks")
+
 LIMIT = (0.5 + 1 / 256) / 2  # 129 packed bytes per 512 bf16 bytes of a 16x16 tile
 
 
@@ -50,22 +53,34 @@ def test_traffic_ratios(results):
     assert not any(k.endswith(":u8") for k in b["collectives_by_purpose"].get("weight gather", {}))
     # Whole model: embeddings and head stay bf16, so between the leaf ratio and 1.
     assert r["leaf_gather"] < r["model_gather"] < 1
-    assert n["grad_reduce_bytes"] > 0 and b["grad_reduce_bytes"] > 0
-    assert 0.2 < r["grad_reduce"] < 5
+    # Gradients cross devices as bf16 bits, whatever the weights' storage format.
+    for w in (n, b):
+        grad = w["collectives_by_purpose"]["grad reduce"]
+        assert grad and all(k.endswith(":u16") for k in grad), grad
 
 
 def test_memory_and_speed(results):
     p = _load(results, "memory")["point"]
-    for w in ("nvfp4", "bf16"):
-        m = p[w]["memory"]
-        assert m["total"] == m["params"] + m["master"] + m["optimizer"] + m["grads"]
-        assert m["master"] > 0 and m["grads"] > 0 and m["compiled_temp"] > 0
-    # Packed params are a fraction of bf16 ones; the whole state is smaller.
-    assert p["ratios"]["params_memory"] < 0.5
-    assert 0.3 < p["ratios"]["state_memory"] < 1
+    n, b = p["nvfp4"]["memory"], p["bf16"]["memory"]
+    # The tiny model's weights, by hand: 7 matrices per block, embedding and head, norms.
+    m = p["model"]
+    d, L = m["d_model"], m["layers"]
+    weights = L * (4 * d * d + 3 * d * m["mlp_hidden"]) + 2 * m["vocab"] * d + (2 * L + 1) * d
+    assert p["nvfp4"]["n_params"] == weights
+    # NVFP4 run: a float32 master of every weight, split over the 2 devices (+ tile padding
+    # and the replicated norms, < 1%).
+    assert 4 * weights / 2 <= n["master"] <= 1.01 * 4 * weights / 2
+    # Adam's two moments are float32 copies of the masters (+ a step count), in both runs.
+    for w in (n, b):
+        assert 2 * w["master"] < w["optimizer"] <= 2 * w["master"] + 64
+    # bf16 params sit in their masters' layout at half the bytes; packed NVFP4 ones are a
+    # fraction of those (the embedding, head and norms stay bf16 in both).
+    assert b["params"] == b["master"] // 2
+    assert n["params"] < 0.5 * b["params"]
+    assert n["compiled_temp"] > 0 and b["compiled_temp"] > 0
     s = _load(results, "speed")["point"]
-    assert s["nvfp4"]["step_time_s"] > 0 and s["bf16"]["step_time_s"] > 0
-    assert 0.05 < s["ratios"]["step_time"] < 20
+    for w in ("nvfp4", "bf16"):  # --repeats 2 (quick) timed steps, after an untimed one
+        assert len(s[w]["step_times_s"]) == 2 and all(t > 0 for t in s[w]["step_times_s"])
 
 
 def test_scaling_and_quantize(results):
@@ -73,7 +88,7 @@ def test_scaling_and_quantize(results):
     assert [(p["size"], p["data"]) for p in pts] == [("tiny", 2)]
     q = _load(results, "quantize")["result"]
     for k in ("quantize_16x16", "quantize_1x16", "dequantize_bf16"):
-        assert q[f"{k}_GBps"] > 0 and 0 < q[f"{k}_vs_same_bytes"] < 10
+        assert q[f"{k}_GBps"] > 0 and q[f"{k}_vs_same_bytes"] > 0
     assert report.target_misses(report.load(str(results))) == []
 
 

@@ -24,22 +24,12 @@ from train import data as data_lib
 from train import loop
 from train import step as step_lib
 from train import optimizer as optimizer_lib
-from train import mesh as mesh_lib
-from train.config import load_config
 from train.model import from_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, "train", "configs", "tiny.yaml")
-# Shared by the reliability test modules, so that their identical programs compile once.
-JOB = ("train.steps=6", "model.d_model=96", "model.heads=2", "model.mlp_hidden=192", "data.batch_size=24")
+from conftest import JOB, ROOT, job, main_here, mesh_of, sets
 
-
-def tiny(*overrides):
-    return load_config(TINY, [*JOB, *overrides])
-
-
-def mesh_of(cfg, n):
-    return mesh_lib.build_mesh(cfg.mesh, jax.devices()[:n])
+# One pytest-xdist worker runs this module: its module fixtures are computed once.
+pytestmark = pytest.mark.xdist_group("checkpoint")
 
 
 def same_bytes(a: dict, b: dict, keys=None):
@@ -49,22 +39,13 @@ def same_bytes(a: dict, b: dict, keys=None):
     assert not bad, bad[:5]
 
 
-pytestmark = pytest.mark.usefixtures("compile_cache")  # fixture in conftest.py
-
-
-def cli(args, cache, env=None, timeout=240):
-    e = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "train", "--config", TINY, "--no-progress", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=e)
-
-
 class Stop(Exception):
     pass
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    cfg = tiny()
+    cfg = job()
     r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path_factory.mktemp("reference")), progress=False)
     r["host"] = ckpt_lib.host_arrays(r["params"], r["opt_state"])
     return r
@@ -74,7 +55,7 @@ def reference(tmp_path_factory):
 def resumed(reference, tmp_path_factory):
     base = tmp_path_factory.mktemp("resumed")
     ck, out = base / "ck", base / "out"
-    cfg = tiny(f"checkpoint.dir={ck}", "checkpoint.every=2", "checkpoint.async_save=true")
+    cfg = job(f"checkpoint.dir={ck}", "checkpoint.every=2", "checkpoint.async_save=true")
 
     def stop_after_3(step, *_):
         if step == 3:
@@ -122,7 +103,7 @@ RACKS = ("mesh.layout=gb200", "mesh.nvl_domain=4")  # 2 racks of 4 on 8 devices
     (8, 1, False, RACKS), (4, 1, True, (*RACKS, "mesh.sharding=hsdp")),  # hsdp: 4 shards per rack
 ])
 def test_restore_onto_another_mesh(reference, resumed, data, tensor, step, extra):
-    cfg = tiny(f"mesh.data={-1 if extra else data}", f"mesh.tensor={tensor}", *extra)
+    cfg = job(f"mesh.data={-1 if extra else data}", f"mesh.tensor={tensor}", *extra)
     mesh = mesh_of(cfg, 8 if extra else data * tensor)
     trainer, _, _ = step_lib.build(cfg, mesh, init=False)
     ck = ckpt_lib.Checkpointer(str(resumed["ck"]))
@@ -149,21 +130,20 @@ def test_restore_onto_another_mesh(reference, resumed, data, tensor, step, extra
 
 
 # ----------------------------------------------------------------------------- refusals
-def test_incompatible_checkpoint_is_refused_by_the_cli(resumed, compile_cache, tmp_path):
+def test_incompatible_checkpoint_is_refused_by_the_cli(resumed, tmp_path, capfd):
     out = tmp_path / "never"
     listing = sorted(os.listdir(resumed["ck"]))
-    proc = cli([*sum((["--set", o] for o in JOB), []), "--set", "model.d_model=64", "--set", f"checkpoint.dir={resumed['ck']}",
-                "--out", str(out)], compile_cache)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    err = proc.stderr.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("checkpoint error:"), proc.stderr[-2000:]
+    rc, _, err = main_here([*sets(JOB), "--set", "model.d_model=64", "--set", f"checkpoint.dir={resumed['ck']}",
+                            "--out", str(out)], capfd)
+    assert rc == 2, err
+    assert len(err) == 1 and err[0].startswith("checkpoint error:"), err
     assert "was trained with model.d_model=96 but this run has model.d_model=64" in err[0]
     assert not out.exists()
     assert sorted(os.listdir(resumed["ck"])) == listing
 
 
 def test_checkpoint_of_another_optimizer_is_refused(resumed):
-    cfg = tiny("optim.name=sgd")
+    cfg = job("optim.name=sgd")
     trainer, _, _ = step_lib.build(cfg, mesh_of(cfg, 8), init=False)
     ck = ckpt_lib.Checkpointer(str(resumed["ck"]))
     with pytest.raises(ckpt_lib.CheckpointError, match="does not match this model/optimizer") as e:
@@ -173,7 +153,7 @@ def test_checkpoint_of_another_optimizer_is_refused(resumed):
 
 @pytest.mark.parametrize("where", ["master", "amax"])
 def test_nonfinite_checkpoint_is_refused(reference, tmp_path, where):
-    cfg = tiny()
+    cfg = job()
     mesh = mesh_of(cfg, 8)
     trainer, _, _ = step_lib.build(cfg, mesh, init=False)
     params, opt_state = reference["params"], reference["opt_state"]
@@ -215,7 +195,7 @@ def _replace_master(state, master):
 def test_save_failing_at_its_commit_leaves_the_previous_checkpoint(reference, tmp_path, monkeypatch):
     from orbax.checkpoint._src.path import async_path
 
-    cfg = tiny()
+    cfg = job()
     mesh = mesh_of(cfg, 8)
     trainer, _, _ = step_lib.build(cfg, mesh, init=False)
     d = str(tmp_path / "ck")
@@ -306,7 +286,7 @@ def test_save_killed_at_a_random_point_keeps_the_last_checkpoint(tmp_path):
 
 # ----------------------------------------------------------------------------- export
 def test_export_roundtrip_gives_bit_identical_logits(reference, tmp_path):
-    cfg = tiny()
+    cfg = job()
     params = nv.logical(jax.device_get(reference["params"]))  # one layout for both, so one program
     manifest = nv.export_nvfp4(params, str(tmp_path / "export"))
     m = json.loads(open(manifest).read())
@@ -420,7 +400,7 @@ def test_load_refuses_a_malformed_or_edited_manifest(tmp_path):
     ("train.steps=4", "is at step 6, past train.steps=4"),
 ])
 def test_resume_refuses_a_different_trajectory(resumed, tmp_path, override, needle):
-    cfg = tiny(f"checkpoint.dir={resumed['ck']}", override)
+    cfg = job(f"checkpoint.dir={resumed['ck']}", override)
     listing = sorted(os.listdir(resumed["ck"]))
     with pytest.raises(ckpt_lib.CheckpointError) as e:
         loop.run(cfg, mesh_of(cfg, 8), str(tmp_path / "never"), progress=False)
@@ -430,7 +410,7 @@ def test_resume_refuses_a_different_trajectory(resumed, tmp_path, override, need
     key = override.split("=")[0] if override != "train.steps=8" else "optim.schedule_steps"
     if not override.startswith("train.steps=4"):
         ckpt_lib.check_resume("x", ckpt_lib.Checkpointer(str(resumed["ck"])).read_meta(6),
-                              tiny(override, f"checkpoint.allow_change=[{key}]"))
+                              job(override, f"checkpoint.allow_change=[{key}]"))
 
 
 def test_extending_a_run_keeps_its_schedule(reference, resumed, tmp_path, capsys):
@@ -438,7 +418,7 @@ def test_extending_a_run_keeps_its_schedule(reference, resumed, tmp_path, capsys
 
     ck = tmp_path / "ck"
     shutil.copytree(resumed["ck"], ck)
-    cfg = tiny(f"checkpoint.dir={ck}", "train.steps=8", "optim.schedule_steps=6")
+    cfg = job(f"checkpoint.dir={ck}", "train.steps=8", "optim.schedule_steps=6")
     capsys.readouterr()
     r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path / "out"), progress=False)
     said = capsys.readouterr().out
@@ -448,7 +428,7 @@ def test_extending_a_run_keeps_its_schedule(reference, resumed, tmp_path, capsys
     assert r["start_step"] == 6 and len(r["history"]) == 2 and all(np.isfinite(r["history"]))
     # The schedule is the stored one: past its end the learning rate stays at its final value.
     sched = optimizer_lib.schedule_for(cfg)
-    assert float(sched(7)) == float(sched(6)) == float(optimizer_lib.schedule_for(tiny())(6))
+    assert float(sched(7)) == float(sched(6)) == float(optimizer_lib.schedule_for(job())(6))
     assert ckpt_lib.Checkpointer(str(ck)).read_meta(8)["run"]["optim.schedule_steps"] == 6
 
 

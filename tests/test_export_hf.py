@@ -8,8 +8,6 @@ compressed-tensors) load the exports with those libraries and skip cleanly witho
 import json
 import os
 import struct
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +19,8 @@ import jax_nvfp4 as nv
 from jax_nvfp4.export import export_hf, llama_config
 from train.model import GPT, SEGMENTS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import main_here
+
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 ST_DTYPES = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F32": np.float32, "U8": np.uint8}
 SHAPES = dict(vocab=96, d_model=64, layers=3, heads=4, kv_heads=2, hidden=96, rope_theta=500000.0)
@@ -170,12 +169,11 @@ def test_tied_head_and_refusals(tmp_path):
         export_hf({"blocks": {"odd": {"kernel": jnp.ones((1, 16, 16))}}}, hf_config(), str(tmp_path / "x"))
 
 
-def test_cli_refuses_a_non_empty_export_folder(tmp_path):
+def test_cli_refuses_a_non_empty_export_folder(tmp_path, capfd):
     (tmp_path / "keep.txt").write_text("x")
-    proc = subprocess.run([sys.executable, "-m", "train", "--export-hf", str(tmp_path), "--no-progress",
-                           "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().count("\n") == 0 and "not empty" in proc.stderr
+    rc, _, err = main_here(["--export-hf", str(tmp_path), "--out", str(tmp_path / "run")], capfd)
+    assert rc == 2
+    assert len(err) == 1 and "not empty" in err[0], err
     assert sorted(os.listdir(tmp_path)) == ["keep.txt"]
 
 

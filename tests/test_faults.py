@@ -11,36 +11,15 @@ status and stderr are the CLI's), sharing the compiled tiny job through the comp
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 
-import jax
 import pytest
 
 from train import checkpoint as ckpt_lib
 from train import loop
 from train import step as step_lib
-from train import mesh as mesh_lib
-from train.config import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, "train", "configs", "tiny.yaml")
-JOB = ("train.steps=6", "model.d_model=96", "model.heads=2", "model.mlp_hidden=192", "data.batch_size=24")
-
-
-pytestmark = pytest.mark.usefixtures("compile_cache")  # fixture in conftest.py
-
-
-def tiny(*overrides):
-    return load_config(TINY, [*JOB, *overrides])
-
-
-def cli(args, cache, env=None, timeout=240):
-    e = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **(env or {}))
-    sets = sum((["--set", o] for o in JOB), [])
-    return subprocess.run([sys.executable, "-m", "train", "--config", TINY, "--no-progress", *sets, *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=e)
+from conftest import JOB, TINY, cli, job, main_here, mesh_of, sets
 
 
 def strict_json_lines(path):
@@ -51,25 +30,14 @@ def strict_json_lines(path):
     return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
 
 
-def main_here(args, capfd):
-    """``python -m train ARGS`` on the tiny job, in this process: ``(exit status, stdout,
-    stderr lines)``."""
-    from train.__main__ import main
-
-    capfd.readouterr()
-    rc = main(["--config", TINY, "--no-progress", *sum((["--set", o] for o in JOB), []), *args])
-    out, err = capfd.readouterr()
-    return rc, out, err.strip().splitlines()
-
-
 def test_nonfinite_steps_are_skipped_and_training_continues(tmp_path, capsys):
-    cfg = tiny()
+    cfg = job()
     snaps = {}
 
     def on_step(step, params, opt_state, it):
         snaps[step] = ckpt_lib.host_arrays(params, opt_state)
 
-    r = loop.run(cfg, mesh_lib.build_mesh(cfg.mesh, jax.devices()[:8]), str(tmp_path), progress=True,
+    r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=True,
                  on_step=on_step, inject_nonfinite={3: float("nan"), 5: float("inf")})
     for bad in (3, 5):
         before, after = snaps[bad - 1], snaps[bad]
@@ -91,19 +59,19 @@ def test_nonfinite_steps_are_skipped_and_training_continues(tmp_path, capsys):
     assert "skipped=2" in capsys.readouterr().err  # the progress bar's postfix
 
 
-def test_nonfinite_error_stops_the_cli_and_keeps_the_last_checkpoint(tmp_path, compile_cache):
+def test_nonfinite_error_stops_the_cli_and_keeps_the_last_checkpoint(tmp_path, capfd, monkeypatch):
     ck, out = tmp_path / "ck", tmp_path / "out"
-    proc = cli(["--set", "nvfp4.nonfinite=error", "--set", f"checkpoint.dir={ck}", "--set", "checkpoint.every=2",
-                "--out", str(out)], compile_cache, env={"TRAIN_FAULT_NONFINITE": "3:nan"})
-    assert proc.returncode == 3, proc.stderr[-3000:]
-    err = proc.stderr.strip().splitlines()
+    monkeypatch.setenv("TRAIN_FAULT_NONFINITE", "3:nan")
+    rc, _, err = main_here([*sets(JOB), "--set", "nvfp4.nonfinite=error", "--set", f"checkpoint.dir={ck}",
+                            "--set", "checkpoint.every=2", "--out", str(out)], capfd)
+    assert rc == 3, err
     # The line names the step.
-    assert len(err) == 1 and err[0].startswith("error: step 3: master_weights: non-finite gradients"), proc.stderr[-2000:]
+    assert len(err) == 1 and err[0].startswith("error: step 3: master_weights: non-finite gradients"), err
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in recs] == [1, 2]
     # Only the checkpoint before the bad step exists, and it restores (finite, step 2).
-    cfg = tiny()
-    trainer, _, _ = step_lib.build(cfg, mesh_lib.build_mesh(cfg.mesh, jax.devices()[:8]), init=False)
+    cfg = job()
+    trainer, _, _ = step_lib.build(cfg, mesh_of(cfg, 8), init=False)
     c = ckpt_lib.Checkpointer(str(ck))
     assert c.all_steps() == [2]
     r = c.restore(2, trainer.abstract_params, trainer.abstract_state, trainer.param_shardings, trainer.state_shardings)
@@ -117,7 +85,7 @@ def test_nonfinite_error_stops_the_cli_and_keeps_the_last_checkpoint(tmp_path, c
     assert "\n" not in str(e.value)
 
 
-def test_bad_inputs_are_one_line_errors_that_write_nothing(tmp_path, compile_cache):
+def test_bad_inputs_are_one_line_errors_that_write_nothing(tmp_path, capfd):
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
     a_file = tmp_path / "a_file"
@@ -137,17 +105,17 @@ def test_bad_inputs_are_one_line_errors_that_write_nothing(tmp_path, compile_cac
     ]
     for i, (args, prefix, needle) in enumerate(cases):
         out = tmp_path / f"out{i}"
-        proc = cli([*args, "--out", str(out)], compile_cache)
-        err = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2, (args, proc.stderr[-2000:])
-        assert len(err) == 1 and err[0].startswith(prefix) and needle in err[0], (args, proc.stderr[-2000:])
+        rc, _, err = main_here([*sets(JOB), *args, "--out", str(out)], capfd)
+        assert rc == 2, (args, err)
+        assert len(err) == 1 and err[0].startswith(prefix) and needle in err[0], (args, err)
         assert not out.exists(), args
     assert a_file.read_text() == "x"
 
 
-def test_fault_hook_env_is_validated(tmp_path, compile_cache):
-    proc = cli(["--out", str(tmp_path / "o")], compile_cache, env={"TRAIN_FAULT_NONFINITE": "three"})
-    assert proc.returncode == 2 and "TRAIN_FAULT_NONFINITE" in proc.stderr
+def test_fault_hook_env_is_validated(tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("TRAIN_FAULT_NONFINITE", "three")
+    rc, _, err = main_here([*sets(JOB), "--out", str(tmp_path / "o")], capfd)
+    assert rc == 2 and len(err) == 1 and "TRAIN_FAULT_NONFINITE" in err[0], err
     assert not (tmp_path / "o").exists()
 
 
@@ -156,7 +124,7 @@ def test_divergence_stops_with_exit_3_naming_the_step(tmp_path, capfd, monkeypat
     # in a program of its own). It used to run to the end with exit 0.
     monkeypatch.setenv("TRAIN_FAULT_NONFINITE", "2:nan,3:inf,4:nan,5:nan,6:nan")
     out = tmp_path / "out"
-    rc, _, err = main_here(["--set", "nvfp4.max_skipped_in_a_row=3", "--set", f"checkpoint.dir={tmp_path / 'ck'}",
+    rc, _, err = main_here([*sets(JOB), "--set", "nvfp4.max_skipped_in_a_row=3", "--set", f"checkpoint.dir={tmp_path / 'ck'}",
                             "--set", "checkpoint.every=1", "--out", str(out)], capfd)
     assert rc == 3, err
     assert len(err) == 1 and err[0].startswith("error: step 4: 3 steps in a row skipped for non-finite gradients"), err
@@ -167,13 +135,13 @@ def test_divergence_stops_with_exit_3_naming_the_step(tmp_path, capfd, monkeypat
 
 
 @pytest.mark.parametrize("async_save", [False, True])
-def test_checkpoint_dir_becoming_read_only_is_one_line_exit_5(tmp_path, compile_cache, async_save):
+def test_checkpoint_dir_becoming_read_only_is_one_line_exit_5(tmp_path, async_save):
     # It used to end in a 56-line orbax traceback and exit 1 (and, for an asynchronous save,
     # a 5-minute wait for orbax's threads). A separate process: stderr and the exit are real.
     ck, out = tmp_path / "ck", tmp_path / "out"
     t0 = time.monotonic()
-    proc = cli(["--set", f"checkpoint.dir={ck}", "--set", "checkpoint.every=2", "--set",
-                f"checkpoint.async_save={str(async_save).lower()}", "--out", str(out)], compile_cache,
+    proc = cli([*sets(JOB), "--set", f"checkpoint.dir={ck}", "--set", "checkpoint.every=2", "--set",
+                f"checkpoint.async_save={str(async_save).lower()}", "--out", str(out)],
                env={"TRAIN_FAULT_READONLY": "2"})
     assert proc.returncode == 5, proc.stderr[-3000:]
     err = proc.stderr.strip().splitlines()
@@ -200,7 +168,7 @@ def test_export_refuses_folders_it_did_not_write(tmp_path, capfd):
     cases = [(ck, "checkpoint.dir"), (out, "output directory"), (other, "not a previous NVFP4 export"),
              (ck / "sub", "checkpoint.dir"), (tmp_path, "output directory")]
     for target, needle in cases:
-        rc, _, err = main_here(["--set", f"checkpoint.dir={ck}", "--out", str(out), "--export", str(target)], capfd)
+        rc, _, err = main_here([*sets(JOB), "--set", f"checkpoint.dir={ck}", "--out", str(out), "--export", str(target)], capfd)
         assert rc == 2 and len(err) == 1 and err[0].startswith(f"error: --export {target}:") and needle in err[0], err
     assert {p: p.read_text() for p in tmp_path.rglob("*") if p.is_file()} == before
     # The library refuses too, even with overwrite=True; a previous export is replaced.

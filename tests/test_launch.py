@@ -11,7 +11,8 @@ import pytest
 
 from train import runs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
+
 
 PROBE = textwrap.dedent("""
     import json, os, sys

@@ -28,7 +28,7 @@ from train.mesh import (
     resolve_axes,
 )
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+from conftest import ROOT
 
 
 def _ids(mesh_or_grid) -> np.ndarray:

@@ -28,18 +28,16 @@ import jax_nvfp4 as nv
 from train import checkpoint as ckpt_lib
 from train import loop
 from train import step as step_lib
-from train import mesh as mesh_lib
-from train.config import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, "train", "configs", "tiny.yaml")
-JOB = ("train.steps=6", "model.d_model=96", "model.heads=2", "model.mlp_hidden=192", "data.batch_size=24",
-       "mesh.layout=gb200", "mesh.nvl_domain=4")
+import conftest
+from conftest import ROOT, TINY, mesh_of, sets
+
+# One pytest-xdist worker runs this module: its module fixtures are computed once.
+pytestmark = pytest.mark.xdist_group("multiprocess")
+
+JOB = (*conftest.JOB, "mesh.layout=gb200", "mesh.nvl_domain=4")
 HEARTBEAT_S = 10
 SURVIVOR_DEADLINE_S = 60
-
-
-pytestmark = pytest.mark.usefixtures("compile_cache")  # fixture in conftest.py
 
 
 def free_port() -> int:
@@ -50,24 +48,22 @@ def free_port() -> int:
 
 def job_args(ck, out, export=None):
     args = ["--config", TINY, "--no-progress", "--out", str(out), "--set", f"checkpoint.dir={ck}", "--set", "checkpoint.every=2"]
-    for o in JOB:
-        args += ["--set", o]
-    return args + (["--export", str(export)] if export else [])
+    return args + sets(JOB) + (["--export", str(export)] if export else [])
 
 
-def proc_env(cache, **extra):
+def proc_env(**extra):
+    """The environment of one of the two processes (the run's compile cache included)."""
     env = dict(os.environ)
     env.update(
         XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", JAX_NUM_PROCESSES="2",
         JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", JAX_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S),
-        JAX_INIT_TIMEOUT="120", JAX_SHUTDOWN_TIMEOUT="30", PYTHONUNBUFFERED="1",
-        JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **extra,
+        JAX_INIT_TIMEOUT="120", JAX_SHUTDOWN_TIMEOUT="30", PYTHONUNBUFFERED="1", **extra,
     )
     return env
 
 
 @pytest.fixture(scope="module")
-def sequence(compile_cache, tmp_path_factory, reference):
+def sequence(tmp_path_factory, reference):
     base = tmp_path_factory.mktemp("mp")
     ck, out, export = base / "ck", base / "out", base / "export"
     port = free_port()
@@ -75,7 +71,7 @@ def sequence(compile_cache, tmp_path_factory, reference):
     try:
         for i in range(2):
             log = open(base / f"p{i}.log", "w+")
-            env = proc_env(compile_cache, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_ID=str(i),
+            env = proc_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_ID=str(i),
                            TRAIN_FAULT_EXIT="3:1")
             procs.append(subprocess.Popen([sys.executable, "-m", "train", *job_args(ck, out)], cwd=ROOT, env=env,
                                           stdout=log, stderr=subprocess.STDOUT))
@@ -106,7 +102,7 @@ def sequence(compile_cache, tmp_path_factory, reference):
 
     # The launcher's own split this time (2 x 8/2 devices, not XLA_FLAGS), and its comparison
     # with the single-process run.
-    env = proc_env(compile_cache, LAUNCH_PORT=str(free_port()), PYTHON=sys.executable)
+    env = proc_env(LAUNCH_PORT=str(free_port()), PYTHON=sys.executable)
     del env["XLA_FLAGS"]
     restarted = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2", "--check-against",
                                 reference["out_dir"], *job_args(ck, out, export)],
@@ -116,8 +112,8 @@ def sequence(compile_cache, tmp_path_factory, reference):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    cfg = load_config(TINY, list(JOB))
-    mesh = mesh_lib.build_mesh(cfg.mesh, jax.devices()[:8])
+    cfg = conftest.tiny(*JOB)
+    mesh = mesh_of(cfg, 8)
     out = tmp_path_factory.mktemp("ref")
     r = loop.run(cfg, mesh, str(out), progress=False)
     r["out_dir"] = str(out)
@@ -166,7 +162,7 @@ def test_restart_continues_and_two_processes_match_one(sequence, reference):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
-def test_a_frozen_peer_ends_the_survivor_with_one_line(compile_cache, tmp_path):
+def test_a_frozen_peer_ends_the_survivor_with_one_line(tmp_path):
     # Process 1 freezes (SIGSTOP) after step 3, as a hung host would. The survivor used to
     # abort with SIGABRT and a C++ stack dump once the heartbeat timeout passed.
     port = free_port()
@@ -174,7 +170,7 @@ def test_a_frozen_peer_ends_the_survivor_with_one_line(compile_cache, tmp_path):
     try:
         for i in range(2):
             logs.append(open(tmp_path / f"p{i}.log", "w+"))
-            env = proc_env(compile_cache, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_ID=str(i),
+            env = proc_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_ID=str(i),
                            TRAIN_FAULT_STOP="3:1")
             procs.append(subprocess.Popen([sys.executable, "-m", "train", *job_args(tmp_path / "ck", tmp_path / "out")],
                                           cwd=ROOT, env=env, stdout=logs[-1], stderr=subprocess.PIPE, text=True))

@@ -36,13 +36,19 @@ def tree_bytes(tree):
     return [np.atleast_1d(np.asarray(x)).view(np.uint8) for x in jax.tree.leaves(tree)]
 
 
+# Relayouts of bytes (no arithmetic), each compiled as one program: op by op, they dispatch
+# (and compile) a few hundred small programs per mesh.
+shard_params = jax.jit(nv.shard_params)
+logical = jax.jit(nv.logical)
+
+
 def run_sharded(n, steps, inner, **kw):
     mesh = make_mesh(n)
     fp32 = init_params()
     with jax.set_mesh(mesh):
-        params = nv.shard_params(nv.quantize_params(fp32))
+        params = shard_params(nv.quantize_params(fp32))
         tx = nv.master_weights(inner, **kw)
-        state = tx.init(fp32)
+        state = jax.jit(tx.init)(fp32)
         params = jax.device_put(params, nv.shardings(params, mesh))
         state = jax.device_put(state, nv.shardings(state, mesh))
 
@@ -57,7 +63,7 @@ def run_sharded(n, steps, inner, **kw):
         for i in range(steps):
             params, state, loss = step(params, state, grads_at(i, fp32))
             losses.append(float(loss))
-    return nv.logical(params), state, losses
+    return logical(params), state, losses
 
 
 def run_reference(steps, inner):
@@ -105,8 +111,8 @@ def test_bit_identical_to_unsharded_reference(n, reference, one_device):
     # programs for different data-axis sizes fuse AdamW's `b2 * nu + (1 - b2) * g * g`
     # differently. The params above, which are what the model computes with, are bitwise.
     for k in SHAPES:
-        got = np.asarray(nv.logical(state.master[k]))
-        np.testing.assert_allclose(got, np.asarray(nv.logical(one_device[1].master[k])), rtol=2.4e-7, atol=3e-8)
+        got = np.asarray(logical(state.master[k]))
+        np.testing.assert_allclose(got, np.asarray(logical(one_device[1].master[k])), rtol=2.4e-7, atol=3e-8)
         np.testing.assert_allclose(got, np.asarray(ref_master[k]), rtol=2.4e-7, atol=3e-8)
     # Params really are re-quantizations of the master.
     for k in SHAPES:

@@ -6,7 +6,7 @@ import re
 import jax
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
 
 
 def readme_section(title: str) -> str:

@@ -12,19 +12,8 @@ import pytest
 from train import loop
 from train import summary as summary_lib
 from train import step as step_lib
-from train import mesh as mesh_lib
-from train.config import load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, "train", "configs", "tiny.yaml")
-
-
-def tiny(*overrides):
-    return load_config(TINY, list(overrides))
-
-
-def mesh_of(cfg, n):
-    return mesh_lib.build_mesh(cfg.mesh, jax.devices()[:n])
+from conftest import ROOT, TINY, main_here, mesh_of, tiny
 
 
 def test_cli_end_to_end(tmp_path):
@@ -77,7 +66,7 @@ def test_cli_compare_on_text_reports_validation_gap_and_exports_hf(tmp_path):
     assert "quantization_config" in json.loads((hf / "nvfp4" / "config.json").read_text())
 
 
-def test_cli_config_errors_are_one_line_and_write_nothing(tmp_path):
+def test_cli_config_errors_are_one_line_and_write_nothing(tmp_path, capfd):
     out = tmp_path / "never"
     for args, needle in (
         (["--set", "model.layerz=3"], "model.layerz"),
@@ -86,13 +75,9 @@ def test_cli_config_errors_are_one_line_and_write_nothing(tmp_path):
         (["--set", "data.batch_size=12"], "batch_size"),
         (["--set", "data.source=file", "--set", "data.path=/nonexistent/file.txt"], "data.path"),
     ):
-        proc = subprocess.run(
-            [sys.executable, "-m", "train", "--config", TINY, "--out", str(out), "--no-progress", *args],
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
-        )
-        assert proc.returncode != 0, args
-        err = proc.stderr.strip().splitlines()
-        assert len(err) == 1 and needle in err[0], (args, proc.stderr[-500:])
+        rc, _, err = main_here(["--out", str(out), *args], capfd)
+        assert rc == 2, (args, err)
+        assert len(err) == 1 and err[0].startswith("config error: ") and needle in err[0], (args, err)
         assert not out.exists(), args
 
 
@@ -120,6 +105,7 @@ def nvfp4_vs_bf16(tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("nvfp4_vs_bf16")  # one pytest-xdist worker for the fixture's users
 def test_nvfp4_vs_bf16_final_loss_gap(nvfp4_vs_bf16):
     a, b = nvfp4_vs_bf16["nvfp4"], nvfp4_vs_bf16["bf16"]
     gap = a["final_loss"] - b["final_loss"]
@@ -132,6 +118,7 @@ def test_nvfp4_vs_bf16_final_loss_gap(nvfp4_vs_bf16):
     assert a["nvfp4_gather_bytes"] / a["nvfp4_bf16_gather_bytes"] <= 0.2525
 
 
+@pytest.mark.xdist_group("nvfp4_vs_bf16")
 def test_recipe_compute_converges(tmp_path, nvfp4_vs_bf16):
     cfg = tiny("train.steps=60", "nvfp4.compute=nvfp4", "nvfp4.stochastic_rounding=true")
     r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=False)

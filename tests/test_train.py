@@ -247,7 +247,7 @@ def test_step_never_holds_every_layers_weights_or_full_gradients():
     assert not shapes & stacked, shapes & stacked
 
 
-def test_prepared_tokens_train_with_validation_and_resume(tmp_path, compile_cache):
+def test_prepared_tokens_train_with_validation_and_resume(tmp_path):
     """python -m train.prepare on Python stdlib sources -> data.source=tokens trains, the
     validation loss lands in metrics.jsonl and the summary; a run stopped after its step-3
     checkpoint resumes with the data position it saved (the bitwise data resume itself is

@@ -450,7 +450,10 @@ def plot(agg: Dict[str, Any], sizes: Sequence[str], path: str) -> None:
         ax.set_title(f"{size}")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not run", transform=ax.transAxes, ha="center")
     axes[0, 0].set_ylabel("val loss gap, % of bf16\n(NVFP4 - bf16; band: seed min-max)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -466,7 +469,12 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
     L: List[str] = ["# Convergence on real text: NVFP4 vs bf16 validation loss", "",
                     f"Reproduce everything (corpus, grid, this report, the JSON and the plot): `{meta['command']}`.",
                     f"Grid run time: {meta['grid_wall_h']}, {meta['runs_done']} of {meta['runs_total']} runs "
-                    f"({meta['where']}).", ""]
+                    f"({meta['where']}).",
+                    "Rerunning the command resumes: finished runs are read back from the cache folder "
+                    "(`runs/convergence-text/runs/*.json`); `--report-only` rebuilds this report from them.", ""]
+    if meta["missing"]:
+        L += [f"**Not run ({len(meta['missing'])} of {meta['runs_total']}):** "
+              + ", ".join(f"`{m}`" for m in meta["missing"]) + ".", ""]
     L += ["## Corpus", "",
           f"Python {corpus['python']}'s standard library, top-level modules (`{corpus['stdlib']}/*.py`), sorted "
           f"by name; held out whole: {corpus['holdout_rule']}. Byte-level tokens (vocab 256, `data.source=file`).", "",
@@ -616,7 +624,7 @@ def _without(argv: Sequence[str], opt: str) -> List[str]:
 
 
 def _command(argv: Sequence[str]) -> str:
-    keep = _without(argv, "--shard")
+    keep = [a for a in _without(argv, "--shard") if a != "--report-only"]
     return " ".join(["python -m benchmarks convergence --text", *keep])
 
 
@@ -659,6 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.path.exists(path):
             with open(path) as f:
                 results[spec["name"]] = json.load(f)
+            results[spec["name"]]["finished_unix"] = os.path.getmtime(path)
     wall = time.perf_counter() - t_start
     payload = assemble(results, specs, corpus, args, argv, wall)
     os.makedirs(args.out, exist_ok=True)
@@ -683,6 +692,10 @@ def assemble(results, specs, corpus, args, argv, wall: float) -> Dict[str, Any]:
         cfg, _ = run_config(size, 10, 0, "nvfp4", corpus)
         models[size] = model_summary(cfg)
     run_wall = sum(r["wall_s"] for r in results.values())
+    # Wall clock of the grid: first run's start to the last run's end (over every invocation
+    # and worker process that contributed).
+    span = (max(r["finished_unix"] for r in results.values())
+            - min(r["finished_unix"] - r["wall_s"] for r in results.values())) if results else 0.0
     same = [r["data_order_sha256"] == results[r["name"].rsplit("-", 1)[0] + "-bf16"]["data_order_sha256"]
             for r in results.values() if r["name"].rsplit("-", 1)[0] + "-bf16" in results]
     meta = {
@@ -690,7 +703,9 @@ def assemble(results, specs, corpus, args, argv, wall: float) -> Dict[str, Any]:
         "runs_done": len(results), "runs_total": len(specs),
         "missing": [s["name"] for s in specs if s["name"] not in results],
         "run_wall_s_sum": round(run_wall, 1), "this_invocation_wall_s": round(wall, 1),
-        "grid_wall_h": f"{run_wall / 3600:.2f} h of run time summed over runs",
+        "grid_wall_s": round(span, 1),
+        "grid_wall_h": f"{span / 3600:.2f} h wall clock from the first run's start to the last run's end "
+                       f"({run_wall / 3600:.2f} h of run time summed over the runs, {_workers(results)} worker processes)",
         "where": f"{jax.default_backend()}, {os.cpu_count()} CPU cores, jax {jax.__version__}, "
                  f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         "same_data_order": bool(same) and all(same), "models": models,
@@ -698,6 +713,17 @@ def assemble(results, specs, corpus, args, argv, wall: float) -> Dict[str, Any]:
     }
     return {"meta": meta, "corpus": corpus, "aggregate": agg,
             "runs": {k: {kk: vv for kk, vv in v.items() if kk != "train_loss_every_10"} for k, v in results.items()}}
+
+
+def _workers(results) -> int:
+    """The most runs in progress at one time."""
+    ev = sorted([(r["finished_unix"] - r["wall_s"], 1) for r in results.values()]
+                + [(r["finished_unix"], -1) for r in results.values()], key=lambda e: (e[0], e[1]))
+    cur = best = 0
+    for _, d in ev:
+        cur += d
+        best = max(best, cur)
+    return best
 
 
 def _git_commit() -> Optional[str]:

@@ -551,18 +551,22 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
     return path
 
 
-def lever_effect(g: Dict[str, Any]) -> str:
+def lever_effect(g: Dict[str, Any], noise: float = 0.0) -> str:
     """``helps`` / ``hurts`` when the lever moves the validation loss the same way against
-    the default NVFP4 run in every seed, else ``no clear effect``."""
+    the default NVFP4 run in every seed by more than ``noise`` % (the difference between two
+    runs that should agree: the stack's bf16 baseline and plain optax), else ``no clear effect``."""
     vs = g.get("vs_default_pct")
     if not vs:
         return "not run"
     if vs["n"] < 2:
         return f"one seed only ({vs['mean']:+.2f}%)"
-    if vs["max"] < 0:
-        return "helps (lower in every seed)"
-    if vs["min"] > 0:
-        return "hurts (higher in every seed)"
+    if vs["max"] < -noise:
+        return f"helps (lower in every seed, by more than {noise:.2f}%)"
+    if vs["min"] > noise:
+        return f"hurts (higher in every seed, by more than {noise:.2f}%)"
+    if vs["max"] < 0 or vs["min"] > 0:
+        return (f"not clear: {'lower' if vs['max'] < 0 else 'higher'} in every seed, but in one by less than "
+                f"the {noise:.2f}% two bf16 runs that should agree differ by")
     return "no clear effect (the sign changes with the seed)"
 
 
@@ -570,9 +574,12 @@ def findings(agg: Dict[str, Any]) -> List[str]:
     L = ["## Which levers help", "",
          f"Against the default weights-only NVFP4 run of the same seed ({agg['lever_size']} model, "
          f"{agg['lever_steps']} steps):", ""]
+    p = agg.get("plain_baseline")
+    noise = abs(p["diff_pct"]) if p else 0.0
     for v, g in agg["levers"].items():
         if v != "nvfp4":
-            L.append(f"- {LEVER_NAMES[v]}: {lever_effect(g)}.")
+            L.append(f"- {LEVER_NAMES[v]}: {lever_effect(g, noise)} "
+                     f"({_pct(g['vs_default_pct']) if g.get('vs_default_pct') else '-'}).")
     return L + [""]
 
 

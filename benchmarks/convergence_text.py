@@ -468,7 +468,7 @@ def plot(agg: Dict[str, Any], sizes: Sequence[str], path: str) -> None:
 
 
 def _pct(s: Dict[str, float]) -> str:
-    return f"{s['mean']:+.2f}% [{s['min']:+.2f}, {s['max']:+.2f}] (std {s['std']:.2f})"
+    return f"{s['mean']:+.2f}% [{s['min']:+.2f}, {s['max']:+.2f}] (std {s['std']:.2f}, {s['n']} seeds)"
 
 
 def write_report(out: str, payload: Dict[str, Any]) -> str:
@@ -580,7 +580,11 @@ def findings(agg: Dict[str, Any]) -> List[str]:
         if v != "nvfp4":
             L.append(f"- {LEVER_NAMES[v]}: {lever_effect(g, noise)} "
                      f"({_pct(g['vs_default_pct']) if g.get('vs_default_pct') else '-'}).")
-    return L + [""]
+    tried = [LEVER_NAMES[v] for v, g in agg["levers"].items()
+             if v not in ("nvfp4", "compute_nvfp4") and g["gap_pct"]["mean"] <= WEIGHTS_ONLY_TARGET]
+    L += ["", "Weights-only settings whose mean gap is within the "
+          f"{WEIGHTS_ONLY_TARGET}% target: " + (", ".join(tried) if tried else "none of those tried") + ".", ""]
+    return L
 
 
 def _met(v: Dict[str, Any]) -> str:

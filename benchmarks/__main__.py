@@ -7,6 +7,9 @@ Sections (default ``all`` = every one but ``scale``)::
     speed        3. median step time
     quantize     4. quantize / dequantize throughput vs memory-bound passes
     convergence  5. final loss after a fixed budget: NVFP4, bf16, nvfp4.compute=nvfp4
+                 (embedded Markov corpus; ``convergence --text``: the validation gap on
+                 held-out Python stdlib modules over sizes, lengths, seeds and levers,
+                 ``benchmarks.convergence_text``, its own arguments: ``--text --help``)
     scaling      6. figures 1-3 over model sizes x data-axis sizes 1, 2, 4, 8
     scale        compile-only large models on simulated racks (``benchmarks.scale``; takes its
                  own arguments: ``python -m benchmarks scale --help``)
@@ -16,6 +19,7 @@ Examples::
     python -m benchmarks                       # everything, into benchmarks/results/ (< 15 min on 2 CPU cores)
     python -m benchmarks traffic memory        # two sections; the report keeps the others' results
     python -m benchmarks --quick               # smoke run into runs/benchmarks-quick/
+    python -m benchmarks convergence --text --workers 2   # real-text grid -> CONVERGENCE_TEXT.md
 
 Results: one JSON per section, REPORT.md (with PNG plots) and HEADLINE.md in ``--out``. On CPU the
 run asks for 8 simulated devices (unless XLA_FLAGS sets a count); on GPU/TPU it uses
@@ -157,6 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "scale":
         return run_scale(argv[1:])
+    if argv and argv[0] == "convergence" and "--text" in argv:
+        from benchmarks import convergence_text
+
+        return convergence_text.main([a for a in argv[1:] if a != "--text"])
     args = parse_args(argv)
     flags = _flags(argv)
     t_start = time.perf_counter()

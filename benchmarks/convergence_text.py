@@ -206,7 +206,7 @@ def plain_bf16_run(cfg) -> Dict[str, Any]:
     import optax
 
     from train import data as data_lib
-    from train.loop import schedule_for
+    from train.optimizer import schedule_for
     from train.model import cross_entropy, from_config
 
     model = from_config(cfg.model, cfg.nvfp4)

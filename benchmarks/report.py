@@ -533,7 +533,10 @@ def headline(res: Dict[str, Any], report_path: str = "benchmarks/results/REPORT.
     s = res.get("speed")
     if s:
         p, meta = s["point"], meta or s["meta"]
-        rows.append((f"step time ({s['meta'].get('platform')})", _ms(p["nvfp4"]["step_time_s"]),
+        load = s["meta"].get("load_avg_1m")
+        rows.append((f"step time ({s['meta'].get('platform')}"
+                     + (f", host load {load}; moves with load" if load is not None else "") + ")",
+                     _ms(p["nvfp4"]["step_time_s"]),
                      _ms(p["bf16"]["step_time_s"]), _r(p["ratios"]["step_time"])))
     c = res.get("convergence")
     if c:

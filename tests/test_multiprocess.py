@@ -36,7 +36,7 @@ from conftest import ROOT, TINY, mesh_of, sets
 pytestmark = pytest.mark.xdist_group("multiprocess")
 
 JOB = (*conftest.JOB, "mesh.layout=gb200", "mesh.nvl_domain=4")
-HEARTBEAT_S = 10
+HEARTBEAT_S = 20
 SURVIVOR_DEADLINE_S = 60
 
 

@@ -115,5 +115,5 @@ def watch_peers(heartbeat_timeout: float) -> Optional[PeerWatch]:
     client = distributed.global_state.client
     if client is None or jax.process_count() < 2:
         return None
-    limit = max(2.0, 0.6 * heartbeat_timeout)
+    limit = max(2.0, 0.5 * heartbeat_timeout)
     return PeerWatch(client, jax.process_index(), jax.process_count(), limit).start()

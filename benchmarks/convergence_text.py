@@ -34,7 +34,6 @@ import argparse
 import datetime
 import hashlib
 import json
-import math
 import os
 import platform
 import statistics
@@ -537,7 +536,7 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
               ""]
     a = agg["acceptance"]
     L += ["## Acceptance", "",
-          f"Rule: mean gap <= target, or zero inside the seeds' spread of the gap (at least one seed with NVFP4 at "
+          "Rule: mean gap <= target, or zero inside the seeds' spread of the gap (at least one seed with NVFP4 at "
           f"or below bf16).", "",
           f"- Weights-only NVFP4 (default), {agg['lever_size']} model, {agg['lever_steps']} steps: target "
           f"{WEIGHTS_ONLY_TARGET}% -> **{_met(a['weights_only'])}** ({a['weights_only']['why']}).",

@@ -16,7 +16,6 @@ twice (``nvfp4.weights=nvfp4`` and ``=bf16``), compiles each step once, and read
 from __future__ import annotations
 
 import collections
-import dataclasses
 import gc
 import inspect
 import math

@@ -27,10 +27,9 @@ from typing import Any, Optional, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
-from jax_nvfp4.array import NVFP4Array
-from jax_nvfp4.layout import TILE, Tiled, TiledNVFP4
+from jax_nvfp4.layout import Tiled, TiledNVFP4
 
 # Name scopes (HLO op_name metadata): what a collective is for.
 GATHER_SCOPE = "weight_gather"

@@ -18,17 +18,16 @@ The layout itself (tile-major, sharded over the data axis for any data-axis size
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_nvfp4.array import NVFP4Array, is_nvfp4
+from jax_nvfp4.array import is_nvfp4
 from jax_nvfp4.collectives import constrain, reshard_bits
-from jax_nvfp4.layout import DEFAULT_RULES, Layout, Rules, Tiled, TiledNVFP4, axis_size, is_tiled, layout_for, quantize_tiles
-from jax_nvfp4.params import DEFAULT_POLICY, Policy, path_str
+from jax_nvfp4.layout import DEFAULT_RULES, Layout, Rules, Tiled, TiledNVFP4, is_tiled, layout_for, quantize_tiles
+from jax_nvfp4.params import Policy, path_str
 
 __all__ = ["Rules", "context_mesh", "shard_params", "logical", "partition_specs", "shardings", "gather",
            "gather_dequantized", "requantize", "spec_of", "constrain"]

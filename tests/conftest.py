@@ -20,7 +20,6 @@ if _OWN_CACHE:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 sys.path.insert(0, os.path.dirname(__file__))
 
-import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)

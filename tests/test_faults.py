@@ -10,7 +10,6 @@ status and stderr are the CLI's), sharing the compiled tiny job through the comp
 
 import json
 import math
-import os
 import time
 
 import pytest

@@ -2,7 +2,6 @@
 analytic byte counts; the HLO accounting (replica groups, loop trip counts, time model)."""
 
 import json
-import os
 import subprocess
 import sys
 

@@ -161,7 +161,6 @@ def test_tensor_axis_trains(tmp_path):
 
 def _compiled_step_text(cfg, n=8):
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     trainer, _, _ = step_lib.build(cfg, mesh_of(cfg, n), init=False)
     sds = lambda t, s: jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), t, s)

@@ -34,13 +34,13 @@ import importlib
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any, Dict, List, Sequence
 
+from benchmarks.common import git_commit, request_cpu_devices
+
 SECTIONS = ("traffic", "memory", "speed", "quantize", "convergence", "scaling")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join("benchmarks", "results")
 QUICK_OUT = os.path.join("runs", "benchmarks-quick")
 
@@ -100,25 +100,6 @@ def run_scale(argv: Sequence[str]) -> int:
     return result if isinstance(result, int) else 0
 
 
-def _setup_devices(n: int):
-    import jax
-
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        try:  # only the CPU platform reads it; it must precede any device use
-            jax.config.update("jax_num_cpu_devices", n)
-        except RuntimeError:
-            pass  # backend already up (e.g. under pytest): keep its devices
-    return jax.devices()
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def _meta(section: str, flags: Sequence[str], devices, wall_s: float) -> Dict[str, Any]:
     import jax
 
@@ -129,7 +110,7 @@ def _meta(section: str, flags: Sequence[str], devices, wall_s: float) -> Dict[st
         "n_devices": len(devices),
         "cpu_count": os.cpu_count(),
         "jax": jax.__version__,
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "wall_s": round(wall_s, 1),
         # Timings on a shared host move with its load; the 1-minute load average says how busy.
@@ -168,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     flags = _flags(argv)
     t_start = time.perf_counter()
-    devices = _setup_devices(args.host_devices)
+    devices = request_cpu_devices(args.host_devices)
     os.makedirs(args.out, exist_ok=True)
 
     from benchmarks import report

@@ -43,7 +43,8 @@ import sysconfig
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common import ROOT, git_commit, request_cpu_devices, use_compile_cache
+
 DEFAULT_OUT = os.path.join("benchmarks", "results")
 DEFAULT_CACHE = os.path.join("runs", "convergence-text")
 HOLDOUT_EVERY = 10
@@ -279,7 +280,7 @@ def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=pri
            "train_loss_every_10": [round(x, 4) for x in r["history"][9::10]],
            "median_step_time_s": r["median_step_time_s"], "skipped_steps": r["skipped_steps"],
            "wall_s": round(wall, 1), "data_order_sha256": data_order_sha256(cfg),
-           "corpus_sha256": [corpus["train"]["sha256"], corpus["val"]["sha256"]]}
+           "corpus_sha256": [corpus["train"]["sha256"], corpus["val"]["sha256"]], "finished_unix": time.time()}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -537,7 +538,7 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
     a = agg["acceptance"]
     L += ["## Acceptance", "",
           "Rule: mean gap <= target, or zero inside the seeds' spread of the gap (at least one seed with NVFP4 at "
-          f"or below bf16).", "",
+          "or below bf16).", "",
           f"- Weights-only NVFP4 (default), {agg['lever_size']} model, {agg['lever_steps']} steps: target "
           f"{WEIGHTS_ONLY_TARGET}% -> **{_met(a['weights_only'])}** ({a['weights_only']['why']}).",
           f"- Full recipe (`nvfp4.compute=nvfp4`): target {RECIPE_TARGET}% -> **{_met(a['full_recipe'])}** "
@@ -591,17 +592,9 @@ def _met(v: Dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------- driver
-def _setup_jax(cache: str, devices: int = 1) -> None:
-    import jax
-
-    try:
-        jax.config.update("jax_num_cpu_devices", devices)
-    except RuntimeError:
-        pass  # backend already up (e.g. under pytest)
-    # Runs that differ only in their seed compile the same programs: reuse them from disk.
-    jax.config.update("jax_compilation_cache_dir", os.path.abspath(os.path.join(cache, "jax-cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+def _one_device(cache: str) -> None:
+    request_cpu_devices(1)
+    use_compile_cache(os.path.join(cache, "jax-cache"))  # runs that differ only in their seed
 
 
 def parse_args(argv: Sequence[str]):
@@ -662,7 +655,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.shard:
         with open(corpus_path) as f:
             corpus = json.load(f)
-        _setup_jax(args.cache)
+        _one_device(args.cache)
         work(specs, corpus, args.cache, log)
         return 0
     corpus = build_corpus(args.cache, max_bytes=args.max_bytes)
@@ -683,7 +676,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if any(codes):
                 log(f"workers exited with {codes}; the finished runs are kept, rerun to resume")
         else:
-            _setup_jax(args.cache)
+            _one_device(args.cache)
             work(specs, corpus, args.cache, log)
     results = {}
     for spec in specs:
@@ -691,7 +684,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.path.exists(path):
             with open(path) as f:
                 results[spec["name"]] = json.load(f)
-            results[spec["name"]]["finished_unix"] = os.path.getmtime(path)
+            results[spec["name"]].setdefault("finished_unix", os.path.getmtime(path))
     wall = time.perf_counter() - t_start
     payload = assemble(results, specs, corpus, args, argv, wall)
     os.makedirs(args.out, exist_ok=True)
@@ -716,10 +709,10 @@ def assemble(results, specs, corpus, args, argv, wall: float) -> Dict[str, Any]:
         cfg, _ = run_config(size, 10, 0, "nvfp4", corpus)
         models[size] = model_summary(cfg)
     run_wall = sum(r["wall_s"] for r in results.values())
-    # Wall clock of the grid: first run's start to the last run's end (over every invocation
-    # and worker process that contributed).
-    span = (max(r["finished_unix"] for r in results.values())
-            - min(r["finished_unix"] - r["wall_s"] for r in results.values())) if results else 0.0
+    # Wall clock of the grid: the time during which at least one run was in progress, over every
+    # invocation and worker process that contributed (a grid resumed later does not count the
+    # time in between).
+    span = _busy(results)
     same = [r["data_order_sha256"] == results[r["name"].rsplit("-", 1)[0] + "-bf16"]["data_order_sha256"]
             for r in results.values() if r["name"].rsplit("-", 1)[0] + "-bf16" in results]
     meta = {
@@ -728,15 +721,25 @@ def assemble(results, specs, corpus, args, argv, wall: float) -> Dict[str, Any]:
         "missing": [s["name"] for s in specs if s["name"] not in results],
         "run_wall_s_sum": round(run_wall, 1), "this_invocation_wall_s": round(wall, 1),
         "grid_wall_s": round(span, 1),
-        "grid_wall_h": f"{span / 3600:.2f} h wall clock from the first run's start to the last run's end "
-                       f"({run_wall / 3600:.2f} h of run time summed over the runs, {_workers(results)} worker processes)",
+        "grid_wall_h": f"{span / 3600:.2f} h wall clock with runs in progress ({run_wall / 3600:.2f} h of run "
+                       f"time summed over the runs, at most {_workers(results)} at once)",
         "where": f"{jax.default_backend()}, {os.cpu_count()} CPU cores, jax {jax.__version__}, "
                  f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         "same_data_order": bool(same) and all(same), "models": models,
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
     }
     return {"meta": meta, "corpus": corpus, "aggregate": agg,
             "runs": {k: {kk: vv for kk, vv in v.items() if kk != "train_loss_every_10"} for k, v in results.items()}}
+
+
+def _busy(results) -> float:
+    """Seconds during which at least one run was in progress (the union of the runs' spans)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted((r["finished_unix"] - r["wall_s"], r["finished_unix"]) for r in results.values()):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def _workers(results) -> int:
@@ -749,13 +752,6 @@ def _workers(results) -> int:
         best = max(best, cur)
     return best
 
-
-def _git_commit() -> Optional[str]:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 if __name__ == "__main__":

@@ -248,7 +248,7 @@ def main(argv=None) -> dict:
         else:
             line += f"; {gm['note']}"
         print(line)
-        print(f"[gemm] 256x512 @ 512x256 fwd+bwd: " + ", ".join(
+        print("[gemm] 256x512 @ 512x256 fwd+bwd: " + ", ".join(
             f"{k[:-len('_fwd_bwd_s')]} {v * 1e3:.3f} ms" for k, v in gm.items() if k.endswith("_fwd_bwd_s")))
     text = json.dumps(report, indent=2, default=str)
     print(text)

@@ -526,7 +526,7 @@ def markdown(report: Dict[str, Any]) -> str:
         "weight bytes, dequantizes, runs forward (remat: again in backward) and reduce-scatters its weight "
         "gradient into the master shards in a fixed order; then master_weights(AdamW) and sharded "
         "re-quantization of the tiles each device owns; AOT-compiled for simulated CPU devices",
-        f"- wall time: " + ", ".join(f"{r['weights']}: compile {r['seconds']['compile']:.1f} s "
+        "- wall time: " + ", ".join(f"{r['weights']}: compile {r['seconds']['compile']:.1f} s "
                                      f"(lower {r['seconds']['lower']:.1f} s)" for r in runs)
         + f"; whole run {report['wall_s']:.1f} s",
         "",

@@ -107,3 +107,11 @@ def test_cli_dispatch(monkeypatch):
     assert cli.main(["convergence", "--text", "--workers", "2"]) == 0
     assert seen == [["--workers", "2"]]
     assert ct._without(["--workers", "2", "--shard=0/2", "--seeds", "0"], "--workers") == ["--shard=0/2", "--seeds", "0"]
+
+
+def test_grid_wall_clock_counts_only_time_with_runs_in_progress():
+    # Two overlapping runs (0-100 s and 50-150 s), then one resumed an hour later (3750-3800 s).
+    runs = {"a": {"finished_unix": 100.0, "wall_s": 100.0}, "b": {"finished_unix": 150.0, "wall_s": 100.0},
+            "c": {"finished_unix": 3800.0, "wall_s": 50.0}}
+    assert ct._busy(runs) == 200.0
+    assert ct._workers(runs) == 2

@@ -304,14 +304,15 @@ def fault_hooks():
         ro_step, proc = _step_and_process("TRAIN_FAULT_READONLY", spec)
         actions.append((ro_step, proc, lambda step: make_checkpoints_read_only()))
 
-    on_step = inject = None
-    if actions:
-        def on_step(step, *_):
-            import jax
+    def run_actions(step, *_):
+        import jax
 
-            for at, proc, action in actions:
-                if step == at and proc in (None, jax.process_index()):
-                    action(step)
+        for at, proc, action in actions:
+            if step == at and proc in (None, jax.process_index()):
+                action(step)
+
+    on_step = run_actions if actions else None
+    inject = None
 
     spec = os.environ.get("TRAIN_FAULT_NONFINITE")
     if spec:

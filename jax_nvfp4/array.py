@@ -26,6 +26,7 @@ float per matrix).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -274,13 +275,20 @@ def quantize(
         raise ValueError(f"quantize needs a non-empty matrix, got shape {x.shape}")
     if amax is not None:
         amax = _check_amax(amax, batch)
+    data, scale, amax = _quantize(x, key if rounding == "stochastic" else None, amax, block)
+    return NVFP4Array.create(data, scale, amax, (rows, cols), block)
+
+
+# The numeric cores of quantize and dequantize are compiled once per shape (inlined when the
+# caller is itself traced): called eagerly, each of their few dozen ops would otherwise
+# dispatch (and, for every new shape, compile) a program of its own.
+@functools.partial(jax.jit, static_argnames="block")
+def _quantize(x, key, amax, block):
+    rows, cols = x.shape[-2:]
     xp = pad_to_block(x.astype(jnp.float32), block)
-    uniform = None
-    if rounding == "stochastic":
-        uniform = nx.uniform_from_index(key, element_index(xp.shape, (rows, cols)))
+    uniform = None if key is None else nx.uniform_from_index(key, element_index(xp.shape, (rows, cols)))
     codes_, scale, amax = quantize_padded(xp, block, uniform=uniform, amax=amax)
-    codes_ = codes_[..., :rows, : _ceil_to(cols, 2)]
-    return NVFP4Array.create(nx.pack_codes(codes_), scale, amax, (rows, cols), block)
+    return nx.pack_codes(codes_[..., :rows, : _ceil_to(cols, 2)]), scale, amax
 
 
 def check_rounding(rounding: str, key) -> None:
@@ -368,6 +376,11 @@ def dequantize(q: NVFP4Array, dtype=jnp.bfloat16) -> jax.Array:
     if not jnp.issubdtype(dtype, jnp.floating):
         # An integer or bool result would be silently truncated weights.
         raise TypeError(f"dequantize: dtype must be a floating-point dtype, got {jnp.dtype(dtype).name}")
+    return _dequantize(q, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _dequantize(q: NVFP4Array, dtype) -> jax.Array:
     *batch, rows, _ = q.data.shape
     _, cols = q.matrix_shape
     br, bc = q.block
@@ -406,6 +419,11 @@ def transpose(q: NVFP4Array) -> NVFP4Array:
             "transpose without re-quantization needs 2D (16, 16) tiles; 1D blocks run along a "
             f"single axis (got block={q.block})"
         )
+    return _transpose(q)
+
+
+@jax.jit
+def _transpose(q: NVFP4Array) -> NVFP4Array:
     return from_codes(jnp.swapaxes(codes(q), -1, -2), jnp.swapaxes(q.scale, -1, -2), q.amax, q.block)
 
 

@@ -23,24 +23,34 @@ def layout_of(shape, nd, nt, td):
     return nv.Layout(shape[-2:], nd, nt, td, "data", "tensor" if nt > 1 else None)
 
 
+# Each relayout compiled as one program (as in a training step): op by op, every new shape
+# dispatches and compiles each of their ops on its own.
+to_tiles = jax.jit(lambda x, lay: lay.to_tiles(x), static_argnums=1)
+from_tiles = jax.jit(lambda t, lay: lay.from_tiles(t), static_argnums=1)
+from_array = jax.jit(nv.TiledNVFP4.from_array, static_argnums=1)
+to_array = jax.jit(lambda tq: tq.to_array())
+dequantize_tiled = jax.jit(lambda tq: tq.dequantize(jnp.float32))
+quantize_tiles_jit = jax.jit(lambda t, lay, key: quantize_tiles(t, lay, key=key), static_argnums=1)
+
+
 @pytest.mark.parametrize("shape,nd,nt,td", CASES)
 def test_tiles_round_trip_and_nvfp4_bit_identity(shape, nd, nt, td):
     x = jnp.asarray(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
     lay = layout_of(shape, nd, nt, td)
-    t = lay.to_tiles(x)
+    t = to_tiles(x, lay)
     assert t.shape == (*shape[:-2], nt, lay.padded_tiles, 16, 16) and lay.padded_tiles % nd == 0
-    assert np.asarray(lay.from_tiles(t)).tobytes() == np.asarray(x).tobytes()
+    assert np.asarray(from_tiles(t, lay)).tobytes() == np.asarray(x).tobytes()
     assert not np.any(np.asarray(t)[..., lay.tiles:, :, :])  # padding tiles are zero
     q = nv.quantize(x)
-    tq = nv.TiledNVFP4.from_array(q, lay)
-    for a, b in zip(jax.tree.leaves(tq), jax.tree.leaves(quantize_tiles(t, lay))):
+    tq = from_array(q, lay)
+    for a, b in zip(jax.tree.leaves(tq), jax.tree.leaves(quantize_tiles_jit(t, lay, None))):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
-    for a, b in zip(jax.tree.leaves(tq.to_array()), jax.tree.leaves(q)):
+    for a, b in zip(jax.tree.leaves(to_array(tq)), jax.tree.leaves(q)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
-    assert np.asarray(tq.dequantize(jnp.float32)).tobytes() == np.asarray(nv.dequantize(q, jnp.float32)).tobytes()
+    assert np.asarray(dequantize_tiled(tq)).tobytes() == np.asarray(nv.dequantize(q, jnp.float32)).tobytes()
     key = jax.random.key(3)
     qs = nv.quantize(x, rounding="stochastic", key=key)
-    assert np.asarray(quantize_tiles(t, lay, key=key).to_array().data).tobytes() == np.asarray(qs.data).tobytes()
+    assert np.asarray(to_array(quantize_tiles_jit(t, lay, key)).data).tobytes() == np.asarray(qs.data).tobytes()
 
 
 def test_padding_for_llama_shapes_on_144_devices():

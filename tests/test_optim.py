@@ -98,6 +98,7 @@ def one_device():
     return run_sharded(1, 4, optax.adamw(3e-2, weight_decay=0.1))
 
 
+@pytest.mark.xdist_group("optim_reference")  # one pytest-xdist worker computes the module fixtures
 @pytest.mark.parametrize("n", [1, 2, 3, 6, 8])
 def test_bit_identical_to_unsharded_reference(n, reference, one_device):
     ref_params, ref_master, ref_losses = reference

@@ -140,13 +140,12 @@ def host_arrays(params, opt_state) -> Dict[str, np.ndarray]:
     across meshes; names as in :func:`describe` (NVFP4 leaves split into ``name/data``,
     ``name/scale_bits``, ``name/amax_bits``). Single-process."""
     out = {}
+    # Every relayout in one program (op by op, each would compile its own for each mesh).
+    params, opt_state = jax.jit(nv.logical)((params, opt_state))
     for name, leaf in _leaves(params, "params") + _leaves(opt_state, "opt_state"):
-        if nv.is_nvfp4(leaf) or isinstance(leaf, nv.TiledNVFP4):
-            q = leaf.to_array() if isinstance(leaf, nv.TiledNVFP4) else leaf
+        if nv.is_nvfp4(leaf):
             for f in _NVFP4_FIELDS:
-                out[f"{name}/{f}"] = np.asarray(getattr(q, f))
-        elif isinstance(leaf, nv.Tiled):
-            out[name] = np.asarray(leaf.logical())
+                out[f"{name}/{f}"] = np.asarray(getattr(leaf, f))
         elif _is_key(leaf):
             out[name] = np.asarray(jax.random.key_data(leaf))
         else:

@@ -32,6 +32,17 @@ TINY = os.path.join(ROOT, "train", "configs", "tiny.yaml")
 JOB = ("train.steps=6", "model.d_model=96", "model.heads=2", "model.mlp_hidden=192", "data.batch_size=24")
 
 
+# The longest stretches first, so that neither pytest-xdist worker is left with one at the end
+# while the other idles: the modules whose tests run on one worker (a shared fixture) and the
+# end-to-end training runs. Each module stays contiguous; the rest keep their order.
+LONGEST_FIRST = ("test_multiprocess.py", "test_train.py", "test_benchmarks.py", "test_checkpoint.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_unconfigure(config):
     if _OWN_CACHE and not hasattr(config, "workerinput"):  # the run's first process, not a worker
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

@@ -149,7 +149,7 @@ def master_weights(
 
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         master = keep(master, state.master)
-        inner_state = keep(inner_state, state.inner_state)
+        inner_state = _keep_state_after_master(inner, finite, inner_state, state.inner_state, master)
         new_key, sub = (None, None)
         if state.key is not None:
             new_key, sub = jax.random.split(state.key)
@@ -189,6 +189,33 @@ def master_weights(
         return jax.tree.unflatten(treedef, updates), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _keep_state_after_master(inner, finite, new, old, master):
+    """``where(finite, new, old)`` over the inner optimizer's state, each param's state only
+    once that param's new master exists.
+
+    The new master is computed from the new state (Adam's moments, say), and XLA fuses that
+    computation into the master's update, where it reads the old state. The selected state is
+    written in place over the old, so unless the state's selects come after the master's
+    update XLA copies every state buffer first, and the copies are live at once (two float32
+    copies of every master with Adam). The order comes from a data dependence, element by
+    element and so without communication: a state leaf shaped like its param's master is
+    selected where ``finite and (master bits | 1) != 0``, which is ``finite``."""
+    try:
+        by_leaf = optax.tree_map_params(inner, lambda _, mm: mm, old, master, transform_non_params=lambda _: None)
+        masters = jax.tree.structure(old).flatten_up_to(by_leaf)
+    except Exception:  # a state optax cannot map to its params: the same selects, unordered
+        masters = [None] * len(jax.tree.leaves(old))
+
+    def select(a, b, mm):
+        if mm is None or jnp.shape(mm) != jnp.shape(a) or jnp.dtype(mm) != jnp.float32:
+            return jnp.where(finite, a, b)
+        after = (jax.lax.bitcast_convert_type(mm, jnp.uint32) | 1) != 0
+        return jnp.where(finite & after, a, b)
+
+    leaves_new, treedef = jax.tree.flatten(new)
+    return jax.tree.unflatten(treedef, [select(a, b, mm) for a, b, mm in zip(leaves_new, jax.tree.leaves(old), masters)])
 
 
 def _f32_plain_mask(params, updates_m):

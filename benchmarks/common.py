@@ -16,11 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def request_cpu_devices(n: int):
     """Ask for ``n`` simulated CPU devices (unless XLA_FLAGS already sets a count) and return
     ``jax.devices()``. The count is fixed when the backend starts; if it already has, keep it."""
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        try:  # only the CPU platform reads it; it must precede any device use
-            jax.config.update("jax_num_cpu_devices", n)
-        except RuntimeError:
-            pass  # backend already up (e.g. under pytest): keep its devices
+    from train.mesh import simulate_cpu_devices
+
+    simulate_cpu_devices(n)
     return jax.devices()
 
 

@@ -705,18 +705,14 @@ def parse_args(argv=None):
 
 
 def _request_devices(n: int) -> None:
-    """Simulated CPU devices: must be set before the JAX backend starts."""
-    # A device count in XLA_FLAGS (e.g. inherited from a test run) would fight this one.
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" in flags:
-        os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "", flags).strip()
+    """Simulated CPU devices: must be set before the JAX backend starts. The simulated mesh is
+    what this benchmark measures, so a device count in XLA_FLAGS (e.g. inherited from a test
+    run) is overridden."""
     import jax
 
-    try:
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:
-        pass
+    from train.mesh import simulate_cpu_devices
+
+    simulate_cpu_devices(n, override=True)
     if len(jax.devices()) < n:
         raise SystemExit(f"benchmarks.scale: needs {n} simulated CPU devices but JAX already started with "
                          f"{len(jax.devices())}; run it in a fresh process (python -m benchmarks.scale ...)")

@@ -278,3 +278,10 @@ def test_configure_host_devices():
     assert proc.returncode == 0, proc.stderr[-2000:]
     # The second call comes after the backend started: it leaves the count alone.
     assert proc.stdout.split() == ["3", "3", "None"]
+    # The scale benchmark's override: a count in XLA_FLAGS is dropped, not obeyed.
+    script = ("from train.mesh import simulate_cpu_devices as s; import jax; "
+              "print(s(3, override=True), jax.device_count())")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["3", "3"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 from typing import Any, Sequence
 
 import jax
@@ -43,6 +44,7 @@ __all__ = [
     "device_domains",
     "device_grid",
     "resolve_axes",
+    "simulate_cpu_devices",
 ]
 
 AXES = ("data", "tensor")
@@ -184,18 +186,30 @@ def describe_mesh(mesh: Mesh, nvl_domain: int) -> str:
     return "; ".join(parts)
 
 
-def configure_host_devices(cfg_mesh: MeshConfig) -> int | None:
-    """Asks for ``mesh.simulate_devices`` CPU devices unless XLA_FLAGS already says.
+def simulate_cpu_devices(n: int, *, override: bool = False) -> int | None:
+    """Asks for ``n`` simulated CPU devices; the one place that sets the count.
 
     Call right after ``import jax``, before anything touches a device: the count is fixed when
-    the CPU backend starts. Returns the count requested, or None when nothing was changed.
+    the CPU backend starts. A count already in XLA_FLAGS wins, unless ``override`` (the scale
+    benchmark, whose simulated mesh is its subject): then that count is dropped and the CPU
+    platform forced. Returns the count requested, or None when nothing was changed (the
+    backend already up, e.g. inside tests or a notebook, keeps its devices).
     """
-    n = cfg_mesh.simulate_devices
-    if n <= 0 or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        return None
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags:
+        if not override:
+            return None
+        os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "", flags).strip()
     try:
+        if override:
+            jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:
-        # Backend already up (e.g. inside tests or a notebook): keep what is there.
         return None
     return n
+
+
+def configure_host_devices(cfg_mesh: MeshConfig) -> int | None:
+    """:func:`simulate_cpu_devices` for ``mesh.simulate_devices`` (nothing when it is 0)."""
+    n = cfg_mesh.simulate_devices
+    return simulate_cpu_devices(n) if n > 0 else None

@@ -13,13 +13,15 @@ from train import loop
 from train import summary as summary_lib
 from train import step as step_lib
 
-from conftest import ROOT, TINY, main_here, mesh_of, tiny
+from conftest import ROOT, TINY, job, main_here, mesh_of, tiny
 
 
 def test_cli_end_to_end(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "train", "--config", TINY, "--set", "train.steps=12", "--out", str(out), "--no-progress"],
+        # tiny.yaml as it is (50 steps): the same programs as the in-process tiny runs below, so
+        # one of them compiles and the rest read the run's compile cache.
+        [sys.executable, "-m", "train", "--config", TINY, "--out", str(out), "--no-progress"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -27,7 +29,7 @@ def test_cli_end_to_end(tmp_path):
         assert (out / name).exists(), name
     recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in recs]
-    assert len(losses) == 12 and all(np.isfinite(losses))
+    assert len(losses) == 50 and all(np.isfinite(losses))
     assert np.mean(losses[-3:]) < losses[0] - 0.5
     summary = json.loads((out / "summary.json").read_text())
     run = summary["runs"][0]
@@ -84,9 +86,9 @@ def test_cli_config_errors_are_one_line_and_write_nothing(tmp_path, capfd):
 def test_packed_and_dequantized_gathers_give_bit_identical_losses(tmp_path):
     runs = {}
     for mode in ("packed", "dequantized"):
-        # Widths divisible by 6, so that the weights are stored sharded over 6 devices.
-        cfg = tiny("train.steps=5", "data.batch_size=12", f"nvfp4.param_gather={mode}", "mesh.data=6",
-                   "model.d_model=96", "model.heads=3", "model.mlp_hidden=192")
+        # The reliability modules' job (widths divisible by 6: the weights are stored sharded
+        # over 6 devices); its packed program is the checkpoint test's step on 6 devices.
+        cfg = job(f"nvfp4.param_gather={mode}", "mesh.data=6")
         runs[mode] = loop.run(cfg, mesh_of(cfg, 6), str(tmp_path / mode), progress=False)
     assert runs["packed"]["history"] == runs["dequantized"]["history"]
     a = runs["packed"]["collectives"]
@@ -100,7 +102,7 @@ def test_packed_and_dequantized_gathers_give_bit_identical_losses(tmp_path):
 def nvfp4_vs_bf16(tmp_path_factory):
     out = {}
     for weights in ("nvfp4", "bf16"):
-        cfg = tiny("train.steps=60", f"nvfp4.weights={weights}")
+        cfg = tiny(f"nvfp4.weights={weights}")  # tiny.yaml's 50 steps
         out[weights] = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path_factory.mktemp(weights)), progress=False)
     return out
 
@@ -109,7 +111,7 @@ def nvfp4_vs_bf16(tmp_path_factory):
 def test_nvfp4_vs_bf16_final_loss_gap(nvfp4_vs_bf16):
     a, b = nvfp4_vs_bf16["nvfp4"], nvfp4_vs_bf16["bf16"]
     gap = a["final_loss"] - b["final_loss"]
-    print(f"\nNVFP4 - bf16 final loss after 60 steps: {gap:+.4f} nats ({a['final_loss']:.4f} vs {b['final_loss']:.4f})")
+    print(f"\nNVFP4 - bf16 final loss after 50 steps: {gap:+.4f} nats ({a['final_loss']:.4f} vs {b['final_loss']:.4f})")
     # Both learn well below the unigram level (ln 32 = 3.47 nats for 32 Markov states).
     assert a["final_loss"] < 3.0 and b["final_loss"] < 3.0
     # Measured: +0.00 to +0.03 nats at this budget (4-bit weights with 16x16 tiles, 2-layer
@@ -120,10 +122,10 @@ def test_nvfp4_vs_bf16_final_loss_gap(nvfp4_vs_bf16):
 
 @pytest.mark.xdist_group("nvfp4_vs_bf16")
 def test_recipe_compute_converges(tmp_path, nvfp4_vs_bf16):
-    cfg = tiny("train.steps=60", "nvfp4.compute=nvfp4", "nvfp4.stochastic_rounding=true")
+    cfg = tiny("nvfp4.compute=nvfp4", "nvfp4.stochastic_rounding=true")
     r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=False)
     gap = r["final_loss"] - nvfp4_vs_bf16["bf16"]["final_loss"]
-    print(f"\ncompute=nvfp4 - bf16 final loss after 60 steps: {gap:+.4f} nats")
+    print(f"\ncompute=nvfp4 - bf16 final loss after 50 steps: {gap:+.4f} nats")
     assert r["history"][0] - r["final_loss"] > 1.5
     assert abs(gap) < 0.25
 
@@ -140,18 +142,23 @@ def test_metrics_are_read_every_log_every_steps(tmp_path, monkeypatch):
         return real(x)
 
     monkeypatch.setattr(jax, "device_get", counting)
-    cfg = tiny("train.steps=7", "train.log_every=3")
+    cfg = tiny("train.log_every=3")  # tiny.yaml's 50 steps: reads after steps 1, 3, 6, ..., 48, 50
     r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=False)
-    assert reads == [1, 2, 3, 1]
+    assert reads == [1, 2, *[3] * 15, 2]
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in recs] == list(range(1, 8)) and [x["loss"] for x in recs] == r["history"]
+    assert [x["step"] for x in recs] == list(range(1, 51)) and [x["loss"] for x in recs] == r["history"]
     assert recs[3]["step_time_s"] == recs[4]["step_time_s"] == recs[5]["step_time_s"]  # one read, its mean
 
 
+# The two-rack test's job (also the tensor-axis test's reference): MLP width divisible by 2 x 16.
+TWO_RACKS = ("train.steps=4", "mesh.nvl_domain=4", "optim.clip_norm=0", "model.mlp_hidden=192")
+
+
 def test_tensor_axis_trains(tmp_path):
-    cfg = tiny("train.steps=4", "mesh.data=4", "mesh.tensor=2", "model.mlp_hidden=192")
+    # The reference is the two-rack test's flat run (the same config: its program compiles once).
+    cfg = tiny(*TWO_RACKS, "mesh.data=4", "mesh.tensor=2")
     r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=False)
-    ref_cfg = tiny("train.steps=4", "model.mlp_hidden=192")
+    ref_cfg = tiny(*TWO_RACKS)
     ref = loop.run(ref_cfg, mesh_of(ref_cfg, 8), str(tmp_path / "ref"), progress=False)
     np.testing.assert_allclose(r["history"], ref["history"], rtol=2e-2)
     # Still only bytes cross the data axis for NVFP4 weights.
@@ -182,7 +189,7 @@ def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path):
     no bf16 rounding of rack partials): close, not equal."""
     import jax_nvfp4 as nv
 
-    base = ("train.steps=4", "mesh.nvl_domain=4", "optim.clip_norm=0")
+    base = TWO_RACKS
     runs = {}
     for name, extra in (("flat", ()), ("fsdp", ("mesh.layout=gb200",)),
                         ("hsdp", ("mesh.layout=gb200", "mesh.sharding=hsdp"))):

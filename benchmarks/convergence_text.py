@@ -302,30 +302,39 @@ def _alive(pid: int) -> bool:
 
 def claim(cache: str, name: str) -> bool:
     """Take run ``name`` for this process (``<cache>/claims/<name>`` holds the pid); False when
-    a live process holds it. A claim whose process is gone is taken over."""
+    a live process holds it. A claim whose process is gone is taken over.
+
+    The claim file appears with its pid already in it (written to a file of this process's
+    own, then hard-linked into place, which fails if the name exists): another process never
+    reads a claim that is still empty and takes it for a dead one."""
     d = os.path.join(cache, "claims")
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, name)
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
+    mine = f"{path}.{os.getpid()}.tmp"
+    with open(mine, "w") as f:
+        f.write(str(os.getpid()))
+    try:
+        for _ in range(2):
             try:
-                with open(path) as f:
-                    pid = int(f.read().strip() or 0)
-            except (OSError, ValueError):
-                pid = 0
-            if pid and pid != os.getpid() and _alive(pid):
-                return False
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
-            continue
-        os.write(fd, str(os.getpid()).encode())
-        os.close(fd)
-        return True
-    return False
+                os.link(mine, path)
+                return True
+            except FileExistsError:
+                try:
+                    with open(path) as f:
+                        pid = int(f.read().strip())
+                except (OSError, ValueError):
+                    pid = 0
+                if pid == os.getpid():
+                    return True
+                if pid and _alive(pid):
+                    return False
+                try:
+                    os.remove(path)  # its process is gone
+                except FileNotFoundError:
+                    pass
+        return False
+    finally:
+        os.remove(mine)
 
 
 def work(specs: Sequence[Dict[str, Any]], corpus: Dict[str, Any], cache: str, log=print) -> None:

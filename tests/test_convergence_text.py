@@ -101,6 +101,37 @@ def test_a_run_is_claimed_by_one_live_process(tmp_path):
     assert ct.claim(str(tmp_path), "c")
 
 
+def test_workers_racing_for_the_same_runs_never_share_one(tmp_path):
+    # Two worker processes walk the same run list at the same moment, as --workers 2 does: each
+    # run goes to exactly one. (A claim file created empty and filled after used to read as a
+    # dead process's to the other worker, and both trained the run; each worker here is slow
+    # to write, as a descheduled one is.)
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    worker = (
+        "import json, os, sys, time\n"
+        "from benchmarks import convergence_text as ct\n"
+        "write = os.write\n"
+        "os.write = lambda fd, data: time.sleep(0.002) or write(fd, data)\n"
+        "cache, me = sys.argv[1], sys.argv[2]\n"
+        "open(os.path.join(cache, 'ready' + me), 'w').close()\n"
+        "while not os.path.exists(os.path.join(cache, 'go')):\n"
+        "    time.sleep(0.001)\n"
+        "print(json.dumps([f'run{i}' for i in range(100) if ct.claim(cache, f'run{i}')]))\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", worker, str(tmp_path), str(i)], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
+        assert all(p.poll() is None for p in procs)
+    (tmp_path / "go").touch()
+    got = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+    assert not set(got[0]) & set(got[1])
+    assert sorted(got[0] + got[1]) == sorted(f"run{i}" for i in range(100))
+
+
 def test_cli_dispatch(monkeypatch):
     seen = []
     monkeypatch.setattr(ct, "main", lambda argv: seen.append(argv) or 0)

@@ -53,17 +53,21 @@ EVAL_BATCHES = 32
 SEEDS = (0, 1, 2)
 
 # Model sizes (train/configs plus overrides). small.yaml (4 layers, d_model 128, 32 x 128
-# tokens per step) costs ~1.6 s a step on one shared CPU core, 20x the tiny model, so the third
-# size here is "wide": the default model at small.yaml's width (d_model 128, 4 heads, MLP 352)
-# with the default depth, sequence length and batch.
+# tokens per step) costs ~1.6 s a step on one shared CPU core, 20x the tiny model, so the
+# larger sizes here widen the default model and keep its depth, sequence length and batch:
+# "wide" at small.yaml's width (d_model 128, 4 heads, MLP 352), "wider" at d_model 256 (8
+# heads of 32, MLP 704 = 16 x 44): how the gap moves with width at one training length.
 SIZES: Dict[str, Dict[str, Any]] = {
     "tiny": {"config": "tiny.yaml", "overrides": []},
     "default": {"config": "default.yaml", "overrides": []},
     "wide": {"config": "default.yaml",
              "overrides": ["model.d_model=128", "model.heads=4", "model.mlp_hidden=352"]},
+    "wider": {"config": "default.yaml",
+              "overrides": ["model.d_model=256", "model.heads=8", "model.mlp_hidden=704"]},
 }
 # Training lengths per size, shortest first; the longest of the smallest model >= 2000 steps.
-LENGTHS: Dict[str, List[int]] = {"tiny": [500, 2000], "default": [500, 2000], "wide": [150, 600]}
+LENGTHS: Dict[str, List[int]] = {"tiny": [500, 2000], "default": [500, 2000], "wide": [150, 600, 2000],
+                                 "wider": [2000]}
 LEVER_SIZE = "default"
 
 VARIANTS: Dict[str, List[str]] = {
@@ -514,6 +518,7 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
                  f"{g['steps'] * m['batch_size'] * m['seq_len']:,} | {g['base_val']['mean']:.4f} | "
                  f"{g['val']['mean']:.4f} | {_pct(g['gap_pct'])} |")
     L += ["", "![gap against steps](convergence_text.png)", ""]
+    L += width_section(agg["table"], meta["models"])
     lv = agg["levers"]
     if lv:
         L += [f"## Levers ({agg['lever_size']} model, {agg['lever_steps']} steps, seeds {meta['seeds']})", "",
@@ -594,6 +599,27 @@ def findings(agg: Dict[str, Any]) -> List[str]:
     L += ["", "Weights-only settings whose mean gap is within the "
           f"{WEIGHTS_ONLY_TARGET}% target: " + (", ".join(tried) if tried else "none of those tried") + ".", ""]
     return L
+
+
+def width_section(table: Sequence[Dict[str, Any]], models: Dict[str, Dict[str, Any]]) -> List[str]:
+    """The gap against model width at the longest training length that three or more sizes
+    share (the sizes differ only in width), each judged by the weights-only rule."""
+    by_steps: Dict[int, List[Dict[str, Any]]] = {}
+    for g in table:
+        by_steps.setdefault(g["steps"], []).append(g)
+    shared = [s for s, gs in by_steps.items() if len(gs) >= 3]
+    if not shared:
+        return []
+    steps = max(shared)
+    rows = sorted(by_steps[steps], key=lambda g: (models[g["size"]]["d_model"], models[g["size"]]["mlp_hidden"]))
+    L = [f"## Gap against width ({steps} steps)", "",
+         "The sizes share depth (2 layers), sequence length and batch; the rule is the weights-only one of "
+         f"the acceptance below ({WEIGHTS_ONLY_TARGET}%).", "",
+         "| size | d_model | MLP | gap % of bf16 | rule |", "|---|---:|---:|---|---|"]
+    for g in rows:
+        m, v = models[g["size"]], verdict(g, WEIGHTS_ONLY_TARGET)
+        L.append(f"| {g['size']} | {m['d_model']} | {m['mlp_hidden']} | {_pct(g['gap_pct'])} | {_met(v)}: {v['why']} |")
+    return L + [""]
 
 
 def _met(v: Dict[str, Any]) -> str:

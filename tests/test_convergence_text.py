@@ -93,6 +93,28 @@ def test_gap_and_acceptance_arithmetic():
     assert ct.lever_effect(agg["levers"]["compute_nvfp4"]).startswith("hurts")
 
 
+def test_width_section_orders_by_width_and_judges_each_size():
+    # Three sizes at 100 steps (narrow: +2% every seed; mid: +0.3%; wide: one seed below bf16),
+    # one size alone at 50 steps: the section takes the length the three share.
+    res = {}
+    for size, gaps, steps in (("wide", (1.0, -0.5, 2.0), 100), ("narrow", (2.0, 2.0, 2.0), 100),
+                              ("mid", (0.3, 0.3, 0.3), 100), ("narrow", (9.0, 9.0, 9.0), 50)):
+        for seed, gap in enumerate(gaps):
+            for v, x in (("nvfp4", 2.0 * (1 + gap / 100)), ("bf16", 2.0)):
+                r = _res(size, steps, seed, v, x)
+                res[r["name"]] = r
+    agg = ct.aggregate(res, [0, 1, 2], ["narrow", "mid", "wide"], {"narrow": [50, 100], "mid": [100], "wide": [100]})
+    models = {"narrow": {"d_model": 64, "mlp_hidden": 192}, "mid": {"d_model": 128, "mlp_hidden": 352},
+              "wide": {"d_model": 256, "mlp_hidden": 704}}
+    lines = ct.width_section(agg["table"], models)
+    assert lines[0] == "## Gap against width (100 steps)"
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| size")]
+    assert [r.split(" | ")[0] for r in rows] == ["| narrow", "| mid", "| wide"]
+    assert "NOT MET" in rows[0] and "| met: mean gap +0.300% <= 0.5%" in rows[1]
+    assert "inside the seed spread" in rows[2]
+    assert ct.width_section(agg["table"][:2], models) == []  # fewer than three sizes share a length
+
+
 def test_a_run_is_claimed_by_one_live_process(tmp_path):
     assert ct.claim(str(tmp_path), "a") and ct.claim(str(tmp_path), "a")  # this process, again
     (tmp_path / "claims" / "b").write_text("1")  # held by a live process

@@ -21,6 +21,10 @@ from train.model import GPT, SEGMENTS
 
 from conftest import main_here
 
+# One pytest-xdist worker runs this module: the exports (module fixture) are written once, and
+# torch is imported once where the hf extra is installed.
+pytestmark = pytest.mark.xdist_group("export_hf")
+
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 ST_DTYPES = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F32": np.float32, "U8": np.uint8}
 SHAPES = dict(vocab=96, d_model=64, layers=3, heads=4, kv_heads=2, hidden=96, rope_theta=500000.0)

@@ -612,9 +612,11 @@ def width_section(table: Sequence[Dict[str, Any]], models: Dict[str, Dict[str, A
         return []
     steps = max(shared)
     rows = sorted(by_steps[steps], key=lambda g: (models[g["size"]]["d_model"], models[g["size"]]["mlp_hidden"]))
+    shape = {tuple(models[g["size"]][k] for k in ("layers", "seq_len", "batch_size")) for g in rows}
+    same = ("The sizes share depth ({} layers), sequence length ({}) and batch ({}); ".format(*shape.pop())
+            if len(shape) == 1 else "The sizes differ in more than width; ")
     L = [f"## Gap against width ({steps} steps)", "",
-         "The sizes share depth (2 layers), sequence length and batch; the rule is the weights-only one of "
-         f"the acceptance below ({WEIGHTS_ONLY_TARGET}%).", "",
+         same + f"the rule is the weights-only one of the acceptance below ({WEIGHTS_ONLY_TARGET}%).", "",
          "| size | d_model | MLP | gap % of bf16 | rule |", "|---|---:|---:|---|---|"]
     for g in rows:
         m, v = models[g["size"]], verdict(g, WEIGHTS_ONLY_TARGET)

@@ -104,8 +104,9 @@ def test_width_section_orders_by_width_and_judges_each_size():
                 r = _res(size, steps, seed, v, x)
                 res[r["name"]] = r
     agg = ct.aggregate(res, [0, 1, 2], ["narrow", "mid", "wide"], {"narrow": [50, 100], "mid": [100], "wide": [100]})
-    models = {"narrow": {"d_model": 64, "mlp_hidden": 192}, "mid": {"d_model": 128, "mlp_hidden": 352},
-              "wide": {"d_model": 256, "mlp_hidden": 704}}
+    shape = {"layers": 2, "seq_len": 64, "batch_size": 16}
+    models = {"narrow": {"d_model": 64, "mlp_hidden": 192, **shape}, "mid": {"d_model": 128, "mlp_hidden": 352, **shape},
+              "wide": {"d_model": 256, "mlp_hidden": 704, **shape}}
     lines = ct.width_section(agg["table"], models)
     assert lines[0] == "## Gap against width (100 steps)"
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| size")]

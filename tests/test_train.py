@@ -190,11 +190,10 @@ def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path):
     no bf16 rounding of rack partials): close, not equal."""
     import jax_nvfp4 as nv
 
-    base = TWO_RACKS
     runs = {}
     for name, extra in (("flat", ()), ("fsdp", ("mesh.layout=gb200",)),
                         ("hsdp", ("mesh.layout=gb200", "mesh.sharding=hsdp"))):
-        cfg = tiny(*base, *extra)
+        cfg = tiny(*TWO_RACKS, *extra)
         runs[name] = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path / name), progress=False)
     assert runs["fsdp"]["history"] == runs["hsdp"]["history"]
     state = lambda r: nv.logical(jax.device_get((r["params"], nv.find_state(r["opt_state"]).master)))
@@ -205,7 +204,7 @@ def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path):
     # Where the bytes go: FSDP gathers across racks (one rack pair per group) and inside the
     # rack; HSDP never gathers a weight across racks.
     for name, cross_rack_gather in (("fsdp", True), ("hsdp", False)):
-        cfg = tiny(*base, "mesh.layout=gb200", *(("mesh.sharding=hsdp",) if name == "hsdp" else ()))
+        cfg = tiny(*TWO_RACKS, "mesh.layout=gb200", *(("mesh.sharding=hsdp",) if name == "hsdp" else ()))
         text, _ = _compiled_step_text(cfg)
         mesh = mesh_of(cfg, 8)
         rows = nv.comm.parse(text, mesh).select(purpose="weight gather")

@@ -229,9 +229,10 @@ def analytic(params, rules, policy, n_data: int, n_tensor: int, racks: int,
     spans, ``t`` = the tensor split of a leaf (``n_tensor`` where a tensor rule matches, else 1):
 
     - NVFP4 matrix stack of ``numel`` elements (``L x rows x cols``):
-      packed gather bytes/device = passes (numel/2 + numel/256) / t (codes + E4M3 scales; amax
+      packed gather bytes/device = passes (numel/2 + s numel/256) / t (codes + E4M3 scales, s per
+      16x16 tile: 1 for 2D tiles, 16 for 1D blocks; amax
       stays), passes = 2 for scanned (rematerialised) layers, 1 otherwise;
-      params/device = (numel/2 + numel/256) / (N_data t) + 4 L (amax, replicated);
+      params/device = (numel/2 + s numel/256) / (N_data t) + 4 L (amax, replicated);
     - large plain leaf (>= ``rules.min_shard_size`` and a matrix per layer, stored sharded, e.g.
       bf16 embed/head): gather = passes itemsize numel / t; params = itemsize numel / (N_data t);
     - small plain leaf (norm scales): params itemsize numel, replicated, not gathered;
@@ -274,7 +275,7 @@ def analytic(params, rules, policy, n_data: int, n_tensor: int, racks: int,
         passes = 2 if stacked else 1
         if nvfp4:
             batch = math.prod(shape[:-2])
-            packed = numel / 2 + numel / 256
+            packed = numel / 2 + math.prod(nv.layout.tile_scales(leaf.block)) * numel / 256
             out["gather_packed"] += passes * packed / t
             out["params"] += packed / (n_data * t) + 4 * batch
             out["numel_nvfp4"] += numel

@@ -44,9 +44,11 @@ SIZES: Dict[str, Dict[str, Any]] = {
     "medium": {"config": "small.yaml",
                "overrides": ["model.d_model=256", "model.heads=8", "model.mlp_hidden=704"]},
 }
-# The 2D-tile physical limit of a packed gather: 4 bits per value plus one E4M3 byte per
-# 16x16 tile, over 16 bits per bf16 value.
-LEAF_LIMIT = nv.layout.PACKED_GATHER_RATIO
+# The physical limit of a packed gather with the default config's NVFP4 block: 4 bits per
+# value plus the E4M3 scale bytes of each 16x16 tile, over 16 bits per bf16 value.
+DEFAULT_BLOCK = step_lib.policy_for(load_config(os.path.join(CONFIGS, "default.yaml"))).block
+LEAF_LIMIT = nv.layout.packed_gather_ratio(DEFAULT_BLOCK)
+LEAF_LIMIT_TEXT = nv.layout.packed_gather_text(DEFAULT_BLOCK)
 
 
 def size_config(size: str, weights: str, extra: Sequence[str] = ()) -> Config:

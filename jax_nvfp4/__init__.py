@@ -9,6 +9,7 @@ reductions (``gather_weight``, ``ordered_reduce_scatter``), the master-weight op
 
 from jax_nvfp4.array import (
     BLOCK_1D,
+    BLOCK_COLUMN,
     BLOCK_2D,
     NVFP4Array,
     codes,
@@ -50,6 +51,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BLOCK_1D",
+    "BLOCK_COLUMN",
     "BLOCK_2D",
     "BackendUnavailableError",
     "NVFP4Dense",

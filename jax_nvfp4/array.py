@@ -5,8 +5,16 @@ each, each with its own amax):
 
 - ``data``  ``[..., rows, ceil(cols/2)] uint8``: element ``2k`` in the low nibble.
 - ``scale`` ``[..., ceil(rows/16), ceil(cols/16)] float8_e4m3fn`` for 2D tiles ``(16, 16)``,
-  ``[..., rows, ceil(cols/16)]`` for 1D blocks ``(1, 16)``; compact, row-major. Stored as its
-  bytes (``scale_bits``, uint8) and read as E4M3 through ``.scale``.
+  ``[..., rows, ceil(cols/16)]`` for 1D blocks along a row ``(1, 16)``, ``[..., ceil(rows/16),
+  cols]`` for 1D blocks down a column ``(16, 1)``; compact, row-major. Stored as its bytes
+  (``scale_bits``, uint8) and read as E4M3 through ``.scale``.
+
+The three blocks: ``(16, 16)`` is the recipe's weight tile (a weight and its transpose share
+codes and scales, as the FP4 GEMMs of the backward pass need); ``(1, 16)`` its activation and
+gradient block; ``(16, 1)`` is the recipe's 1D weight quantization written for an ``[in, out]``
+kernel: 16 consecutive inputs of one output share a scale, which is a ``(1, 16)`` block of the
+``[out, in]`` weight of PyTorch, Transformer Engine and compressed-tensors. It is the transpose
+of ``(1, 16)`` (``transpose`` maps one to the other without re-quantizing).
 - ``amax``  ``[...] float32``: the global amax of each matrix, stored as its bit pattern
   (``amax_bits``, uint32); read it through ``.amax``.
 
@@ -38,7 +46,11 @@ from jax_nvfp4 import numerics as nx
 
 BLOCK_2D = (16, 16)
 BLOCK_1D = (1, 16)
-_BLOCKS = (BLOCK_2D, BLOCK_1D)
+BLOCK_COLUMN = (16, 1)
+_BLOCKS = (BLOCK_2D, BLOCK_1D, BLOCK_COLUMN)
+_BLOCK_NAMES = "(16, 16), (1, 16) or (16, 1)"
+# The block of the transpose: the same codes and scales, transposed.
+_TRANSPOSED = {BLOCK_2D: BLOCK_2D, BLOCK_1D: BLOCK_COLUMN, BLOCK_COLUMN: BLOCK_1D}
 
 
 def _ceil_to(n: int, m: int) -> int:
@@ -50,12 +62,12 @@ def _check_block(block) -> Tuple[int, int]:
     try:
         items = tuple(block)
     except TypeError:
-        raise ValueError(f"block must be (16, 16) or (1, 16), got {block!r}") from None
+        raise ValueError(f"block must be {_BLOCK_NAMES}, got {block!r}") from None
     if not all(isinstance(b, (int, np.integer)) and not isinstance(b, (bool, np.bool_)) for b in items):
-        raise ValueError(f"block must be (16, 16) or (1, 16) (integers), got {block!r}")
+        raise ValueError(f"block must be {_BLOCK_NAMES} (integers), got {block!r}")
     block = tuple(int(b) for b in items)
     if block not in _BLOCKS:
-        raise ValueError(f"block must be (16, 16) or (1, 16), got {block}")
+        raise ValueError(f"block must be {_BLOCK_NAMES}, got {block}")
     return block
 
 
@@ -250,7 +262,8 @@ def quantize(
 
     Args:
       x: the tensor; axes before the last two are batch axes (one amax per matrix).
-      block: ``(16, 16)`` 2D tiles (weights) or ``(1, 16)`` 1D blocks (activations, gradients).
+      block: ``(16, 16)`` 2D tiles (weights), ``(1, 16)`` 1D blocks along rows (activations,
+        gradients) or ``(16, 1)`` 1D blocks down columns (an ``[in, out]`` kernel's inputs).
       rounding: ``"nearest"`` (round to nearest, ties to even) or ``"stochastic"``.
       key: a JAX PRNG key, required for stochastic rounding. The random draw of each element
         depends only on the key and the element's flat index in the logical tensor, so a
@@ -288,7 +301,10 @@ def _quantize(x, key, amax, block):
     xp = pad_to_block(x.astype(jnp.float32), block)
     uniform = None if key is None else nx.uniform_from_index(key, element_index(xp.shape, (rows, cols)))
     codes_, scale, amax = quantize_padded(xp, block, uniform=uniform, amax=amax)
-    return nx.pack_codes(codes_[..., :rows, : _ceil_to(cols, 2)]), scale, amax
+    codes_ = codes_[..., :rows, :cols]
+    if cols % 2:  # a (16, 1) block pads no columns: one zero code completes the last byte
+        codes_ = jnp.pad(codes_, [(0, 0)] * (codes_.ndim - 1) + [(0, 1)])
+    return nx.pack_codes(codes_), scale, amax
 
 
 def check_rounding(rounding: str, key) -> None:
@@ -387,8 +403,8 @@ def _dequantize(q: NVFP4Array, dtype) -> jax.Array:
     rp, cp = _ceil_to(rows, br), _ceil_to(cols, bc)
     # A table lookup, not XLA's float4 conversion of the reinterpreted bytes: that is faster on
     # CPU but gave wrong values inside some fused gradient computations.
-    vals = nx.decode_e2m1(nx.unpack_codes(q.data))
-    vals = jnp.pad(vals, [(0, 0)] * len(batch) + [(0, rp - rows), (0, cp - vals.shape[-1])])
+    vals = nx.decode_e2m1(nx.unpack_codes(q.data))[..., :cols]
+    vals = jnp.pad(vals, [(0, 0)] * len(batch) + [(0, rp - rows), (0, cp - cols)])
     tiles = vals.reshape(*batch, rp // br, br, cp // bc, bc)
     dec = nx.global_decode_scale(q.amax)
     out = (tiles * q.scale.astype(jnp.float32)[..., :, None, :, None]) * dec[..., None, None, None, None]
@@ -409,22 +425,18 @@ def from_codes(codes_: jax.Array, scale, amax, block) -> NVFP4Array:
 
 
 def transpose(q: NVFP4Array) -> NVFP4Array:
-    """Swap the last two axes of a 2D-tiled array without re-quantizing.
+    """Swap the last two axes without re-quantizing.
 
-    With 16x16 tiles, the codes of ``W.T`` are the transposed codes of ``W`` and its tile
-    scales the transposed scales, so the result is bit-identical to ``quantize(W.T)``.
+    The codes of ``W.T`` are the transposed codes of ``W`` and its scales the transposed
+    scales; the block turns with them: ``(16, 16)`` stays, ``(1, 16)`` and ``(16, 1)`` swap. So
+    the result is bit-identical to ``quantize(W.T, block=<the turned block>)``.
     """
-    if q.block != BLOCK_2D:
-        raise ValueError(
-            "transpose without re-quantization needs 2D (16, 16) tiles; 1D blocks run along a "
-            f"single axis (got block={q.block})"
-        )
     return _transpose(q)
 
 
 @jax.jit
 def _transpose(q: NVFP4Array) -> NVFP4Array:
-    return from_codes(jnp.swapaxes(codes(q), -1, -2), jnp.swapaxes(q.scale, -1, -2), q.amax, q.block)
+    return from_codes(jnp.swapaxes(codes(q), -1, -2), jnp.swapaxes(q.scale, -1, -2), q.amax, _TRANSPOSED[q.block])
 
 
 def isfinite(q: NVFP4Array) -> jax.Array:

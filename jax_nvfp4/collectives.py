@@ -178,9 +178,8 @@ def _gather_forward(stored, cfg: GatherConfig):
         if isinstance(stored, TiledNVFP4):
             dim = stored.data.ndim - 3
             if cfg.packed or cfg.nvfp4:
-                full = TiledNVFP4(all_gather_levels(stored.data, axis, dim=dim),
-                                  all_gather_levels(stored.scale_bits, axis, dim=dim),
-                                  stored.amax_bits, stored.layout)
+                full = stored.replace(all_gather_levels(stored.data, axis, dim=dim),
+                                      all_gather_levels(stored.scale_bits, axis, dim=dim))
             if cfg.nvfp4:
                 return None, full.to_array()
             if cfg.packed:

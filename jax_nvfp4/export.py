@@ -18,7 +18,7 @@ shape or block is detected like an altered data file; :func:`load_nvfp4` also ch
 manifest's schema before it uses any entry.
 
 NVFP4 leaves: packed E2M1 bytes ``[..., rows, ceil(cols/2)] uint8`` (element ``2k`` in the low
-nibble), E4M3 scale bytes (``[..., ceil(rows/16), ceil(cols/16)]`` for 16x16 tiles) and the
+nibble), E4M3 scale bytes (compact, shaped by the block: ``[..., ceil(rows/16), ceil(cols/16)]`` for 16x16 tiles) and the
 float32 global amax ``[...]`` — see :mod:`jax_nvfp4.array`. Other leaves keep their dtype; dtypes
 NumPy cannot store (bfloat16, float8) are written as their unsigned-integer bits
 (``"storage"``). Files are written into a temporary directory that is renamed into place, so a
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_nvfp4.array import NVFP4Array, dequantize, is_nvfp4, packed_shapes
+from jax_nvfp4.array import BLOCK_1D, BLOCK_2D, BLOCK_COLUMN, NVFP4Array, dequantize, is_nvfp4, packed_shapes
 from jax_nvfp4.params import path_str
 
 __all__ = ["ExportError", "export_hf", "export_nvfp4", "hf_tensors", "is_export", "llama_config", "load_nvfp4",
@@ -423,19 +423,21 @@ def llama_config(*, vocab: int, d_model: int, layers: int, heads: int, mlp_hidde
 
 
 def nvfp4_to_compressed_tensors(q: NVFP4Array) -> Dict[str, np.ndarray]:
-    """``[..., in, out]`` kernels (16x16 tiles; leading axes are batch axes, e.g. layers) as
-    compressed-tensors' NVFP4 tensors of the ``[..., out, in]`` torch weights, bit for bit,
-    without re-quantizing:
+    """``[..., in, out]`` kernels (16x16 tiles or ``(16, 1)`` blocks; leading axes are batch
+    axes, e.g. layers) as compressed-tensors' NVFP4 tensors of the ``[..., out, in]`` torch
+    weights, bit for bit, without re-quantizing:
 
     - ``weight_packed`` ``[..., out, in/2] uint8``: the codes of ``q.T`` (element ``2k`` in the
       low nibble, as here);
-    - ``weight_scale`` ``[..., out, in/16] float8_e4m3fn``: each 16x16 tile's E4M3 scale
-      repeated on its 16 rows (a 1x16 block scale per row);
+    - ``weight_scale`` ``[..., out, in/16] float8_e4m3fn``: the ``(16, 1)`` blocks' scales
+      transposed (they are compressed-tensors' groups of 16 inputs), or each 16x16 tile's
+      scale repeated on its 16 rows;
     - ``weight_global_scale`` ``[..., 1] float32``: ``S = 448 * 6 / amax``, the global encode
       scale (compressed-tensors decodes ``fp4 * scale / S``).
     """
-    if q.block != (16, 16):
-        raise ValueError(f"nvfp4_to_compressed_tensors: needs 16x16 tiles, got {q}")
+    if q.block not in (BLOCK_2D, BLOCK_COLUMN):
+        raise ValueError(f"nvfp4_to_compressed_tensors: needs 16x16 tiles or (16, 1) blocks (groups of 16 "
+                         f"inputs), got {q}")
     if q.shape[-2] % 16:
         raise ExportError(f"a kernel with {q.shape[-2]} input features: compressed-tensors NVFP4 needs a multiple of 16")
     return {k: np.asarray(v) for k, v in _to_compressed_tensors(q).items()}
@@ -445,9 +447,9 @@ def nvfp4_to_compressed_tensors(q: NVFP4Array) -> Dict[str, np.ndarray]:
 def _to_compressed_tensors(q: NVFP4Array):
     from jax_nvfp4 import numerics as nx
 
-    t = q.T  # [..., out, in]: codes and tile scales transposed, no re-quantization
+    t = q.T  # [..., out, in]: codes and scales transposed, no re-quantization
     n_out = t.shape[-2]
-    scale = jnp.repeat(t.scale, 16, axis=-2)[..., :n_out, :]
+    scale = t.scale if t.block == BLOCK_1D else jnp.repeat(t.scale, 16, axis=-2)[..., :n_out, :]
     return {"weight_packed": t.data, "weight_scale": scale,
             "weight_global_scale": nx.global_encode_scale(t.amax)[..., None]}
 

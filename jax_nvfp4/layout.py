@@ -11,7 +11,9 @@ N=144: 0.03%; rows rounded to 16 N would cost 12.5%).
 The same layout serves every form of the matrix:
 
 - :class:`TiledNVFP4`, a stored NVFP4 parameter: packed codes ``[..., nt, T, 16, 8] uint8``,
-  tile scales ``[..., nt, T] uint8`` (E4M3 bits), amax ``[...] uint32`` (float32 bits);
+  the tiles' E4M3 scale bytes (``[..., nt, T] uint8`` with one scale per 16x16 tile,
+  ``[..., nt, T, 16]`` with 1D blocks: one per tile column for ``(16, 1)``, per tile row for
+  ``(1, 16)``), amax ``[...] uint32`` (float32 bits);
 - :class:`Tiled`, a float array: the float32 master, each optimizer moment, a large plain
   (e.g. bf16) parameter, a gradient shard: ``[..., nt, T, 16, 16]``.
 
@@ -34,16 +36,36 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_nvfp4 import numerics as nx
-from jax_nvfp4.array import BLOCK_2D, NVFP4Array, flat_index, quantize_padded
+from jax_nvfp4.array import BLOCK_2D, NVFP4Array, _check_block, flat_index, quantize_padded
 
 TILE = 16
-# Bytes of a packed 16x16 tile (128 code bytes + 1 E4M3 scale byte) per byte of the same tile in
-# bf16 (512): the floor of an NVFP4 weight gather against a bf16 one, (0.5 + 1/256) / 2.
-PACKED_GATHER_RATIO = (TILE * TILE / 2 + 1) / (2 * TILE * TILE)
 
 
 def _ceil_div(n: int, m: int) -> int:
     return -(-n // m)
+
+
+def tile_scales(block) -> Tuple[int, int]:
+    """``(rows, cols)`` of the block scales inside one 16x16 tile: (1, 1) for 2D tiles,
+    (1, 16) for ``(16, 1)`` blocks, (16, 1) for ``(1, 16)``."""
+    br, bc = _check_block(block)
+    return TILE // br, TILE // bc
+
+
+def packed_gather_ratio(block=BLOCK_2D) -> float:
+    """Bytes of a packed 16x16 tile (128 code bytes + its E4M3 scale bytes) per byte of the
+    same tile in bf16 (512): the floor of an NVFP4 weight gather against a bf16 one.
+    ``(0.5 + 1/256) / 2 = 0.2520`` with 2D tiles, ``(0.5 + 1/16) / 2 = 0.2812`` with 1D blocks."""
+    return (TILE * TILE / 2 + math.prod(tile_scales(block))) / (2 * TILE * TILE)
+
+
+def packed_gather_text(block=BLOCK_2D) -> str:
+    """:func:`packed_gather_ratio` in words, e.g. ``"16x16 tiles: 4-bit codes + 1 scale byte
+    per 256 values = 129/512 = 0.25195"``."""
+    n = math.prod(tile_scales(block))
+    what = {BLOCK_2D: "16x16 tiles", (16, 1): "1d blocks of 16 rows", (1, 16): "1d blocks of 16 columns"}[_check_block(block)]
+    return (f"{what}: 4-bit codes + {n} scale byte{'s' if n > 1 else ''} per 256 values = "
+            f"{TILE * TILE // 2 + n}/512 = {packed_gather_ratio(block):.5f}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +201,7 @@ class Layout:
 
     def spec(self, batch_ndim: int, trailing: int = 2) -> P:
         """PartitionSpec of a tiled array with ``batch_ndim`` batch axes and ``trailing``
-        axes after the tile axis (2 for values and codes, 0 for scales)."""
+        axes after the tile axis (2 for values and codes, 0 or 1 for scales)."""
         t = self.tensor_axis if self.n_tensor > 1 else None
         d = self.data_axis if self.n_data > 1 else None
         return P(*([None] * batch_ndim), t, d, *([None] * trailing))
@@ -201,59 +223,54 @@ class Layout:
             return x.reshape(*batch, nt, r // nt, c)
         return x[..., None, :, :]
 
-    def to_tiles(self, x: jax.Array, width: int = TILE) -> jax.Array:
-        """``[..., rows, cols']`` -> ``[..., nt, T, 16, width]``, zero-padded. ``width`` 16 for
-        values; 8 for packed codes (``cols'`` = bytes per row)."""
+    def to_tiles(self, x: jax.Array, width: int = TILE, height: int = TILE) -> jax.Array:
+        """``[..., rows', cols']`` -> ``[..., nt, T, height, width]``, zero-padded: each tile's
+        ``height x width`` entries. 16 x 16 for values; 16 x 8 for packed codes (``cols'`` =
+        bytes per row); the tile's scales for block scales (:meth:`scales_to_tiles`)."""
         *batch, _, _ = x.shape
         nt, k = self.n_tensor, len(batch)
         x = self._split(x)
         gr, gc = self.grid
-        x = jnp.pad(x, [(0, 0)] * (k + 1) + [(0, gr * TILE - x.shape[-2]), (0, gc * width - x.shape[-1])])
-        x = x.reshape(*batch, nt, gr, TILE, gc, width)
-        x = jnp.swapaxes(x, -3, -2).reshape(*batch, nt, gr * gc, TILE, width)
+        x = jnp.pad(x, [(0, 0)] * (k + 1) + [(0, gr * height - x.shape[-2]), (0, gc * width - x.shape[-1])])
+        x = x.reshape(*batch, nt, gr, height, gc, width)
+        x = jnp.swapaxes(x, -3, -2).reshape(*batch, nt, gr * gc, height, width)
         if self.padded_tiles != self.tiles:
             x = jnp.pad(x, [(0, 0)] * (k + 1) + [(0, self.padded_tiles - self.tiles), (0, 0), (0, 0)])
         return x
 
     def from_tiles(self, t: jax.Array, cols: Optional[int] = None) -> jax.Array:
-        """``[..., nt, T, 16, width]`` -> ``[..., rows, cols]`` (the inverse of
-        :meth:`to_tiles`; ``cols`` defaults to the logical columns scaled by ``width/16``)."""
-        *batch, nt, _, _, width = t.shape
+        """``[..., nt, T, height, width]`` -> ``[..., rows, cols]`` (the inverse of
+        :meth:`to_tiles`; rows and ``cols`` default to the logical ones scaled by
+        ``height/16`` and ``width/16``)."""
+        *batch, nt, _, height, width = t.shape
         k = len(batch)
         gr, gc = self.grid
         sr, sc = self.sub
-        sc_x = _ceil_div(sc * width, TILE)
-        t = t[..., : self.tiles, :, :].reshape(*batch, nt, gr, gc, TILE, width)
-        x = jnp.swapaxes(t, -3, -2).reshape(*batch, nt, gr * TILE, gc * width)[..., :sr, :sc_x]
+        sr_x, sc_x = _ceil_div(sr * height, TILE), _ceil_div(sc * width, TILE)
+        t = t[..., : self.tiles, :, :].reshape(*batch, nt, gr, gc, height, width)
+        x = jnp.swapaxes(t, -3, -2).reshape(*batch, nt, gr * height, gc * width)[..., :sr_x, :sc_x]
         if self.tensor_dim == -1:
-            x = jnp.moveaxis(x, k, k + 1).reshape(*batch, sr, nt * sc_x)
+            x = jnp.moveaxis(x, k, k + 1).reshape(*batch, sr_x, nt * sc_x)
         elif self.tensor_dim == -2:
-            x = x.reshape(*batch, nt * sr, sc_x)
+            x = x.reshape(*batch, nt * sr_x, sc_x)
         else:
             x = x[..., 0, :, :]
         if cols is not None:
             x = x[..., :cols]
         return x
 
-    def scales_to_tiles(self, s: jax.Array) -> jax.Array:
-        """Compact 2D tile scales ``[..., ceil(R/16), ceil(C/16)]`` -> ``[..., nt, T]``."""
-        *batch, _, _ = s.shape
-        gr, gc = self.grid
-        nt, k = self.n_tensor, len(batch)
-        s = self._split(s).reshape(*batch, nt, gr * gc)
-        return jnp.pad(s, [(0, 0)] * (k + 1) + [(0, self.padded_tiles - self.tiles)])
+    def scales_to_tiles(self, s: jax.Array, block=BLOCK_2D) -> jax.Array:
+        """Compact block scales ``[..., ceil(R/br), ceil(C/bc)]`` -> ``[..., nt, T]`` (2D tiles)
+        or ``[..., nt, T, 16]`` (1D blocks: the tile's 16 scales)."""
+        h, w = tile_scales(block)
+        t = self.to_tiles(s, width=w, height=h)
+        return t.reshape(*t.shape[:-2], h * w) if h * w > 1 else t[..., 0, 0]
 
-    def scales_from_tiles(self, s: jax.Array) -> jax.Array:
-        """``[..., nt, T]`` -> compact ``[..., ceil(R/16), ceil(C/16)]``."""
-        *batch, nt, _ = s.shape
-        k = len(batch)
-        gr, gc = self.grid
-        s = s[..., : self.tiles].reshape(*batch, nt, gr, gc)
-        if self.tensor_dim == -1:
-            return jnp.moveaxis(s, k, k + 1).reshape(*batch, gr, nt * gc)
-        if self.tensor_dim == -2:
-            return s.reshape(*batch, nt * gr, gc)
-        return s[..., 0, :, :]
+    def scales_from_tiles(self, s: jax.Array, block=BLOCK_2D) -> jax.Array:
+        """The tiles' scales (:meth:`scales_to_tiles`) -> compact ``[..., ceil(R/br), ceil(C/bc)]``."""
+        h, w = tile_scales(block)
+        t = s.reshape(*s.shape[:-1], h, w) if h * w > 1 else s[..., None, None]
+        return self.from_tiles(t)
 
     def positions(self, shape: Sequence[int], tensor_index=0, tile_offset=0):
         """``(row, col)`` uint32 logical positions of every element of a tiled block of
@@ -339,31 +356,36 @@ jax.tree_util.register_dataclass(Tiled, data_fields=["value"], meta_fields=["lay
 
 @dataclasses.dataclass(frozen=True)
 class TiledNVFP4:
-    """A stored NVFP4 parameter in a :class:`Layout` (2D 16x16 tiles): ``data [..., nt, T,
-    16, 8] uint8`` (element 2k of a tile row in the low nibble), ``scale_bits [..., nt, T]
-    uint8`` (E4M3), ``amax_bits [...] uint32`` (float32 global amax of each matrix)."""
+    """A stored NVFP4 parameter in a :class:`Layout`: ``data [..., nt, T, 16, 8] uint8``
+    (element 2k of a tile row in the low nibble), ``scale_bits`` (E4M3 bytes: ``[..., nt, T]``
+    for 2D tiles, ``[..., nt, T, 16]`` for 1D blocks, see :func:`tile_scales`), ``amax_bits
+    [...] uint32`` (float32 global amax of each matrix). ``block`` (static): the NVFP4 block,
+    ``(16, 16)`` or a 1D one; the 16x16 tiles (and so the sharding) are the same for all."""
 
     data: jax.Array
     scale_bits: jax.Array
     amax_bits: jax.Array
     layout: Layout = dataclasses.field(metadata=dict(static=True))
-
-    block = BLOCK_2D
+    block: Tuple[int, int] = dataclasses.field(default=BLOCK_2D, metadata=dict(static=True))
 
     @classmethod
     def from_array(cls, q: NVFP4Array, layout: Layout) -> "TiledNVFP4":
-        """Re-lay an :class:`NVFP4Array` (2D tiles) out tile-major (a byte shuffle)."""
-        if q.block != BLOCK_2D:
-            raise ValueError(f"the tiled layout needs 2D (16, 16) blocks, got {q.block}")
+        """Re-lay an :class:`NVFP4Array` out tile-major (a byte shuffle)."""
         if tuple(q.matrix_shape) != tuple(layout.matrix):
             raise ValueError(f"NVFP4Array of matrix shape {q.matrix_shape} for a layout of {layout.matrix}")
-        return cls(layout.to_tiles(q.data, TILE // 2), layout.scales_to_tiles(q.scale_bits), q.amax_bits, layout)
+        return cls(layout.to_tiles(q.data, TILE // 2), layout.scales_to_tiles(q.scale_bits, q.block), q.amax_bits,
+                   layout, q.block)
 
     def to_array(self) -> NVFP4Array:
         """The logical :class:`NVFP4Array` (a byte shuffle)."""
         r, c = self.layout.matrix
         data = self.layout.from_tiles(self.data, _ceil_div(c, 2))
-        return NVFP4Array(data, self.layout.scales_from_tiles(self.scale_bits), self.amax_bits, (r, c), BLOCK_2D)
+        return NVFP4Array(data, self.layout.scales_from_tiles(self.scale_bits, self.block), self.amax_bits, (r, c),
+                          self.block)
+
+    def replace(self, data, scale_bits) -> "TiledNVFP4":
+        """The same parameter with other code and scale leaves (e.g. gathered ones)."""
+        return TiledNVFP4(data, scale_bits, self.amax_bits, self.layout, self.block)
 
     def dequantize_tiles(self, dtype=jnp.bfloat16) -> jax.Array:
         """``[..., nt, T, 16, 16]`` values, element for element what
@@ -371,7 +393,12 @@ class TiledNVFP4:
         vals = nx.decode_e2m1(nx.unpack_codes(self.data))
         scale = jax.lax.bitcast_convert_type(self.scale_bits, jnp.float8_e4m3fn).astype(jnp.float32)
         dec = nx.global_decode_scale(jax.lax.bitcast_convert_type(self.amax_bits, jnp.float32))
-        return ((vals * scale[..., None, None]) * dec[..., None, None, None, None]).astype(dtype)
+        (br, bc), (h, w) = self.block, tile_scales(self.block)
+        lead = vals.shape[:-2]
+        vals = vals.reshape(*lead, h, br, w, bc)
+        scale = scale.reshape(*lead, h, 1, w, 1)
+        out = (vals * scale) * dec[..., None, None, None, None, None, None]
+        return out.reshape(*lead, TILE, TILE).astype(dtype)
 
     def dequantize(self, dtype=jnp.bfloat16) -> jax.Array:
         """The logical ``[..., rows, cols]`` weight."""
@@ -392,28 +419,31 @@ class TiledNVFP4:
     def specs(self) -> "TiledNVFP4":
         """PartitionSpecs of the three leaves (amax replicated)."""
         k = self.data.ndim - 4
-        return TiledNVFP4(self.layout.spec(k), self.layout.spec(k, 0), P(), self.layout)
+        return TiledNVFP4(self.layout.spec(k), self.layout.spec(k, self.scale_bits.ndim - k - 2), P(), self.layout,
+                          self.block)
 
     def isfinite(self) -> jax.Array:
         return jnp.isfinite(self.amax)
 
     def __repr__(self) -> str:
         if not hasattr(self.data, "shape"):  # a tree of specs or shardings
-            return f"TiledNVFP4({self.data!r}, {self.scale_bits!r}, {self.amax_bits!r}, layout={self.layout})"
-        return f"TiledNVFP4(shape={self.shape}, layout={self.layout})"
+            return (f"TiledNVFP4({self.data!r}, {self.scale_bits!r}, {self.amax_bits!r}, layout={self.layout}, "
+                    f"block={self.block})")
+        return f"TiledNVFP4(shape={self.shape}, block={self.block}, layout={self.layout})"
 
 
-jax.tree_util.register_dataclass(TiledNVFP4, data_fields=["data", "scale_bits", "amax_bits"], meta_fields=["layout"])
+jax.tree_util.register_dataclass(TiledNVFP4, data_fields=["data", "scale_bits", "amax_bits"],
+                                 meta_fields=["layout", "block"])
 
 
 def is_tiled(x) -> bool:
     return isinstance(x, (Tiled, TiledNVFP4))
 
 
-def quantize_tiles(x: jax.Array, layout: Layout, *, key=None, reduce_amax=None, tensor_index=0,
+def quantize_tiles(x: jax.Array, layout: Layout, *, block=BLOCK_2D, key=None, reduce_amax=None, tensor_index=0,
                    tile_offset=0) -> TiledNVFP4:
     """Quantize float32 tiles ``[..., nt, T, 16, 16]`` (a whole tiled matrix, or one device's
-    shard of it) to NVFP4 with 2D tile scales.
+    shard of it) to NVFP4 with ``block`` scales (every block lies inside one tile).
 
     ``reduce_amax`` combines the local amax bits with the other shards' (an integer ``pmax``),
     so the result is bit-identical to quantizing the whole logical matrix. With ``key``,
@@ -421,14 +451,16 @@ def quantize_tiles(x: jax.Array, layout: Layout, *, key=None, reduce_amax=None, 
     ``tile_offset`` place a shard), the same draws as :func:`jax_nvfp4.quantize`.
     """
     *batch, nt, tl, _, _ = x.shape
-    # The tiles as one [..., nt*tl*16, 16] column of 16x16 blocks: the same numeric core as
+    # The tiles as one [..., nt*tl*16, 16] column of tiles: the same numeric core as
     # jax_nvfp4.quantize, and the same amax (over every tile of each matrix).
     flat = x.astype(jnp.float32).reshape(*batch, nt * tl * TILE, TILE)
+    block = _check_block(block)
     uniform = None
     if key is not None:
         row, col = layout.positions(x.shape, tensor_index, tile_offset)
         uniform = nx.uniform_from_index(key, flat_index(row, col, layout.matrix, len(batch)).reshape(flat.shape))
-    codes, scale, amax = quantize_padded(flat, BLOCK_2D, uniform=uniform, reduce_amax=reduce_amax)
+    codes, scale, amax = quantize_padded(flat, block, uniform=uniform, reduce_amax=reduce_amax)
+    per_tile = math.prod(tile_scales(block))
     return TiledNVFP4(nx.pack_codes(codes.reshape(x.shape)),
-                      jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(*batch, nt, tl),
-                      jax.lax.bitcast_convert_type(amax, jnp.uint32), layout)
+                      jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(*batch, nt, tl, *((per_tile,) if per_tile > 1 else ())),
+                      jax.lax.bitcast_convert_type(amax, jnp.uint32), layout, block)

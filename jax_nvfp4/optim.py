@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
-from jax_nvfp4.array import BLOCK_2D, NVFP4Array, is_nvfp4
+from jax_nvfp4.array import NVFP4Array, is_nvfp4
 from jax_nvfp4.collectives import global_norm
 from jax_nvfp4.layout import DEFAULT_RULES, Rules, Tiled, TiledNVFP4, is_tiled, layout_for
 from jax_nvfp4.params import DEFAULT_POLICY, Policy, path_str
@@ -65,7 +65,6 @@ def master_weights(
     mesh=None,
     rules: Optional[Rules] = None,
     data_axis: str = "data",
-    block=BLOCK_2D,
     nonfinite: str = "skip",
     stochastic_rounding: bool = False,
     key: Optional[jax.Array] = None,
@@ -81,7 +80,6 @@ def master_weights(
         ``quantize_params``; default the default policy). ``NVFP4Array`` leaves always are.
       mesh: the mesh; default the context mesh (``jax.set_mesh``), or none (one device).
       rules: sharding rules (data/tensor axes); default data axis ``data_axis``.
-      block: NVFP4 block of re-quantized weights (2D tiles for weights).
       nonfinite: ``"skip"`` (default) or ``"error"`` (the step is not applied either way; with
         ``"error"`` call :func:`raise_if_skipped` after each step to stop with an error).
       stochastic_rounding: re-quantize with stochastic rounding (key carried in the state).
@@ -172,7 +170,7 @@ def master_weights(
                     raise ValueError(f"master_weights: parameter {name} has layout {p.layout} but its master "
                                      f"{mw.layout}; pass the same mesh and rules to shard_params and master_weights")
                 k = jax.random.fold_in(sub, i) if sub is not None else None
-                q = requantize(mw, m, key=k, cast_bf16=cast_master_bf16)
+                q = requantize(mw, m, block=p.block, key=k, cast_bf16=cast_master_bf16)
                 if isinstance(p, NVFP4Array):
                     q = q.to_array()  # params kept logical by the caller: a relayout of bytes
                 updates.append(nvfp4_delta(p, keep(q, p)))

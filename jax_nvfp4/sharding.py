@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_nvfp4.array import is_nvfp4
+from jax_nvfp4.array import BLOCK_2D, is_nvfp4
 from jax_nvfp4.collectives import constrain, reshard_bits
-from jax_nvfp4.layout import DEFAULT_RULES, Layout, Rules, Tiled, TiledNVFP4, is_tiled, layout_for, quantize_tiles
+from jax_nvfp4.layout import (DEFAULT_RULES, Layout, Rules, Tiled, TiledNVFP4, is_tiled, layout_for, quantize_tiles,
+                              tile_scales)
 from jax_nvfp4.params import Policy, path_str
 
 __all__ = ["Rules", "context_mesh", "shard_params", "logical", "partition_specs", "shardings", "gather",
@@ -152,9 +153,8 @@ def gather(tree, mesh=None, rules: Optional[Rules] = None, data_axis: str = "dat
             return logical(leaf)
         if isinstance(leaf, TiledNVFP4):
             sp = leaf.specs()
-            full = TiledNVFP4(constrain(leaf.data, NamedSharding(mesh, _without_data(sp.data, leaf.layout))),
-                              constrain(leaf.scale_bits, NamedSharding(mesh, _without_data(sp.scale_bits, leaf.layout))),
-                              leaf.amax_bits, leaf.layout)
+            full = leaf.replace(constrain(leaf.data, NamedSharding(mesh, _without_data(sp.data, leaf.layout))),
+                                constrain(leaf.scale_bits, NamedSharding(mesh, _without_data(sp.scale_bits, leaf.layout))))
             return full.to_array()
         value = reshard_bits(leaf.value, NamedSharding(mesh, _without_data(leaf.spec(), leaf.layout)))
         return leaf.layout.from_tiles(value)
@@ -186,12 +186,12 @@ def gather_dequantized(tree, dtype=jnp.bfloat16, mesh=None, rules: Optional[Rule
 
 
 # ----------------------------------------------------------------------------- re-quantization
-def requantize(m: Tiled, mesh=None, *, key=None, cast_bf16: bool = False) -> TiledNVFP4:
+def requantize(m: Tiled, mesh=None, *, block=BLOCK_2D, key=None, cast_bf16: bool = False) -> TiledNVFP4:
     """Quantize a tiled float32 master to its stored :class:`TiledNVFP4`, each device
     quantizing its own tiles with the global amax (an integer ``pmax`` over the data and
     tensor shards, so NaN survives). The result is the stored shard itself (same layout) and
-    bit-identical to ``quantize(m.logical())`` (with the same ``key`` for stochastic rounding:
-    draws are indexed by each element's logical position)."""
+    bit-identical to ``quantize(m.logical(), block=block)`` (with the same ``key`` for
+    stochastic rounding: draws are indexed by each element's logical position)."""
     mesh = context_mesh(mesh)
     lay = m.layout
     value = m.value.astype(jnp.bfloat16).astype(jnp.float32) if cast_bf16 else m.value
@@ -201,7 +201,7 @@ def requantize(m: Tiled, mesh=None, *, key=None, cast_bf16: bool = False) -> Til
     for a in axes:
         flat_axes.extend(a if isinstance(a, tuple) else (a,))
     if mesh is None or not flat_axes:
-        return quantize_tiles(value, lay, key=key)
+        return quantize_tiles(value, lay, block=block, key=key)
     t_ax = lay.tensor_axis if lay.n_tensor > 1 else None
     d_ax = lay.data_axis if lay.n_data > 1 else None
 
@@ -209,7 +209,8 @@ def requantize(m: Tiled, mesh=None, *, key=None, cast_bf16: bool = False) -> Til
         reduce = lambda bits: jax.lax.pmax(bits, tuple(flat_axes))
         ti = jax.lax.axis_index(t_ax) * v.shape[-4] if t_ax is not None else 0
         to = jax.lax.axis_index(d_ax) * v.shape[-3] if d_ax is not None else 0
-        q = quantize_tiles(v, lay, key=k[0] if k else None, reduce_amax=reduce, tensor_index=ti, tile_offset=to)
+        q = quantize_tiles(v, lay, block=block, key=k[0] if k else None, reduce_amax=reduce, tensor_index=ti,
+                           tile_offset=to)
         return q.data, q.scale_bits, q.amax_bits
 
     k = value.ndim - 4
@@ -217,7 +218,8 @@ def requantize(m: Tiled, mesh=None, *, key=None, cast_bf16: bool = False) -> Til
     # lives on a mesh with Explicit axes.
     keys = () if key is None else (key,)
     data, scale, amax = jax.shard_map(
-        local, mesh=mesh, in_specs=(spec, *(P() for _ in keys)), out_specs=(spec, lay.spec(k, 0), P()),
+        local, mesh=mesh, in_specs=(spec, *(P() for _ in keys)),
+        out_specs=(spec, lay.spec(k, 0 if tile_scales(block) == (1, 1) else 1), P()),
         check_vma=False,
     )(value, *keys)
-    return TiledNVFP4(data, scale, amax, lay)
+    return TiledNVFP4(data, scale, amax, lay, block)

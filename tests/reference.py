@@ -54,11 +54,9 @@ def quantize_matrix(x, block=(16, 16), amax=None):
         s = np.clip(np.minimum(bam * mult, F32_MAX), -448, 448).astype(ml_dtypes.float8_e4m3fn)
         e = np.minimum(F32(1.0) / (s.astype(np.float32) * D), F32_MAX).astype(np.float32)
         v = np.clip(tiles * e[:, None, :, None], -6, 6).astype(np.float32).reshape(rp, cp)
-    codes = _e2m1_code(v)[:rows]
-    if cols % 2:
-        codes = codes[:, : cols + 1]
-    else:
-        codes = codes[:, :cols]
+    codes = _e2m1_code(v)[:rows, :cols]
+    if cols % 2:  # the last byte's high nibble: code 0
+        codes = np.pad(codes, ((0, 0), (0, 1)))
     data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
     return data, s.view(np.uint8), amax
 

@@ -24,7 +24,7 @@ def assert_matches_reference(x, block):
     return q
 
 
-BLOCKS = [(16, 16), (1, 16)]
+BLOCKS = [(16, 16), (1, 16), (16, 1)]
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -33,7 +33,7 @@ def test_layout_and_fields(block):
     q = nv.quantize(x, block=block)
     assert q.data.dtype == jnp.uint8 and q.data.shape == (3, 50, 36)
     assert q.scale.dtype == jnp.float8_e4m3fn
-    assert q.scale.shape == ((3, 4, 5) if block == (16, 16) else (3, 50, 5))
+    assert q.scale.shape == {(16, 16): (3, 4, 5), (1, 16): (3, 50, 5), (16, 1): (3, 4, 72)}[block]
     assert q.amax.dtype == jnp.float32 and q.amax.shape == (3,)
     assert q.shape == (3, 50, 72) and q.block == block
     assert q.nbytes == 3 * 50 * 36 + int(np.prod(q.scale.shape)) + 12
@@ -45,6 +45,14 @@ def test_bit_exact_random(block, dtype):
     rng = np.random.default_rng(1)
     x = (rng.standard_normal((64, 96)) * 0.02).astype(dtype)
     assert_matches_reference(x, block)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_bit_exact_on_shapes_no_block_divides(block):
+    # Odd columns: a (16, 1) block pads none, so the last byte takes one zero code.
+    x = np.random.default_rng(5).standard_normal((2, 33, 17)).astype(np.float32)
+    q = assert_matches_reference(x, block)
+    assert q.data.shape == (2, 33, 9)
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -137,8 +145,6 @@ def test_errors_are_clear():
         nv.quantize(jnp.ones((16, 16), jnp.int32))
     with pytest.raises(ValueError, match="2 axes"):
         nv.quantize(jnp.ones((16,)))
-    with pytest.raises(ValueError, match="2D"):
-        nv.transpose(nv.quantize(jnp.ones((16, 16)), block=(1, 16)))
     with pytest.raises(TypeError):
         nv.dequantize(jnp.ones((16, 16)))
 
@@ -217,12 +223,13 @@ def test_roundtrip_error_bound_and_padding(data, shape, block):
 
 
 @settings(max_examples=6)
-@given(st.data(), st.integers(1, 50), st.integers(1, 50))
-def test_transpose_equals_quantizing_the_transpose(data, rows, cols):
+@given(st.data(), st.integers(1, 50), st.integers(1, 50), st.sampled_from(BLOCKS))
+def test_transpose_equals_quantizing_the_transpose(data, rows, cols, block):
+    # The block turns with the matrix: (16, 16) stays, (1, 16) and (16, 1) swap.
     x = _arrays(data.draw, (rows, cols))
-    qt = nv.transpose(nv.quantize(jnp.asarray(x)))
-    q2 = nv.quantize(jnp.asarray(x.T))
-    assert qt.shape == (cols, rows)
+    qt = nv.transpose(nv.quantize(jnp.asarray(x), block=block))
+    q2 = nv.quantize(jnp.asarray(x.T), block=block[::-1])
+    assert qt.shape == (cols, rows) and qt.block == block[::-1]
     for a, b in zip(jax.tree.leaves(qt), jax.tree.leaves(q2)):
         np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
     np.testing.assert_array_equal(np.asarray(nv.dequantize(qt, jnp.float32)), np.asarray(nv.dequantize(q2, jnp.float32)))

@@ -12,7 +12,9 @@ from benchmarks import report
 # One pytest-xdist worker runs this module: its module fixtures are computed once.
 pytestmark = pytest.mark.xdist_group("benchmarks")
 
-LIMIT = (0.5 + 1 / 256) / 2  # 129 packed bytes per 512 bf16 bytes of a 16x16 tile
+# The stack's default block (nvfp4.block: auto -> 1d): a 16x16 tile packs to 128 code bytes and
+# 16 scale bytes (one per 16 rows of a column), per 512 bytes of the same tile in bf16.
+LIMIT = (0.5 + 16 / 256) / 2
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +51,8 @@ def test_traffic_ratios(results):
     p = _load(results, "traffic")["point"]
     assert (p["size"], p["data"]) == ("tiny", 8)
     n, b, r = p["nvfp4"], p["bf16"], p["ratios"]
-    # The packed gather of the NVFP4 leaves: at most the 2D-tile limit, and nothing else is u8.
-    assert 0.245 <= r["leaf_gather"] <= 0.2525
+    # The packed gather of the NVFP4 leaves: at most the 1d-block limit, and nothing else is u8.
+    assert 0.275 <= r["leaf_gather"] <= LIMIT * 1.002
     assert n["gather"]["nvfp4_gather_bytes"] <= LIMIT * n["gather"]["nvfp4_bf16_gather_bytes"] + 1
     assert not any(k.endswith(":u8") for k in b["collectives_by_purpose"].get("weight gather", {}))
     # Whole model: embeddings and head stay bf16, so between the leaf ratio and 1.

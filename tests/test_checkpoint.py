@@ -5,6 +5,7 @@ uninterrupted and once stopped after step 3 and resumed from its step-2 checkpoi
 resumed run's checkpoints then restore onto other meshes and feed the export tests.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -168,7 +169,7 @@ def test_nonfinite_checkpoint_is_refused(reference, tmp_path, where):
     else:
         q = params["blocks"]["mlp"]["down"]["kernel"]
         bad = jax.lax.bitcast_convert_type(jnp.full(q.amax_bits.shape, jnp.inf, jnp.float32), jnp.uint32)
-        q = nv.TiledNVFP4(q.data, q.scale_bits, bad, q.layout)
+        q = dataclasses.replace(q, amax_bits=bad)
         params = {**params, "blocks": {**params["blocks"], "mlp": {**params["blocks"]["mlp"], "down": {"kernel": q}}}}
         needle = "params/blocks/mlp/down/kernel/amax_bits"
     ck = ckpt_lib.Checkpointer(str(tmp_path / "ck"))
@@ -293,7 +294,7 @@ def test_export_roundtrip_gives_bit_identical_logits(reference, tmp_path):
     assert m["format"] == "jax_nvfp4.export" and m["version"] == 2 and len(m["sha256"]) == 64
     kinds = {e["path"]: e for e in m["leaves"]}
     q = kinds["blocks/attn/q/kernel"]
-    assert q["kind"] == "nvfp4" and q["shape"] == [2, 96, 96] and q["block"] == [16, 16]
+    assert q["kind"] == "nvfp4" and q["shape"] == [2, 96, 96] and q["block"] == [16, 1]  # nvfp4.block: 1d
     assert set(q["files"]) == {"data", "scale", "amax"} and all(len(f["sha256"]) == 64 for f in q["files"].values())
     assert kinds["embed"]["dtype"] == "bfloat16"
     loaded = nv.load_nvfp4(str(tmp_path / "export"))
@@ -398,6 +399,7 @@ def test_load_refuses_a_malformed_or_edited_manifest(tmp_path):
     ("train.steps=8", "optim.schedule_steps=6 but this run has optim.schedule_steps=8; to extend the run on its "
                       "schedule set optim.schedule_steps=6"),
     ("train.steps=4", "is at step 6, past train.steps=4"),
+    ("nvfp4.block=2d", "was trained with nvfp4.block=\"1d\" but this run has nvfp4.block=\"2d\""),
 ])
 def test_resume_refuses_a_different_trajectory(resumed, tmp_path, override, needle):
     cfg = job(f"checkpoint.dir={resumed['ck']}", override)
@@ -411,6 +413,15 @@ def test_resume_refuses_a_different_trajectory(resumed, tmp_path, override, need
     if not override.startswith("train.steps=4"):
         ckpt_lib.check_resume("x", ckpt_lib.Checkpointer(str(resumed["ck"])).read_meta(6),
                               job(override, f"checkpoint.allow_change=[{key}]"))
+
+
+def test_a_checkpoint_older_than_the_block_key_resumes_as_2d(resumed):
+    # Checkpoints written before nvfp4.block existed stored 16x16 tiles and do not record it.
+    meta = ckpt_lib.Checkpointer(str(resumed["ck"])).read_meta(6)
+    del meta["run"]["nvfp4.block"]
+    ckpt_lib.check_resume("x", meta, job("nvfp4.block=2d"))
+    with pytest.raises(ckpt_lib.CheckpointError, match='nvfp4.block="2d" but this run has nvfp4.block="1d"'):
+        ckpt_lib.check_resume("x", meta, job())
 
 
 def test_extending_a_run_keeps_its_schedule(reference, resumed, tmp_path, capsys):

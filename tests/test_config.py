@@ -170,6 +170,8 @@ def test_round_trip(tmp_path):
     (["nvfp4.nonfinite=ignore"], "nvfp4.nonfinite='ignore'"),
     (["nvfp4.grad_reduce_dtype=bf16"], "nvfp4.grad_reduce_dtype='bf16'"),
     (["nvfp4.keep_bf16=['(']"], "nvfp4.keep_bf16[0]='(': not a regex"),
+    (["nvfp4.block=16x16"], "nvfp4.block='16x16': must be one of 'auto', '1d', '2d'"),
+    (["nvfp4.block=1d", "nvfp4.compute=nvfp4"], "nvfp4.block=1d with nvfp4.compute=nvfp4"),
     # ranges
     (["model.vocab=0"], "model.vocab=0: must be > 0"),
     (["model.layers=0"], "model.layers=0: must be > 0"),
@@ -210,6 +212,16 @@ def test_duplicate_yaml_keys_are_errors(tmp_path):
     assert "duplicate key 'model'" in _error(path=_write(tmp_path, "dup2.yaml", "model: {}\nmodel: {layers: 2}\n"))
     assert "duplicate key" in _error(["model.layers={a: 1, a: 2}"])
     assert load_config(_write(tmp_path, "ok.yaml", "model:\n  layers: 2\ntrain:\n  steps: 3\n")).model.layers == 2
+
+
+def test_nvfp4_block_auto_is_1d_unless_the_gemm_needs_tiles():
+    # Weights-only (bf16 GEMMs): a scale per 16 inputs, the lower quantization error; the
+    # recipe's FP4 backward GEMM reads the transposed weight, which 16x16 tiles give for free.
+    assert load_config(None, []).nvfp4.resolved_block() == "1d"
+    assert load_config(None, ["nvfp4.compute=nvfp4"]).nvfp4.resolved_block() == "2d"
+    assert load_config(None, ["nvfp4.block=2d"]).nvfp4.resolved_block() == "2d"
+    # bf16 weights store no blocks: any block is accepted with any compute.
+    assert load_config(None, ["nvfp4.weights=bf16", "nvfp4.block=1d", "nvfp4.compute=nvfp4"]).nvfp4.block == "1d"
 
 
 def test_schedule_length_defaults_to_the_steps():

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jax_nvfp4 as nv
-from jax_nvfp4.export import export_hf, llama_config
+from jax_nvfp4.export import export_hf, llama_config, nvfp4_to_compressed_tensors
 from train.model import GPT, SEGMENTS
 
 from conftest import main_here
@@ -60,9 +60,11 @@ def tiny_model(tie=False, keep_first=1):
 
 
 def tiny_params(tie=False, keep_first=1):
-    """NVFP4 params of the tiny GQA model; norm scales randomized so they matter."""
+    """NVFP4 params of the tiny GQA model, in the training stack's default block (a scale per
+    16 inputs: compressed-tensors' own groups); norm scales randomized so they matter."""
     model = tiny_model(tie, keep_first)
-    policy = nv.Policy(keep=("embed", "head", "norm", "^blocks_first/"), keep_dtype=jnp.bfloat16)
+    policy = nv.Policy(keep=("embed", "head", "norm", "^blocks_first/"), keep_dtype=jnp.bfloat16,
+                       block=nv.BLOCK_COLUMN)
 
     @jax.jit  # one compile, not one per eager op
     def make(key):
@@ -141,6 +143,22 @@ def test_nvfp4_export_decodes_to_dequantize_bit_for_bit(exported):
         assert f"{module}.weight" not in st
     assert n_nvfp4 == 2 * 7  # layers 1 and 2, seven kernels each
     assert "lm_head" in q["ignore"] and cfg["num_key_value_heads"] == 2 and not cfg["tie_word_embeddings"]
+
+
+@pytest.mark.parametrize("block", [nv.BLOCK_2D, nv.BLOCK_COLUMN])
+def test_either_weight_block_converts_without_requantizing(block):
+    # 16x16 tiles: each tile's scale repeated on its 16 output rows; (16, 1) blocks: the
+    # groups of 16 inputs themselves. Both decode to the dequantized kernel, transposed.
+    x = np.random.default_rng(3).standard_normal((2, 48, 80)).astype(np.float32) * np.linspace(0.1, 4, 80)
+    q = nv.quantize(jnp.asarray(x), block=block)
+    out = nvfp4_to_compressed_tensors(q)
+    assert out["weight_packed"].shape == (2, 80, 24) and out["weight_scale"].shape == (2, 80, 3)
+    for i in range(2):
+        got = decode_compressed_tensors(out["weight_packed"][i], out["weight_scale"][i], out["weight_global_scale"][i])
+        want = np.asarray(nv.dequantize(q, jnp.float32))[i].T
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="groups of 16"):
+        nvfp4_to_compressed_tensors(nv.quantize(jnp.asarray(x), block=nv.BLOCK_1D))
 
 
 def test_bf16_export_equals_dequantized_weights(exported):

@@ -30,27 +30,32 @@ from_tiles = jax.jit(lambda t, lay: lay.from_tiles(t), static_argnums=1)
 from_array = jax.jit(nv.TiledNVFP4.from_array, static_argnums=1)
 to_array = jax.jit(lambda tq: tq.to_array())
 dequantize_tiled = jax.jit(lambda tq: tq.dequantize(jnp.float32))
-quantize_tiles_jit = jax.jit(lambda t, lay, key: quantize_tiles(t, lay, key=key), static_argnums=1)
+quantize_tiles_jit = jax.jit(lambda t, lay, key, block: quantize_tiles(t, lay, block=block, key=key),
+                             static_argnums=(1, 3))
 
 
+@pytest.mark.parametrize("block", [nv.BLOCK_2D, nv.BLOCK_COLUMN])
 @pytest.mark.parametrize("shape,nd,nt,td", CASES)
-def test_tiles_round_trip_and_nvfp4_bit_identity(shape, nd, nt, td):
+def test_tiles_round_trip_and_nvfp4_bit_identity(shape, nd, nt, td, block):
     x = jnp.asarray(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
     lay = layout_of(shape, nd, nt, td)
     t = to_tiles(x, lay)
     assert t.shape == (*shape[:-2], nt, lay.padded_tiles, 16, 16) and lay.padded_tiles % nd == 0
     assert np.asarray(from_tiles(t, lay)).tobytes() == np.asarray(x).tobytes()
     assert not np.any(np.asarray(t)[..., lay.tiles:, :, :])  # padding tiles are zero
-    q = nv.quantize(x)
+    q = nv.quantize(x, block=block)
     tq = from_array(q, lay)
-    for a, b in zip(jax.tree.leaves(tq), jax.tree.leaves(quantize_tiles_jit(t, lay, None))):
+    # One scale per tile (2D), or one per tile column: 16 consecutive rows of one column.
+    assert tq.block == block and tq.scale_bits.shape == (*shape[:-2], nt, lay.padded_tiles,
+                                                         *(() if block == nv.BLOCK_2D else (16,)))
+    for a, b in zip(jax.tree.leaves(tq), jax.tree.leaves(quantize_tiles_jit(t, lay, None, block))):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     for a, b in zip(jax.tree.leaves(to_array(tq)), jax.tree.leaves(q)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     assert np.asarray(dequantize_tiled(tq)).tobytes() == np.asarray(nv.dequantize(q, jnp.float32)).tobytes()
     key = jax.random.key(3)
-    qs = nv.quantize(x, rounding="stochastic", key=key)
-    assert np.asarray(to_array(quantize_tiles_jit(t, lay, key)).data).tobytes() == np.asarray(qs.data).tobytes()
+    qs = nv.quantize(x, block=block, rounding="stochastic", key=key)
+    assert np.asarray(to_array(quantize_tiles_jit(t, lay, key, block)).data).tobytes() == np.asarray(qs.data).tobytes()
 
 
 def test_padding_for_llama_shapes_on_144_devices():
@@ -74,9 +79,11 @@ def test_layout_decisions():
         nv.layout_for("blocks/up/kernel", (3, 64, 48), True, mesh, rules)
 
 
-@pytest.mark.parametrize("n,tensor", [(1, 1), (2, 1), (3, 1), (6, 1), (8, 1), (2, 2), (3, 2)])
+@pytest.mark.parametrize("n,tensor,block", [(1, 1, nv.BLOCK_2D), (2, 1, nv.BLOCK_2D), (3, 1, nv.BLOCK_2D),
+                                             (6, 1, nv.BLOCK_2D), (8, 1, nv.BLOCK_2D), (2, 2, nv.BLOCK_2D),
+                                             (3, 2, nv.BLOCK_2D), (3, 1, nv.BLOCK_COLUMN), (2, 2, nv.BLOCK_COLUMN)])
 @pytest.mark.parametrize("stochastic", [False, True])
-def test_sharded_requantize_is_the_unsharded_quantization(n, tensor, stochastic):
+def test_sharded_requantize_is_the_unsharded_quantization(n, tensor, block, stochastic):
     mesh = jax.make_mesh((n, tensor), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2,
                          devices=jax.devices()[: n * tensor])
     rules = nv.Rules(tensor=((r"w", -1),))
@@ -86,20 +93,24 @@ def test_sharded_requantize_is_the_unsharded_quantization(n, tensor, stochastic)
     m = nv.Tiled.from_logical(x, lay)
     m = nv.Tiled(jax.device_put(m.value, NamedSharding(mesh, m.spec())), lay)
     key = jax.random.key(7) if stochastic else None
-    got = jax.jit(lambda m: nv.requantize(m, mesh, key=key))(m)
-    want = nv.quantize(x, rounding="stochastic" if stochastic else "nearest", key=key)
+    got = jax.jit(lambda m: nv.requantize(m, mesh, block=block, key=key))(m)
+    want = nv.quantize(x, block=block, rounding="stochastic" if stochastic else "nearest", key=key)
     for a, b in zip(jax.tree.leaves(got.to_array()), jax.tree.leaves(want)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     # The stored shard is where the master's shard is: no relayout.
     assert got.data.sharding.spec == lay.spec(1)
+    want_scale = NamedSharding(mesh, lay.spec(1, 0 if block == nv.BLOCK_2D else 1))
+    assert got.scale_bits.sharding.is_equivalent_to(want_scale, got.scale_bits.ndim)
 
 
-def test_shard_params_logical_and_shardings_round_trip():
+@pytest.mark.parametrize("block", [nv.BLOCK_2D, nv.BLOCK_COLUMN])
+def test_shard_params_logical_and_shardings_round_trip(block):
     mesh = jax.make_mesh((3,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:3])
     rng = np.random.default_rng(0)
     tree = {"w": rng.standard_normal((40, 72)).astype(np.float32),
             "emb": rng.standard_normal((300, 64)).astype(np.float32), "b": rng.standard_normal(9).astype(np.float32)}
-    q = nv.quantize_params(tree, nv.Policy(include=("w",)))
+    q = nv.quantize_params(tree, nv.Policy(include=("w",), block=block))
+    assert q["w"].block == block
     stored = nv.shard_params(q, mesh, nv.Rules(min_shard_size=1000))
     assert isinstance(stored["w"], nv.TiledNVFP4) and isinstance(stored["emb"], nv.Tiled)
     assert not nv.is_tiled(stored["b"])

@@ -368,8 +368,7 @@ def print_summary(summary, out_dir: str) -> None:
         print(f"packed gather ratio: {summary['nvfp4_gather_vs_bf16']:.5f} = the NVFP4 weights' all-gathers, "
               f"{r0['nvfp4_gather_bytes']:,} B/step/device / a bf16 gather of the same weights, "
               f"{r0['nvfp4_bf16_gather_bytes']:,} B")
-        print(f"  (16x16 tiles: 4-bit codes + 1 scale byte per 256 values = 129/512 = {TILE_GATHER_RATIO:.5f} of bf16; "
-              f"less where a small leaf's scales stay replicated)")
+        print(f"  ({gather_floor(r0.get('nvfp4_block', '2d'))}; less where a small leaf's scales stay replicated)")
     if "gather_vs_bf16" in summary:
         print(f"  whole model, weights kept in bf16 included: {r0['all_gather_bytes']:,} B = {summary['gather_vs_bf16']:.4f} x "
               f"a bf16 gather of the same params ({r0['bf16_gather_bytes']:,} B)")
@@ -382,8 +381,13 @@ def print_summary(summary, out_dir: str) -> None:
     print(f"files: {out_dir}/metrics.jsonl, {out_dir}/loss.png, {out_dir}/summary.json")
 
 
-# The packed gather's bytes per bf16 byte for 16x16 tiles: (0.5 + 1/256) / 2 = 129/512.
-TILE_GATHER_RATIO = 129 / 512
+def gather_floor(block: str) -> str:
+    """The packed gather's floor for ``nvfp4.block`` ``"1d"``/``"2d"``, in words."""
+    import jax_nvfp4 as nv
+    from train.step import BLOCKS
+
+    return nv.layout.packed_gather_text(BLOCKS[block]) + " of bf16"
+
 
 if __name__ == "__main__":
     code = main()

@@ -508,7 +508,7 @@ def _targets(abstract, shardings, prefix: str, resplit) -> Dict[str, tuple]:
             batch = tuple(leaf.shape[:-2])
             if isinstance(leaf, nv.TiledNVFP4):
                 out[f"{name}/data"] = (lay.shape(batch, (16, 8)), jnp.uint8, whole)
-                out[f"{name}/scale_bits"] = (lay.shape(batch, ()), jnp.uint8, whole)
+                out[f"{name}/scale_bits"] = (lay.shape(batch, leaf.scale_bits.shape[len(batch) + 2:]), jnp.uint8, whole)
                 out[f"{name}/amax_bits"] = (tuple(leaf.amax_bits.shape), jnp.uint32, whole)
             else:
                 out[name] = (lay.shape(batch), leaf.value.dtype, whole)
@@ -533,7 +533,7 @@ def _assemble(abstract, shardings, flat: Dict[str, Any], prefix: str, resplit):
     for name, leaf, sh in zip(names, leaves, shard_leaves):
         if isinstance(leaf, nv.TiledNVFP4):
             q = nv.TiledNVFP4(*(flat[f"{name}/{f}"] for f in _NVFP4_FIELDS),
-                              _saved_layout(leaf, resplit[name]) if name in resplit else leaf.layout)
+                              _saved_layout(leaf, resplit[name]) if name in resplit else leaf.layout, leaf.block)
             if name in resplit:
                 q = jax.jit(lambda q: nv.TiledNVFP4.from_array(q.to_array(), leaf.layout), out_shardings=sh)(q)
             out.append(q)
@@ -627,6 +627,10 @@ _TRAJECTORY = {
 }
 
 
+# Keys that checkpoints written before they existed do not record, with the value those had.
+_BEFORE_RECORDED = {"nvfp4.block": "2d"}
+
+
 def run_identity(cfg) -> Dict[str, Any]:
     """``{"section.key": value}`` of the config values a checkpoint's trajectory depends on,
     plus ``optim.schedule_steps`` resolved (the schedule's length) and ``train.steps``."""
@@ -637,6 +641,7 @@ def run_identity(cfg) -> Dict[str, Any]:
     for section, keys in _TRAJECTORY.items():
         for k in (keys or d[section]):
             out[f"{section}.{k}"] = d[section][k]
+    out["nvfp4.block"] = cfg.nvfp4.resolved_block()
     out["optim.schedule_steps"] = cfg.schedule_steps()
     out["train.steps"] = cfg.train.steps
     return out
@@ -666,6 +671,7 @@ def check_resume(where: str, meta: Dict[str, Any], cfg) -> None:
                               "continues it")
     here = run_identity(cfg)
     allowed = set(cfg.checkpoint.allow_change)
+    saved = {**_BEFORE_RECORDED, **saved}
     diffs = [k for k in here if k != "train.steps" and k not in allowed and _jsonish(saved.get(k)) != _jsonish(here[k])]
     if not diffs:
         return

@@ -302,6 +302,11 @@ class NVFP4Config(_Section):
     # that skips every step has diverged. 0 = never stop.
     max_skipped_in_a_row: int = _field(10, ge=0, doc="0 = no limit")
     grad_reduce_dtype: str = _field("grad", choices=("grad", "float32"))
+    block: str = _field("auto", choices=("auto", "1d", "2d"),
+                        doc="NVFP4 block of the stored weights: '1d' (one E4M3 scale per 16 consecutive inputs "
+                            "of each output; the lower error), '2d' (one per 16x16 tile, which the "
+                            "transposed weight of compute=nvfp4's backward GEMM needs); 'auto': 2d with "
+                            "compute=nvfp4, else 1d")
 
     def check(self) -> None:
         for i, pattern in enumerate(self.keep_bf16):
@@ -309,6 +314,15 @@ class NVFP4Config(_Section):
                 re.compile(pattern)
             except re.error as e:
                 raise ConfigError(f"nvfp4.keep_bf16[{i}]={pattern!r}: not a regex ({e})") from None
+        if self.block == "1d" and self.compute == "nvfp4" and self.weights == "nvfp4":
+            raise ConfigError("nvfp4.block=1d with nvfp4.compute=nvfp4: the recipe's backward GEMM reads the "
+                              "transposed weight, which needs 16x16 tiles; set nvfp4.block=2d (or auto)")
+
+    def resolved_block(self) -> str:
+        """``"1d"`` or ``"2d"``: the block the stored weights use (``auto`` resolved)."""
+        if self.block != "auto":
+            return self.block
+        return "2d" if self.compute == "nvfp4" else "1d"
 
 
 @dataclasses.dataclass(frozen=True)

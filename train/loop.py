@@ -211,6 +211,7 @@ def run(
         "final_val_loss": val[-1][1] if val else None,
         "val_history": val,
         "entropy_floor": source.entropy_rate(),
+        "nvfp4_block": cfg.nvfp4.resolved_block(),
         "median_step_time_s": float(np.median(times)) if times else None,
         "skipped_steps": skipped_before,
         "history": losses,

@@ -27,12 +27,16 @@ from train.model import TENSOR_RULES, cross_entropy, from_config, nvfp4_collecti
 from train.optimizer import make_optimizer
 
 
+# nvfp4.block: one scale per 16x16 tile, or per 16 consecutive inputs of an [in, out] kernel.
+BLOCKS = {"2d": nv.BLOCK_2D, "1d": nv.BLOCK_COLUMN}
+
+
 def policy_for(cfg: Config) -> nv.Policy:
     """Which params are NVFP4: everything the default policy takes, except the kept parts."""
     if cfg.nvfp4.weights == "bf16":
         return nv.Policy(keep=(".*",), keep_dtype=jnp.bfloat16)
     keep = tuple(cfg.nvfp4.keep_bf16) + ("^blocks_first/", "^blocks_last/")
-    return nv.Policy(keep=keep, keep_dtype=jnp.bfloat16)
+    return nv.Policy(keep=keep, keep_dtype=jnp.bfloat16, block=BLOCKS[cfg.nvfp4.resolved_block()])
 
 
 def rules_for(cfg: Config) -> nv.Rules:

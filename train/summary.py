@@ -88,7 +88,7 @@ def summarize(runs, out_dir: str) -> Dict[str, Any]:
     """Write summary.json (+ loss.png); return the summary without arrays."""
     keep = ("label", "steps", "final_loss", "final_loss_steps", "last_loss", "final_val_loss", "val_history", "entropy_floor", "median_step_time_s",
             "skipped_steps", "all_gather_bytes", "bf16_gather_bytes", "nvfp4_gather_bytes",
-            "nvfp4_bf16_gather_bytes", "collectives", "temp_bytes")
+            "nvfp4_bf16_gather_bytes", "nvfp4_block", "collectives", "temp_bytes")
     summary = {"runs": [{k: r[k] for k in keep} for r in runs]}
     first = runs[0]
     if first["bf16_gather_bytes"]:

@@ -34,8 +34,9 @@ quantize_tiles_jit = jax.jit(lambda t, lay, key, block: quantize_tiles(t, lay, b
                              static_argnums=(1, 3))
 
 
-@pytest.mark.parametrize("block", [nv.BLOCK_2D, nv.BLOCK_COLUMN])
-@pytest.mark.parametrize("shape,nd,nt,td", CASES)
+@pytest.mark.parametrize("shape,nd,nt,td,block", [(*c, nv.BLOCK_2D) for c in CASES] + [
+    # (16, 1) blocks: odd sizes with data padding, and tensor splits of columns and of rows.
+    (*CASES[2], nv.BLOCK_COLUMN), (*CASES[3], nv.BLOCK_COLUMN), (*CASES[4], nv.BLOCK_COLUMN)])
 def test_tiles_round_trip_and_nvfp4_bit_identity(shape, nd, nt, td, block):
     x = jnp.asarray(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
     lay = layout_of(shape, nd, nt, td)

@@ -25,13 +25,18 @@ Grid (:func:`grid`):
 - once, the bf16 baseline re-implemented without the library (:func:`plain_bf16_run`).
 
 Each finished run writes ``<cache>/runs/<name>.json``; a rerun skips those, so an interrupted
-grid resumes. ``--workers N`` splits the runs over N processes.
+grid resumes. ``--workers N`` splits the runs over N processes. A run records the code it was
+trained by (:func:`source_state`: a hash of the sources as its process loaded them, the commit,
+uncommitted changes); the report names every pair whose two runs ran different code. After a
+change to the library or the stack, delete the runs it affects and rerun.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import glob
 import hashlib
 import json
 import math
@@ -277,6 +282,32 @@ def plain_bf16_run(cfg) -> Dict[str, Any]:
             "final_val_loss": val_history[-1][1], "median_step_time_s": None, "skipped_steps": 0}
 
 
+# What a run's numbers depend on besides its config: the library, the stack (configs included)
+# and this module.
+SOURCES = ("jax_nvfp4/**/*.py", "train/**/*.py", "train/configs/*", "benchmarks/convergence_text.py")
+
+
+@functools.cache
+def source_state() -> Dict[str, Any]:
+    """The sources this process trains with: the sha256 over :data:`SOURCES` (path and bytes),
+    taken once, at its first run, so that a file edited while a worker runs does not relabel
+    what that worker already imported; the git commit and whether those files differed from it
+    (``dirty``). Runs whose ``sha256`` differ were trained by different code."""
+    h = hashlib.sha256()
+    files = sorted({f for pat in SOURCES for f in glob.glob(os.path.join(ROOT, pat), recursive=True)})
+    for f in files:
+        h.update(os.path.relpath(f, ROOT).encode() + b"\0")
+        with open(f, "rb") as fh:
+            h.update(hashlib.sha256(fh.read()).digest())
+    try:
+        status = subprocess.run(["git", "status", "--porcelain", "--", "jax_nvfp4", "train",
+                                 "benchmarks/convergence_text.py"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        status = None
+    return {"sha256": h.hexdigest(), "git_commit": git_commit(), "dirty": None if status is None else bool(status)}
+
+
 def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=print) -> Dict[str, Any]:
     """Train one run of the grid (or read its result if ``<cache>/runs/<name>.json`` exists)."""
     path = os.path.join(cache, "runs", spec["name"] + ".json")
@@ -288,6 +319,7 @@ def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=pri
     from train import loop
     from train import mesh as mesh_lib
 
+    source = source_state()
     cfg, overrides = run_config(spec["size"], spec["steps"], spec["seed"], spec["variant"], corpus,
                                 spec.get("extra", ()))
     t0 = time.perf_counter()
@@ -304,7 +336,8 @@ def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=pri
            "train_loss_every_10": [round(x, 4) for x in r["history"][9::10]],
            "median_step_time_s": r["median_step_time_s"], "skipped_steps": r["skipped_steps"],
            "wall_s": round(wall, 1), "data_order_sha256": data_order_sha256(cfg),
-           "corpus_sha256": [corpus["train"]["sha256"], corpus["val"]["sha256"]], "finished_unix": time.time()}
+           "corpus_sha256": [corpus["train"]["sha256"], corpus["val"]["sha256"]], "finished_unix": time.time(),
+           "source": source}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -387,7 +420,8 @@ def _gaps(results: Dict[str, Dict[str, Any]], size: str, steps: int, seeds: Sequ
             per[seed] = {"val": a["final_val_loss"], "base": b["final_val_loss"],
                          "gap": a["final_val_loss"] - b["final_val_loss"],
                          "gap_pct": 100 * (a["final_val_loss"] - b["final_val_loss"]) / b["final_val_loss"],
-                         "same_data_order": a["data_order_sha256"] == b["data_order_sha256"]}
+                         "same_data_order": a["data_order_sha256"] == b["data_order_sha256"],
+                         "same_source": same_source(a, b)}
     if not per:
         return None
     pct = [p["gap_pct"] for p in per.values()]
@@ -396,6 +430,26 @@ def _gaps(results: Dict[str, Dict[str, Any]], size: str, steps: int, seeds: Sequ
             "gap_pct": _stats(pct), "gap_nats": _stats([p["gap"] for p in per.values()]),
             "val": _stats([p["val"] for p in per.values()]), "base_val": _stats(base_vals),
             "same_data_order": all(p["same_data_order"] for p in per.values())}
+
+
+def same_source(a: Dict[str, Any], b: Dict[str, Any]) -> Optional[bool]:
+    """Whether two runs were trained by the same code (:func:`source_state`); None when either
+    run predates the record."""
+    if "source" not in a or "source" not in b:
+        return None
+    return a["source"]["sha256"] == b["source"]["sha256"]
+
+
+def source_summary(results: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """The code states the runs were trained by, with their run counts, and the runs without a
+    record."""
+    states: Dict[str, Dict[str, Any]] = {}
+    for r in results.values():
+        s = r.get("source")
+        if s:
+            states.setdefault(s["sha256"], {**s, "runs": 0})["runs"] += 1
+    return {"states": sorted(states.values(), key=lambda s: -s["runs"]),
+            "unrecorded": sorted(k for k, r in results.items() if "source" not in r)}
 
 
 def _gap_curve(results, size, steps, seeds, variant="nvfp4"):
@@ -539,6 +593,7 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
           f"/ bf16, in % of the bf16 validation loss, paired by seed; shown as mean [min, max] (std) over seeds.", "",
           "| size | model | steps | tokens seen | bf16 val loss (mean) | NVFP4 val loss (mean) | gap % of bf16 |",
           "|---|---|---:|---:|---:|---:|---|"]
+    L[-2:-2] = source_lines(meta, agg)
     for g in agg["table"]:
         m = meta["models"][g["size"]]
         L.append(f"| {g['size']} | {m['layers']} layers, d {m['d_model']}, MLP {m['mlp_hidden']}, "
@@ -593,6 +648,28 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
     with open(path, "w") as f:
         f.write(text)
     return path
+
+
+def source_lines(meta: Dict[str, Any], agg: Dict[str, Any]) -> List[str]:
+    """The code the runs were trained by (:func:`source_summary`) and the pairs that mix two
+    states: a gap is only a gap when both runs ran the same code."""
+    src = meta.get("sources")
+    if not src:
+        return []
+    states = [f"`{s['sha256'][:12]}` ({s['runs']} runs; commit `{(s['git_commit'] or '?')[:10]}`"
+              + (", with uncommitted changes" if s["dirty"] else "" if s["dirty"] is False else ", tree state unknown")
+              + ")" for s in src["states"]]
+    mixed = sorted({f"`{run_name(g['size'], g['steps'], seed, g['variant'])}` vs `{g['base']}`"
+                    for g in [*agg["table"], *agg["levers"].values()]
+                    for seed, p in g["per_seed"].items() if p.get("same_source") is False})
+    old = src["unrecorded"]
+    line = (f"Code: each run records the sha256 of the library's and the stack's sources it trained with "
+            f"(`source` in its JSON; `{'`, `'.join(SOURCES)}`). States: " + ("; ".join(states) or "none recorded") + ".")
+    if old:
+        line += (f" {len(old)} runs predate the record" + (": " + ", ".join(f"`{n}`" for n in old) if len(old) <= 12 else "")
+                 + ".")
+    line += " Pairs trained by different code: " + (", ".join(mixed) if mixed else "none") + "."
+    return [line, ""]
 
 
 def lever_effect(g: Dict[str, Any], noise: float = 0.0) -> str:
@@ -814,7 +891,7 @@ def assemble(results, specs, corpus, args, argv, wall: float) -> Dict[str, Any]:
                        f"time summed over the runs, at most {_workers(results)} at once)",
         "where": f"{jax.default_backend()}, {os.cpu_count()} CPU cores, jax {jax.__version__}, "
                  f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        "same_data_order": bool(same) and all(same), "models": models,
+        "same_data_order": bool(same) and all(same), "models": models, "sources": source_summary(results),
         "git_commit": git_commit(),
     }
     return {"meta": meta, "corpus": corpus, "aggregate": agg,

@@ -98,6 +98,27 @@ def test_gap_and_acceptance_arithmetic():
     assert ct.lever_effect(agg["levers"]["compute_nvfp4"]).startswith("hurts")
 
 
+def test_pairs_trained_by_different_code_are_named():
+    here = ct.source_state()
+    assert len(here["sha256"]) == 64 and ct.source_state() is here  # taken once per process
+    other = {**here, "sha256": "0" * 64, "dirty": True}
+    res = {}
+    for seed, src in enumerate([(here, here), (here, other), (None, here)]):
+        for v, val, s in (("nvfp4", 2.01, src[0]), ("bf16", 2.0, src[1])):
+            r = _res("default", 100, seed, v, val)
+            if s:
+                r["source"] = s
+            res[r["name"]] = r
+    agg = ct.aggregate(res, [0, 1, 2], ["default"], {"default": [100]})
+    assert [p["same_source"] for p in agg["table"][0]["per_seed"].values()] == [True, False, None]
+    summary = ct.source_summary(res)
+    assert [(s["sha256"], s["runs"]) for s in summary["states"]] == [(here["sha256"], 4), ("0" * 64, 1)]
+    assert summary["unrecorded"] == [ct.run_name("default", 100, 2, "nvfp4")]
+    line = ct.source_lines({"sources": summary}, agg)[0]
+    assert "with uncommitted changes" in line and "1 runs predate the record" in line
+    assert line.endswith("Pairs trained by different code: `default-100-s1-nvfp4` vs `bf16`.")
+
+
 def test_headline_cell_takes_its_own_seeds_and_levers_an_interval():
     # Five seeds for NVFP4, bf16 and 2d tiles; three for the other levers. 2d tiles are above the
     # default in four seeds of five and below in one: the sign test fails, the interval does not.

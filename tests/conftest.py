@@ -7,8 +7,23 @@ import subprocess
 import sys
 import tempfile
 
+# The suite compiles a few hundred small programs and runs each for a few steps: its time is
+# XLA compile time, a third of it LLVM's optimization of the generated code. The tests' programs
+# get LLVM's -O0 (numerics unchanged: LLVM's levels keep IEEE semantics, and the bit-exact tests
+# against the NumPy reference and Transformer Engine's cases run under it). Subprocesses that
+# set their own XLA_FLAGS take them from :func:`xla_flags`.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def xla_flags(devices=None):
+    """XLA_FLAGS for a test process: ``devices`` simulated CPU devices (None: no count) and
+    :data:`TEST_XLA_FLAGS`."""
+    count = f"--xla_force_host_platform_device_count={devices} " if devices else ""
+    return count + TEST_XLA_FLAGS
+
+
 # Multi-device tests in this process use 8 simulated CPU devices; set before jax is imported.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent XLA compile cache for this run: its test processes (pytest-xdist workers
 # inherit the variables) and every JAX subprocess they start, so that a program compiled once

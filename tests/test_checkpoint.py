@@ -27,7 +27,7 @@ from train import step as step_lib
 from train import optimizer as optimizer_lib
 from train.model import from_config
 
-from conftest import JOB, ROOT, job, main_here, mesh_of, sets
+from conftest import JOB, ROOT, job, main_here, mesh_of, sets, xla_flags
 
 # One pytest-xdist worker runs this module: its module fixtures are computed once.
 pytestmark = pytest.mark.xdist_group("checkpoint")
@@ -253,7 +253,7 @@ def test_save_killed_at_a_random_point_keeps_the_last_checkpoint(tmp_path):
     d = tmp_path / "ck"
     script = tmp_path / "child.py"
     script.write_text(KILL_CHILD)
-    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=xla_flags(1))
     child = subprocess.Popen([sys.executable, str(script), str(d)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True)
     try:

@@ -28,7 +28,7 @@ from train.mesh import (
     resolve_axes,
 )
 
-from conftest import ROOT
+from conftest import ROOT, xla_flags
 
 
 def _ids(mesh_or_grid) -> np.ndarray:
@@ -176,7 +176,7 @@ _RACKS_SCRIPT = textwrap.dedent("""
 
 
 def test_two_nvl72_racks_simulated():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=144",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(144),
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-c", _RACKS_SCRIPT], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
@@ -228,7 +228,7 @@ def _launch(tmp_path, n, body, *args, timeout=120):
     (pkg / "__main__.py").write_text(body)
     env = dict(os.environ, PYTHON=sys.executable, LAUNCH_MODULE="probe",
                PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+               XLA_FLAGS=xla_flags(4))
     return subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), str(n),
                            *args], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=timeout)

@@ -30,7 +30,7 @@ from train import loop
 from train import step as step_lib
 
 import conftest
-from conftest import ROOT, TINY, mesh_of, sets
+from conftest import ROOT, TINY, mesh_of, sets, xla_flags
 
 # One pytest-xdist worker runs this module: its module fixtures are computed once.
 pytestmark = pytest.mark.xdist_group("multiprocess")
@@ -55,7 +55,7 @@ def proc_env(**extra):
     """The environment of one of the two processes (the run's compile cache included)."""
     env = dict(os.environ)
     env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu", JAX_NUM_PROCESSES="2",
+        XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu", JAX_NUM_PROCESSES="2",
         JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", JAX_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S),
         JAX_INIT_TIMEOUT="120", JAX_SHUTDOWN_TIMEOUT="30", PYTHONUNBUFFERED="1", **extra,
     )
@@ -102,8 +102,7 @@ def sequence(tmp_path_factory, reference):
 
     # The launcher's own split this time (2 x 8/2 devices, not XLA_FLAGS), and its comparison
     # with the single-process run.
-    env = proc_env(LAUNCH_PORT=str(free_port()), PYTHON=sys.executable)
-    del env["XLA_FLAGS"]
+    env = proc_env(LAUNCH_PORT=str(free_port()), PYTHON=sys.executable, XLA_FLAGS=xla_flags())
     restarted = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2", "--check-against",
                                 reference["out_dir"], *job_args(ck, out, export)],
                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -111,3 +111,27 @@ def test_kv_heads_config_checks():
                              "mesh.data=4"])
     with pytest.raises(ConfigError, match="model.kv_heads=1: must be divisible by the mesh tensor axis"):
         validate_for_devices(cfg, 8)
+
+
+def test_layers_kept_in_bf16_run_bf16_gemms_under_the_recipe():
+    """compute="nvfp4" quantizes only the NVFP4 layers' GEMMs: with every block kept (and the
+    head) the logits are the bf16 model's, bit for bit; the recipe's quantization shows as soon
+    as one block or the head is not kept."""
+    kw = dict(vocab=256, d_model=64, layers=2, heads=2, hidden=64)
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
+
+    def logits(keep_last, **k):
+        params = GPT(**kw, keep_last=keep_last).init(jax.random.key(0), tokens)["params"]
+        return [np.asarray(GPT(**kw, keep_last=keep_last, compute=c, **k).apply({"params": params}, tokens))
+                for c in ("dequant", "nvfp4")]
+
+    bf16, recipe = logits(2)
+    np.testing.assert_array_equal(recipe, bf16)
+    bf16, recipe = logits(2, keep_head=False)
+    assert not np.array_equal(recipe, bf16)
+    bf16, recipe = logits(1)
+    assert not np.array_equal(recipe, bf16)
+    # from_config keeps the head when nvfp4.keep_bf16 matches it (the default does).
+    cfg = load_config(None, [])
+    assert from_config(cfg.model, cfg.nvfp4).keep_head
+    assert not from_config(cfg.model, load_config(None, ["nvfp4.keep_bf16=[embed]"]).nvfp4).keep_head

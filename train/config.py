@@ -291,7 +291,9 @@ class NVFP4Config(_Section):
     weights: str = _field("nvfp4", choices=("nvfp4", "bf16"))
     param_gather: str = _field("packed", choices=("packed", "dequantized"))
     compute: str = _field("dequant", choices=("dequant", "nvfp4"))
-    # Regexes searched in parameter paths; matching leaves stay bf16.
+    # Regexes searched in parameter paths; matching leaves stay bf16. Kept layers (these, and the
+    # first/last blocks) also run their GEMMs in bf16 under compute: nvfp4, as the published
+    # recipe keeps its last layers and output projection.
     keep_bf16: Tuple[str, ...] = _field(("embed", "head", "norm"))
     keep_first_blocks: int = _field(0, ge=0)
     keep_last_blocks: int = _field(0, ge=0)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_nvfp4.nn import NVFP4_COLLECTION, ROUNDING_RNG, NVFP4Dense, param
+from jax_nvfp4.params import Policy
 
 # Tensor-parallel splits: column-parallel inputs, row-parallel outputs (Megatron style).
 TENSOR_RULES = (
@@ -155,7 +156,10 @@ class GPT(nn.Module):
 
     ``compute``: ``"dequant"`` (weights dequantized by the caller, GEMMs in ``dtype``) or
     ``"nvfp4"`` (the recipe's quantized GEMMs; stored NVFP4 kernels come in through the
-    ``"nvfp4"`` collection, see :func:`nvfp4_collection`).
+    ``"nvfp4"`` collection, see :func:`nvfp4_collection`). It applies to the layers stored in
+    NVFP4: the blocks kept in bf16 (``keep_first``/``keep_last``) and the head when
+    ``keep_head`` run their GEMMs in ``dtype``, as the published recipe keeps its last layers
+    and output projection in high precision.
     """
 
     vocab: int
@@ -171,6 +175,7 @@ class GPT(nn.Module):
     init_std: float = 0.02
     keep_first: int = 0
     keep_last: int = 0
+    keep_head: bool = True
     compute: str = "dequant"
     dtype: Any = jnp.bfloat16
     remat: Optional[str] = None
@@ -180,11 +185,12 @@ class GPT(nn.Module):
         embed = param(self, "embed", nn.initializers.normal(self.init_std), (self.vocab, self.d_model), jnp.float32)
         x = embed.astype(self.dtype)[tokens]
         counts = (self.keep_first, self.layers - self.keep_first - self.keep_last, self.keep_last)
-        dims = Dims(self.d_model, self.heads, self.kv_heads or self.heads, self.hidden, self.rope_theta, self.norm_eps,
-                    self.compute, self.init_std, self.dtype, self.attention)
         for name, n in zip(SEGMENTS, counts):
             if n == 0:
                 continue
+            dims = Dims(self.d_model, self.heads, self.kv_heads or self.heads, self.hidden, self.rope_theta,
+                        self.norm_eps, self.compute if name == "blocks" else "dequant", self.init_std, self.dtype,
+                        self.attention)
             stack = nn.scan(
                 _remat(Block, self.remat),
                 variable_axes={"params": 0, NVFP4_COLLECTION: 0},
@@ -196,7 +202,7 @@ class GPT(nn.Module):
         if self.tie_embeddings:
             # Logits in the activation dtype, like the untied head (and HF's lm_head).
             return jnp.einsum("btd,vd->btv", x, embed.astype(self.dtype)).astype(jnp.float32)
-        head = linear(self.vocab, "head", self.compute, self.dtype, self.init_std)
+        head = linear(self.vocab, "head", "dequant" if self.keep_head else self.compute, self.dtype, self.init_std)
         return head(x).astype(jnp.float32)
 
 
@@ -226,6 +232,7 @@ def from_config(model_cfg, nvfp4_cfg) -> GPT:
         hidden=model_cfg.mlp_hidden,
         keep_first=nvfp4_cfg.keep_first_blocks,
         keep_last=nvfp4_cfg.keep_last_blocks,
+        keep_head=Policy(keep=tuple(nvfp4_cfg.keep_bf16)).kept("head/kernel"),
         compute=nvfp4_cfg.compute if nvfp4_cfg.weights == "nvfp4" else "dequant",
     )
 

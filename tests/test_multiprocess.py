@@ -57,8 +57,9 @@ def proc_env(**extra):
     env.update(
         XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu", JAX_NUM_PROCESSES="2",
         JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", JAX_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S),
-        JAX_INIT_TIMEOUT="120", JAX_SHUTDOWN_TIMEOUT="30", PYTHONUNBUFFERED="1", **extra,
+        JAX_INIT_TIMEOUT="120", JAX_SHUTDOWN_TIMEOUT="30", PYTHONUNBUFFERED="1",
     )
+    env.update(extra)
     return env
 
 

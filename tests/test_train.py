@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -13,36 +11,64 @@ from train import loop
 from train import summary as summary_lib
 from train import step as step_lib
 
-from conftest import ROOT, TINY, job, main_here, mesh_of, tiny
+from conftest import TINY, job, main_here, mesh_of, tiny
 
 
-def test_cli_end_to_end(tmp_path):
-    out = tmp_path / "run"
-    proc = subprocess.run(
-        # tiny.yaml as it is (50 steps): the same programs as the in-process tiny runs below, so
-        # one of them compiles and the rest read the run's compile cache.
-        [sys.executable, "-m", "train", "--config", TINY, "--out", str(out), "--no-progress"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for name in ("metrics.jsonl", "loss.png", "summary.json", "config.yaml"):
+@pytest.fixture(scope="module")
+def tiny_compare(tmp_path_factory):
+    """``python -m train --config tiny.yaml --compare bf16`` (tiny.yaml's 50 steps, metrics
+    read every 3 steps), run in this process: its exit status, stdout, output folder and how
+    many steps' metrics each host read fetched. One run serves the CLI's files and messages,
+    the NVFP4-vs-bf16 gap, the recipe's baseline and the metrics reads."""
+    import contextlib
+    import io
+
+    from train.__main__ import main
+
+    out, reads, real = tmp_path_factory.mktemp("tiny") / "run", [], jax.device_get
+
+    def counting(x):
+        if isinstance(x, list) and x and isinstance(x[0], dict) and "loss" in x[0]:
+            reads.append(len(x))
+        return real(x)
+
+    stdout = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout):
+        mp.setattr(jax, "device_get", counting)
+        rc = main(["--config", TINY, "--out", str(out), "--no-progress", "--compare", "bf16",
+                   "--set", "train.log_every=3"])
+    summary = json.loads((out / "summary.json").read_text())
+    return {"rc": rc, "stdout": stdout.getvalue(), "out": out, "reads": reads, "summary": summary,
+            "nvfp4": summary["runs"][0], "bf16": summary["runs"][1]}
+
+
+# One pytest-xdist worker for the users of the tiny run.
+tiny_run = pytest.mark.xdist_group("tiny_compare")
+
+
+@tiny_run
+def test_cli_end_to_end(tiny_compare):
+    out, stdout = tiny_compare["out"], tiny_compare["stdout"]
+    assert tiny_compare["rc"] == 0, stdout[-2000:]
+    for name in ("metrics.jsonl", "loss.png", "summary.json", "config.yaml", "bf16/metrics.jsonl"):
         assert (out / name).exists(), name
     recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in recs]
     assert len(losses) == 50 and all(np.isfinite(losses))
     assert np.mean(losses[-3:]) < losses[0] - 0.5
-    summary = json.loads((out / "summary.json").read_text())
+    summary = tiny_compare["summary"]
     run = summary["runs"][0]
     assert run["entropy_floor"] and 1.0 < run["entropy_floor"] < 2.0
     # NVFP4 weights cross the data axis as bytes at 0.28 of a bf16 gather: 4-bit codes and an
     # E4M3 scale per 16 values (nvfp4.block: 1d, the default), 144 bytes per 512 of bf16.
     assert 0.275 < summary["nvfp4_gather_vs_bf16"] <= 0.2818
-    assert "144/512 = 0.28125 of bf16" in proc.stdout
-    assert "entropy floor" in proc.stdout and "packed gather ratio: " in proc.stdout
-    assert proc.stdout.index("compiling the train step...") < proc.stdout.index("== summary")
+    assert "144/512 = 0.28125 of bf16" in stdout
+    assert "entropy floor" in stdout and "packed gather ratio: " in stdout
+    assert stdout.index("compiling the train step...") < stdout.index("== summary")
 
 
-def test_cli_compare_on_text_reports_validation_gap_and_exports_hf(tmp_path):
+@tiny_run  # after the tiny run, on its worker: both steps are its programs, read from the compile cache
+def test_cli_compare_on_text_reports_validation_gap_and_exports_hf(tmp_path, capfd):
     """--compare bf16 on a real text file (a Python stdlib source, as bytes) with a held-out
     tail: both validation losses and their gap come first in the summary; --export-hf writes
     the two Hugging Face checkpoints."""
@@ -50,21 +76,18 @@ def test_cli_compare_on_text_reports_validation_gap_and_exports_hf(tmp_path):
 
     text = os.path.join(sysconfig.get_paths()["stdlib"], "argparse.py")
     out, hf = tmp_path / "run", tmp_path / "hf"
-    proc = subprocess.run(
-        # tiny.yaml's model, steps and devices: the data source is not part of the compiled
-        # step, so both runs' steps are the NVFP4 and bf16 programs of the in-process tiny runs.
-        [sys.executable, "-m", "train", "--config", TINY, "--out", str(out), "--no-progress", "--compare", "bf16",
-         "--export-hf", str(hf), "--set", "data.source=file", "--set", f"data.path={text}",
-         "--set", "data.val_fraction=0.1", "--set", "train.eval_every=25", "--set", "train.eval_batches=1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    # tiny.yaml's model, steps and devices: the data source is not part of the compiled step.
+    rc, stdout, err = main_here(["--out", str(out), "--compare", "bf16", "--export-hf", str(hf),
+                                 "--set", "data.source=file", "--set", f"data.path={text}",
+                                 "--set", "data.val_fraction=0.1", "--set", "train.eval_every=25",
+                                 "--set", "train.eval_batches=1"], capfd)
+    assert rc == 0, err[-20:]
     summary = json.loads((out / "summary.json").read_text())
     a, b = summary["runs"]
     assert summary["final_val_loss_gap"] == a["final_val_loss"] - b["final_val_loss"]
     assert [s for s, _ in a["val_history"]] == [25, 50] and [s for s, _ in b["val_history"]] == [25, 50]
     assert a["final_val_loss"] < a["val_history"][0][1] and b["final_val_loss"] < b["val_history"][0][1]
-    lines = proc.stdout.split("== summary")[1].splitlines()
+    lines = stdout.split("== summary")[1].splitlines()
     assert lines[1].startswith("validation loss: nvfp4 weights") and "gap" in lines[1]
     for fmt in ("bf16", "nvfp4"):
         assert {"config.json", "model.safetensors"} <= set(os.listdir(hf / fmt))
@@ -101,18 +124,9 @@ def test_packed_and_dequantized_gathers_give_bit_identical_losses(tmp_path):
     assert b.get("all-gather:u16", 0) > 3.5 * a["all-gather:u8"]
 
 
-@pytest.fixture(scope="module")
-def nvfp4_vs_bf16(tmp_path_factory):
-    out = {}
-    for weights in ("nvfp4", "bf16"):
-        cfg = tiny(f"nvfp4.weights={weights}")  # tiny.yaml's 50 steps
-        out[weights] = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path_factory.mktemp(weights)), progress=False)
-    return out
-
-
-@pytest.mark.xdist_group("nvfp4_vs_bf16")  # one pytest-xdist worker for the fixture's users
-def test_nvfp4_vs_bf16_final_loss_gap(nvfp4_vs_bf16):
-    a, b = nvfp4_vs_bf16["nvfp4"], nvfp4_vs_bf16["bf16"]
+@tiny_run
+def test_nvfp4_vs_bf16_final_loss_gap(tiny_compare):
+    a, b = tiny_compare["nvfp4"], tiny_compare["bf16"]
     gap = a["final_loss"] - b["final_loss"]
     print(f"\nNVFP4 - bf16 final loss after 50 steps: {gap:+.4f} nats ({a['final_loss']:.4f} vs {b['final_loss']:.4f})")
     # Both learn well below the unigram level (ln 32 = 3.47 nats for 32 Markov states).
@@ -123,34 +137,28 @@ def test_nvfp4_vs_bf16_final_loss_gap(nvfp4_vs_bf16):
     assert a["nvfp4_gather_bytes"] / a["nvfp4_bf16_gather_bytes"] <= 0.2818
 
 
-@pytest.mark.xdist_group("nvfp4_vs_bf16")
-def test_recipe_compute_converges(tmp_path, nvfp4_vs_bf16):
+@tiny_run
+def test_recipe_compute_converges(tmp_path, tiny_compare):
     cfg = tiny("nvfp4.compute=nvfp4", "nvfp4.stochastic_rounding=true")
     r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=False)
-    gap = r["final_loss"] - nvfp4_vs_bf16["bf16"]["final_loss"]
+    gap = r["final_loss"] - tiny_compare["bf16"]["final_loss"]
     print(f"\ncompute=nvfp4 - bf16 final loss after 50 steps: {gap:+.4f} nats")
     assert r["history"][0] - r["final_loss"] > 1.5
     assert abs(gap) < 0.25
 
 
-def test_metrics_are_read_every_log_every_steps(tmp_path, monkeypatch):
+@tiny_run
+def test_metrics_are_read_every_log_every_steps(tiny_compare):
     # The host waits for the device only where it reads metrics: the first step, every
-    # train.log_every steps, the last; each read fetches the steps in flight at once.
-    reads = []
-    real = jax.device_get
-
-    def counting(x):
-        if isinstance(x, list) and x and isinstance(x[0], dict) and "loss" in x[0]:
-            reads.append(len(x))
-        return real(x)
-
-    monkeypatch.setattr(jax, "device_get", counting)
-    cfg = tiny("train.log_every=3")  # tiny.yaml's 50 steps: reads after steps 1, 3, 6, ..., 48, 50
-    r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=False)
-    assert reads == [1, 2, *[3] * 15, 2]
-    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in recs] == list(range(1, 51)) and [x["loss"] for x in recs] == r["history"]
-    assert recs[3]["step_time_s"] == recs[4]["step_time_s"] == recs[5]["step_time_s"]  # one read, its mean
+    # train.log_every steps, the last; each read fetches the steps in flight at once. Each of
+    # the two runs (log_every 3, 50 steps) reads after steps 1, 3, 6, ..., 48, 50.
+    assert tiny_compare["reads"] == [1, 2, *[3] * 15, 2] * 2
+    for sub, run in (("", "nvfp4"), ("bf16", "bf16")):
+        path = tiny_compare["out"] / sub / "metrics.jsonl"
+        recs = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [x["step"] for x in recs] == list(range(1, 51))
+        assert recs[-1]["loss"] == tiny_compare[run]["last_loss"]
+        assert recs[3]["step_time_s"] == recs[4]["step_time_s"] == recs[5]["step_time_s"]  # one read, its mean
 
 
 # The two-rack test's job (also the tensor-axis test's reference): MLP width divisible by 2 x 16.
@@ -215,11 +223,19 @@ def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path):
         assert rack_groups <= {(0, 4), (1, 5), (2, 6), (3, 7)}
 
 
-def test_step_gathers_and_reduces_one_layer_at_a_time():
+LAYERS = 4  # the two tests below read one compiled step of a 4-layer tiny model
+
+
+@pytest.fixture(scope="module")
+def four_layer_step_text():
+    return _compiled_step_text(tiny(f"model.layers={LAYERS}"))[0]
+
+
+@pytest.mark.xdist_group("four_layer_step")  # one pytest-xdist worker compiles the fixture's step
+def test_step_gathers_and_reduces_one_layer_at_a_time(four_layer_step_text):
     import jax_nvfp4 as nv
 
-    layers = 4
-    text, _ = _compiled_step_text(tiny(f"model.layers={layers}"))
+    layers, text = LAYERS, four_layer_step_text
     rows = nv.comm.parse(text).collectives
     weight = [r for r in rows if r.op == "all-gather" and nv.collectives.GATHER_SCOPE in r.op_name]
     packed = [r for r in weight if r.dtype == "u8"]
@@ -242,13 +258,13 @@ def test_step_gathers_and_reduces_one_layer_at_a_time():
     assert not any(r.op in ("all-reduce", "reduce-scatter") and r.dtype in ("f32", "bf16") for r in rows)
 
 
-def test_step_never_holds_every_layers_weights_or_full_gradients():
+@pytest.mark.xdist_group("four_layer_step")
+def test_step_never_holds_every_layers_weights_or_full_gradients(four_layer_step_text):
     # The whole-model step held a [layers, in, out] stack of dequantized weights and of
     # full-size gradients; the per-layer step must never materialise one (any dtype).
     import re
 
-    layers = 4
-    text, _ = _compiled_step_text(tiny(f"model.layers={layers}"))
+    layers, text = LAYERS, four_layer_step_text
     d, h = 64, 176
     stacked = {f"[{layers},{a},{b}]" for a, b in ((d, d), (d, h), (h, d))}
     shapes = set(re.findall(r"(?:bf16|f32|f16)(\[[0-9,]+\])", text))

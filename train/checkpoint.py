@@ -192,12 +192,16 @@ def _arrays(params, opt_state) -> Dict[str, Any]:
     return out
 
 
+# One jitted function (a lambda jitted per call would trace and compile again for every leaf).
+_finite = jax.jit(lambda v: jnp.all(jnp.isfinite(v.astype(jnp.float32))))
+
+
 def _all_finite(name: str, x) -> bool:
     if name.endswith("/amax_bits"):  # an amax, stored as its float32 bits
         x = jax.lax.bitcast_convert_type(x, jnp.float32)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return True
-    return bool(jax.jit(lambda v: jnp.all(jnp.isfinite(v.astype(jnp.float32))))(x))
+    return bool(_finite(x))
 
 
 # ----------------------------------------------------------------------------- the manager

@@ -11,7 +11,9 @@ re-quantizes each NVFP4 leaf shard by shard with the global amax, and returns up
   bit-identical to quantizing the whole unsharded master, and (for stored
   :class:`~jax_nvfp4.layout.TiledNVFP4` params) it is the stored shard itself: no relayout.
 - float32 leaves: the inner optimizer's own update, as plain optax applies it, so the param
-  equals its master bit for bit after every step.
+  equals its master bit for bit after every step where XLA computes that update once for
+  both additions; a compiler that recomputes it per addition may round one of them
+  differently (one ulp: seen with XLA:CPU's previous fusion emitters).
 - Narrower float leaves (bf16): ``master.astype(dtype) - p`` in float32, which ``p + u``
   reproduces (exactly whenever old and new values are within a factor 2**16).
 

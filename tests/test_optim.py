@@ -107,21 +107,28 @@ def test_bit_identical_to_unsharded_reference(n, reference, one_device):
     ref_params, ref_master, ref_losses = reference
     params, state, losses = run_sharded(n, 4, optax.adamw(3e-2, weight_decay=0.1)) if n > 1 else one_device
     assert losses == ref_losses
-    # Every param leaf, the float32 bias included, bit for bit.
-    for a, b in zip(tree_bytes(params), tree_bytes(ref_params)):
-        np.testing.assert_array_equal(a, b)
-    # Masters (and Adam's second moment) agree to an ulp, not bit for bit: XLA:CPU always
-    # allows multiply-add contraction (FMA) and decides it per fused loop, and the compiled
-    # programs for different data-axis sizes fuse AdamW's `b2 * nu + (1 - b2) * g * g`
-    # differently. The params above, which are what the model computes with, are bitwise.
-    for k in SHAPES:
+    # Masters (and Adam's second moment) agree to an ulp, not bit for bit: XLA:CPU allows
+    # multiply-add contraction (FMA) and decides it per fused loop, and the compiled programs
+    # for different data-axis sizes fuse AdamW's `b2 * nu + (1 - b2) * g * g` differently.
+    for k in (*SHAPES, "bias"):
         got = np.asarray(logical(state.master[k]))
         np.testing.assert_allclose(got, np.asarray(logical(one_device[1].master[k])), rtol=2.4e-7, atol=3e-8)
         np.testing.assert_allclose(got, np.asarray(ref_master[k]), rtol=2.4e-7, atol=3e-8)
-    # Params really are re-quantizations of the master.
+    # The NVFP4 params are their own master re-quantized, bit for bit, whatever the sharding:
+    # codes, scales and amax from the sharded update equal the whole-tensor quantization of
+    # the master (so they equal the reference's params wherever the masters agree).
+    for k in SHAPES:
+        q = nv.quantize(logical(state.master[k]))
+        for a, b in zip(tree_bytes(params[k]), tree_bytes(q)):
+            np.testing.assert_array_equal(a, b)
+    # The float32 bias: param + u and master + u, where XLA may compute u twice, once per
+    # addition, and round the two differently (one ulp; seen in 1 of 80 values after 4 AdamW
+    # steps with XLA:CPU's previous fusion emitters, none with its default ones).
+    np.testing.assert_allclose(np.asarray(params["bias"]), np.asarray(logical(state.master["bias"])), rtol=1.2e-7, atol=0)
+    # The reference's params are its master re-quantized too.
     for k in SHAPES:
         q = nv.quantize(ref_master[k])
-        np.testing.assert_array_equal(np.asarray(params[k].data), np.asarray(q.data))
+        np.testing.assert_array_equal(np.asarray(ref_params[k].data), np.asarray(q.data))
 
 
 def test_stochastic_rounding_sharded_equals_unsharded():

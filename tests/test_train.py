@@ -163,15 +163,21 @@ def test_metrics_are_read_every_log_every_steps(tiny_compare):
 
 # The two-rack test's job (also the tensor-axis test's reference): MLP width divisible by 2 x 16.
 TWO_RACKS = ("train.steps=4", "mesh.nvl_domain=4", "optim.clip_norm=0", "model.mlp_hidden=192")
+two_racks = pytest.mark.xdist_group("two_racks")  # one pytest-xdist worker for the flat run's users
 
 
-def test_tensor_axis_trains(tmp_path):
-    # The reference is the two-rack test's flat run (the same config: its program compiles once).
+@pytest.fixture(scope="module")
+def flat_run(tmp_path_factory):
+    """``TWO_RACKS`` on a flat data axis of 8: the reference of the tensor-axis and two-rack tests."""
+    cfg = tiny(*TWO_RACKS)
+    return loop.run(cfg, mesh_of(cfg, 8), str(tmp_path_factory.mktemp("flat")), progress=False)
+
+
+@two_racks
+def test_tensor_axis_trains(tmp_path, flat_run):
     cfg = tiny(*TWO_RACKS, "mesh.data=4", "mesh.tensor=2")
     r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=False)
-    ref_cfg = tiny(*TWO_RACKS)
-    ref = loop.run(ref_cfg, mesh_of(ref_cfg, 8), str(tmp_path / "ref"), progress=False)
-    np.testing.assert_allclose(r["history"], ref["history"], rtol=2e-2)
+    np.testing.assert_allclose(r["history"], flat_run["history"], rtol=2e-2)
     # Still only bytes cross the data axis for NVFP4 weights.
     assert r["collectives"].get("all-gather:u8", 0) > 0
     assert not any(k.startswith("all-gather:f") or k == "all-gather:bf16" for k in r["collectives"])
@@ -191,7 +197,8 @@ def _compiled_step_text(cfg, n=8):
     return compiled.as_text(), compiled.memory_analysis()
 
 
-def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path):
+@two_racks
+def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path, flat_run):
     """2 racks x 4 (mesh.layout=gb200): FSDP over (data, rack) and HSDP (replicated across
     racks) sum gradients in the same order, inside the rack then across racks: bit-identical
     losses, params and masters. (With gradient clipping on they differ by rounding: the clip
@@ -200,9 +207,8 @@ def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path):
     no bf16 rounding of rack partials): close, not equal."""
     import jax_nvfp4 as nv
 
-    runs = {}
-    for name, extra in (("flat", ()), ("fsdp", ("mesh.layout=gb200",)),
-                        ("hsdp", ("mesh.layout=gb200", "mesh.sharding=hsdp"))):
+    runs = {"flat": flat_run}
+    for name, extra in (("fsdp", ("mesh.layout=gb200",)), ("hsdp", ("mesh.layout=gb200", "mesh.sharding=hsdp"))):
         cfg = tiny(*TWO_RACKS, *extra)
         runs[name] = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path / name), progress=False)
     assert runs["fsdp"]["history"] == runs["hsdp"]["history"]

@@ -35,6 +35,9 @@ TENSOR_RULES = (
     (r"mlp/down/kernel", -2),
 )
 SEGMENTS = ("blocks_first", "blocks", "blocks_last")
+# The segments of the blocks kept in bf16: stored in bf16 (train.step.policy_for) and, under
+# compute="nvfp4", run with bf16 GEMMs.
+KEPT_SEGMENTS = ("blocks_first", "blocks_last")
 
 
 class RMSNorm(nn.Module):
@@ -188,9 +191,9 @@ class GPT(nn.Module):
         for name, n in zip(SEGMENTS, counts):
             if n == 0:
                 continue
+            compute = "dequant" if name in KEPT_SEGMENTS else self.compute
             dims = Dims(self.d_model, self.heads, self.kv_heads or self.heads, self.hidden, self.rope_theta,
-                        self.norm_eps, self.compute if name == "blocks" else "dequant", self.init_std, self.dtype,
-                        self.attention)
+                        self.norm_eps, compute, self.init_std, self.dtype, self.attention)
             stack = nn.scan(
                 _remat(Block, self.remat),
                 variable_axes={"params": 0, NVFP4_COLLECTION: 0},

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_nvfp4 as nv
 from train.config import Config, validate_for_devices
-from train.model import TENSOR_RULES, cross_entropy, from_config, nvfp4_collection
+from train.model import KEPT_SEGMENTS, TENSOR_RULES, cross_entropy, from_config, nvfp4_collection
 from train.optimizer import make_optimizer
 
 
@@ -35,7 +35,7 @@ def policy_for(cfg: Config) -> nv.Policy:
     """Which params are NVFP4: everything the default policy takes, except the kept parts."""
     if cfg.nvfp4.weights == "bf16":
         return nv.Policy(keep=(".*",), keep_dtype=jnp.bfloat16)
-    keep = tuple(cfg.nvfp4.keep_bf16) + ("^blocks_first/", "^blocks_last/")
+    keep = tuple(cfg.nvfp4.keep_bf16) + tuple(f"^{seg}/" for seg in KEPT_SEGMENTS)
     return nv.Policy(keep=keep, keep_dtype=jnp.bfloat16, block=BLOCKS[cfg.nvfp4.resolved_block()])
 
 

@@ -79,6 +79,9 @@ def test_resume_is_bit_identical_and_metrics_continue(reference, resumed):
     assert [x["step"] for x in recs] == [1, 2, 3, 4, 5, 6]
     assert [x["loss"] for x in recs] == reference["history"]
     assert r["history"] == reference["history"]
+    # The Markov corpus's exact entropy rate is the floor the run reports (tiny.yaml's 32 states).
+    floor = data_lib.make_source(resumed["cfg"].data, resumed["cfg"].model).entropy_rate()
+    assert 1.0 < floor < 2.0 and reference["entropy_floor"] == r["entropy_floor"] == floor
     same_bytes(ckpt_lib.host_arrays(r["params"], r["opt_state"]), reference["host"])
     # keep=3 (the default) of the checkpoints at 2, 4, 6.
     assert ckpt_lib.Checkpointer(str(resumed["ck"])).all_steps() == [2, 4, 6]

@@ -12,18 +12,38 @@ from benchmarks import scale
 from conftest import ROOT
 
 
-def run_scale(tmp_path, *args):
-    # A fresh process: the simulated device count is fixed when JAX starts (the subprocess also
-    # drops the device count this test session puts in XLA_FLAGS).
-    out = tmp_path / "results"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.scale", "--model", "1b", "--weights", "nvfp4", "--out", str(out), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=150,
-    )
+# The three compiled reports of the 1B preset's NVFP4 step, by name: benchmarks.scale's arguments.
+ARGS = ("--model", "1b", "--weights", "nvfp4")
+RUNS = {
+    "1b": ("--mesh", "data:16"),
+    "tensor": ("--mesh", "gb200:2", "--nvl-domain", "8", "--tensor", "2", "--layers", "2"),
+    "hsdp": ("--mesh", "gb200:2", "--nvl-domain", "8", "--layers", "2", "--sharding", "hsdp"),
+}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """``python -m benchmarks.scale --model 1b --weights nvfp4`` with each of :data:`RUNS`, in
+    one fresh process of 16 simulated devices (the device count is fixed when JAX starts; the
+    process also drops the count this test session puts in XLA_FLAGS): ``{name: (report,
+    stdout)}``."""
+    base = tmp_path_factory.mktemp("scale")
+    marks = {name: f"==== {name} ====" for name in RUNS}
+    calls = "".join(f"print({marks[name]!r}, flush=True); scale.main({[*ARGS, '--out', str(base / name), *args]!r})\n"
+                    for name, args in RUNS.items())
+    proc = subprocess.run([sys.executable, "-c", "from benchmarks import scale\n" + calls], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (path,) = out.glob("scale_*.json")
-    assert path.with_suffix(".md").exists()
-    return json.loads(path.read_text()), proc.stdout
+    out = {}
+    for name in RUNS:
+        (path,) = (base / name).glob("scale_*.json")
+        assert path.with_suffix(".md").exists()
+        stdout = proc.stdout.split(marks[name])[1].split("====")[0]
+        out[name] = json.loads(path.read_text()), stdout
+    return out
+
+
+compiled = pytest.mark.xdist_group("scale")  # one pytest-xdist worker computes the reports
 
 
 def assert_matches_formula(run, gathers=True):
@@ -38,9 +58,9 @@ def assert_matches_formula(run, gathers=True):
     assert m["xla_temp"] > 0
 
 
-@pytest.mark.slow
-def test_1b_on_16_devices_matches_the_formulas(tmp_path):
-    report, stdout = run_scale(tmp_path, "--mesh", "data:16")
+@compiled
+def test_1b_on_16_devices_matches_the_formulas(reports):
+    report, stdout = reports["1b"]
     (run,) = report["runs"]
     assert report["devices"] == 16 and run["axes"] == {"data": 16, "tensor": 1, "storage": 16, "racks": 1}
     assert report["config"]["layers"] == 16 and report["config"]["vocab"] == 128256
@@ -74,10 +94,10 @@ def test_1b_on_16_devices_matches_the_formulas(tmp_path):
     assert "| params (stored" in stdout and "modelled time of all collectives" in stdout
 
 
-@pytest.mark.slow
-def test_two_racks_with_a_tensor_axis(tmp_path):
+@compiled
+def test_two_racks_with_a_tensor_axis(reports):
     # 2 "racks" of 8 devices (mesh rack 2 x data 4 x tensor 2, FSDP over (data, rack)); 2 layers.
-    report, _ = run_scale(tmp_path, "--mesh", "gb200:2", "--nvl-domain", "8", "--tensor", "2", "--layers", "2")
+    report, _ = reports["tensor"]
     (run,) = report["runs"]
     assert run["axes"] == {"data": 8, "tensor": 2, "storage": 8, "racks": 2} and run["sharding"] == "fsdp"
     assert run["mesh"].startswith("mesh rack=2 x data=4 x tensor=2 on 16 cpu devices, 2 NVLink domain(s) of 8; "
@@ -104,12 +124,12 @@ def test_two_racks_with_a_tensor_axis(tmp_path):
     assert across[0]["bytes"] == pytest.approx(inside["bytes"] / 4, rel=0.02)
 
 
-@pytest.mark.slow
-def test_hsdp_keeps_weight_gathers_inside_a_rack(tmp_path):
+@compiled
+def test_hsdp_keeps_weight_gathers_inside_a_rack(reports):
     # HSDP on 2 racks of 8: the state is sharded over the 8 devices of a rack (twice the
     # per-device state of FSDP over 16) and replicated across racks; no weight gather leaves a
     # rack; the gradient's only cross-rack traffic is the rack's 1/8 shard.
-    report, _ = run_scale(tmp_path, "--mesh", "gb200:2", "--nvl-domain", "8", "--layers", "2", "--sharding", "hsdp")
+    report, _ = reports["hsdp"]
     (run,) = report["runs"]
     assert run["axes"] == {"data": 16, "tensor": 1, "storage": 8, "racks": 2} and report["mesh_spec"] == "gb200-2-nvl8-hsdp"
     assert_matches_formula(run)

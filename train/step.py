@@ -258,14 +258,17 @@ def validation_loss(eval_fn, params, batches) -> float:
 def gather_accounting(trainer: Trainer, params, opt_state, batch) -> Dict[str, Any]:
     """Bytes per step read from the compiled step's HLO, per device: the weight gathers
     (``jax_nvfp4.comm.Program.weight_gathers``), every collective by ``op:dtype``, and XLA's
-    temporary buffer size."""
+    temporary buffer size; ``step_hlo``: the compiled step's HLO text itself (for
+    :func:`jax_nvfp4.comm.parse` with the mesh, e.g. the mesh axes of each collective)."""
     compiled = trainer.step_fn.lower(params, opt_state, batch, jax.random.key(0), np.float32(1)).compile()
-    program = nv.comm.parse(compiled.as_text())
+    text = compiled.as_text()
+    program = nv.comm.parse(text)
     mem = compiled.memory_analysis()
     return {
         **program.weight_gathers(),
         "collectives": {f"{op}:{dt}": b for (op, dt), b in program.by("op", "dtype").items()},
         "temp_bytes": getattr(mem, "temp_size_in_bytes", None) if mem is not None else None,
+        "step_hlo": text,
     }
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
 # The suite compiles a few hundred small programs and runs each for a few steps: its time is
 # XLA compile time. The tests' programs compile with LLVM's -O0 and XLA's previous CPU fusion
 # emitters, in half the time of the defaults. Numerics: the quantization kernels are
@@ -28,6 +30,8 @@ def xla_flags(devices=None):
 # Multi-device tests in this process use 8 simulated CPU devices; set before jax is imported.
 os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# NumPy's OpenBLAS threads spin between calls: the simulated devices need the cores.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # One persistent XLA compile cache for this run: its test processes (pytest-xdist workers
 # inherit the variables) and every JAX subprocess they start, so that a program compiled once
 # is a cache read everywhere else. A cache the caller names is used and kept; ours is removed
@@ -48,6 +52,10 @@ TINY = os.path.join(ROOT, "train", "configs", "tiny.yaml")
 # The tiny job of the reliability modules (checkpoint, faults, multiprocess): widths divisible
 # by 16 x 6, a batch divisible by 8, 6, 4 and 1. One job, so that its programs compile once.
 JOB = ("train.steps=6", "model.d_model=96", "model.heads=2", "model.mlp_hidden=192", "data.batch_size=24")
+# The modules and tests that train the job on 8 or 6 devices run on one pytest-xdist worker,
+# one after the other: its programs compile once and are compile-cache reads from then on
+# (two workers starting the same compile at once would both pay for it).
+job_worker = pytest.mark.xdist_group("job")
 
 
 # The longest stretches first, so that neither pytest-xdist worker is left with one at the end

@@ -27,10 +27,11 @@ from train import step as step_lib
 from train import optimizer as optimizer_lib
 from train.model import from_config
 
-from conftest import JOB, ROOT, job, main_here, mesh_of, sets, xla_flags
+from conftest import JOB, ROOT, job, job_worker, main_here, mesh_of, sets, xla_flags
 
-# One pytest-xdist worker runs this module: its module fixtures are computed once.
-pytestmark = pytest.mark.xdist_group("checkpoint")
+# One pytest-xdist worker runs this module (its module fixtures are computed once) and the
+# other users of the job's programs.
+pytestmark = job_worker
 
 
 def same_bytes(a: dict, b: dict, keys=None):

@@ -18,7 +18,10 @@ from train import checkpoint as ckpt_lib
 from train import loop
 from train import step as step_lib
 
-from conftest import JOB, TINY, cli, job, main_here, mesh_of, sets
+from conftest import JOB, TINY, cli, job, job_worker, main_here, mesh_of, sets
+
+# The job's programs: on the worker that compiles them for the checkpoint tests.
+pytestmark = job_worker
 
 
 def strict_json_lines(path):

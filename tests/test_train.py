@@ -12,7 +12,7 @@ from train import loop
 from train import summary as summary_lib
 from train import step as step_lib
 
-from conftest import TINY, job, main_here, mesh_of, sets, tiny
+from conftest import TINY, job, job_worker, main_here, mesh_of, sets, tiny
 
 
 # The text of the tiny --compare run: a Python stdlib source, as bytes, its last 10% held out.
@@ -114,11 +114,12 @@ def test_cli_config_errors_are_one_line_and_write_nothing(tmp_path, capfd):
         assert not out.exists(), args
 
 
+@job_worker  # its packed program is also the checkpoint tests' step on 6 devices
 def test_packed_and_dequantized_gathers_give_bit_identical_losses(tmp_path):
     runs = {}
     for mode in ("packed", "dequantized"):
         # The reliability modules' job (widths divisible by 6: the weights are stored sharded
-        # over 6 devices); its packed program is the checkpoint test's step on 6 devices.
+        # over 6 devices).
         cfg = job(f"nvfp4.param_gather={mode}", "mesh.data=6")
         runs[mode] = loop.run(cfg, mesh_of(cfg, 6), str(tmp_path / mode), progress=False)
     assert runs["packed"]["history"] == runs["dequantized"]["history"]

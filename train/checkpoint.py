@@ -533,24 +533,31 @@ def _assemble(abstract, shardings, flat: Dict[str, Any], prefix: str, resplit):
     leaves, treedef = jax.tree.flatten(abstract, is_leaf=_is_node)
     shard_leaves = treedef.flatten_up_to(shardings)
     names = [name for name, _ in _leaves(abstract, prefix)]
-    out = []
+    out, moved = [], []  # moved: (index in out, this run's layout, sharding) of the re-split leaves
     for name, leaf, sh in zip(names, leaves, shard_leaves):
         if isinstance(leaf, nv.TiledNVFP4):
-            q = nv.TiledNVFP4(*(flat[f"{name}/{f}"] for f in _NVFP4_FIELDS),
-                              _saved_layout(leaf, resplit[name]) if name in resplit else leaf.layout, leaf.block)
-            if name in resplit:
-                q = jax.jit(lambda q: nv.TiledNVFP4.from_array(q.to_array(), leaf.layout), out_shardings=sh)(q)
-            out.append(q)
+            out.append(nv.TiledNVFP4(*(flat[f"{name}/{f}"] for f in _NVFP4_FIELDS),
+                                     _saved_layout(leaf, resplit[name]) if name in resplit else leaf.layout, leaf.block))
         elif isinstance(leaf, nv.Tiled):
-            t = nv.Tiled(flat[name], _saved_layout(leaf, resplit[name]) if name in resplit else leaf.layout)
-            if name in resplit:
-                t = jax.jit(lambda t: nv.Tiled.from_logical(t.logical(), leaf.layout), out_shardings=sh)(t)
-            out.append(t)
+            out.append(nv.Tiled(flat[name], _saved_layout(leaf, resplit[name]) if name in resplit else leaf.layout))
         elif _is_key(leaf):
             impl = _key_impl_name(leaf.dtype)
             out.append(jax.random.wrap_key_data(flat[name], impl=impl))
         else:
             out.append(flat[name])
+        if name in resplit and isinstance(leaf, (nv.Tiled, nv.TiledNVFP4)):
+            moved.append((len(out) - 1, leaf.layout, sh))
+    if moved:
+        # Saved with another tensor split: every such leaf into this run's tiles, in one program.
+        layouts = [lay for _, lay, _ in moved]
+
+        def relayout(xs):
+            return [nv.TiledNVFP4.from_array(x.to_array(), lay) if isinstance(x, nv.TiledNVFP4)
+                    else nv.Tiled.from_logical(x.logical(), lay) for x, lay in zip(xs, layouts)]
+
+        done = jax.jit(relayout, out_shardings=[sh for _, _, sh in moved])([out[i] for i, _, _ in moved])
+        for (i, _, _), x in zip(moved, done):
+            out[i] = x
     return treedef.unflatten(out)
 
 

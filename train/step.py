@@ -102,17 +102,13 @@ def abstract_state(cfg: Config, mesh, model, policy, rules, tx):
     return abstract, shard
 
 
-def init_state(cfg: Config, mesh, model, policy, rules, tx, shard=None):
-    """Float32 init -> stored NVFP4 params and master-weight state, sharded (jit with
-    out_shardings, so no unsharded copy of the state is materialised on one device).
-    ``shard``: the shardings :func:`abstract_state` gives, when already at hand (tracing the
-    init once less)."""
-    if shard is None:
-        _, shard = abstract_state(cfg, mesh, model, policy, rules, tx)
+def init_state(cfg: Config, mesh, model, policy, rules, tx, shard):
+    """Float32 init -> stored NVFP4 params and master-weight state, sharded as ``shard`` (the
+    shardings :func:`abstract_state` gives): jit with out_shardings, so no unsharded copy of
+    the state is materialised on one device."""
     with jax.set_mesh(mesh):
         create = _state_fn(cfg, model, policy, rules, tx, mesh)
-        params, opt_state = jax.jit(create, out_shardings=shard)(jax.random.key(cfg.train.seed))
-    return params, opt_state, shard
+        return jax.jit(create, out_shardings=shard)(jax.random.key(cfg.train.seed))
 
 
 def build(cfg: Config, mesh, *, init: bool = True) -> tuple:
@@ -126,7 +122,7 @@ def build(cfg: Config, mesh, *, init: bool = True) -> tuple:
     (a_params, a_state), (p_sh, s_sh) = abstract_state(cfg, mesh, model, policy, rules, tx)
     params = opt_state = None
     if init:
-        params, opt_state, _ = init_state(cfg, mesh, model, policy, rules, tx, (p_sh, s_sh))
+        params, opt_state = init_state(cfg, mesh, model, policy, rules, tx, (p_sh, s_sh))
     batch_sharding = NamedSharding(mesh, P(batch_axes(mesh, rules)))
     step = jax.jit(
         make_step(cfg, model, tx, rules, mesh),

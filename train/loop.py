@@ -20,7 +20,7 @@ import jax_nvfp4 as nv
 from train import checkpoint as checkpoint_lib
 from train import data as data_lib
 from train.config import Config
-from train.step import build, gather_accounting, global_batch, make_eval, validation_loss
+from train.step import build, gather_accounting, global_batch, validation_loss
 from train.summary import json_record
 
 
@@ -96,7 +96,7 @@ def run(
             val_source = data_lib.make_source(cfg.data, cfg.model, split="val")
             val_batches = [global_batch(trainer, b) for b in data_lib.eval_batches(
                 cfg, val_source, process_index=jax.process_index(), process_count=jax.process_count())]
-            eval_fn = make_eval(cfg, trainer.model, trainer.rules, mesh, trainer.batch_sharding)
+            eval_fn = trainer.eval_fn
         base_key = jax.random.key(cfg.train.seed + 2)
         if start is not None:
             r = ckpt.restore(start, trainer.abstract_params, trainer.abstract_state,

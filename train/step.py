@@ -13,6 +13,7 @@ keep each tensor group inside one process for the same guarantee.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Dict
 
 import jax
@@ -22,7 +23,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_nvfp4 as nv
-from train.config import Config, validate_for_devices
+from train.config import CheckpointConfig, Config, DataConfig, NVFP4Config, TrainConfig, validate_for_devices
 from train.model import KEPT_SEGMENTS, TENSOR_RULES, cross_entropy, from_config, nvfp4_collection
 from train.optimizer import make_optimizer
 
@@ -64,7 +65,9 @@ def batch_axes(mesh, rules: nv.Rules) -> tuple:
 
 @dataclasses.dataclass
 class Trainer:
-    """Everything a run needs, built once from a config and a mesh."""
+    """Everything a run needs, built once from a config and a mesh: the model, where its state
+    lives, the jitted state init (``init_fn(key) -> (params, opt_state)``), train step and
+    evaluation (``eval_fn``, see :func:`make_eval`)."""
 
     cfg: Config
     mesh: Any
@@ -78,6 +81,8 @@ class Trainer:
     batch_sharding: Any
     abstract_params: Any = None
     abstract_state: Any = None
+    init_fn: Any = None
+    eval_fn: Any = None
 
 
 def _state_fn(cfg: Config, model, policy, rules, tx, mesh):
@@ -94,43 +99,61 @@ def _state_fn(cfg: Config, model, policy, rules, tx, mesh):
 
 def abstract_state(cfg: Config, mesh, model, policy, rules, tx):
     """``((params, opt_state) as ShapeDtypeStructs, (param_shardings, state_shardings))``,
-    without computing anything: what :func:`init_state` would create, and where."""
+    without computing anything: what the state init creates, and where."""
     create = _state_fn(cfg, model, policy, rules, tx, mesh)
     with jax.set_mesh(mesh):
-        abstract = jax.eval_shape(create, jax.random.key(cfg.train.seed))
+        abstract = jax.eval_shape(create, jax.random.key(0))
     shard = (nv.shardings(abstract[0], mesh), nv.shardings(abstract[1], mesh))
     return abstract, shard
 
 
-def init_state(cfg: Config, mesh, model, policy, rules, tx, shard):
-    """Float32 init -> stored NVFP4 params and master-weight state, sharded as ``shard`` (the
-    shardings :func:`abstract_state` gives): jit with out_shardings, so no unsharded copy of
-    the state is materialised on one device."""
-    with jax.set_mesh(mesh):
-        create = _state_fn(cfg, model, policy, rules, tx, mesh)
-        return jax.jit(create, out_shardings=shard)(jax.random.key(cfg.train.seed))
+def program_key(cfg: Config) -> Config:
+    """The part of ``cfg`` that the compiled programs (init, step, evaluation) depend on:
+    ``cfg`` with the settings only the host loop reads at their defaults (the data's source,
+    files, split and seed; logging, evaluation cadence, output; checkpoints; what the host
+    does about skipped steps: a non-finite step is skipped on the device either way). Equal
+    keys on one mesh build the same programs."""
+    host = NVFP4Config()
+    return dataclasses.replace(
+        cfg, data=DataConfig(batch_size=cfg.data.batch_size), checkpoint=CheckpointConfig(),
+        train=TrainConfig(steps=cfg.train.steps, seed=cfg.train.seed, remat=cfg.train.remat),
+        nvfp4=dataclasses.replace(cfg.nvfp4, nonfinite=host.nonfinite, max_skipped_in_a_row=host.max_skipped_in_a_row))
 
 
-def build(cfg: Config, mesh, *, init: bool = True) -> tuple:
-    """``(trainer, params, opt_state)``; with ``init=False`` the state is only planned
-    (``trainer.abstract_params`` / ``abstract_state``) and ``params``/``opt_state`` are None,
-    e.g. to restore a checkpoint into."""
-    validate_for_devices(cfg, mesh.size)
-    model = from_config(cfg.model, cfg.nvfp4)
-    policy, rules = policy_for(cfg), rules_for(cfg)
-    tx = make_optimizer(cfg, rules, policy, mesh)
-    (a_params, a_state), (p_sh, s_sh) = abstract_state(cfg, mesh, model, policy, rules, tx)
-    params = opt_state = None
-    if init:
-        params, opt_state = init_state(cfg, mesh, model, policy, rules, tx, (p_sh, s_sh))
+@functools.lru_cache(maxsize=16)
+def _plan(key: Config, mesh) -> Trainer:
+    """The programs of :func:`program_key` ``key`` on ``mesh``, jitted once per process: a
+    run that builds them again (a resumed run, the next run of a sweep) reuses their traces
+    and compiled executables instead of tracing, lowering and compiling them anew."""
+    model = from_config(key.model, key.nvfp4)
+    policy, rules = policy_for(key), rules_for(key)
+    tx = make_optimizer(key, rules, policy, mesh)
+    (a_params, a_state), (p_sh, s_sh) = abstract_state(key, mesh, model, policy, rules, tx)
+    # jit with out_shardings: no unsharded copy of the state is materialised on one device.
+    init_fn = jax.jit(_state_fn(key, model, policy, rules, tx, mesh), out_shardings=(p_sh, s_sh))
     batch_sharding = NamedSharding(mesh, P(batch_axes(mesh, rules)))
     step = jax.jit(
-        make_step(cfg, model, tx, rules, mesh),
+        make_step(key, model, tx, rules, mesh),
         in_shardings=(p_sh, s_sh, batch_sharding, None, None),
         out_shardings=(p_sh, s_sh, None),
         donate_argnums=(0, 1),
     )
-    trainer = Trainer(cfg, mesh, model, policy, rules, tx, p_sh, s_sh, step, batch_sharding, a_params, a_state)
+    return Trainer(key, mesh, model, policy, rules, tx, p_sh, s_sh, step, batch_sharding, a_params, a_state,
+                   init_fn, make_eval(key, model, rules, mesh, batch_sharding))
+
+
+def build(cfg: Config, mesh, *, init: bool = True) -> tuple:
+    """``(trainer, params, opt_state)``: float32 init -> stored NVFP4 params and master-weight
+    state (from ``train.seed``), sharded. With ``init=False`` the state is only planned
+    (``trainer.abstract_params`` / ``abstract_state``) and ``params``/``opt_state`` are None,
+    e.g. to restore a checkpoint into. The programs are shared by every build with the same
+    :func:`program_key` and mesh in this process."""
+    validate_for_devices(cfg, mesh.size)
+    trainer = dataclasses.replace(_plan(program_key(cfg), mesh), cfg=cfg)
+    params = opt_state = None
+    if init:
+        with jax.set_mesh(mesh):
+            params, opt_state = trainer.init_fn(jax.random.key(cfg.train.seed))
     return trainer, params, opt_state
 
 

@@ -185,26 +185,17 @@ def test_metrics_are_read_every_log_every_steps(tiny_compare):
         assert recs[3]["step_time_s"] == recs[4]["step_time_s"] == recs[5]["step_time_s"]  # one read, its mean
 
 
-# The two-rack test's job (also the tensor-axis test's reference): MLP width divisible by 2 x 16.
-TWO_RACKS = ("train.steps=4", "mesh.nvl_domain=4", "optim.clip_norm=0", "model.mlp_hidden=192")
-two_racks = pytest.mark.xdist_group("two_racks")  # one pytest-xdist worker for the flat run's users
-
-
-@pytest.fixture(scope="module")
-def flat_run(tmp_path_factory):
-    """``TWO_RACKS`` on a flat data axis of 8: the reference of the tensor-axis and two-rack tests."""
-    cfg = tiny(*TWO_RACKS)
-    return loop.run(cfg, mesh_of(cfg, 8), str(tmp_path_factory.mktemp("flat")), progress=False)
-
-
-@two_racks
-def test_tensor_axis_trains(tmp_path, flat_run):
-    cfg = tiny(*TWO_RACKS, "mesh.data=4", "mesh.tensor=2")
-    r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=False)
-    np.testing.assert_allclose(r["history"], flat_run["history"], rtol=2e-2)
+@job_worker  # the job's flat and tensor programs are also the checkpoint tests' (one compile each)
+def test_tensor_axis_trains(tmp_path):
+    runs = {}
+    for name, extra in (("flat", ()), ("tensor", ("mesh.data=4", "mesh.tensor=2"))):
+        cfg = job(*extra)
+        runs[name] = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path / name), progress=False)
+    np.testing.assert_allclose(runs["tensor"]["history"], runs["flat"]["history"], rtol=2e-2)
     # Still only bytes cross the data axis for NVFP4 weights.
-    assert r["collectives"].get("all-gather:u8", 0) > 0
-    assert not any(k.startswith("all-gather:f") or k == "all-gather:bf16" for k in r["collectives"])
+    collectives = runs["tensor"]["collectives"]
+    assert collectives.get("all-gather:u8", 0) > 0
+    assert not any(k.startswith("all-gather:f") or k == "all-gather:bf16" for k in collectives)
 
 
 def _compiled_step_text(cfg, n=8):
@@ -220,19 +211,20 @@ def _compiled_step_text(cfg, n=8):
     return lowered.compile().as_text()
 
 
-@two_racks
-def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path, flat_run):
+@job_worker  # the job's flat and HSDP programs are also the checkpoint tests'
+def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path):
     """2 racks x 4 (mesh.layout=gb200): FSDP over (data, rack) and HSDP (replicated across
     racks) sum gradients in the same order, inside the rack then across racks: bit-identical
     losses, params and masters. (With gradient clipping on they differ by rounding: the clip
-    norm sums squares per storage shard, 8 shards of each tile list under FSDP, 4 under HSDP.)
-    A flat data axis of 8 folds the same gradients in one level (another rounding order, and
-    no bf16 rounding of rack partials): close, not equal."""
+    norm sums squares per storage shard, 8 shards of each tile list under FSDP, 4 under HSDP;
+    the job does not clip.) A flat data axis of 8 folds the same gradients in one level
+    (another rounding order, and no bf16 rounding of rack partials): close, not equal."""
     import jax_nvfp4 as nv
 
-    runs, meshes = {"flat": flat_run}, {}
-    for name, extra in (("fsdp", ("mesh.layout=gb200",)), ("hsdp", ("mesh.layout=gb200", "mesh.sharding=hsdp"))):
-        cfg = tiny(*TWO_RACKS, *extra)
+    racks = ("mesh.layout=gb200", "mesh.nvl_domain=4")
+    runs, meshes = {}, {}
+    for name, extra in (("flat", ()), ("fsdp", racks), ("hsdp", (*racks, "mesh.sharding=hsdp"))):
+        cfg = job(*extra)
         meshes[name] = mesh_of(cfg, 8)
         runs[name] = loop.run(cfg, meshes[name], str(tmp_path / name), progress=False)
     assert runs["fsdp"]["history"] == runs["hsdp"]["history"]

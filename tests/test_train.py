@@ -114,6 +114,22 @@ def test_cli_config_errors_are_one_line_and_write_nothing(tmp_path, capfd):
         assert not out.exists(), args
 
 
+@job_worker
+def test_runs_with_the_same_programs_share_them(tmp_path):
+    """A run's programs are built once per process: another config that differs only in what
+    the host loop reads reuses them; one that changes a program gets its own."""
+    cfg = job()
+    mesh = mesh_of(cfg, 8)
+    a = step_lib.build(cfg, mesh, init=False)[0]
+    host = job(f"checkpoint.dir={tmp_path}", "checkpoint.every=2", "train.log_every=1", "train.eval_every=3",
+               "data.source=file", f"data.path={TINY}", "data.val_fraction=0.5", "nvfp4.nonfinite=error", "nvfp4.max_skipped_in_a_row=2")
+    b = step_lib.build(host, mesh, init=False)[0]
+    assert b.cfg is host and (b.step_fn, b.init_fn, b.eval_fn) == (a.step_fn, a.init_fn, a.eval_fn)
+    for other, other_mesh in ((job("optim.lr=1e-3"), mesh), (job("train.steps=7"), mesh), (job("train.seed=1"), mesh),
+                              (cfg, mesh_of(job("mesh.data=4", "mesh.tensor=2"), 8))):
+        assert step_lib.build(other, other_mesh, init=False)[0].step_fn is not a.step_fn
+
+
 @job_worker  # its packed program is also the checkpoint tests' step on 6 devices
 def test_packed_and_dequantized_gathers_give_bit_identical_losses(tmp_path):
     runs = {}

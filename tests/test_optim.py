@@ -166,9 +166,9 @@ def _model_step(n, aligned=True, donate=False):
         return jnp.mean((h @ w["w2"]).astype(jnp.float32) ** 2)
 
     with jax.set_mesh(mesh):
-        params = nv.shard_params(nv.quantize_params(fp32))
+        params = shard_params(nv.quantize_params(fp32))
         tx = nv.master_weights(optax.adamw(1e-3))
-        state = tx.init(fp32)
+        state = jax.jit(tx.init)(fp32)
         params = jax.device_put(params, nv.shardings(params, mesh))
         state = jax.device_put(state, nv.shardings(state, mesh))
         x = jax.device_put(jnp.ones((8 * n, d_in), jnp.float32), NamedSharding(mesh, P("data")))

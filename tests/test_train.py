@@ -128,6 +128,9 @@ def test_runs_with_the_same_programs_share_them(tmp_path):
     for other, other_mesh in ((job("optim.lr=1e-3"), mesh), (job("train.steps=7"), mesh), (job("train.seed=1"), mesh),
                               (cfg, mesh_of(job("mesh.data=4", "mesh.tensor=2"), 8))):
         assert step_lib.build(other, other_mesh, init=False)[0].step_fn is not a.step_fn
+    # Any valid config has a key (a vocabulary smaller than the Markov corpus's default states).
+    small = job("model.vocab=16", "data.source=tokens", f"data.path={TINY}")
+    assert step_lib.build(small, mesh, init=False)[0].cfg is small
 
 
 @job_worker  # its packed program is also the checkpoint tests' step on 6 devices

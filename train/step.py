@@ -12,8 +12,8 @@ keep each tensor group inside one process for the same guarantee.)
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import functools
 from typing import Any, Dict
 
 import jax
@@ -23,7 +23,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_nvfp4 as nv
-from train.config import CheckpointConfig, Config, DataConfig, NVFP4Config, TrainConfig, validate_for_devices
+from train.config import Config, NVFP4Config, validate_for_devices
 from train.model import KEPT_SEGMENTS, TENSOR_RULES, cross_entropy, from_config, nvfp4_collection
 from train.optimizer import make_optimizer
 
@@ -107,39 +107,49 @@ def abstract_state(cfg: Config, mesh, model, policy, rules, tx):
     return abstract, shard
 
 
-def program_key(cfg: Config) -> Config:
+def program_key(cfg: Config) -> tuple:
     """The part of ``cfg`` that the compiled programs (init, step, evaluation) depend on:
-    ``cfg`` with the settings only the host loop reads at their defaults (the data's source,
-    files, split and seed; logging, evaluation cadence, output; checkpoints; what the host
-    does about skipped steps: a non-finite step is skipped on the device either way). Equal
-    keys on one mesh build the same programs."""
+    everything but what only the host loop reads (the data's source, files, split and seed;
+    logging, evaluation cadence, output; checkpoints; what the host does about skipped steps:
+    a non-finite step is skipped on the device either way). Equal keys on one mesh build the
+    same programs."""
     host = NVFP4Config()
-    return dataclasses.replace(
-        cfg, data=DataConfig(batch_size=cfg.data.batch_size), checkpoint=CheckpointConfig(),
-        train=TrainConfig(steps=cfg.train.steps, seed=cfg.train.seed, remat=cfg.train.remat),
-        nvfp4=dataclasses.replace(cfg.nvfp4, nonfinite=host.nonfinite, max_skipped_in_a_row=host.max_skipped_in_a_row))
+    nvfp4 = dataclasses.replace(cfg.nvfp4, nonfinite=host.nonfinite, max_skipped_in_a_row=host.max_skipped_in_a_row)
+    return (cfg.model, cfg.mesh, cfg.optim, nvfp4, cfg.data.batch_size, cfg.train.steps, cfg.train.seed,
+            cfg.train.remat)
 
 
-@functools.lru_cache(maxsize=16)
-def _plan(key: Config, mesh) -> Trainer:
-    """The programs of :func:`program_key` ``key`` on ``mesh``, jitted once per process: a
-    run that builds them again (a resumed run, the next run of a sweep) reuses their traces
-    and compiled executables instead of tracing, lowering and compiling them anew."""
-    model = from_config(key.model, key.nvfp4)
-    policy, rules = policy_for(key), rules_for(key)
-    tx = make_optimizer(key, rules, policy, mesh)
-    (a_params, a_state), (p_sh, s_sh) = abstract_state(key, mesh, model, policy, rules, tx)
+# The programs built in this process, by (program_key, mesh), least recently used first.
+_PLANS: "collections.OrderedDict[tuple, Trainer]" = collections.OrderedDict()
+PLANS_KEPT = 16
+
+
+def _plan(cfg: Config, mesh) -> Trainer:
+    """The programs of ``cfg`` on ``mesh``, jitted once per process: a run that builds them
+    again (a resumed run, the next run of a sweep) reuses their traces and compiled
+    executables instead of tracing, lowering and compiling them anew."""
+    key = (program_key(cfg), mesh)
+    if key in _PLANS:
+        _PLANS.move_to_end(key)
+        return _PLANS[key]
+    model = from_config(cfg.model, cfg.nvfp4)
+    policy, rules = policy_for(cfg), rules_for(cfg)
+    tx = make_optimizer(cfg, rules, policy, mesh)
+    (a_params, a_state), (p_sh, s_sh) = abstract_state(cfg, mesh, model, policy, rules, tx)
     # jit with out_shardings: no unsharded copy of the state is materialised on one device.
-    init_fn = jax.jit(_state_fn(key, model, policy, rules, tx, mesh), out_shardings=(p_sh, s_sh))
+    init_fn = jax.jit(_state_fn(cfg, model, policy, rules, tx, mesh), out_shardings=(p_sh, s_sh))
     batch_sharding = NamedSharding(mesh, P(batch_axes(mesh, rules)))
     step = jax.jit(
-        make_step(key, model, tx, rules, mesh),
+        make_step(cfg, model, tx, rules, mesh),
         in_shardings=(p_sh, s_sh, batch_sharding, None, None),
         out_shardings=(p_sh, s_sh, None),
         donate_argnums=(0, 1),
     )
-    return Trainer(key, mesh, model, policy, rules, tx, p_sh, s_sh, step, batch_sharding, a_params, a_state,
-                   init_fn, make_eval(key, model, rules, mesh, batch_sharding))
+    _PLANS[key] = Trainer(cfg, mesh, model, policy, rules, tx, p_sh, s_sh, step, batch_sharding, a_params, a_state,
+                          init_fn, make_eval(cfg, model, rules, mesh, batch_sharding))
+    while len(_PLANS) > PLANS_KEPT:
+        _PLANS.popitem(last=False)
+    return _PLANS[key]
 
 
 def build(cfg: Config, mesh, *, init: bool = True) -> tuple:
@@ -149,7 +159,7 @@ def build(cfg: Config, mesh, *, init: bool = True) -> tuple:
     e.g. to restore a checkpoint into. The programs are shared by every build with the same
     :func:`program_key` and mesh in this process."""
     validate_for_devices(cfg, mesh.size)
-    trainer = dataclasses.replace(_plan(program_key(cfg), mesh), cfg=cfg)
+    trainer = dataclasses.replace(_plan(cfg, mesh), cfg=cfg)
     params = opt_state = None
     if init:
         with jax.set_mesh(mesh):

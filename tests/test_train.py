@@ -122,7 +122,8 @@ def test_runs_with_the_same_programs_share_them(tmp_path):
     mesh = mesh_of(cfg, 8)
     a = step_lib.build(cfg, mesh, init=False)[0]
     host = job(f"checkpoint.dir={tmp_path}", "checkpoint.every=2", "train.log_every=1", "train.eval_every=3",
-               "data.source=file", f"data.path={TINY}", "data.val_fraction=0.5", "nvfp4.nonfinite=error", "nvfp4.max_skipped_in_a_row=2")
+               "data.source=file", f"data.path={TINY}", "data.val_fraction=0.5", "nvfp4.nonfinite=error",
+               "nvfp4.max_skipped_in_a_row=2")
     b = step_lib.build(host, mesh, init=False)[0]
     assert b.cfg is host and (b.step_fn, b.init_fn, b.eval_fn) == (a.step_fn, a.init_fn, a.eval_fn)
     for other, other_mesh in ((job("optim.lr=1e-3"), mesh), (job("train.steps=7"), mesh), (job("train.seed=1"), mesh),

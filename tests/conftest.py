@@ -11,13 +11,16 @@ import pytest
 
 # The suite compiles a few hundred small programs and runs each for a few steps: its time is
 # XLA compile time. The tests' programs compile with LLVM's -O0 and XLA's previous CPU fusion
-# emitters, in half the time of the defaults. Numerics: the quantization kernels are
+# emitters, in half the time of the defaults, and in one piece: LLVM's code generation is not
+# split into parallel parts (the tests' processes keep every core busy already; splitting cost
+# 17% more CPU time for the tiny job's init and step programs). Numerics: the quantization kernels are
 # elementwise and bit-exact under any setting (the tests against the NumPy reference and
 # Transformer Engine's cases run under these); float reductions and multiply-adds may round
 # differently from the default -O2 (the tiny job's losses differ in their last bits), so the
 # bit-identity tests compare runs compiled the same way, as everywhere. Subprocesses that set
 # their own XLA_FLAGS take them from :func:`xla_flags`.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                  "--xla_cpu_parallel_codegen_split_count=1")
 
 
 def xla_flags(devices=None):

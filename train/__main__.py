@@ -182,7 +182,7 @@ def main(argv=None) -> int:
             save_config(cfg, os.path.join(out_dir, "config.yaml"))
 
     try:
-        on_step, inject = fault_hooks()
+        on_step, inject = fault_hooks(cfg.checkpoint.dir)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -276,8 +276,9 @@ def _step_and_process(name: str, spec: str):
         raise ValueError(f"{name}={spec!r}: expected STEP[:PROCESS]") from None
 
 
-def fault_hooks():
-    """``(on_step, inject_nonfinite)`` from the ``TRAIN_FAULT_*`` variables (module docstring)."""
+def fault_hooks(checkpoint_dir=None):
+    """``(on_step, inject_nonfinite)`` from the ``TRAIN_FAULT_*`` variables (module docstring);
+    ``TRAIN_FAULT_READONLY`` acts on ``checkpoint_dir``."""
     actions = []  # (step, process or None, action)
     spec = os.environ.get("TRAIN_FAULT_EXIT")
     if spec:
@@ -302,7 +303,7 @@ def fault_hooks():
     spec = os.environ.get("TRAIN_FAULT_READONLY")
     if spec:
         ro_step, proc = _step_and_process("TRAIN_FAULT_READONLY", spec)
-        actions.append((ro_step, proc, lambda step: make_checkpoints_read_only()))
+        actions.append((ro_step, proc, lambda step: make_checkpoints_read_only(checkpoint_dir)))
 
     def run_actions(step, *_):
         import jax
@@ -323,20 +324,23 @@ def fault_hooks():
     return on_step, inject
 
 
-def make_checkpoints_read_only() -> None:
-    """Fault injection: from now on no new checkpoint can be created (EACCES), as when the
-    checkpoint directory becomes read-only; a save already under way finishes. Done in the
-    process rather than with chmod, which root ignores: orbax's creation of a step's
-    temporary directory (``<step>.orbax-checkpoint-tmp``) raises ``PermissionError``."""
+def make_checkpoints_read_only(directory) -> None:
+    """Fault injection: from now on no new checkpoint can be created in ``directory`` (EACCES),
+    as when it becomes read-only; a save already under way finishes. Done in the process
+    rather than with chmod, which root ignores: orbax's creation of a step's temporary
+    directory (``<step>.orbax-checkpoint-tmp``) there raises ``PermissionError``. Other
+    directories are untouched (a process may hold other runs' checkpointers)."""
     import errno
     import re
 
     from orbax.checkpoint._src.path import async_path
 
     mkdir = async_path.mkdir
+    directory = os.path.realpath(str(directory))
 
     async def refuse(path, *args, **kwargs):
-        if re.match(r"\d+\.orbax-checkpoint-tmp", os.path.basename(str(path))):
+        where = os.path.realpath(str(path))
+        if os.path.dirname(where) == directory and re.match(r"\d+\.orbax-checkpoint-tmp", os.path.basename(where)):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
         return await mkdir(path, *args, **kwargs)
 

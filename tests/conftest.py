@@ -63,6 +63,9 @@ JOB = ("train.steps=6", "model.d_model=96", "model.heads=2", "model.mlp_hidden=1
 # one after the other: its programs compile once and are compile-cache reads from then on
 # (two workers starting the same compile at once would both pay for it).
 job_worker = pytest.mark.xdist_group("job")
+# Likewise the tests that train or measure tiny.yaml itself (the CLI's tiny run, the
+# benchmarks' tiny points): one worker builds its NVFP4 and bf16 programs once.
+tiny_worker = pytest.mark.xdist_group("tiny")
 
 
 # The longest stretches first, so that neither pytest-xdist worker is left with one at the end

@@ -9,8 +9,11 @@ import pytest
 from benchmarks import __main__ as cli
 from benchmarks import report
 
-# One pytest-xdist worker runs this module: its module fixtures are computed once.
-pytestmark = pytest.mark.xdist_group("benchmarks")
+from conftest import tiny_worker
+
+# The worker of the tiny run's tests (test_train.py runs first): the benchmarks' tiny NVFP4 and
+# bf16 points are that run's programs, built once per process.
+pytestmark = tiny_worker
 
 # The stack's default block (nvfp4.block: auto -> 1d): a 16x16 tile packs to 128 code bytes and
 # 16 scale bytes (one per 16 rows of a column), per 512 bytes of the same tile in bf16.

@@ -12,7 +12,7 @@ from train import loop
 from train import summary as summary_lib
 from train import step as step_lib
 
-from conftest import TINY, job, job_worker, main_here, mesh_of, sets, tiny
+from conftest import TINY, job, job_worker, main_here, mesh_of, sets, tiny, tiny_worker
 
 
 # The text of the tiny --compare run: a Python stdlib source, as bytes, its last 10% held out.
@@ -60,11 +60,7 @@ def unigram_entropy(cfg) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-# One pytest-xdist worker for the users of the tiny run.
-tiny_run = pytest.mark.xdist_group("tiny_compare")
-
-
-@tiny_run
+@tiny_worker
 def test_cli_end_to_end(tiny_compare):
     out, stdout = tiny_compare["out"], tiny_compare["stdout"]
     assert tiny_compare["rc"] == 0, stdout[-2000:]
@@ -83,7 +79,7 @@ def test_cli_end_to_end(tiny_compare):
     assert stdout.index("compiling the train step...") < stdout.index("== summary")
 
 
-@tiny_run
+@tiny_worker
 def test_cli_compare_on_text_reports_validation_gap_and_exports_hf(tiny_compare):
     """--compare bf16 on text with a held-out tail: both validation losses and their gap come
     first in the summary; --export-hf writes the two Hugging Face checkpoints."""
@@ -150,7 +146,7 @@ def test_packed_and_dequantized_gathers_give_bit_identical_losses(tmp_path):
     assert b.get("all-gather:u16", 0) > 3.5 * a["all-gather:u8"]
 
 
-@tiny_run
+@tiny_worker
 def test_nvfp4_vs_bf16_final_loss_gap(tiny_compare):
     a, b = tiny_compare["nvfp4"], tiny_compare["bf16"]
     gap = a["final_loss"] - b["final_loss"]
@@ -165,7 +161,7 @@ def test_nvfp4_vs_bf16_final_loss_gap(tiny_compare):
     assert a["nvfp4_gather_bytes"] / a["nvfp4_bf16_gather_bytes"] <= 0.2818
 
 
-@tiny_run
+@tiny_worker
 def test_recipe_compute_converges(tmp_path, tiny_compare):
     """NVFP4 GEMMs with stochastic rounding of the gradients (nvfp4.compute=nvfp4), on the
     tiny run's text and schedule, half way: within reach of bf16 at the same step."""
@@ -190,7 +186,7 @@ def test_recipe_compute_converges(tmp_path, tiny_compare):
     assert abs(gap) < 0.2
 
 
-@tiny_run
+@tiny_worker
 def test_metrics_are_read_every_log_every_steps(tiny_compare):
     # The host waits for the device only where it reads metrics: the first step, every
     # train.log_every steps, evaluations, the last; each read fetches the steps in flight at

@@ -343,41 +343,28 @@ def unsharded_large_leaves(params, specs, rules, n_data: int) -> List[str]:
 
 
 def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps: float = IB_GBPS) -> Dict[str, Any]:
-    """Lower and compile the full training step of ``train.step.make_step`` for ``cfg`` on
+    """Lower and compile the training step a run of ``cfg`` uses (``train.step.build``) on
     ``spec``'s simulated mesh."""
     import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     import jax_nvfp4 as nv
-    from train import optimizer as optimizer_lib, step as step_lib
+    from train import step as step_lib
     from train import mesh as mesh_lib
     from train.config import validate_for_devices
-    from train.model import from_config
 
     axes = validate_for_devices(cfg, spec.devices)
     mesh = mesh_lib.build_mesh(cfg.mesh, jax.devices()[: spec.devices])
-    model = from_config(cfg.model, cfg.nvfp4)
-    policy, rules = step_lib.policy_for(cfg), step_lib.rules_for(cfg)
-    tx = optimizer_lib.make_optimizer(cfg, rules, policy, mesh)
 
     t0 = time.perf_counter()
-    # eval_shape of the init, then the library's shardings: nothing is allocated.
-    (a_params, a_state), (p_sh, s_sh) = step_lib.abstract_state(cfg, mesh, model, policy, rules, tx)
-    sds = lambda t, s: jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), t, s)
-    params, state = sds(a_params, p_sh), sds(a_state, s_sh)
-    batch_sh = NamedSharding(mesh, P(step_lib.batch_axes(mesh, rules)))
-    batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), jnp.int32, sharding=batch_sh)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    step = jax.jit(
-        step_lib.make_step(cfg, model, tx, rules, mesh),
-        in_shardings=(p_sh, s_sh, batch_sh, None),
-        out_shardings=(p_sh, s_sh, None),
-        donate_argnums=(0, 1),
-    )
+    # The run's own programs (train.step.build), planned only: eval_shape of the init, then the
+    # library's shardings; nothing is allocated.
+    trainer = step_lib.build(cfg, mesh, init=False)[0]
+    rules, policy, a_params = trainer.rules, trainer.policy, trainer.abstract_params
+    args = step_lib.abstract_step_args(trainer)
+    params, state, batch = args[:3]
     t_abstract = time.perf_counter() - t0
     t0 = time.perf_counter()
-    lowered = step.lower(params, state, batch, key)
+    lowered = trainer.step_fn.lower(*args, None)  # loss scale: the constant 1
     t_lower = time.perf_counter() - t0
     t0 = time.perf_counter()
     compiled = lowered.compile()

@@ -201,34 +201,31 @@ def test_metrics_are_read_every_log_every_steps(tiny_compare):
         assert recs[3]["step_time_s"] == recs[4]["step_time_s"] == recs[5]["step_time_s"]  # one read, its mean
 
 
+@pytest.fixture(scope="module")
+def flat_job(tmp_path_factory):
+    """The job on a flat data axis of 8: the reference of the tensor-axis and two-rack tests."""
+    cfg = job()
+    return loop.run(cfg, mesh_of(cfg, 8), str(tmp_path_factory.mktemp("flat")), progress=False)
+
+
 @job_worker  # the job's flat and tensor programs are also the checkpoint tests' (one compile each)
-def test_tensor_axis_trains(tmp_path):
-    runs = {}
-    for name, extra in (("flat", ()), ("tensor", ("mesh.data=4", "mesh.tensor=2"))):
-        cfg = job(*extra)
-        runs[name] = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path / name), progress=False)
-    np.testing.assert_allclose(runs["tensor"]["history"], runs["flat"]["history"], rtol=2e-2)
+def test_tensor_axis_trains(tmp_path, flat_job):
+    cfg = job("mesh.data=4", "mesh.tensor=2")
+    tensor = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=False)
+    np.testing.assert_allclose(tensor["history"], flat_job["history"], rtol=2e-2)
     # Still only bytes cross the data axis for NVFP4 weights.
-    collectives = runs["tensor"]["collectives"]
+    collectives = tensor["collectives"]
     assert collectives.get("all-gather:u8", 0) > 0
     assert not any(k.startswith("all-gather:f") or k == "all-gather:bf16" for k in collectives)
 
 
 def _compiled_step_text(cfg, n=8):
-    import jax.numpy as jnp
-
     trainer, _, _ = step_lib.build(cfg, mesh_of(cfg, n), init=False)
-    sds = lambda t, s: jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), t, s)
-    batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), jnp.int32,
-                                 sharding=trainer.batch_sharding)
-    lowered = trainer.step_fn.lower(sds(trainer.abstract_params, trainer.param_shardings),
-                                    sds(trainer.abstract_state, trainer.state_shardings), batch,
-                                    jax.eval_shape(lambda: jax.random.key(0)), np.float32(1))
-    return lowered.compile().as_text()
+    return trainer.step_fn.lower(*step_lib.abstract_step_args(trainer), np.float32(1)).compile().as_text()
 
 
 @job_worker  # the job's flat and HSDP programs are also the checkpoint tests'
-def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path):
+def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path, flat_job):
     """2 racks x 4 (mesh.layout=gb200): FSDP over (data, rack) and HSDP (replicated across
     racks) sum gradients in the same order, inside the rack then across racks: bit-identical
     losses, params and masters. (With gradient clipping on they differ by rounding: the clip
@@ -238,8 +235,8 @@ def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path):
     import jax_nvfp4 as nv
 
     racks = ("mesh.layout=gb200", "mesh.nvl_domain=4")
-    runs, meshes = {}, {}
-    for name, extra in (("flat", ()), ("fsdp", racks), ("hsdp", (*racks, "mesh.sharding=hsdp"))):
+    runs, meshes = {"flat": flat_job}, {}
+    for name, extra in (("fsdp", racks), ("hsdp", (*racks, "mesh.sharding=hsdp"))):
         cfg = job(*extra)
         meshes[name] = mesh_of(cfg, 8)
         runs[name] = loop.run(cfg, meshes[name], str(tmp_path / name), progress=False)

@@ -287,6 +287,18 @@ def validation_loss(eval_fn, params, batches) -> float:
 
 
 # ----------------------------------------------------------------------------- accounting
+def abstract_step_args(trainer: Trainer) -> tuple:
+    """``(params, opt_state, batch, key)`` of ``trainer.step_fn`` as sharded ShapeDtypeStructs:
+    with a loss scale (``None`` for a constant 1), enough to lower and compile the run's step
+    ahead of time without allocating anything."""
+    sds = lambda t, s: jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), t, s)
+    cfg = trainer.cfg
+    batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), jnp.int32,
+                                 sharding=trainer.batch_sharding)
+    return (sds(trainer.abstract_params, trainer.param_shardings), sds(trainer.abstract_state, trainer.state_shardings),
+            batch, jax.eval_shape(lambda: jax.random.key(0)))
+
+
 def gather_accounting(trainer: Trainer, params, opt_state, batch) -> Dict[str, Any]:
     """Bytes per step read from the compiled step's HLO, per device: the weight gathers
     (``jax_nvfp4.comm.Program.weight_gathers``), every collective by ``op:dtype``, and XLA's

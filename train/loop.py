@@ -112,8 +112,7 @@ def run(
         if on_start is not None:
             on_start()
 
-        batch0 = global_batch(trainer, it.batch_at(0))
-        acct = gather_accounting(trainer, params, opt_state, batch0)
+        acct = gather_accounting(trainer)
         if is_main:
             print(f"{name}: compiled in {time.perf_counter() - t_compile:.1f} s", flush=True)
         metrics_path = os.path.join(out_dir, "metrics.jsonl")

@@ -83,6 +83,9 @@ class Trainer:
     abstract_state: Any = None
     init_fn: Any = None
     eval_fn: Any = None
+    # What is read once from the compiled programs (:func:`gather_accounting`), shared by
+    # every trainer of the same plan.
+    derived: Dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
 def _state_fn(cfg: Config, model, policy, rules, tx, mesh):
@@ -299,21 +302,25 @@ def abstract_step_args(trainer: Trainer) -> tuple:
             batch, jax.eval_shape(lambda: jax.random.key(0)))
 
 
-def gather_accounting(trainer: Trainer, params, opt_state, batch) -> Dict[str, Any]:
+def gather_accounting(trainer: Trainer) -> Dict[str, Any]:
     """Bytes per step read from the compiled step's HLO, per device: the weight gathers
     (``jax_nvfp4.comm.Program.weight_gathers``), every collective by ``op:dtype``, and XLA's
     temporary buffer size; ``step_hlo``: the compiled step's HLO text itself (for
-    :func:`jax_nvfp4.comm.parse` with the mesh, e.g. the mesh axes of each collective)."""
-    compiled = trainer.step_fn.lower(params, opt_state, batch, jax.random.key(0), np.float32(1)).compile()
-    text = compiled.as_text()
-    program = nv.comm.parse(text)
-    mem = compiled.memory_analysis()
-    return {
-        **program.weight_gathers(),
-        "collectives": {f"{op}:{dt}": b for (op, dt), b in program.by("op", "dtype").items()},
-        "temp_bytes": getattr(mem, "temp_size_in_bytes", None) if mem is not None else None,
-        "step_hlo": text,
-    }
+    :func:`jax_nvfp4.comm.parse` with the mesh, e.g. the mesh axes of each collective). Read
+    once per plan: every run of the same programs gets the same figures."""
+    if "accounting" not in trainer.derived:
+        compiled = trainer.step_fn.lower(*abstract_step_args(trainer), np.float32(1)).compile()
+        text = compiled.as_text()
+        program = nv.comm.parse(text)
+        mem = compiled.memory_analysis()
+        trainer.derived["accounting"] = {
+            **program.weight_gathers(),
+            "collectives": {f"{op}:{dt}": b for (op, dt), b in program.by("op", "dtype").items()},
+            "temp_bytes": getattr(mem, "temp_size_in_bytes", None) if mem is not None else None,
+            "step_hlo": text,
+        }
+    acct = trainer.derived["accounting"]
+    return {**acct, "collectives": dict(acct["collectives"])}
 
 
 # ----------------------------------------------------------------------------- batches

@@ -38,7 +38,7 @@ import sys
 import time
 from typing import Any, Dict, List, Sequence
 
-from benchmarks.common import git_commit, request_cpu_devices
+from benchmarks.common import request_cpu_devices, source_state
 
 SECTIONS = ("traffic", "memory", "speed", "quantize", "convergence", "scaling")
 DEFAULT_OUT = os.path.join("benchmarks", "results")
@@ -110,7 +110,11 @@ def _meta(section: str, flags: Sequence[str], devices, wall_s: float) -> Dict[st
         "n_devices": len(devices),
         "cpu_count": os.cpu_count(),
         "jax": jax.__version__,
-        "git_commit": git_commit(),
+        # The library and training code measured: its commit, whether it differed from it, and a
+        # hash of the files themselves.
+        "git_commit": source_state()["git_commit"],
+        "dirty": source_state()["dirty"],
+        "source_sha256": source_state()["sha256"],
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "wall_s": round(wall_s, 1),
         # Timings on a shared host move with its load; the 1-minute load average says how busy.

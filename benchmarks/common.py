@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import glob
+import hashlib
 import os
 import statistics
 import subprocess
 import time
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import jax
 
@@ -49,3 +52,26 @@ def median_time(fn, *args, repeats: int = 10, warmup: int = 2) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+SOURCES = ("jax_nvfp4/**/*.py", "train/**/*.py", "train/configs/*")
+
+
+@functools.cache
+def source_state() -> Dict[str, Any]:
+    """The sources this process trains with: the sha256 over :data:`SOURCES` (path and bytes),
+    taken once, at its first run, so that a file edited while a worker runs does not relabel
+    what that worker already imported; the git commit and whether those files differed from it
+    (``dirty``). Runs whose ``sha256`` differ were trained by different code."""
+    h = hashlib.sha256()
+    files = sorted({f for pat in SOURCES for f in glob.glob(os.path.join(ROOT, pat), recursive=True)})
+    for f in files:
+        h.update(os.path.relpath(f, ROOT).encode() + b"\0")
+        with open(f, "rb") as fh:
+            h.update(hashlib.sha256(fh.read()).digest())
+    try:
+        status = subprocess.run(["git", "status", "--porcelain", "--", "jax_nvfp4", "train"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        status = None
+    return {"sha256": h.hexdigest(), "git_commit": git_commit(), "dirty": None if status is None else bool(status)}

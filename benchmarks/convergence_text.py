@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
-import glob
 import hashlib
 import json
 import math
@@ -51,7 +49,7 @@ import sysconfig
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from benchmarks.common import ROOT, git_commit, request_cpu_devices, use_compile_cache
+from benchmarks.common import ROOT, SOURCES, git_commit, request_cpu_devices, source_state, use_compile_cache
 
 DEFAULT_OUT = os.path.join("benchmarks", "results")
 DEFAULT_CACHE = os.path.join("runs", "convergence-text")
@@ -293,27 +291,6 @@ def plain_bf16_run(cfg) -> Dict[str, Any]:
 
 # What a run's numbers depend on besides its config (its overrides, recorded with it): the
 # library and the stack, configs included.
-SOURCES = ("jax_nvfp4/**/*.py", "train/**/*.py", "train/configs/*")
-
-
-@functools.cache
-def source_state() -> Dict[str, Any]:
-    """The sources this process trains with: the sha256 over :data:`SOURCES` (path and bytes),
-    taken once, at its first run, so that a file edited while a worker runs does not relabel
-    what that worker already imported; the git commit and whether those files differed from it
-    (``dirty``). Runs whose ``sha256`` differ were trained by different code."""
-    h = hashlib.sha256()
-    files = sorted({f for pat in SOURCES for f in glob.glob(os.path.join(ROOT, pat), recursive=True)})
-    for f in files:
-        h.update(os.path.relpath(f, ROOT).encode() + b"\0")
-        with open(f, "rb") as fh:
-            h.update(hashlib.sha256(fh.read()).digest())
-    try:
-        status = subprocess.run(["git", "status", "--porcelain", "--", "jax_nvfp4", "train"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        status = None
-    return {"sha256": h.hexdigest(), "git_commit": git_commit(), "dirty": None if status is None else bool(status)}
 
 
 def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=print) -> Dict[str, Any]:

@@ -54,7 +54,8 @@ def _ms(s: Optional[float]) -> str:
 def _where(meta: Dict[str, Any]) -> str:
     return (f"{meta.get('n_devices')} x {meta.get('device_kind')} ({meta.get('platform')}"
             f"{', simulated devices on ' + str(meta.get('cpu_count')) + ' CPU cores' if meta.get('platform') == 'cpu' else ''}), "
-            f"jax {meta.get('jax')}, commit {str(meta.get('git_commit'))[:10]}, {meta.get('date')}"
+            f"jax {meta.get('jax')}, commit {str(meta.get('git_commit'))[:10]}"
+            + (" with uncommitted changes to jax_nvfp4/ or train/" if meta.get("dirty") else "") + f", {meta.get('date')}"
             + (f", host load {meta['load_avg_1m']}" if meta.get("load_avg_1m") is not None else ""))
 
 

@@ -48,6 +48,16 @@ def test_files_and_commands(results):
     # It points to the report written with it, not to the committed one.
     assert f"details in [{results / 'REPORT.md'}]" in head
     assert sum("packed gather ratio: " in line for line in head.splitlines()) == 1
+    # Each section names the code it measured: the commit, whether jax_nvfp4/ or train/ differed
+    # from it (then the report says so), and a hash of those files as they were read.
+    from benchmarks.common import source_state
+
+    meta = _load(results, "traffic")["meta"]
+    state = source_state()
+    assert (meta["git_commit"], meta["dirty"], meta["source_sha256"]) == (state["git_commit"], state["dirty"],
+                                                                         state["sha256"])
+    assert len(meta["source_sha256"]) == 64
+    assert ("with uncommitted changes to jax_nvfp4/ or train/" in text) == bool(meta["dirty"])
 
 
 def test_traffic_ratios(results):

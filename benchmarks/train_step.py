@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import gc
-import inspect
 import math
 import os
 import statistics
@@ -112,22 +111,6 @@ def state_memory(trainer, params, opt_state) -> Dict[str, int]:
 
 
 # ----------------------------------------------------------------------------- one point
-def _extra_step_args(step_fn) -> tuple:
-    """Arguments the train step takes after ``(params, opt_state, batch, key)``: a loss scale
-    of 1 where the step has one (its fault-injection hook)."""
-    try:
-        names = list(inspect.signature(step_fn).parameters)
-    except (TypeError, ValueError):
-        return ()
-    return tuple(np.float32(1) for _ in names[4:])
-
-
-def _mem_stats(compiled) -> Dict[str, Optional[int]]:
-    mem = compiled.memory_analysis()
-    keys = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes")
-    return {k.replace("_size_in_bytes", ""): (getattr(mem, k, None) if mem is not None else None) for k in keys}
-
-
 def measure(cfg: Config, devices: Sequence[Any], *, time_steps: int = 3) -> Dict[str, Any]:
     """Figures 1-3 of ``cfg``'s compiled step on a data-parallel mesh of ``devices``."""
     t0 = time.perf_counter()
@@ -137,13 +120,14 @@ def measure(cfg: Config, devices: Sequence[Any], *, time_steps: int = 3) -> Dict
     it = data_lib.make_data_iterator(cfg, process_index=jax.process_index(),
                                      process_count=jax.process_count(), source=source)
     batch = step_lib.global_batch(trainer, it.batch_at(0))
-    extra = _extra_step_args(trainer.step_fn)
-    compiled = trainer.step_fn.lower(params, opt_state, batch, jax.random.key(0), *extra).compile()
+    # The compiled step the CLI reads its accounting from (train.step.compiled_step): the same
+    # program, parsed once.
+    step = step_lib.compiled_step(trainer)
     build_s = time.perf_counter() - t0
-    program = nv.comm.parse(compiled.as_text())
+    program = step["program"]
     gathers = program.weight_gathers()
     memory = state_memory(trainer, params, opt_state)
-    memory.update({f"compiled_{k}": v for k, v in _mem_stats(compiled).items()})
+    memory.update({f"compiled_{k}": v for k, v in step["memory"].items()})
     n_params = sum(math.prod(l.shape) for l in jax.tree.leaves(params, is_leaf=nv.is_tiled))
     n_nvfp4 = sum(math.prod(l.shape) for l in jax.tree.leaves(params, is_leaf=nv.is_tiled) if isinstance(l, nv.TiledNVFP4))
 
@@ -153,7 +137,7 @@ def measure(cfg: Config, devices: Sequence[Any], *, time_steps: int = 3) -> Dict
         key = jax.random.key(cfg.train.seed + 2)
         for i in range(time_steps + 1):  # the first call after compilation is not timed
             t = time.perf_counter()
-            params, opt_state, m = compiled(params, opt_state, batch, jax.random.fold_in(key, i), *extra)
+            params, opt_state, m = trainer.step_fn(params, opt_state, batch, jax.random.fold_in(key, i), np.float32(1))
             loss = float(m["loss"])  # syncs the step
             if i:
                 times.append(time.perf_counter() - t)
@@ -182,7 +166,7 @@ def measure(cfg: Config, devices: Sequence[Any], *, time_steps: int = 3) -> Dict
         "build_compile_s": build_s,
         "hlo_warnings": list(program.warnings),
     }
-    del trainer, params, opt_state, compiled
+    del trainer, params, opt_state, step
     gc.collect()
     jax.clear_caches()
     return out

@@ -221,7 +221,7 @@ def test_tensor_axis_trains(tmp_path, flat_job):
 
 def _compiled_step_text(cfg, n=8):
     trainer, _, _ = step_lib.build(cfg, mesh_of(cfg, n), init=False)
-    return trainer.step_fn.lower(*step_lib.abstract_step_args(trainer), np.float32(1)).compile().as_text()
+    return step_lib.compiled_step(trainer)["text"]
 
 
 @job_worker  # the job's flat and HSDP programs are also the checkpoint tests'

@@ -83,8 +83,8 @@ class Trainer:
     abstract_state: Any = None
     init_fn: Any = None
     eval_fn: Any = None
-    # What is read once from the compiled programs (:func:`gather_accounting`), shared by
-    # every trainer of the same plan.
+    # What is read once from the compiled programs (:func:`compiled_step`), shared by every
+    # trainer of the same plan.
     derived: Dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 
@@ -302,25 +302,39 @@ def abstract_step_args(trainer: Trainer) -> tuple:
             batch, jax.eval_shape(lambda: jax.random.key(0)))
 
 
+def compiled_step(trainer: Trainer) -> Dict[str, Any]:
+    """What the compiled step is, read once per plan and shared by every run of it (the CLI's
+    accounting, the benchmarks): ``text`` (its HLO), ``program`` (that text parsed by
+    :func:`jax_nvfp4.comm.parse`) and ``memory`` (``compiled.memory_analysis()`` per device:
+    ``temp``, ``argument``, ``output`` and ``alias`` bytes, None where the backend does not
+    say). The step is lowered from :func:`abstract_step_args` with a float32 loss scale: the
+    program the loop runs."""
+    if "step" not in trainer.derived:
+        compiled = trainer.step_fn.lower(*abstract_step_args(trainer), np.float32(1)).compile()
+        text = compiled.as_text()
+        mem = compiled.memory_analysis()
+        trainer.derived["step"] = {
+            "text": text,
+            "program": nv.comm.parse(text),
+            "memory": {k: (getattr(mem, f"{k}_size_in_bytes", None) if mem is not None else None)
+                       for k in ("temp", "argument", "output", "alias")},
+        }
+    return trainer.derived["step"]
+
+
 def gather_accounting(trainer: Trainer) -> Dict[str, Any]:
     """Bytes per step read from the compiled step's HLO, per device: the weight gathers
     (``jax_nvfp4.comm.Program.weight_gathers``), every collective by ``op:dtype``, and XLA's
     temporary buffer size; ``step_hlo``: the compiled step's HLO text itself (for
-    :func:`jax_nvfp4.comm.parse` with the mesh, e.g. the mesh axes of each collective). Read
-    once per plan: every run of the same programs gets the same figures."""
-    if "accounting" not in trainer.derived:
-        compiled = trainer.step_fn.lower(*abstract_step_args(trainer), np.float32(1)).compile()
-        text = compiled.as_text()
-        program = nv.comm.parse(text)
-        mem = compiled.memory_analysis()
-        trainer.derived["accounting"] = {
-            **program.weight_gathers(),
-            "collectives": {f"{op}:{dt}": b for (op, dt), b in program.by("op", "dtype").items()},
-            "temp_bytes": getattr(mem, "temp_size_in_bytes", None) if mem is not None else None,
-            "step_hlo": text,
-        }
-    acct = trainer.derived["accounting"]
-    return {**acct, "collectives": dict(acct["collectives"])}
+    :func:`jax_nvfp4.comm.parse` with the mesh, e.g. the mesh axes of each collective)."""
+    step = compiled_step(trainer)
+    program = step["program"]
+    return {
+        **program.weight_gathers(),
+        "collectives": {f"{op}:{dt}": b for (op, dt), b in program.by("op", "dtype").items()},
+        "temp_bytes": step["memory"]["temp"],
+        "step_hlo": step["text"],
+    }
 
 
 # ----------------------------------------------------------------------------- batches

@@ -236,8 +236,13 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             # A save killed before its atomic rename leaves a temporary directory: remove it.
             cleanup_tmp_directories=True,
-            # Record the content hashes as soon as an asynchronous save has committed.
-            async_options=ocp.AsyncOptions(post_finalization_callback=self._record_hashes) if async_save else None,
+            # Record the content hashes as soon as an asynchronous save has committed. The step's
+            # temporary directory is created before save() returns: a directory that cannot be
+            # written fails the save there, where the caller sees it, instead of leaving orbax's
+            # background threads waiting for a creation signal that never comes (they held the
+            # process at its exit for orbax's 5-minute coordination timeout).
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._record_hashes,
+                                           create_directories_asynchronously=False) if async_save else None,
         )
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options)

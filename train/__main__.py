@@ -396,8 +396,9 @@ def gather_floor(block: str) -> str:
 if __name__ == "__main__":
     code = main()
     if code == 5:
-        # A failed asynchronous save leaves orbax threads waiting (minutes) for signals that
-        # will never come; the interpreter would wait for them before exiting.
+        # A checkpoint error: whatever orbax still runs in the background for the failed save
+        # (a failed write's commit thread) is abandoned, not waited for at exit. (A directory
+        # that cannot be written fails inside save() and leaves nothing behind.)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

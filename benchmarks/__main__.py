@@ -103,6 +103,7 @@ def run_scale(argv: Sequence[str]) -> int:
 def _meta(section: str, flags: Sequence[str], devices, wall_s: float) -> Dict[str, Any]:
     import jax
 
+    source = source_state()
     return {
         "command": " ".join(["python -m benchmarks", section, *flags]),
         "platform": jax.default_backend(),
@@ -112,9 +113,9 @@ def _meta(section: str, flags: Sequence[str], devices, wall_s: float) -> Dict[st
         "jax": jax.__version__,
         # The library and training code measured: its commit, whether it differed from it, and a
         # hash of the files themselves.
-        "git_commit": source_state()["git_commit"],
-        "dirty": source_state()["dirty"],
-        "source_sha256": source_state()["sha256"],
+        "git_commit": source["git_commit"],
+        "dirty": source["dirty"],
+        "source_sha256": source["sha256"],
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "wall_s": round(wall_s, 1),
         # Timings on a shared host move with its load; the 1-minute load average says how busy.

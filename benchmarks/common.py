@@ -54,6 +54,8 @@ def median_time(fn, *args, repeats: int = 10, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+# What a run's numbers depend on besides its config (its overrides, recorded with it): the
+# library and the stack, configs included.
 SOURCES = ("jax_nvfp4/**/*.py", "train/**/*.py", "train/configs/*")
 
 

@@ -289,10 +289,6 @@ def plain_bf16_run(cfg) -> Dict[str, Any]:
             "final_val_loss": val_history[-1][1], "median_step_time_s": None, "skipped_steps": 0}
 
 
-# What a run's numbers depend on besides its config (its overrides, recorded with it): the
-# library and the stack, configs included.
-
-
 def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=print) -> Dict[str, Any]:
     """Train one run of the grid (or read its result if ``<cache>/runs/<name>.json`` exists)."""
     path = os.path.join(cache, "runs", spec["name"] + ".json")

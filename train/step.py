@@ -292,8 +292,8 @@ def validation_loss(eval_fn, params, batches) -> float:
 # ----------------------------------------------------------------------------- accounting
 def abstract_step_args(trainer: Trainer) -> tuple:
     """``(params, opt_state, batch, key)`` of ``trainer.step_fn`` as sharded ShapeDtypeStructs:
-    with a loss scale (``None`` for a constant 1), enough to lower and compile the run's step
-    ahead of time without allocating anything."""
+    with the loss scale the caller appends (a float32, or ``None`` for the constant 1), enough
+    to lower and compile the run's step ahead of time without allocating anything."""
     sds = lambda t, s: jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), t, s)
     cfg = trainer.cfg
     batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), jnp.int32,

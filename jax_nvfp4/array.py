@@ -288,8 +288,8 @@ def quantize(
         raise ValueError(f"quantize needs a non-empty matrix, got shape {x.shape}")
     if amax is not None:
         amax = _check_amax(amax, batch)
-    data, scale, amax = _quantize(x, key if rounding == "stochastic" else None, amax, block)
-    return NVFP4Array.create(data, scale, amax, (rows, cols), block)
+    data, scale_bits, amax_bits = _quantize(x, key if rounding == "stochastic" else None, amax, block)
+    return NVFP4Array(data, scale_bits, amax_bits, (rows, cols), block)
 
 
 # The numeric cores of quantize and dequantize are compiled once per shape (inlined when the
@@ -304,7 +304,9 @@ def _quantize(x, key, amax, block):
     codes_ = codes_[..., :rows, :cols]
     if cols % 2:  # a (16, 1) block pads no columns: one zero code completes the last byte
         codes_ = jnp.pad(codes_, [(0, 0)] * (codes_.ndim - 1) + [(0, 1)])
-    return nx.pack_codes(codes_), scale, amax
+    # The stored bytes, formed here rather than by NVFP4Array.create (eagerly, op by op).
+    return (nx.pack_codes(codes_), jax.lax.bitcast_convert_type(scale, jnp.uint8),
+            jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.uint32))
 
 
 def check_rounding(rounding: str, key) -> None:

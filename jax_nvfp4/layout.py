@@ -45,6 +45,12 @@ def _ceil_div(n: int, m: int) -> int:
     return -(-n // m)
 
 
+def _xp(x):
+    """The array namespace of ``x``: NumPy for host arrays (a relayout of a checkpoint's or an
+    export's host copy dispatches no XLA program), jax.numpy for everything else."""
+    return np if isinstance(x, np.ndarray) else jnp
+
+
 def tile_scales(block) -> Tuple[int, int]:
     """``(rows, cols)`` of the block scales inside one 16x16 tile: (1, 1) for 2D tiles,
     (1, 16) for ``(16, 1)`` blocks, (16, 1) for ``(1, 16)``."""
@@ -218,7 +224,7 @@ class Layout:
         *batch, r, c = x.shape
         nt, k = self.n_tensor, len(batch)
         if self.tensor_dim == -1:
-            return jnp.moveaxis(x.reshape(*batch, r, nt, c // nt), k + 1, k)
+            return _xp(x).moveaxis(x.reshape(*batch, r, nt, c // nt), k + 1, k)
         if self.tensor_dim == -2:
             return x.reshape(*batch, nt, r // nt, c)
         return x[..., None, :, :]
@@ -226,31 +232,33 @@ class Layout:
     def to_tiles(self, x: jax.Array, width: int = TILE, height: int = TILE) -> jax.Array:
         """``[..., rows', cols']`` -> ``[..., nt, T, height, width]``, zero-padded: each tile's
         ``height x width`` entries. 16 x 16 for values; 16 x 8 for packed codes (``cols'`` =
-        bytes per row); the tile's scales for block scales (:meth:`scales_to_tiles`)."""
+        bytes per row); the tile's scales for block scales (:meth:`scales_to_tiles`). A NumPy
+        array stays one (host-side relayouts compile nothing)."""
         *batch, _, _ = x.shape
-        nt, k = self.n_tensor, len(batch)
+        nt, k, xp = self.n_tensor, len(batch), _xp(x)
         x = self._split(x)
         gr, gc = self.grid
-        x = jnp.pad(x, [(0, 0)] * (k + 1) + [(0, gr * height - x.shape[-2]), (0, gc * width - x.shape[-1])])
+        x = xp.pad(x, [(0, 0)] * (k + 1) + [(0, gr * height - x.shape[-2]), (0, gc * width - x.shape[-1])])
         x = x.reshape(*batch, nt, gr, height, gc, width)
-        x = jnp.swapaxes(x, -3, -2).reshape(*batch, nt, gr * gc, height, width)
+        x = xp.swapaxes(x, -3, -2).reshape(*batch, nt, gr * gc, height, width)
         if self.padded_tiles != self.tiles:
-            x = jnp.pad(x, [(0, 0)] * (k + 1) + [(0, self.padded_tiles - self.tiles), (0, 0), (0, 0)])
+            x = xp.pad(x, [(0, 0)] * (k + 1) + [(0, self.padded_tiles - self.tiles), (0, 0), (0, 0)])
         return x
 
     def from_tiles(self, t: jax.Array, cols: Optional[int] = None) -> jax.Array:
         """``[..., nt, T, height, width]`` -> ``[..., rows, cols]`` (the inverse of
         :meth:`to_tiles`; rows and ``cols`` default to the logical ones scaled by
-        ``height/16`` and ``width/16``)."""
+        ``height/16`` and ``width/16``). A NumPy array stays one."""
         *batch, nt, _, height, width = t.shape
         k = len(batch)
         gr, gc = self.grid
         sr, sc = self.sub
         sr_x, sc_x = _ceil_div(sr * height, TILE), _ceil_div(sc * width, TILE)
+        xp = _xp(t)
         t = t[..., : self.tiles, :, :].reshape(*batch, nt, gr, gc, height, width)
-        x = jnp.swapaxes(t, -3, -2).reshape(*batch, nt, gr * height, gc * width)[..., :sr_x, :sc_x]
+        x = xp.swapaxes(t, -3, -2).reshape(*batch, nt, gr * height, gc * width)[..., :sr_x, :sc_x]
         if self.tensor_dim == -1:
-            x = jnp.moveaxis(x, k, k + 1).reshape(*batch, sr_x, nt * sc_x)
+            x = xp.moveaxis(x, k, k + 1).reshape(*batch, sr_x, nt * sc_x)
         elif self.tensor_dim == -2:
             x = x.reshape(*batch, nt * sr_x, sc_x)
         else:

@@ -46,6 +46,14 @@ def test_tiles_round_trip_and_nvfp4_bit_identity(shape, nd, nt, td, block):
     assert not np.any(np.asarray(t)[..., lay.tiles:, :, :])  # padding tiles are zero
     q = nv.quantize(x, block=block)
     tq = from_array(q, lay)
+    # Host copies (a checkpoint's or an export's) relayout in NumPy: the same bytes, no program.
+    host = jax.device_get(tq)
+    with jax.transfer_guard("disallow"):  # a jax.numpy op would move them to the device
+        t_host, back = lay.to_tiles(np.asarray(x)), host.to_array()
+    assert isinstance(t_host, np.ndarray) and t_host.tobytes() == np.asarray(t).tobytes()
+    assert isinstance(back.data, np.ndarray)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(q)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     # One scale per tile (2D), or one per tile column: 16 consecutive rows of one column.
     assert tq.block == block and tq.scale_bits.shape == (*shape[:-2], nt, lay.padded_tiles,
                                                          *(() if block == nv.BLOCK_2D else (16,)))

@@ -192,16 +192,18 @@ def _arrays(params, opt_state) -> Dict[str, Any]:
     return out
 
 
-# One jitted function (a lambda jitted per call would trace and compile again for every leaf).
-_finite = jax.jit(lambda v: jnp.all(jnp.isfinite(v.astype(jnp.float32))))
-
-
-def _all_finite(name: str, x) -> bool:
-    if name.endswith("/amax_bits"):  # an amax, stored as its float32 bits
-        x = jax.lax.bitcast_convert_type(x, jnp.float32)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        return True
-    return bool(_finite(x))
+@jax.jit
+def _finite(flat: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
+    """``{name: all values finite}`` for the float leaves of a flat state (amaxes, stored as
+    their float32 bits, included), in one program per state structure (a check per leaf
+    would compile one program per leaf shape)."""
+    out = {}
+    for name, x in flat.items():
+        if name.endswith("/amax_bits"):
+            x = jax.lax.bitcast_convert_type(x, jnp.float32)
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            out[name] = jnp.all(jnp.isfinite(x.astype(jnp.float32)))
+    return out
 
 
 # ----------------------------------------------------------------------------- the manager
@@ -483,7 +485,8 @@ class Checkpointer:
         if missing:
             raise CheckpointError(f"checkpoint {where}: arrays missing: {missing[0]}"
                                   + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-        bad = [name for name in targets if not _all_finite(name, flat[name])]
+        finite = jax.device_get(_finite({name: flat[name] for name in targets}))
+        bad = [name for name in targets if not finite.get(name, True)]
         if bad:
             raise CheckpointError(f"checkpoint {where}: non-finite values (NaN or Inf) in {bad[0]}"
                                   + (f" (and {len(bad) - 1} more leaves)" if len(bad) > 1 else "")

@@ -121,8 +121,9 @@ def test_layers_kept_in_bf16_run_bf16_gemms_under_the_recipe():
     tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
 
     def logits(keep_last, **k):
-        params = GPT(**kw, keep_last=keep_last).init(jax.random.key(0), tokens)["params"]
-        return [np.asarray(GPT(**kw, keep_last=keep_last, compute=c, **k).apply({"params": params}, tokens))
+        # Init and each forward pass as one program (op by op, each op compiles its own).
+        params = jax.jit(GPT(**kw, keep_last=keep_last).init)(jax.random.key(0), tokens)["params"]
+        return [np.asarray(jax.jit(GPT(**kw, keep_last=keep_last, compute=c, **k).apply)({"params": params}, tokens))
                 for c in ("dequant", "nvfp4")]
 
     bf16, recipe = logits(2)

@@ -26,6 +26,8 @@ them. Small leaves (norm scales, biases) are replicated and keep their logical s
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 import re
 from typing import Optional, Sequence, Tuple
@@ -46,9 +48,26 @@ def _ceil_div(n: int, m: int) -> int:
 
 
 def _xp(x):
-    """The array namespace of ``x``: NumPy for host arrays (a relayout of a checkpoint's or an
-    export's host copy dispatches no XLA program), jax.numpy for everything else."""
+    """The array namespace of ``x``: NumPy for host arrays, jax.numpy for everything else."""
     return np if isinstance(x, np.ndarray) else jnp
+
+
+def _relayout(method):
+    """A :class:`Layout` relayout (reshapes, pads, transposes, slices), run where its input is:
+    a NumPy array stays on the host in NumPy (a checkpoint's or an export's host copy compiles
+    nothing); a traced one is inlined into the caller's program; a concrete ``jax.Array`` runs
+    it as one compiled program per shape (op by op, each of its ops would compile its own)."""
+    self_name, _array, *rest = inspect.signature(method).parameters
+    static = (self_name, *rest)
+    program = jax.jit(method, static_argnames=static)
+
+    @functools.wraps(method)
+    def run(self, x, *args, **kwargs):
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            return program(self, x, *args, **kwargs)
+        return method(self, x, *args, **kwargs)
+
+    return run
 
 
 def tile_scales(block) -> Tuple[int, int]:
@@ -229,6 +248,7 @@ class Layout:
             return x.reshape(*batch, nt, r // nt, c)
         return x[..., None, :, :]
 
+    @_relayout
     def to_tiles(self, x: jax.Array, width: int = TILE, height: int = TILE) -> jax.Array:
         """``[..., rows', cols']`` -> ``[..., nt, T, height, width]``, zero-padded: each tile's
         ``height x width`` entries. 16 x 16 for values; 16 x 8 for packed codes (``cols'`` =
@@ -245,6 +265,7 @@ class Layout:
             x = xp.pad(x, [(0, 0)] * (k + 1) + [(0, self.padded_tiles - self.tiles), (0, 0), (0, 0)])
         return x
 
+    @_relayout
     def from_tiles(self, t: jax.Array, cols: Optional[int] = None) -> jax.Array:
         """``[..., nt, T, height, width]`` -> ``[..., rows, cols]`` (the inverse of
         :meth:`to_tiles`; rows and ``cols`` default to the logical ones scaled by
@@ -267,6 +288,7 @@ class Layout:
             x = x[..., :cols]
         return x
 
+    @_relayout
     def scales_to_tiles(self, s: jax.Array, block=BLOCK_2D) -> jax.Array:
         """Compact block scales ``[..., ceil(R/br), ceil(C/bc)]`` -> ``[..., nt, T]`` (2D tiles)
         or ``[..., nt, T, 16]`` (1D blocks: the tile's 16 scales)."""
@@ -274,6 +296,7 @@ class Layout:
         t = self.to_tiles(s, width=w, height=h)
         return t.reshape(*t.shape[:-2], h * w) if h * w > 1 else t[..., 0, 0]
 
+    @_relayout
     def scales_from_tiles(self, s: jax.Array, block=BLOCK_2D) -> jax.Array:
         """The tiles' scales (:meth:`scales_to_tiles`) -> compact ``[..., ceil(R/br), ceil(C/bc)]``."""
         h, w = tile_scales(block)

@@ -100,10 +100,10 @@ def _state_fn(cfg: Config, model, policy, rules, tx, mesh):
     return create
 
 
-def abstract_state(cfg: Config, mesh, model, policy, rules, tx):
-    """``((params, opt_state) as ShapeDtypeStructs, (param_shardings, state_shardings))``,
-    without computing anything: what the state init creates, and where."""
-    create = _state_fn(cfg, model, policy, rules, tx, mesh)
+def abstract_state(create, mesh):
+    """``((params, opt_state) as ShapeDtypeStructs, (param_shardings, state_shardings))`` of
+    the state init ``create`` (:func:`_state_fn`), without computing anything: what it creates,
+    and where. Its trace is cached: jitting the same ``create`` does not trace it again."""
     with jax.set_mesh(mesh):
         abstract = jax.eval_shape(create, jax.random.key(0))
     shard = (nv.shardings(abstract[0], mesh), nv.shardings(abstract[1], mesh))
@@ -138,9 +138,10 @@ def _plan(cfg: Config, mesh) -> Trainer:
     model = from_config(cfg.model, cfg.nvfp4)
     policy, rules = policy_for(cfg), rules_for(cfg)
     tx = make_optimizer(cfg, rules, policy, mesh)
-    (a_params, a_state), (p_sh, s_sh) = abstract_state(cfg, mesh, model, policy, rules, tx)
+    create = _state_fn(cfg, model, policy, rules, tx, mesh)
+    (a_params, a_state), (p_sh, s_sh) = abstract_state(create, mesh)
     # jit with out_shardings: no unsharded copy of the state is materialised on one device.
-    init_fn = jax.jit(_state_fn(cfg, model, policy, rules, tx, mesh), out_shardings=(p_sh, s_sh))
+    init_fn = jax.jit(create, out_shardings=(p_sh, s_sh))
     batch_sharding = NamedSharding(mesh, P(batch_axes(mesh, rules)))
     step = jax.jit(
         make_step(cfg, model, tx, rules, mesh),

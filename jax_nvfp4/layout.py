@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_nvfp4 import numerics as nx
-from jax_nvfp4.array import BLOCK_2D, NVFP4Array, _check_block, flat_index, quantize_padded
+from jax_nvfp4.array import BLOCK_2D, NVFP4Array, _check_block, _concrete, flat_index, quantize_padded
 
 TILE = 16
 
@@ -63,7 +63,7 @@ def _relayout(method):
 
     @functools.wraps(method)
     def run(self, x, *args, **kwargs):
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        if _concrete(x) and not isinstance(x, np.ndarray):
             return program(self, x, *args, **kwargs)
         return method(self, x, *args, **kwargs)
 

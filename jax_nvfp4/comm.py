@@ -47,6 +47,7 @@ _CALLEE = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 _CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALL_KEYS = ("calls=", "to_apply=", "body=", "condition=", "computations=")
 _TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 
 # What a collective is for. The keys are the values of ``Collective.purpose``.
@@ -225,6 +226,8 @@ def multipliers(comps: Mapping[str, Sequence[str]], entry: str) -> Tuple[Dict[st
     warnings: List[str] = []
     for comp, lines in comps.items():
         for line in lines:
+            if not any(k in line for k in _CALL_KEYS):  # most lines call nothing: skip the regexes
+                continue
             callees = set(_CALLEE.findall(line))
             for group in _CALLEE_LIST.findall(line):
                 callees.update(c.strip().lstrip("%") for c in group.split(",") if c.strip())

@@ -13,8 +13,6 @@ import tempfile
 import time
 from typing import Any, Dict, Sequence
 
-import jax
-
 from benchmarks.train_step import size_config
 from train import loop, summary
 from train import mesh as mesh_lib
@@ -41,7 +39,6 @@ def run(size: str, steps: int, devices: Sequence[Any], out_dir: str, *, log=prin
             runs.append(r)
             log(f"  {label:>13}: final loss {r['final_loss']:.4f} (floor {r['entropy_floor']:.4f}), "
                 f"{r['median_step_time_s'] * 1e3:.1f} ms/step, {r['wall_s']:.0f} s")
-            jax.clear_caches()
     os.makedirs(out_dir, exist_ok=True)
     plot = os.path.join(out_dir, "convergence.png")
     summary.plot_losses(runs, plot, runs[0]["entropy_floor"])

@@ -310,7 +310,6 @@ def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=pri
         mesh = mesh_lib.build_mesh(cfg.mesh, jax.devices()[:1])
         r = loop.run(cfg, mesh, os.path.join(cache, "out", spec["name"]), progress=False, label=spec["name"])
     wall = time.perf_counter() - t0
-    jax.clear_caches()
     res = {**spec, "overrides": overrides,
            "final_val_loss": r["final_val_loss"], "val_history": [list(v) for v in r["val_history"]],
            "final_train_loss": r["final_loss"],

@@ -16,7 +16,6 @@ twice (``nvfp4.weights=nvfp4`` and ``=bf16``), compiles each step once, and read
 from __future__ import annotations
 
 import collections
-import gc
 import math
 import os
 import statistics
@@ -166,9 +165,6 @@ def measure(cfg: Config, devices: Sequence[Any], *, time_steps: int = 3) -> Dict
         "build_compile_s": build_s,
         "hlo_warnings": list(program.warnings),
     }
-    del trainer, params, opt_state, step
-    gc.collect()
-    jax.clear_caches()
     return out
 
 

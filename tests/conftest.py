@@ -54,11 +54,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "train", "configs", "tiny.yaml")
 # The tiny job of the reliability modules (checkpoint, faults, multiprocess) and of the mesh
 # tests (tensor axis, two racks): widths divisible by 16 x 6, a batch divisible by 8, 6, 4 and
-# 1. One job, so that its programs compile once. No gradient clipping: its global norm sums
-# squares per storage shard, so FSDP and HSDP would differ by rounding (the multiprocess job
-# clips, to check the norm's sum across processes).
-JOB = ("train.steps=6", "model.d_model=96", "model.heads=2", "model.mlp_hidden=192", "data.batch_size=24",
-       "optim.clip_norm=0")
+# 1, sequences of 32 tokens (what these tests check does not depend on the length; a step
+# takes 60% of the CPU time of tiny.yaml's 64). One job, so that its programs compile once. No
+# gradient clipping: its global norm sums squares per storage shard, so FSDP and HSDP would
+# differ by rounding (the multiprocess job clips, to check the norm's sum across processes).
+JOB = ("train.steps=6", "model.d_model=96", "model.heads=2", "model.mlp_hidden=192", "model.seq_len=32",
+       "data.batch_size=24", "optim.clip_norm=0")
 # The modules and tests that train the job on 8 or 6 devices run on one pytest-xdist worker,
 # one after the other: its programs compile once and are compile-cache reads from then on
 # (two workers starting the same compile at once would both pay for it).

@@ -288,8 +288,7 @@ def quantize(
         raise ValueError(f"quantize needs a non-empty matrix, got shape {x.shape}")
     if amax is not None:
         amax = _check_amax(amax, batch)
-    data, scale_bits, amax_bits = _quantize(x, key if rounding == "stochastic" else None, amax, block)
-    return NVFP4Array(data, scale_bits, amax_bits, (rows, cols), block)
+    return _quantize(x, key if rounding == "stochastic" else None, amax, block)
 
 
 # The numeric cores of quantize and dequantize are compiled once per shape (inlined when the
@@ -301,12 +300,9 @@ def _quantize(x, key, amax, block):
     xp = pad_to_block(x.astype(jnp.float32), block)
     uniform = None if key is None else nx.uniform_from_index(key, element_index(xp.shape, (rows, cols)))
     codes_, scale, amax = quantize_padded(xp, block, uniform=uniform, amax=amax)
-    codes_ = codes_[..., :rows, :cols]
-    if cols % 2:  # a (16, 1) block pads no columns: one zero code completes the last byte
-        codes_ = jnp.pad(codes_, [(0, 0)] * (codes_.ndim - 1) + [(0, 1)])
-    # The stored bytes, formed here rather than by NVFP4Array.create (eagerly, op by op).
-    return (nx.pack_codes(codes_), jax.lax.bitcast_convert_type(scale, jnp.uint8),
-            jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.uint32))
+    # The array itself (a pytree) is the program's output: its stored bytes are formed here,
+    # not op by op after it.
+    return from_codes(codes_[..., :rows, :cols], scale, amax, block)
 
 
 def check_rounding(rounding: str, key) -> None:

@@ -255,19 +255,21 @@ def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path, flat_job):
         assert rack_groups <= {(0, 4), (1, 5), (2, 6), (3, 7)}
 
 
-LAYERS = 4  # the two tests below read one compiled step of a 4-layer tiny model
-
-
 @pytest.fixture(scope="module")
-def four_layer_step_text():
-    return _compiled_step_text(tiny(f"model.layers={LAYERS}"))
+def job_step():
+    """The flat job's compiled step (its program is the flat_job's and the checkpoint tests'):
+    ``(config, HLO text)``."""
+    cfg = job()
+    return cfg, _compiled_step_text(cfg)
 
 
-@pytest.mark.xdist_group("four_layer_step")  # one pytest-xdist worker compiles the fixture's step
-def test_step_gathers_and_reduces_one_layer_at_a_time(four_layer_step_text):
+@job_worker
+def test_step_gathers_and_reduces_one_layer_at_a_time(job_step):
     import jax_nvfp4 as nv
 
-    layers, text = LAYERS, four_layer_step_text
+    cfg, text = job_step
+    layers, d, h = cfg.model.layers, cfg.model.d_model, cfg.model.mlp_hidden
+    assert layers > 1
     rows = nv.comm.parse(text).collectives
     weight = [r for r in rows if r.op == "all-gather" and nv.collectives.GATHER_SCOPE in r.op_name]
     packed = [r for r in weight if r.dtype == "u8"]
@@ -284,20 +286,19 @@ def test_step_gathers_and_reduces_one_layer_at_a_time(four_layer_step_text):
     a2a = [r for r in rows if r.op == "all-to-all"]
     assert {r.dtype for r in a2a} == {"u16"}
     per_layer = sum(r.bytes * r.times for r in a2a if r.times == layers)
-    d, h = 64, 176
     logical = layers * 2 * (4 * d * d + 3 * d * h)
     assert logical <= per_layer <= 1.5 * logical, (per_layer, logical)
     assert not any(r.op in ("all-reduce", "reduce-scatter") and r.dtype in ("f32", "bf16") for r in rows)
 
 
-@pytest.mark.xdist_group("four_layer_step")
-def test_step_never_holds_every_layers_weights_or_full_gradients(four_layer_step_text):
+@job_worker
+def test_step_never_holds_every_layers_weights_or_full_gradients(job_step):
     # The whole-model step held a [layers, in, out] stack of dequantized weights and of
     # full-size gradients; the per-layer step must never materialise one (any dtype).
     import re
 
-    layers, text = LAYERS, four_layer_step_text
-    d, h = 64, 176
+    cfg, text = job_step
+    layers, d, h = cfg.model.layers, cfg.model.d_model, cfg.model.mlp_hidden
     stacked = {f"[{layers},{a},{b}]" for a, b in ((d, d), (d, h), (h, d))}
     shapes = set(re.findall(r"(?:bf16|f32|f16)(\[[0-9,]+\])", text))
     assert not shapes & stacked, shapes & stacked

@@ -156,16 +156,15 @@ def ring_bytes(op: str, nbytes: float, n: int) -> float:
             "all-reduce": 2 * nbytes * (n - 1) / n}.get(op, nbytes * (n - 1) / n if op == "all-to-all" else nbytes)
 
 
-def analyze_hlo(hlo: str, mesh, nvl_domain: int, nvlink_gbps: float = NVLINK_GBPS, ib_gbps: float = IB_GBPS):
-    """Every collective of a compiled step (read by ``jax_nvfp4.comm.parse``), grouped by
-    purpose, op, dtype, mesh axes, group size and NVLink domains spanned: per-device bytes per
-    step (loop trip counts included), ring bytes on the wire and modelled time."""
-    import jax_nvfp4 as nv
+def analyze_hlo(program, mesh, nvl_domain: int, nvlink_gbps: float = NVLINK_GBPS, ib_gbps: float = IB_GBPS):
+    """Every collective of a compiled step (``program``: its HLO read by
+    ``jax_nvfp4.comm.parse`` with ``mesh``), grouped by purpose, op, dtype, mesh axes, group
+    size and NVLink domains spanned: per-device bytes per step (loop trip counts included),
+    ring bytes on the wire and modelled time."""
     from train.mesh import device_domains
 
     domains = np.array(device_domains(list(mesh.devices.flat), nvl_domain))
     n_dev = domains.size
-    program = nv.comm.parse(hlo, mesh, data_axes=tuple(a for a in ("rack", "data") if a in mesh.axis_names))
     rows, seen = {}, set()
     for c in program.collectives:
         groups = [np.asarray(g) for g in c.groups] or [np.arange(n_dev)]
@@ -364,13 +363,11 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
     params, state, batch = args[:3]
     t_abstract = time.perf_counter() - t0
     t0 = time.perf_counter()
-    lowered = trainer.step_fn.lower(*args, None)  # loss scale: the constant 1
-    t_lower = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    compiled = lowered.compile()
+    # The program the training loop runs and the CLI accounts (a float32 loss scale), lowered,
+    # compiled and read once.
+    step = step_lib.compiled_step(trainer)
     t_compile = time.perf_counter() - t0
-    hlo = compiled.as_text()
-    mem = compiled.memory_analysis()
+    mem = step["memory"]
 
     mw = nv.find_state(state)
     nvfp4_params = [x for x in jax.tree.leaves(params, is_leaf=nv.is_tiled) if isinstance(x, nv.TiledNVFP4)]
@@ -383,10 +380,10 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
         "batch": _nbytes(batch),
     }
     for name in ("argument", "output", "alias", "temp"):
-        measured[f"xla_{name}"] = int(getattr(mem, f"{name}_size_in_bytes", 0) or 0) if mem is not None else None
-    if mem is not None:
+        measured[f"xla_{name}"] = mem[name]
+    if None not in mem.values():
         measured["xla_peak"] = measured["xla_argument"] + measured["xla_temp"] + measured["xla_output"] - measured["xla_alias"]
-    colls, warnings = analyze_hlo(hlo, mesh, spec.nvl_domain, nvlink_gbps, ib_gbps)
+    colls, warnings = analyze_hlo(step["program"], mesh, spec.nvl_domain, nvlink_gbps, ib_gbps)
     def sel(op=None, dtypes=None, purpose=None, f="bytes"):
         return sum(r[f] for r in colls if (op is None or r["op"] == op) and (dtypes is None or r["dtype"] in dtypes)
                    and (purpose is None or r["purpose"] == purpose))
@@ -426,7 +423,7 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
         "mesh": mesh_lib.describe_mesh(mesh, spec.nvl_domain),
         "axes": axes,
         "data_group_domains": k_data,
-        "seconds": {"abstract": t_abstract, "lower": t_lower, "compile": t_compile},
+        "seconds": {"abstract": t_abstract, "compile": t_compile},
         "measured": measured,
         "analytic": ana,
         "collectives": colls,
@@ -514,8 +511,7 @@ def markdown(report: Dict[str, Any]) -> str:
         "weight bytes, dequantizes, runs forward (remat: again in backward) and reduce-scatters its weight "
         "gradient into the master shards in a fixed order; then master_weights(AdamW) and sharded "
         "re-quantization of the tiles each device owns; AOT-compiled for simulated CPU devices",
-        "- wall time: " + ", ".join(f"{r['weights']}: compile {r['seconds']['compile']:.1f} s "
-                                     f"(lower {r['seconds']['lower']:.1f} s)" for r in runs)
+        "- wall time: " + ", ".join(f"{r['weights']}: lower and compile {r['seconds']['compile']:.1f} s" for r in runs)
         + f"; whole run {report['wall_s']:.1f} s",
         "",
         "Per device, per step. 'analytic' = formula from logical shapes (see below); ratio = measured / analytic.",

@@ -306,7 +306,7 @@ def abstract_step_args(trainer: Trainer) -> tuple:
 def compiled_step(trainer: Trainer) -> Dict[str, Any]:
     """What the compiled step is, read once per plan and shared by every run of it (the CLI's
     accounting, the benchmarks): ``text`` (its HLO), ``program`` (that text parsed by
-    :func:`jax_nvfp4.comm.parse`) and ``memory`` (``compiled.memory_analysis()`` per device:
+    :func:`jax_nvfp4.comm.parse` with the trainer's mesh: each collective's mesh axes) and ``memory`` (``compiled.memory_analysis()`` per device:
     ``temp``, ``argument``, ``output`` and ``alias`` bytes, None where the backend does not
     say). The step is lowered from :func:`abstract_step_args` with a float32 loss scale: the
     program the loop runs."""
@@ -316,7 +316,7 @@ def compiled_step(trainer: Trainer) -> Dict[str, Any]:
         mem = compiled.memory_analysis()
         trainer.derived["step"] = {
             "text": text,
-            "program": nv.comm.parse(text),
+            "program": nv.comm.parse(text, trainer.mesh, data_axes=trainer.rules.batch_axes),
             "memory": {k: (getattr(mem, f"{k}_size_in_bytes", None) if mem is not None else None)
                        for k in ("temp", "argument", "output", "alias")},
         }

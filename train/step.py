@@ -306,10 +306,10 @@ def abstract_step_args(trainer: Trainer) -> tuple:
 def compiled_step(trainer: Trainer) -> Dict[str, Any]:
     """What the compiled step is, read once per plan and shared by every run of it (the CLI's
     accounting, the benchmarks): ``text`` (its HLO), ``program`` (that text parsed by
-    :func:`jax_nvfp4.comm.parse` with the trainer's mesh: each collective's mesh axes) and ``memory`` (``compiled.memory_analysis()`` per device:
-    ``temp``, ``argument``, ``output`` and ``alias`` bytes, None where the backend does not
-    say). The step is lowered from :func:`abstract_step_args` with a float32 loss scale: the
-    program the loop runs."""
+    :func:`jax_nvfp4.comm.parse` with the trainer's mesh: each collective's mesh axes) and
+    ``memory`` (``compiled.memory_analysis()`` per device: ``temp``, ``argument``, ``output``
+    and ``alias`` bytes, None where the backend does not say). The step is lowered from
+    :func:`abstract_step_args` with a float32 loss scale: the program the loop runs."""
     if "step" not in trainer.derived:
         compiled = trainer.step_fn.lower(*abstract_step_args(trainer), np.float32(1)).compile()
         text = compiled.as_text()

@@ -219,11 +219,6 @@ def test_tensor_axis_trains(tmp_path, flat_job):
     assert not any(k.startswith("all-gather:f") or k == "all-gather:bf16" for k in collectives)
 
 
-def _compiled_step_text(cfg, n=8):
-    trainer, _, _ = step_lib.build(cfg, mesh_of(cfg, n), init=False)
-    return step_lib.compiled_step(trainer)["text"]
-
-
 @job_worker  # the job's flat and HSDP programs are also the checkpoint tests'
 def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path, flat_job):
     """2 racks x 4 (mesh.layout=gb200): FSDP over (data, rack) and HSDP (replicated across
@@ -235,11 +230,10 @@ def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path, flat_job):
     import jax_nvfp4 as nv
 
     racks = ("mesh.layout=gb200", "mesh.nvl_domain=4")
-    runs, meshes = {"flat": flat_job}, {}
+    runs = {"flat": flat_job}
     for name, extra in (("fsdp", racks), ("hsdp", (*racks, "mesh.sharding=hsdp"))):
         cfg = job(*extra)
-        meshes[name] = mesh_of(cfg, 8)
-        runs[name] = loop.run(cfg, meshes[name], str(tmp_path / name), progress=False)
+        runs[name] = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path / name), progress=False)
     assert runs["fsdp"]["history"] == runs["hsdp"]["history"]
     state = lambda r: nv.logical(jax.device_get((r["params"], nv.find_state(r["opt_state"]).master)))
     fsdp, hsdp = state(runs["fsdp"]), state(runs["hsdp"])
@@ -249,7 +243,7 @@ def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path, flat_job):
     # Where the bytes go: FSDP gathers across racks (one rack pair per group) and inside the
     # rack; HSDP never gathers a weight across racks.
     for name, cross_rack_gather in (("fsdp", True), ("hsdp", False)):
-        rows = nv.comm.parse(runs[name]["step_hlo"], meshes[name]).select(purpose="weight gather")
+        rows = runs[name]["step_program"].select(purpose="weight gather")
         assert {r.axes for r in rows} == ({("rack",), ("data",)} if cross_rack_gather else {("data",)})
         rack_groups = {g for r in rows if r.axes == ("rack",) for g in r.groups}
         assert rack_groups <= {(0, 4), (1, 5), (2, 6), (3, 7)}
@@ -258,19 +252,19 @@ def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path, flat_job):
 @pytest.fixture(scope="module")
 def job_step():
     """The flat job's compiled step (its program is the flat_job's and the checkpoint tests'):
-    ``(config, HLO text)``."""
+    ``(config, train.step.compiled_step of it)``."""
     cfg = job()
-    return cfg, _compiled_step_text(cfg)
+    return cfg, step_lib.compiled_step(step_lib.build(cfg, mesh_of(cfg, 8), init=False)[0])
 
 
 @job_worker
 def test_step_gathers_and_reduces_one_layer_at_a_time(job_step):
     import jax_nvfp4 as nv
 
-    cfg, text = job_step
+    cfg, step = job_step
     layers, d, h = cfg.model.layers, cfg.model.d_model, cfg.model.mlp_hidden
     assert layers > 1
-    rows = nv.comm.parse(text).collectives
+    rows = step["program"].collectives
     weight = [r for r in rows if r.op == "all-gather" and nv.collectives.GATHER_SCOPE in r.op_name]
     packed = [r for r in weight if r.dtype == "u8"]
     # Every NVFP4 weight's codes and scales (7 matrices per block) are gathered inside the scan
@@ -297,10 +291,10 @@ def test_step_never_holds_every_layers_weights_or_full_gradients(job_step):
     # full-size gradients; the per-layer step must never materialise one (any dtype).
     import re
 
-    cfg, text = job_step
+    cfg, step = job_step
     layers, d, h = cfg.model.layers, cfg.model.d_model, cfg.model.mlp_hidden
     stacked = {f"[{layers},{a},{b}]" for a, b in ((d, d), (d, h), (h, d))}
-    shapes = set(re.findall(r"(?:bf16|f32|f16)(\[[0-9,]+\])", text))
+    shapes = set(re.findall(r"(?:bf16|f32|f16)(\[[0-9,]+\])", step["text"]))
     assert not shapes & stacked, shapes & stacked
 
 

@@ -326,15 +326,15 @@ def compiled_step(trainer: Trainer) -> Dict[str, Any]:
 def gather_accounting(trainer: Trainer) -> Dict[str, Any]:
     """Bytes per step read from the compiled step's HLO, per device: the weight gathers
     (``jax_nvfp4.comm.Program.weight_gathers``), every collective by ``op:dtype``, and XLA's
-    temporary buffer size; ``step_hlo``: the compiled step's HLO text itself (for
-    :func:`jax_nvfp4.comm.parse` with the mesh, e.g. the mesh axes of each collective)."""
+    temporary buffer size; ``step_program``: the compiled step read by
+    :func:`jax_nvfp4.comm.parse` with the mesh (each collective's mesh axes, groups, scopes)."""
     step = compiled_step(trainer)
     program = step["program"]
     return {
         **program.weight_gathers(),
         "collectives": {f"{op}:{dt}": b for (op, dt), b in program.by("op", "dtype").items()},
         "temp_bytes": step["memory"]["temp"],
-        "step_hlo": step["text"],
+        "step_program": program,
     }
 
 

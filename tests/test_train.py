@@ -164,8 +164,10 @@ def test_nvfp4_vs_bf16_final_loss_gap(tiny_compare):
 @tiny_worker
 def test_recipe_compute_converges(tmp_path, tiny_compare):
     """NVFP4 GEMMs with stochastic rounding of the gradients (nvfp4.compute=nvfp4), on the
-    tiny run's text and schedule, half way: within reach of bf16 at the same step."""
-    cfg = tiny(*TEXT, "nvfp4.compute=nvfp4", "nvfp4.stochastic_rounding=true")
+    tiny run's text and schedule, half way: within reach of bf16 at the same step. On one
+    device: what is checked is the recipe's numerics, which do not depend on the mesh (the
+    gathers and gradient sums of a sharded step add a third to its compile time, 14 s here)."""
+    cfg = tiny(*TEXT, "nvfp4.compute=nvfp4", "nvfp4.stochastic_rounding=true", "mesh.data=1")
     half = cfg.train.steps // 2
 
     class Stop(Exception):
@@ -176,12 +178,13 @@ def test_recipe_compute_converges(tmp_path, tiny_compare):
             raise Stop
 
     with pytest.raises(Stop):
-        loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=False, on_step=stop)
+        loop.run(cfg, mesh_of(cfg, 1), str(tmp_path), progress=False, on_step=stop)
     losses = lambda path: [json.loads(l)["loss"] for l in path.read_text().splitlines()][:half]
     mine, bf16 = losses(tmp_path / "metrics.jsonl"), losses(tiny_compare["out"] / "bf16" / "metrics.jsonl")
     gap = np.mean(mine[-5:]) - np.mean(bf16[-5:])
-    print(f"\ncompute=nvfp4 - bf16 loss over steps {half - 4}-{half}: {gap:+.4f} nats")
-    # Measured: from 5.63 to 2.89 nats, +0.013 against bf16.
+    print(f"\ncompute=nvfp4: {mine[0]:.2f} -> {np.mean(mine[-5:]):.2f} nats; against bf16 over steps "
+          f"{half - 4}-{half}: {gap:+.4f}")
+    # Measured (one device): from 5.63 to 2.89 nats, +0.011 against bf16 (+0.013 on 8 devices).
     assert mine[0] - np.mean(mine[-5:]) > 2.0
     assert abs(gap) < 0.2
 

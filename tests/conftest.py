@@ -64,6 +64,19 @@ JOB = ("train.steps=6", "model.d_model=96", "model.heads=2", "model.mlp_hidden=1
 # one after the other: its programs compile once and are compile-cache reads from then on
 # (two workers starting the same compile at once would both pay for it).
 job_worker = pytest.mark.xdist_group("job")
+
+
+@pytest.fixture(scope="session")
+def job_run(tmp_path_factory):
+    """``train.loop.run`` of the job (:data:`JOB`) on 8 devices, a flat data axis: the
+    reference run of the checkpoint, tensor-axis and two-rack tests (on the job's worker),
+    trained once."""
+    from train import loop
+
+    cfg = job()
+    return loop.run(cfg, mesh_of(cfg, 8), str(tmp_path_factory.mktemp("job")), progress=False)
+
+
 # Likewise the tests that train or measure tiny.yaml itself (the CLI's tiny run, the
 # benchmarks' tiny points): one worker builds its NVFP4 and bf16 programs once.
 tiny_worker = pytest.mark.xdist_group("tiny")

@@ -46,11 +46,8 @@ class Stop(Exception):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    cfg = job()
-    r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path_factory.mktemp("reference")), progress=False)
-    r["host"] = ckpt_lib.host_arrays(r["params"], r["opt_state"])
-    return r
+def reference(job_run):
+    return dict(job_run, host=ckpt_lib.host_arrays(job_run["params"], job_run["opt_state"]))
 
 
 @pytest.fixture(scope="module")

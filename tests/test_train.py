@@ -204,18 +204,11 @@ def test_metrics_are_read_every_log_every_steps(tiny_compare):
         assert recs[3]["step_time_s"] == recs[4]["step_time_s"] == recs[5]["step_time_s"]  # one read, its mean
 
 
-@pytest.fixture(scope="module")
-def flat_job(tmp_path_factory):
-    """The job on a flat data axis of 8: the reference of the tensor-axis and two-rack tests."""
-    cfg = job()
-    return loop.run(cfg, mesh_of(cfg, 8), str(tmp_path_factory.mktemp("flat")), progress=False)
-
-
 @job_worker  # the job's flat and tensor programs are also the checkpoint tests' (one compile each)
-def test_tensor_axis_trains(tmp_path, flat_job):
+def test_tensor_axis_trains(tmp_path, job_run):
     cfg = job("mesh.data=4", "mesh.tensor=2")
     tensor = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=False)
-    np.testing.assert_allclose(tensor["history"], flat_job["history"], rtol=2e-2)
+    np.testing.assert_allclose(tensor["history"], job_run["history"], rtol=2e-2)
     # Still only bytes cross the data axis for NVFP4 weights.
     collectives = tensor["collectives"]
     assert collectives.get("all-gather:u8", 0) > 0
@@ -223,7 +216,7 @@ def test_tensor_axis_trains(tmp_path, flat_job):
 
 
 @job_worker  # the job's flat and HSDP programs are also the checkpoint tests'
-def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path, flat_job):
+def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path, job_run):
     """2 racks x 4 (mesh.layout=gb200): FSDP over (data, rack) and HSDP (replicated across
     racks) sum gradients in the same order, inside the rack then across racks: bit-identical
     losses, params and masters. (With gradient clipping on they differ by rounding: the clip
@@ -233,7 +226,7 @@ def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path, flat_job):
     import jax_nvfp4 as nv
 
     racks = ("mesh.layout=gb200", "mesh.nvl_domain=4")
-    runs = {"flat": flat_job}
+    runs = {"flat": job_run}
     for name, extra in (("fsdp", racks), ("hsdp", (*racks, "mesh.sharding=hsdp"))):
         cfg = job(*extra)
         runs[name] = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path / name), progress=False)
@@ -254,7 +247,7 @@ def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path, flat_job):
 
 @pytest.fixture(scope="module")
 def job_step():
-    """The flat job's compiled step (its program is the flat_job's and the checkpoint tests'):
+    """The compiled step of the job (``job_run``'s program, the checkpoint tests' too):
     ``(config, train.step.compiled_step of it)``."""
     cfg = job()
     return cfg, step_lib.compiled_step(step_lib.build(cfg, mesh_of(cfg, 8), init=False)[0])

@@ -53,6 +53,14 @@ _BLOCK_NAMES = "(16, 16), (1, 16) or (16, 1)"
 _TRANSPOSED = {BLOCK_2D: BLOCK_2D, BLOCK_1D: BLOCK_COLUMN, BLOCK_COLUMN: BLOCK_1D}
 
 
+def as_array(x) -> jax.Array:
+    """``x`` as a JAX array. A NumPy array is transferred as it is: ``jnp.asarray`` of one
+    stages it through a small compiled program, one per shape and dtype (tens of ms each)."""
+    if isinstance(x, np.ndarray) and not isinstance(x, np.ma.MaskedArray):
+        return jax.device_put(x)
+    return jnp.asarray(x)
+
+
 def _ceil_to(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -164,10 +172,10 @@ class NVFP4Array:
             ``matrix_shape`` with ``block`` (see :func:`packed_shapes`).
         """
         block = _check_block(block)
-        data, scale = jnp.asarray(data), jnp.asarray(scale)
+        data, scale = as_array(data), as_array(scale)
         if data.dtype != jnp.uint8:
             raise TypeError(f"NVFP4Array.create: data must be packed uint8 codes, got dtype {data.dtype}")
-        amax = jnp.asarray(amax)
+        amax = as_array(amax)
         if not jnp.issubdtype(amax.dtype, jnp.floating):
             raise TypeError(f"NVFP4Array.create: amax must be float32, got dtype {amax.dtype}")
         bits = jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.uint32)
@@ -278,7 +286,7 @@ def quantize(
     """
     block = _check_block(block)
     check_rounding(rounding, key)
-    x = jnp.asarray(x)
+    x = as_array(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"quantize expects a floating-point array, got dtype {x.dtype}")
     if x.ndim < 2:

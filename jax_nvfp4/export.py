@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_nvfp4.array import BLOCK_1D, BLOCK_2D, BLOCK_COLUMN, NVFP4Array, dequantize, is_nvfp4, packed_shapes
+from jax_nvfp4.array import (BLOCK_1D, BLOCK_2D, BLOCK_COLUMN, NVFP4Array, as_array, dequantize, is_nvfp4,
+                             packed_shapes)
 from jax_nvfp4.params import path_str
 
 __all__ = ["ExportError", "export_hf", "export_nvfp4", "hf_tensors", "is_export", "llama_config", "load_nvfp4",
@@ -348,13 +349,13 @@ def load_nvfp4(directory: str, *, like=None):
                     raise ExportError(f"{where}: amax must be float32, got {amax.dtype}")
                 if not _finite(amax):
                     raise ExportError(f"{where}: non-finite amax (NaN or Inf): the weights it scales are invalid")
-                value = NVFP4Array(jnp.asarray(data), jnp.asarray(scale), jnp.asarray(amax.view(np.uint32)),
+                value = NVFP4Array(as_array(data), as_array(scale), as_array(amax.view(np.uint32)),
                                    (int(shape[-2]), int(shape[-1])), block)
             elif entry.get("kind") == "array":
                 arr = _read(directory, where, files["value"])
                 if not _finite(arr):
                     raise ExportError(f"{where}: non-finite values (NaN or Inf)")
-                value = jnp.asarray(arr)
+                value = as_array(arr)
             else:
                 raise ExportError(f"{where}: unknown kind {entry.get('kind')!r}")
         except (KeyError, TypeError, ValueError) as e:

@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_nvfp4 import numerics as nx
-from jax_nvfp4.array import BLOCK_2D, NVFP4Array, _check_block, _concrete, flat_index, quantize_padded
+from jax_nvfp4.array import BLOCK_2D, NVFP4Array, _check_block, _concrete, as_array, flat_index, quantize_padded
 
 TILE = 16
 
@@ -357,7 +357,7 @@ class Tiled:
 
     @classmethod
     def from_logical(cls, x, layout: Layout, dtype=None) -> "Tiled":
-        x = jnp.asarray(x)
+        x = as_array(x)
         return cls(layout.to_tiles(x if dtype is None else x.astype(dtype)), layout)
 
     def logical(self) -> jax.Array:

@@ -9,7 +9,7 @@ from typing import Any, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-from jax_nvfp4.array import BLOCK_2D, NVFP4Array, dequantize, is_nvfp4, quantize
+from jax_nvfp4.array import BLOCK_2D, NVFP4Array, as_array, dequantize, is_nvfp4, quantize
 
 
 def path_str(path) -> str:
@@ -88,7 +88,7 @@ def quantize_params(tree, policy: Optional[Policy] = None, *, rounding="nearest"
         if policy.wants(p, leaf):
             return quantize(leaf, block=policy.block, rounding=rounding, key=key)
         if policy.keep_dtype is not None and policy.kept(p) and jnp.issubdtype(leaf.dtype, jnp.floating):
-            return jnp.asarray(leaf).astype(policy.keep_dtype)
+            return as_array(leaf).astype(policy.keep_dtype)
         return leaf
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_nvfp4)

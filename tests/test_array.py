@@ -16,7 +16,7 @@ quantize_jit = jax.jit(nv.quantize, static_argnames=("block", "rounding"))
 
 
 def assert_matches_reference(x, block):
-    q = quantize_jit(jnp.asarray(x), block=block)
+    q = quantize_jit(jax.device_put(x), block=block)
     d, s, a = ref.quantize(np.asarray(x), block)
     np.testing.assert_array_equal(np.asarray(q.data), d)
     np.testing.assert_array_equal(np.asarray(q.scale).view(np.uint8), s)
@@ -101,13 +101,13 @@ def test_non_finite_input_is_flagged_and_decodes_to_nan():
     for bad in (np.nan, np.inf, -np.inf):
         y = x.copy()
         y[5, 7] = bad
-        q = nv.quantize(jnp.asarray(y))
+        q = nv.quantize(jax.device_put(y))
         assert not bool(q.isfinite()) and not bool(nv.isfinite(q))
         assert np.isnan(np.asarray(nv.dequantize(q, jnp.float32))).all()
     # Batched: only the poisoned matrix is flagged.
     xs = np.ones((3, 16, 16), np.float32)
     xs[1, 0, 0] = np.nan
-    q = nv.quantize(jnp.asarray(xs))
+    q = nv.quantize(jax.device_put(xs))
     np.testing.assert_array_equal(np.asarray(q.isfinite()), [True, False, True])
     dq = np.asarray(nv.dequantize(q, jnp.float32))
     assert np.isfinite(dq[0]).all() and np.isnan(dq[1]).all()
@@ -116,7 +116,7 @@ def test_non_finite_input_is_flagged_and_decodes_to_nan():
 def test_explicit_amax_is_used():
     rng = np.random.default_rng(4)
     x = rng.standard_normal((32, 32)).astype(np.float32)
-    q = nv.quantize(jnp.asarray(x), amax=8.0)
+    q = nv.quantize(jax.device_put(x), amax=8.0)
     d, s, a = ref.quantize_matrix(x, amax=np.float32(8.0))
     np.testing.assert_array_equal(np.asarray(q.data), d)
     np.testing.assert_array_equal(np.asarray(q.scale).view(np.uint8), s)
@@ -130,7 +130,7 @@ def test_batch_axes_have_their_own_amax():
     assert q.amax.shape == (2, 3)
     for i in range(2):
         for j in range(3):
-            qi = nv.quantize(jnp.asarray(x[i, j]))
+            qi = nv.quantize(jax.device_put(x[i, j]))
             np.testing.assert_array_equal(np.asarray(q.data[i, j]), np.asarray(qi.data))
 
 
@@ -205,7 +205,7 @@ def _arrays(draw, shape):
 @given(st.data(), shapes, st.sampled_from(BLOCKS))
 def test_roundtrip_error_bound_and_padding(data, shape, block):
     x = _arrays(data.draw, shape)
-    q = nv.quantize(jnp.asarray(x), block=block)
+    q = nv.quantize(jax.device_put(x), block=block)
     assert q.shape == shape
     dq = np.asarray(nv.dequantize(q, jnp.float32))
     # Per-element bound: half the largest E2M1 gap (1 step of 2 at the top, relative to the
@@ -227,8 +227,8 @@ def test_roundtrip_error_bound_and_padding(data, shape, block):
 def test_transpose_equals_quantizing_the_transpose(data, rows, cols, block):
     # The block turns with the matrix: (16, 16) stays, (1, 16) and (16, 1) swap.
     x = _arrays(data.draw, (rows, cols))
-    qt = nv.transpose(nv.quantize(jnp.asarray(x), block=block))
-    q2 = nv.quantize(jnp.asarray(x.T), block=block[::-1])
+    qt = nv.transpose(nv.quantize(jax.device_put(x), block=block))
+    q2 = nv.quantize(jax.device_put(x.T), block=block[::-1])
     assert qt.shape == (cols, rows) and qt.block == block[::-1]
     for a, b in zip(jax.tree.leaves(qt), jax.tree.leaves(q2)):
         np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
@@ -239,18 +239,18 @@ def test_transpose_equals_quantizing_the_transpose(data, rows, cols, block):
 def test_stochastic_rounding_unbiased_and_reproducible(data, block):
     x = _arrays(data.draw, (16, 32))
     key = jax.random.key(data.draw(st.integers(0, 1000)))
-    qs = jax.vmap(lambda k: nv.quantize(jnp.asarray(x), block=block, rounding="stochastic", key=k))(
+    qs = jax.vmap(lambda k: nv.quantize(jax.device_put(x), block=block, rounding="stochastic", key=k))(
         jax.random.split(key, 1000)
     )
     dq = np.asarray(jax.vmap(lambda t: nv.dequantize(t, jnp.float32))(qs), np.float64)
     mean = dq.mean(0)
     # Elementwise standard error <= gap/2/sqrt(n); the gap is at most 2 * decode scale.
-    q_near = nv.quantize(jnp.asarray(x), block=block)
+    q_near = nv.quantize(jax.device_put(x), block=block)
     step = np.abs(np.asarray(nv.dequantize(q_near, jnp.float32), np.float64)).max() / 3
     assert np.abs(mean - x).max() <= 6 * step / np.sqrt(1000) + 1e-12 * np.abs(x).max()
     # Reproducible from the key.
-    a = nv.quantize(jnp.asarray(x), block=block, rounding="stochastic", key=key)
-    b = nv.quantize(jnp.asarray(x), block=block, rounding="stochastic", key=key)
+    a = nv.quantize(jax.device_put(x), block=block, rounding="stochastic", key=key)
+    b = nv.quantize(jax.device_put(x), block=block, rounding="stochastic", key=key)
     np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
 
 
@@ -301,3 +301,29 @@ def test_hand_built_arrays_must_fit_together():
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(q)))
     # Under jit the leaves are tracers: construction stays free (checked on concrete arrays).
     assert jax.jit(lambda t: nv.dequantize(t, jnp.float32))(q).shape == (2, 32, 48)
+
+
+def test_numpy_inputs_are_transferred_not_staged():
+    """A NumPy array given to quantize or NVFP4Array.create is transferred as it is (float64
+    becoming float32, as jnp.asarray makes it): quantizing a new shape compiles the quantizer
+    only, not also a program that stages the input (jnp.asarray of a NumPy array does)."""
+    import jax.monitoring
+
+    from jax_nvfp4.array import as_array
+
+    x = np.random.default_rng(9).standard_normal((3, 37, 53))  # float64, a shape no other test uses
+    compiled = []
+    listener = lambda event, _duration, **kw: compiled.append(kw.get("fun_name")) if event.endswith(
+        "backend_compile_duration") else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        q = nv.quantize(x)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiled == ["jit(_quantize)"], compiled
+    want = nv.quantize(jnp.asarray(x))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(want)))
+    host = jax.device_get(q)
+    same = nv.NVFP4Array.create(host.data, host.scale, np.asarray(host.amax), q.matrix_shape, q.block)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(q)))
+    assert as_array(np.float64(1.5)).dtype == jnp.float32 and as_array([1, 2]).shape == (2,)

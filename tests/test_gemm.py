@@ -90,15 +90,15 @@ dot = jax.jit(gemm.dot, static_argnames=("backend", "out_dtype"))
 def test_forward_matches_numpy_reference(x_shape, n):
     k = x_shape[-1]
     x, w = data(x_shape, 0), data((k, n), 1, 0.05)
-    y = jax.jit(lambda a, q: gemm.dot(a, q))(jnp.asarray(x), nv.quantize(jnp.asarray(w)))
+    y = jax.jit(lambda a, q: gemm.dot(a, q))(jax.device_put(x), nv.quantize(jax.device_put(w)))
     assert y.shape == (*x_shape[:-1], n) and y.dtype == jnp.float32
     expect = ref_deq(x.reshape(-1, k), (1, 16)) @ ref_deq(w, (16, 16))
     assert_close(y.reshape(-1, n), expect)
     # out_dtype, and bf16 activations (quantized from their bf16 values).
     xb = jnp.asarray(x, jnp.bfloat16)
-    yb = dot(xb, nv.quantize(jnp.asarray(w)))
+    yb = dot(xb, nv.quantize(jax.device_put(w)))
     assert yb.dtype == jnp.bfloat16
-    assert dot(xb, nv.quantize(jnp.asarray(w)), out_dtype=jnp.float32).dtype == jnp.float32
+    assert dot(xb, nv.quantize(jax.device_put(w)), out_dtype=jnp.float32).dtype == jnp.float32
     expect_b = ref_deq(np.asarray(xb, F32).reshape(-1, k), (1, 16)) @ ref_deq(w, (16, 16))
     assert_close(np.asarray(yb, F32).reshape(-1, n), expect_b, rtol=1e-2)
 
@@ -106,12 +106,12 @@ def test_forward_matches_numpy_reference(x_shape, n):
 # ------------------------------------------------------------------------------ dgrad
 def test_dgrad_uses_the_transposed_stored_weight():
     w = data((48, 64), 2, 0.05)
-    wq = nv.quantize(jnp.asarray(w))
-    qt, q_of_t = nv.transpose(wq), nv.quantize(jnp.asarray(w.T))
+    wq = nv.quantize(jax.device_put(w))
+    qt, q_of_t = nv.transpose(wq), nv.quantize(jax.device_put(w.T))
     for a, b in zip(jax.tree.leaves(qt), jax.tree.leaves(q_of_t)):
         np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
     x, dy = data((32, 48), 3), data((32, 64), 4)
-    dx, _ = grads(jnp.asarray(x), wq, jnp.asarray(w), jnp.asarray(dy))
+    dx, _ = grads(jax.device_put(x), wq, jax.device_put(w), jax.device_put(dy))
     # dgrad = q1d(dy) [M, N] @ quantize(Wᵀ) [N, K]: dy's codes against the tiles of Wᵀ.
     expect = ref_deq(dy, (1, 16)) @ ref_deq(w.T, (16, 16))
     assert_close(dx, expect)
@@ -121,8 +121,8 @@ def test_dgrad_uses_the_transposed_stored_weight():
 @pytest.mark.parametrize("m", [32, 24])
 def test_dgrad_and_wgrad_match_numpy_reference(rht, m):
     x, w, dy = data((m, 48), 5), data((48, 64), 6, 0.05), data((m, 64), 7)
-    wq = nv.quantize(jnp.asarray(w))
-    dx, dw = grads(jnp.asarray(x), wq, jnp.asarray(w), jnp.asarray(dy), rht_wgrad=rht)
+    wq = nv.quantize(jax.device_put(w))
+    dx, dw = grads(jax.device_put(x), wq, jax.device_put(w), jax.device_put(dy), rht_wgrad=rht)
     assert dx.shape == (m, 48) and dw.shape == (48, 64)
     assert_close(dx, ref_deq(dy, (1, 16)) @ ref_deq(w, (16, 16)).T)
     xt, gt = ref_wgrad_operands(x, dy, rht)
@@ -140,13 +140,13 @@ def test_gradient_dtypes_follow_x_and_w():
 # ------------------------------------------------------------------------- Hadamard, wgrad
 def test_hadamard_cancels_and_rht_wgrad_is_close_to_exact():
     x, dy, w = data((32, 48), 10), data((32, 64), 11), data((48, 64), 12, 0.05)
-    xt, gt = jnp.asarray(x.T), jnp.asarray(dy.T)
+    xt, gt = jax.device_put(x.T), jax.device_put(dy.T)
     exact = x.T.astype(np.float64) @ dy.astype(np.float64)
     hh = nv.hadamard_transform(xt, axis=-1) @ nv.hadamard_transform(gt, axis=-1).T
     assert_close(hh, exact, rtol=1e-5)
     np.testing.assert_allclose(nv.hadamard_matrix(), ref_rht(np.eye(16, dtype=F32)), rtol=1e-6)
     for rht in (True, False):
-        _, dw = grads(jnp.asarray(x), nv.quantize(jnp.asarray(w)), jnp.asarray(w), jnp.asarray(dy), rht_wgrad=rht)
+        _, dw = grads(jax.device_put(x), nv.quantize(jax.device_put(w)), jax.device_put(w), jax.device_put(dy), rht_wgrad=rht)
         rel = np.linalg.norm(np.asarray(dw) - exact) / np.linalg.norm(exact)
         # Two operands each quantized to E2M1 (~10% rms error on Gaussian data).
         assert 0.02 < rel < 0.25, rel
@@ -156,9 +156,9 @@ def test_hadamard_cancels_and_rht_wgrad_is_close_to_exact():
 def test_stochastic_rounding_is_unbiased_in_dgrad_and_wgrad():
     m, k, n, nkeys = 32, 48, 64, 500
     x, w, dy = data((m, k), 13), data((k, n), 14, 0.05), data((m, n), 15)
-    wq = nv.quantize(jnp.asarray(w))
+    wq = nv.quantize(jax.device_put(w))
     keys = jax.random.split(jax.random.key(1234), nkeys)
-    dxs, dws = jax.jit(jax.vmap(lambda kk: grads_eager(jnp.asarray(x), wq, jnp.asarray(w), jnp.asarray(dy), key=kk)))(keys)
+    dxs, dws = jax.jit(jax.vmap(lambda kk: grads_eager(jax.device_put(x), wq, jax.device_put(w), jax.device_put(dy), key=kk)))(keys)
     dxs, dws = np.asarray(dxs, np.float64), np.asarray(dws, np.float64)
     xt, gt = ref_wgrad_operands(x, dy, rht=True)
     # The same GEMMs with the rounding of the stochastic operand (dy) taken out.
@@ -176,7 +176,7 @@ def test_stochastic_rounding_is_unbiased_in_dgrad_and_wgrad():
 
 
 def test_keys_reproducible_and_nearest_without_key():
-    x, w, dy = (jnp.asarray(a) for a in (data((32, 48), 16), data((48, 64), 17, 0.05), data((32, 64), 18)))
+    x, w, dy = (jax.device_put(a) for a in (data((32, 48), 16), data((48, 64), 17, 0.05), data((32, 64), 18)))
     wq = nv.quantize(w)
     k1, k2 = jax.random.key(0), jax.random.key(1)
     a, b, c = (grads(x, wq, w, dy, key=k) for k in (k1, k1, k2))
@@ -197,7 +197,7 @@ def test_keys_reproducible_and_nearest_without_key():
 
 # -------------------------------------------------------------------------- autodiff plumbing
 def test_grad_with_quantized_weight_as_an_argument():
-    x, w = jnp.asarray(data((32, 48), 19)), jnp.asarray(data((48, 64), 20, 0.05))
+    x, w = jax.device_put(data((32, 48), 19)), jax.device_put(data((48, 64), 20, 0.05))
     wq = nv.quantize(w)
 
     def loss(x_, wq_, w_, key):
@@ -268,12 +268,12 @@ def test_native_operand_layout_against_scaled_matmul_semantics(monkeypatch):
     monkeypatch.setattr(jax.nn, "scaled_matmul", _scaled_matmul_math)
     monkeypatch.setattr(gemm, "resolve_backend", lambda backend="auto": "scaled_matmul")
     x, w, dy = data((2, 12, 40), 21), data((40, 24), 22, 0.05), data((2, 12, 24), 23)
-    wq = nv.quantize(jnp.asarray(w))
-    y = jax.jit(gemm.dot)(jnp.asarray(x), wq)
+    wq = nv.quantize(jax.device_put(w))
+    y = jax.jit(gemm.dot)(jax.device_put(x), wq)
     assert gemm.last_backend() == "scaled_matmul"
     expect = ref_deq(x.reshape(-1, 40), (1, 16)) @ ref_deq(w, (16, 16))
     assert_close(np.asarray(y).reshape(-1, 24), expect, rtol=1e-5)
-    dx, dw = jax.jit(grads_eager)(jnp.asarray(x), wq, jnp.asarray(w), jnp.asarray(dy))
+    dx, dw = jax.jit(grads_eager)(jax.device_put(x), wq, jax.device_put(w), jax.device_put(dy))
     assert_close(np.asarray(dx).reshape(-1, 40), ref_deq(dy.reshape(-1, 24), (1, 16)) @ ref_deq(w, (16, 16)).T, rtol=1e-5)
     xt, gt = ref_wgrad_operands(x.reshape(-1, 40), dy.reshape(-1, 24), rht=True)
     assert_close(dw, ref_deq(xt, (1, 16)) @ ref_deq(gt, (1, 16)).T, rtol=1e-5)
@@ -284,7 +284,7 @@ def test_native_operand_layout_against_scaled_matmul_semantics(monkeypatch):
 def test_native_matches_emulation_on_gpu():
     if not gemm._is_blackwell():
         pytest.skip("native NVFP4 GEMM needs a Blackwell GPU (compute capability >= 10)")
-    x, w, dy = (jnp.asarray(data(s, i, c)) for i, (s, c) in enumerate((((256, 512), 1.0), ((512, 256), 0.05), ((256, 256), 1.0))))
+    x, w, dy = (jax.device_put(data(s, i, c)) for i, (s, c) in enumerate((((256, 512), 1.0), ((512, 256), 0.05), ((256, 256), 1.0))))
     wq = nv.quantize(w)
     out = {}
     for b in ("emulate", "auto"):
@@ -297,7 +297,7 @@ def test_native_matches_emulation_on_gpu():
 
 # ---------------------------------------------------------------------------- NVFP4Dense
 def test_dense_dequant_mode():
-    x = jnp.asarray(data((4, 48), 24))
+    x = jax.device_put(data((4, 48), 24))
     layer = NVFP4Dense(64, use_bias=True)
     variables = layer.init(jax.random.key(0), x)
     assert set(variables) == {"params"}
@@ -312,7 +312,7 @@ def test_dense_dequant_mode():
 
 
 def test_dense_nvfp4_mode_stored_and_on_the_fly():
-    x = jnp.asarray(data((32, 48), 25))
+    x = jax.device_put(data((32, 48), 25))
     layer = NVFP4Dense(64, compute="nvfp4", dtype=jnp.float32)
     params = layer.init(jax.random.key(0), x)["params"]
     kernel = params["kernel"]
@@ -352,7 +352,7 @@ def test_dense_under_scan_with_stacked_nvfp4_collection():
     depth, f = 2, 48
     stack = nn.scan(_Cell, variable_axes={"params": 0, "nvfp4": 0},
                     split_rngs={"params": True, "rounding": True}, length=depth)(f)
-    h = jnp.asarray(data((32, f), 26))
+    h = jax.device_put(data((32, f), 26))
     variables = stack.init(jax.random.key(0), h, None)
     assert set(variables) == {"params"}
     kernels = variables["params"]["NVFP4Dense_0"]["kernel"]

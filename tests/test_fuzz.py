@@ -103,13 +103,13 @@ def check_quantized(x32, q):
 def test_quantize_dequantize(x, block):
     if not is_float(x.dtype):
         with pytest.raises(TypeError, match="floating-point"):
-            nv.quantize(jnp.asarray(x), block=block)
+            nv.quantize(jax.device_put(x), block=block)
         return
     if x.ndim < 2 or x.size == 0:
         with pytest.raises(ValueError, match=r"axes|non-empty"):
-            nv.quantize(jnp.asarray(x), block=block)
+            nv.quantize(jax.device_put(x), block=block)
         return
-    xj = jnp.asarray(x)  # float64 becomes float32 here (x64 off); beyond its range: Inf
+    xj = jax.device_put(x)  # float64 becomes float32 here (x64 off); beyond its range: Inf
     q = nv.quantize(xj, block=block)
     check_quantized(np.asarray(xj).astype(np.float32), q)
 
@@ -145,7 +145,7 @@ def param_trees(draw):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(tree=param_trees())
 def test_quantize_params(tree):
-    tree = jax.tree.map(jnp.asarray, tree)
+    tree = jax.tree.map(jax.device_put, tree)
     q = nv.quantize_params(tree)
     for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(q, is_leaf=nv.is_nvfp4)):
         if is_float(x.dtype) and x.ndim >= 2 and min(x.shape[-2:]) >= 16:
@@ -175,24 +175,29 @@ def update_cases(draw):
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=update_cases())
 def test_master_weights_update(case):
-    params, grads = jax.tree.map(jnp.asarray, case)
-    tx = nv.master_weights(optax.sgd(0.125))
-    state = tx.init(params)
-    qp = nv.quantize_params(params)
-    updates, new = jax.jit(tx.update)(grads, state, qp)
-    new_params = optax.apply_updates(qp, updates)
-    finite = all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    params, grads = case
+
+    @jax.jit  # one program per case (each shape compiles; op by op, a few dozen of them)
+    def update(params, grads):
+        tx = nv.master_weights(optax.sgd(0.125))
+        state = tx.init(params)
+        qp = nv.quantize_params(params)
+        updates, new = tx.update(grads, state, qp)
+        logical = {k: (nv.logical(state.master[k]), nv.logical(new.master[k])) for k in ("w", "b")}
+        return state, qp, new, optax.apply_updates(qp, updates), logical, nv.quantize(logical["w"][1])
+
+    state, qp, new, new_params, logical, ref = update(params, grads)
+    finite = all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
     before = state.master
     if finite:
         assert int(new.skipped) == 0
         for k in ("w", "b"):
-            want = np.asarray(nv.logical(before[k])) + np.asarray(grads[k]) * np.float32(-0.125)
-            np.testing.assert_allclose(np.asarray(nv.logical(new.master[k])), want, rtol=1e-6, atol=1e-37)
+            want = np.asarray(logical[k][0]) + np.asarray(grads[k], np.float32) * np.float32(-0.125)
+            np.testing.assert_allclose(np.asarray(logical[k][1]), want, rtol=1e-6, atol=1e-37)
         # The stored weight is exactly the quantized master, bit for bit.
-        ref = nv.quantize(nv.logical(new.master["w"]))
         for a, b in zip(jax.tree.leaves(new_params["w"]), jax.tree.leaves(ref)):
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
-        assert np.asarray(new_params["b"]).tobytes() == np.asarray(nv.logical(new.master["b"])).tobytes()
+        assert np.asarray(new_params["b"]).tobytes() == np.asarray(logical["b"][1]).tobytes()
     else:
         # Skipped: nothing moves but the count.
         assert int(new.skipped) == 1

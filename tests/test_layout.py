@@ -1,5 +1,7 @@
 """The tile-major layout: round trips, bit-identity with the logical format, padding, decisions."""
 
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -23,33 +25,36 @@ def layout_of(shape, nd, nt, td):
     return nv.Layout(shape[-2:], nd, nt, td, "data", "tensor" if nt > 1 else None)
 
 
-# Each relayout compiled as one program (as in a training step): op by op, every new shape
-# dispatches and compiles each of their ops on its own.
-to_tiles = jax.jit(lambda x, lay: lay.to_tiles(x), static_argnums=1)
-from_tiles = jax.jit(lambda t, lay: lay.from_tiles(t), static_argnums=1)
-from_array = jax.jit(nv.TiledNVFP4.from_array, static_argnums=1)
-to_array = jax.jit(lambda tq: tq.to_array())
-dequantize_tiled = jax.jit(lambda tq: tq.dequantize(jnp.float32))
-quantize_tiles_jit = jax.jit(lambda t, lay, key, block: quantize_tiles(t, lay, block=block, key=key),
-                             static_argnums=(1, 3))
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def round_trips(x, lay, block):
+    """Every device-side value the round-trip test compares, computed by one program (as in a
+    training step; op by op, every new shape would dispatch and compile each op on its own)."""
+    t = lay.to_tiles(x)
+    q = nv.quantize(x, block=block)
+    tq = nv.TiledNVFP4.from_array(q, lay)
+    key = jax.random.key(3)
+    return {"t": t, "back": lay.from_tiles(t), "q": q, "tq": tq, "tq_of_tiles": quantize_tiles(t, lay, block=block),
+            "array": tq.to_array(), "dequantized_tiles": tq.dequantize(jnp.float32),
+            "dequantized": nv.dequantize(q, jnp.float32),
+            "stochastic": nv.quantize(x, block=block, rounding="stochastic", key=key).data,
+            "stochastic_of_tiles": quantize_tiles(t, lay, block=block, key=key).to_array().data}
 
 
 @pytest.mark.parametrize("shape,nd,nt,td,block", [(*c, nv.BLOCK_2D) for c in CASES] + [
     # (16, 1) blocks: odd sizes with data padding, and tensor splits of columns and of rows.
     (*CASES[2], nv.BLOCK_COLUMN), (*CASES[3], nv.BLOCK_COLUMN), (*CASES[4], nv.BLOCK_COLUMN)])
 def test_tiles_round_trip_and_nvfp4_bit_identity(shape, nd, nt, td, block):
-    x = jnp.asarray(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     lay = layout_of(shape, nd, nt, td)
-    t = to_tiles(x, lay)
+    r = round_trips(x, lay, block)
+    t, q, tq = r["t"], r["q"], r["tq"]
     assert t.shape == (*shape[:-2], nt, lay.padded_tiles, 16, 16) and lay.padded_tiles % nd == 0
-    assert np.asarray(from_tiles(t, lay)).tobytes() == np.asarray(x).tobytes()
+    assert np.asarray(r["back"]).tobytes() == x.tobytes()
     assert not np.any(np.asarray(t)[..., lay.tiles:, :, :])  # padding tiles are zero
-    q = nv.quantize(x, block=block)
-    tq = from_array(q, lay)
     # Host copies (a checkpoint's or an export's) relayout in NumPy: the same bytes, no program.
     host = jax.device_get(tq)
     with jax.transfer_guard("disallow"):  # a jax.numpy op would move them to the device
-        t_host, back = lay.to_tiles(np.asarray(x)), host.to_array()
+        t_host, back = lay.to_tiles(x), host.to_array()
     assert isinstance(t_host, np.ndarray) and t_host.tobytes() == np.asarray(t).tobytes()
     assert isinstance(back.data, np.ndarray)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(q)):
@@ -57,14 +62,12 @@ def test_tiles_round_trip_and_nvfp4_bit_identity(shape, nd, nt, td, block):
     # One scale per tile (2D), or one per tile column: 16 consecutive rows of one column.
     assert tq.block == block and tq.scale_bits.shape == (*shape[:-2], nt, lay.padded_tiles,
                                                          *(() if block == nv.BLOCK_2D else (16,)))
-    for a, b in zip(jax.tree.leaves(tq), jax.tree.leaves(quantize_tiles_jit(t, lay, None, block))):
+    for a, b in zip(jax.tree.leaves(tq), jax.tree.leaves(r["tq_of_tiles"])):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
-    for a, b in zip(jax.tree.leaves(to_array(tq)), jax.tree.leaves(q)):
+    for a, b in zip(jax.tree.leaves(r["array"]), jax.tree.leaves(q)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
-    assert np.asarray(dequantize_tiled(tq)).tobytes() == np.asarray(nv.dequantize(q, jnp.float32)).tobytes()
-    key = jax.random.key(3)
-    qs = nv.quantize(x, block=block, rounding="stochastic", key=key)
-    assert np.asarray(to_array(quantize_tiles_jit(t, lay, key, block)).data).tobytes() == np.asarray(qs.data).tobytes()
+    assert np.asarray(r["dequantized_tiles"]).tobytes() == np.asarray(r["dequantized"]).tobytes()
+    assert np.asarray(r["stochastic_of_tiles"]).tobytes() == np.asarray(r["stochastic"]).tobytes()
 
 
 def test_padding_for_llama_shapes_on_144_devices():
@@ -96,8 +99,8 @@ def test_sharded_requantize_is_the_unsharded_quantization(n, tensor, block, stoc
     mesh = jax.make_mesh((n, tensor), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2,
                          devices=jax.devices()[: n * tensor])
     rules = nv.Rules(tensor=((r"w", -1),))
-    x = jnp.asarray(np.random.default_rng(n).standard_normal((2, 48, 96)).astype(np.float32))
-    x = x.at[1].multiply(1e-3)
+    x = np.random.default_rng(n).standard_normal((2, 48, 96)).astype(np.float32)
+    x[1] *= np.float32(1e-3)
     lay = nv.layout_for("w", x.shape, True, mesh, rules)
     m = nv.Tiled.from_logical(x, lay)
     m = nv.Tiled(jax.device_put(m.value, NamedSharding(mesh, m.spec())), lay)

@@ -32,10 +32,11 @@ def test_llama3_presets_have_llama3_parameter_counts(name, billions):
 
 def test_gqa_matches_repeated_kv_reference():
     """jax.nn.dot_product_attention with 2 kv heads for 4 query heads equals causal softmax
-    attention with each kv head repeated for its query group (float32)."""
+    attention with each kv head repeated for its query group (float32). Each side is one
+    jitted program (op by op, each of their few dozen operations compiles a program of its own)."""
     model = GPT(vocab=64, d_model=64, layers=1, heads=4, kv_heads=2, hidden=64, dtype=jnp.float32, init_std=0.2)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)))
-    params = model.init(jax.random.key(0), tokens)["params"]
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 12))
+    params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
     attn = params["blocks"]["attn"]
     assert attn["k"]["kernel"].shape == (1, 64, 32) and attn["q"]["kernel"].shape == (1, 64, 64)
 
@@ -43,18 +44,22 @@ def test_gqa_matches_repeated_kv_reference():
     from train.model import Attention, Dims
 
     layer = Attention(Dims(64, 4, 2, hidden=0, init_std=0.2, dtype=jnp.float32, attention="xla"))
-    p = layer.init(jax.random.key(2), x)
-    got = layer.apply(p, x)
-    w = {k: p["params"][k]["kernel"] for k in ("q", "k", "v", "out")}
-    q = rotary((x @ w["q"]).reshape(2, 12, 4, 16), 10000.0)
-    k = rotary((x @ w["k"]).reshape(2, 12, 2, 16), 10000.0)
-    v = (x @ w["v"]).reshape(2, 12, 2, 16)
-    k, v = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)  # query head h uses kv head h // 2
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0
-    logits = jnp.where(jnp.tril(jnp.ones((12, 12), bool)), logits, -jnp.inf)
-    want = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, -1), v).reshape(2, 12, 64) @ w["out"]
+    p = jax.jit(layer.init)(jax.random.key(2), x)
+    got = jax.jit(layer.apply)(p, x)
+
+    @jax.jit
+    def reference(x, w):
+        q = rotary((x @ w["q"]).reshape(2, 12, 4, 16), 10000.0)
+        k = rotary((x @ w["k"]).reshape(2, 12, 2, 16), 10000.0)
+        v = (x @ w["v"]).reshape(2, 12, 2, 16)
+        k, v = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)  # query head h uses kv head h // 2
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0
+        logits = jnp.where(jnp.tril(jnp.ones((12, 12), bool)), logits, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, -1), v).reshape(2, 12, 64) @ w["out"]
+
+    want = reference(x, {k: p["params"][k]["kernel"] for k in ("q", "k", "v", "out")})
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
-    assert model.apply({"params": params}, tokens).shape == (2, 12, 64)
+    assert jax.eval_shape(model.apply, {"params": params}, tokens).shape == (2, 12, 64)
 
 
 def test_rotary_is_hf_rotate_half():
@@ -96,10 +101,10 @@ def test_attention_implementation_choice():
 
 def test_tied_head_has_no_head_kernel():
     model = GPT(vocab=48, d_model=32, layers=1, heads=2, hidden=32, tie_embeddings=True)
-    tokens = jnp.zeros((1, 4), jnp.int32)
-    params = model.init(jax.random.key(0), tokens)["params"]
+    tokens = np.zeros((1, 4), np.int32)
+    params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
     assert "head" not in params and params["embed"].shape == (48, 32)
-    assert model.apply({"params": params}, tokens).shape == (1, 4, 48)
+    assert jax.jit(model.apply)({"params": params}, tokens).shape == (1, 4, 48)
 
 
 def test_kv_heads_config_checks():

@@ -6,6 +6,7 @@ resumed run's checkpoints then restore onto other meshes and feed the export tes
 """
 
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -234,11 +235,15 @@ KILL_CHILD = textwrap.dedent("""
     from jax.sharding import Mesh
     from train.checkpoint import Checkpointer
 
+    @jax.jit  # one program (op by op, each operation compiles its own)
+    def _state(fp32):
+        params = nv.shard_params(nv.quantize_params(fp32))
+        return params, nv.master_weights(optax.adam(1e-3)).init(params)
+
     def state():
         rng = np.random.default_rng(0)
-        params = nv.shard_params(nv.quantize_params({"w": rng.standard_normal((256, 512)).astype(np.float32),
-                                                     "b": rng.standard_normal(512).astype(np.float32)}))
-        return params, nv.master_weights(optax.adam(1e-3)).init(params)
+        return _state({"w": rng.standard_normal((256, 512)).astype(np.float32),
+                       "b": rng.standard_normal(512).astype(np.float32)})
 
     if __name__ == "__main__":
         params, opt_state = state()
@@ -445,20 +450,26 @@ def test_extending_a_run_keeps_its_schedule(reference, resumed, tmp_path, capsys
 
 
 # ----------------------------------------------------------------------------- corruption
+@functools.partial(jax.jit, static_argnums=1)
+def stored_state(fp32, tx):
+    """The stored NVFP4 params of the float32 tree ``fp32`` and ``tx``'s state, as one program
+    (op by op, each of their operations compiles a program of its own)."""
+    params = nv.shard_params(nv.quantize_params(fp32))
+    return params, tx.init(params)
+
+
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory):
     """Checkpoints 1 and 2 of a small state (different values), saved on one device."""
     import optax
 
     rng = np.random.default_rng(0)
-    params = nv.shard_params(nv.quantize_params({"w": rng.standard_normal((64, 96)).astype(np.float32),
-                                 "b": rng.standard_normal(96).astype(np.float32)}))
     tx = nv.master_weights(optax.adam(1e-3))
+    fp32 = {"w": rng.standard_normal((64, 96)).astype(np.float32), "b": rng.standard_normal(96).astype(np.float32)}
+    states = {1: stored_state(fp32, tx)}
+    updates, opt2 = jax.jit(tx.update)(jax.tree.map(np.ones_like, fp32), states[1][1], states[1][0])
+    states[2] = (jax.jit(optax.apply_updates)(states[1][0], updates), opt2)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
-    states = {1: (params, tx.init(params))}
-    grads = {"w": jnp.ones((64, 96), jnp.float32), "b": jnp.ones(96, jnp.float32)}
-    updates, opt2 = tx.update(grads, states[1][1], params)
-    states[2] = (optax.apply_updates(params, updates), opt2)
     d = tmp_path_factory.mktemp("two") / "ck"
     ck = ckpt_lib.Checkpointer(str(d))
     for step, (p, o) in states.items():
@@ -509,9 +520,8 @@ def test_checkpoint_of_the_previous_format_is_refused_in_one_line(tmp_path):
     import optax
     from jax.sharding import Mesh
 
-    rng = np.random.default_rng(0)
-    params = nv.shard_params(nv.quantize_params({"w": rng.standard_normal((32, 64)).astype(np.float32)}))
-    state = nv.master_weights(optax.adam(1e-3)).init(params)
+    params, state = stored_state({"w": np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)},
+                                 nv.master_weights(optax.adam(1e-3)))
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     d = tmp_path / "ck"
     ck = ckpt_lib.Checkpointer(str(d))

@@ -63,8 +63,8 @@ def test_grid_covers_sizes_lengths_seeds_and_levers():
 
 
 def test_one_short_run_learns_the_held_out_text(corpus, tmp_path):
-    spec = {"size": "tiny", "steps": 30, "seed": 0, "variant": "plain_bf16",
-            "name": ct.run_name("tiny", 30, 0, "plain_bf16"), "extra": ["train.eval_batches=2"]}
+    spec = {"size": "tiny", "steps": 20, "seed": 0, "variant": "plain_bf16",
+            "name": ct.run_name("tiny", 20, 0, "plain_bf16"), "extra": ["train.eval_batches=1"]}
     r = ct.run_one(spec, corpus, str(tmp_path), log=lambda _: None)
     vals = [v for _, v in r["val_history"]]
     assert all(math.isfinite(v) for v in vals) and len(vals) == 10

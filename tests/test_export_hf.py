@@ -89,7 +89,8 @@ def layer_leaves(params):
     for seg in SEGMENTS:
         if seg not in params:
             continue
-        flat = jax.tree_util.tree_flatten_with_path(params[seg], is_leaf=nv.is_nvfp4)[0]
+        # On the host: sliced on the device, each layer's leaf would compile slicing programs.
+        flat = jax.tree_util.tree_flatten_with_path(jax.device_get(params[seg]), is_leaf=nv.is_nvfp4)[0]
         n = flat[0][1].shape[0]
         for path, leaf in flat:
             for i in range(n):

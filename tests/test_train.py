@@ -122,6 +122,9 @@ def test_runs_with_the_same_programs_share_them(tmp_path):
                "nvfp4.max_skipped_in_a_row=2")
     b = step_lib.build(host, mesh, init=False)[0]
     assert b.cfg is host and (b.step_fn, b.init_fn, b.eval_fn) == (a.step_fn, a.init_fn, a.eval_fn)
+    # A run extended on its stored schedule (more steps, the same schedule length) too.
+    longer = step_lib.build(job("train.steps=8", "optim.schedule_steps=6"), mesh, init=False)[0]
+    assert longer.step_fn is a.step_fn
     for other, other_mesh in ((job("optim.lr=1e-3"), mesh), (job("train.steps=7"), mesh), (job("train.seed=1"), mesh),
                               (cfg, mesh_of(job("mesh.data=4", "mesh.tensor=2"), 8))):
         assert step_lib.build(other, other_mesh, init=False)[0].step_fn is not a.step_fn

@@ -114,12 +114,13 @@ def program_key(cfg: Config) -> tuple:
     """The part of ``cfg`` that the compiled programs (init, step, evaluation) depend on:
     everything but what only the host loop reads (the data's source, files, split and seed;
     logging, evaluation cadence, output; checkpoints; what the host does about skipped steps:
-    a non-finite step is skipped on the device either way). Equal keys on one mesh build the
-    same programs."""
+    a non-finite step is skipped on the device either way; the number of steps, where the
+    learning-rate schedule's length is the same). Equal keys on one mesh build the same
+    programs."""
     host = NVFP4Config()
     nvfp4 = dataclasses.replace(cfg.nvfp4, nonfinite=host.nonfinite, max_skipped_in_a_row=host.max_skipped_in_a_row)
-    return (cfg.model, cfg.mesh, cfg.optim, nvfp4, cfg.data.batch_size, cfg.train.steps, cfg.train.seed,
-            cfg.train.remat)
+    optim = dataclasses.replace(cfg.optim, schedule_steps=cfg.schedule_steps())
+    return (cfg.model, cfg.mesh, optim, nvfp4, cfg.data.batch_size, cfg.train.seed, cfg.train.remat)
 
 
 # The programs built in this process, by (program_key, mesh), least recently used first.

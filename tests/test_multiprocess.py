@@ -36,7 +36,7 @@ from conftest import ROOT, TINY, mesh_of, sets, xla_flags
 pytestmark = pytest.mark.xdist_group("multiprocess")
 
 JOB = (*conftest.JOB, "mesh.layout=gb200", "mesh.nvl_domain=4", "optim.clip_norm=1")  # the norm sums across processes
-HEARTBEAT_S = 10  # the peer watch ends a survivor after half of it
+HEARTBEAT_S = 10  # the peer watch ends a survivor after 0.3 of it
 SURVIVOR_DEADLINE_S = 60
 
 

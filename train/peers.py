@@ -115,5 +115,9 @@ def watch_peers(heartbeat_timeout: float) -> Optional[PeerWatch]:
     client = distributed.global_state.client
     if client is None or jax.process_count() < 2:
         return None
-    limit = max(2.0, 0.5 * heartbeat_timeout)
+    # The service counts its timeout from the last heartbeat it received, and a process sends
+    # heartbeats only every so often: its abort can come sooner after a peer freezes than the
+    # full timeout. At half the timeout the watch lost that race in one multi-process run of
+    # many (the survivor died by SIGABRT); 0.3 of it leaves a margin.
+    limit = max(2.0, 0.3 * heartbeat_timeout)
     return PeerWatch(client, jax.process_index(), jax.process_count(), limit).start()

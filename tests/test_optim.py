@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jax_nvfp4 as nv
+from jax_nvfp4.array import as_array
 
 SHAPES = {"a": (48, 80), "b": (50, 72), "c": (16, 16), "stacked": (4, 256, 96)}
 
@@ -20,9 +21,8 @@ def make_mesh(n):
 
 
 def f32(x):
-    """A NumPy array as a float32 device array: a transfer (``jnp.asarray`` compiles a program
-    per shape for it)."""
-    return jax.device_put(np.asarray(x, np.float32))
+    """A NumPy array as a float32 JAX array (transferred, not staged: ``as_array``)."""
+    return as_array(np.asarray(x, np.float32))
 
 
 def init_params(seed=0):

@@ -26,7 +26,9 @@ from jax_nvfp4.export import ExportError, export_hf, export_nvfp4, load_nvfp4
 from jax_nvfp4.gemm import BackendUnavailableError, dot, last_backend, resolve_backend
 from jax_nvfp4.nn import NVFP4Dense
 from jax_nvfp4.numerics import hadamard_matrix, hadamard_transform
-from jax_nvfp4.collectives import GatherConfig, gather_weight, global_norm, ordered_mean, ordered_reduce_scatter
+from jax_nvfp4.collectives import (GatherConfig, all_gather_bits, gather_weight, global_norm, ordered_mean,
+                                   ordered_reduce_scatter, ordered_sum, ordered_sum_scatter)
+from jax_nvfp4.tensor_parallel import TensorParallel
 from jax_nvfp4.layout import Layout, Rules, Tiled, TiledNVFP4, is_tiled, layout_for
 from jax_nvfp4.optim import (
     MasterWeightsState,
@@ -75,6 +77,10 @@ __all__ = [
     "logical",
     "ordered_mean",
     "ordered_reduce_scatter",
+    "ordered_sum",
+    "ordered_sum_scatter",
+    "all_gather_bits",
+    "TensorParallel",
     "shard_params",
     "MasterWeightsState",
     "NVFP4Array",

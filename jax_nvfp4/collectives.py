@@ -29,11 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jax_nvfp4.layout import Tiled, TiledNVFP4
+from jax_nvfp4.layout import Tiled, TiledNVFP4, is_tiled
 
 # Name scopes (HLO op_name metadata): what a collective is for.
 GATHER_SCOPE = "weight_gather"
 REDUCE_SCOPE = "ordered_reduce"
+TENSOR_SCOPE = "tensor_parallel"  # activation collectives of tensor/sequence parallelism
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -101,6 +102,34 @@ def ordered_mean(x: jax.Array, axis) -> jax.Array:
         return fold_sum(parts) / np.float32(n)
 
 
+def ordered_sum(x: jax.Array, axis) -> jax.Array:
+    """Sum over ``axis`` of a value each device holds (inside ``shard_map``), in ``x``'s dtype:
+    all-gather its bits, fold in shard order in float32. Same on every device."""
+    if _size(axis) == 1:
+        return x
+    with jax.named_scope(REDUCE_SCOPE):
+        return fold_sum(all_gather_bits(x, axis)).astype(x.dtype)
+
+
+def ordered_sum_scatter(x: jax.Array, axis: str, dim: int, out_dtype=None) -> jax.Array:
+    """Sum over mesh axis ``axis`` of every device's ``x``, each device receiving its own
+    ``1/n`` chunk along ``dim`` (inside ``shard_map``): ``psum_scatter`` in a fixed order. An
+    all-to-all of the bits sends chunk ``j`` to device ``j``, which folds the ``n`` parts in
+    shard order in float32; the result has ``out_dtype`` (default: ``x``'s dtype)."""
+    n = _size(axis)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if n == 1:
+        return x.astype(out_dtype)
+    dim = dim % x.ndim
+    shape = x.shape
+    if shape[dim] % n:
+        raise ValueError(f"ordered_sum_scatter: dimension {dim} of {shape} is not divisible by the {n} shards of {axis!r}")
+    with jax.named_scope(REDUCE_SCOPE):
+        parts = jnp.moveaxis(x.reshape(*shape[:dim], n, shape[dim] // n, *shape[dim + 1:]), dim, 0)
+        moved = jax.lax.all_to_all(to_bits(parts), axis, 0, 0, tiled=True)
+        return fold_sum(from_bits(moved, x.dtype)).astype(out_dtype)
+
+
 def ordered_reduce_scatter(tiles: jax.Array, axis, replica_axis=None) -> jax.Array:
     """Mean over ``axis`` (and ``replica_axis``) of every device's full tile array
     ``[..., nt, T, 16, 16]``, each device receiving its own ``T / N`` tiles
@@ -124,17 +153,10 @@ def ordered_reduce_scatter(tiles: jax.Array, axis, replica_axis=None) -> jax.Arr
     n = _size(axis) * replicas
     if n == 1:
         return tiles.astype(jnp.float32)
-    *lead, nt, _, a, b = tiles.shape
-    k = len(lead)
     x = tiles
     with jax.named_scope(REDUCE_SCOPE):
-        for ax in levels:
-            m = _size(ax)
-            send = x.astype(tiles.dtype)
-            t = send.shape[k + 1]
-            parts = jnp.moveaxis(send.reshape(*lead, nt, m, t // m, a, b), k + 1, 0)  # row j -> device j
-            moved = jax.lax.all_to_all(to_bits(parts), ax, 0, 0, tiled=True)
-            x = fold_sum(from_bits(moved, tiles.dtype))
+        for ax in levels:  # the tile axis (-3): tile block j -> device j of the level
+            x = ordered_sum_scatter(x.astype(tiles.dtype), ax, -3, out_dtype=jnp.float32)
         if replicas > 1:
             x = fold_sum(all_gather_bits(x.astype(tiles.dtype), replica_axis))
         return x.astype(jnp.float32) / np.float32(n)
@@ -150,7 +172,12 @@ class GatherConfig:
     compute dtype (its gradient arrives in it). ``packed``: gather the packed NVFP4 bytes and
     dequantize after (True), or dequantize each shard and gather the dequantized values
     (False; the bf16-gather reference, bit-identical values). ``nvfp4``: also return the
-    gathered :class:`NVFP4Array` (for the recipe GEMMs).
+    gathered :class:`NVFP4Array` (for the recipe GEMMs). ``tensor_axis``: the tensor axis
+    when the ``shard_map`` is manual over it (size > 1), else None. A weight split over it
+    (``layout.n_tensor > 1``) is then this device's tensor shard, its own tile-major matrix
+    (:meth:`Layout.local`): its gather crosses the data axes only, and its gradient is
+    complete on this tensor rank. Every other weight is the same on each tensor rank and
+    gets a partial gradient there, summed over the tensor axis in a fixed order.
     """
 
     axis: Any = "data"
@@ -158,6 +185,7 @@ class GatherConfig:
     packed: bool = True
     nvfp4: bool = False
     replica_axis: Optional[str] = None
+    tensor_axis: Optional[str] = None
 
     @property
     def batch_axes(self) -> Tuple[str, ...]:
@@ -165,9 +193,22 @@ class GatherConfig:
         return (*((self.replica_axis,) if self.replica_axis else ()), *_levels(self.axis))
 
 
+def _local(x):
+    """``x`` (a :class:`Tiled` / :class:`TiledNVFP4` shard inside a ``shard_map`` manual over
+    the tensor axis) with the layout of its own tensor shard."""
+    if is_tiled(x) and x.layout.n_tensor > 1:
+        return dataclasses.replace(x, layout=x.layout.local())
+    return x
+
+
+def _split_over_tensor(x) -> bool:
+    return is_tiled(x) and x.layout.n_tensor > 1
+
+
 def _gather_forward(stored, cfg: GatherConfig):
     """(logical weight in ``cfg.dtype`` or None, gathered NVFP4Array or None)."""
     axis = cfg.axis
+    stored = _local(stored)
     if _size(axis) == 1:  # nothing to gather: the shard is the whole parameter
         if isinstance(stored, TiledNVFP4):
             return (None, stored.to_array()) if cfg.nvfp4 else (stored.dequantize(cfg.dtype), None)
@@ -217,11 +258,16 @@ def _gather_fn(cfg: GatherConfig):
         stored, master = res
         g = ct[1] if cfg.nvfp4 else ct
         if isinstance(master, Tiled):
-            tiles = master.layout.to_tiles(g)
-            grad = Tiled(ordered_reduce_scatter(tiles, cfg.axis, cfg.replica_axis).astype(master.value.dtype),
-                         master.layout)
+            tiles = master.layout.local().to_tiles(g)
+            value = ordered_reduce_scatter(tiles, cfg.axis, cfg.replica_axis)
+            if cfg.tensor_axis is not None and not _split_over_tensor(master):
+                value = ordered_sum(value, cfg.tensor_axis)
+            grad = Tiled(value.astype(master.value.dtype), master.layout)
         else:
-            grad = ordered_mean(g, cfg.batch_axes).astype(master.dtype)
+            value = ordered_mean(g, cfg.batch_axes)
+            if cfg.tensor_axis is not None:
+                value = ordered_sum(value, cfg.tensor_axis)
+            grad = value.astype(master.dtype)
         return _zero_cotangent(stored), grad
 
     fetch.defvjp(fwd, bwd)
@@ -236,10 +282,15 @@ def gather_weight(stored, master, cfg: GatherConfig = GatherConfig()):
     (:class:`Tiled`, or the replicated array), which only receives the gradient.
 
     Forward: all-gather the shard's packed bytes and scale bytes (u8) or plain bits and return
-    the logical weight in ``cfg.dtype`` (or ``(NVFP4Array, sink)`` with ``cfg.nvfp4``).
+    the logical weight in ``cfg.dtype`` (or ``(NVFP4Array, sink)`` with ``cfg.nvfp4``); with
+    ``cfg.tensor_axis``, a tensor-split weight is this rank's sub-matrix.
     Backward: the weight gradient, averaged over the data axis in a fixed order, lands in
     ``master``'s layout: this device's tiles only (a replicated master gets the full mean).
+    ``master=None`` (evaluation): the forward alone, nothing to differentiate.
     """
+    if master is None:
+        w, q = _gather_forward(stored, cfg)
+        return (q, None) if cfg.nvfp4 else w
     return _gather_fn(cfg)(stored, master)
 
 

@@ -59,7 +59,8 @@ PURPOSES = {
     "master relayout": "masters moved to their sharding",
     "optimizer": "inside the optimizer update",
     "loss / metrics": "loss and metric reductions",
-    "model fwd/bwd": "inside the model (e.g. tensor-parallel sums)",
+    "tensor parallel": "activations across the tensor axis (sequence gathers, row-parallel and vocabulary sums)",
+    "model fwd/bwd": "inside the model, not one of the library's collectives",
     "other": "not attributed",
 }
 # Innermost function of a collective's Python stack -> its purpose (checked innermost first).
@@ -334,7 +335,7 @@ def replica_groups(line: str) -> Tuple[Tuple[int, ...], ...]:
 def purpose(op: str, op_name: str, stack: Sequence[Tuple[str, str]]) -> str:
     """What a collective is for (a key of :data:`PURPOSES`), from its JAX name scope and its
     Python call stack (innermost first)."""
-    from jax_nvfp4.collectives import GATHER_SCOPE, REDUCE_SCOPE
+    from jax_nvfp4.collectives import GATHER_SCOPE, REDUCE_SCOPE, TENSOR_SCOPE
 
     label = "other"
     for path, func in stack:
@@ -349,6 +350,8 @@ def purpose(op: str, op_name: str, stack: Sequence[Tuple[str, str]]) -> str:
             break
     if GATHER_SCOPE in op_name:
         return "weight gather"
+    if TENSOR_SCOPE in op_name:
+        return "tensor parallel"
     if REDUCE_SCOPE in op_name and label not in ("grad norm", "loss / metrics"):
         return "grad reduce"
     return label

@@ -202,6 +202,14 @@ class Layout:
             return r, c // self.n_tensor
         return r, c
 
+    def local(self) -> "Layout":
+        """The layout of ONE tensor shard as a device holds it inside a ``shard_map`` that is
+        manual over the tensor axis: its sub-matrix, with the same tile list (same grid, same
+        data-axis padding), not split any further. ``self`` when the matrix is not split."""
+        if self.n_tensor == 1:
+            return self
+        return dataclasses.replace(self, matrix=self.sub, n_tensor=1, tensor_dim=None, tensor_axis=None)
+
     @property
     def grid(self) -> Tuple[int, int]:
         """Tiles per sub-matrix along rows and columns."""

@@ -88,13 +88,17 @@ def test_rmsnorm_rounds_like_hf():
 
 
 def test_attention_implementation_choice():
-    from train.model import attention_implementation
+    from train.attention import IMPLEMENTATIONS, attention, blockwise_attention
 
-    # This suite runs on CPU: auto is XLA there; cuDNN is only asked for on GPU.
+    # This suite runs on CPU: auto is the blockwise attention there (cuDNN cannot even be
+    # traced without a GPU); the config takes each implementation by name.
     assert jax.default_backend() == "cpu"
-    assert attention_implementation("auto", 128, jnp.bfloat16) == "xla"
-    assert attention_implementation("cudnn", 128, jnp.bfloat16) == "cudnn"
-    assert load_config(None, ["model.attention=xla"]).model.attention == "xla"
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 64, 2, 16)), jnp.bfloat16)
+    auto = jax.jit(lambda q: attention(q, q, q, "auto", block=16)).lower(q).as_text()
+    blockwise = jax.jit(lambda q: blockwise_attention(q, q, q, block=16)).lower(q).as_text()
+    assert auto == blockwise
+    for name in IMPLEMENTATIONS:
+        assert load_config(None, [f"model.attention={name}"]).model.attention == name
     with pytest.raises(ConfigError, match="model.attention"):
         load_config(None, ["model.attention=flash"])
 

@@ -184,8 +184,9 @@ class ModelConfig(_Section):
     rope_theta: float = _field(10000.0, gt=0)
     norm_eps: float = _field(1e-5, gt=0)
     tie_embeddings: bool = _field(False, doc="the head is the embedding matrix transposed")
-    # jax.nn.dot_product_attention implementation; auto = cuDNN's fused kernel on GPU, else XLA.
-    attention: str = _field("auto", choices=("auto", "xla", "cudnn"))
+    # train.attention.attention: auto = cuDNN's fused kernel on a CUDA GPU, else blockwise
+    # (O(sequence) memory); xla = XLA's attention (O(sequence^2) scores).
+    attention: str = _field("auto", choices=("auto", "blockwise", "xla", "cudnn"))
     init_std: float = _field(0.02, gt=0)
 
     def check(self) -> None:
@@ -699,4 +700,10 @@ def validate_for_devices(cfg: Config, n_devices: int) -> dict[str, int]:
         if m.n_kv_heads % tensor:
             raise ConfigError(f"model.kv_heads={m.n_kv_heads}: must be divisible by the mesh "
                               f"tensor axis ({tensor}) to shard key/value heads")
+        if m.vocab % (16 * tensor):
+            raise ConfigError(f"model.vocab={m.vocab}: must be divisible by 16 x mesh tensor axis "
+                              f"({tensor}) = {16 * tensor} to split the embedding and head over it")
+        if m.seq_len % tensor:
+            raise ConfigError(f"model.seq_len={m.seq_len}: must be divisible by the mesh tensor "
+                              f"axis ({tensor}) to split the sequence between blocks")
     return axes

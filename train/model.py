@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -26,13 +26,20 @@ import jax.numpy as jnp
 
 from jax_nvfp4.nn import NVFP4_COLLECTION, ROUNDING_RNG, NVFP4Dense, param
 from jax_nvfp4.params import Policy
+from jax_nvfp4.tensor_parallel import TensorParallel, vocab_embed, vocab_token_losses
+from train.attention import attention
 
-# Tensor-parallel splits: column-parallel inputs, row-parallel outputs (Megatron style).
+# Tensor-parallel splits (Megatron style): column-parallel q/k/v/gate/up (split along their
+# outputs), row-parallel out/down (along their inputs), the embedding and head along the
+# vocabulary. Heads split with their columns; the residual stream between blocks is split
+# along the sequence (sequence parallelism, see jax_nvfp4.tensor_parallel).
 TENSOR_RULES = (
     (r"attn/(q|k|v)/kernel", -1),
     (r"attn/out/kernel", -2),
     (r"mlp/(gate|up)/kernel", -1),
     (r"mlp/down/kernel", -2),
+    (r"^embed$", -2),
+    (r"^head/kernel$", -1),
 )
 SEGMENTS = ("blocks_first", "blocks", "blocks_last")
 # The segments of the blocks kept in bf16: stored in bf16 (train.step.policy_for) and, under
@@ -79,18 +86,6 @@ def linear(features: int, name: str, compute: str, dtype, init_std: float) -> NV
                       kernel_init=nn.initializers.normal(init_std))
 
 
-def attention_implementation(choice: str, head_dim: int, dtype) -> str:
-    """``jax.nn.dot_product_attention``'s ``implementation`` for ``choice`` (auto | xla | cudnn).
-
-    In jax 0.10 its own default is always XLA; ``auto`` asks for cuDNN's fused (flash)
-    kernel on GPU when the shapes and dtype are ones cuDNN takes (bf16/fp16, head size a
-    multiple of 8 up to 128), and XLA elsewhere (CPU, TPU)."""
-    if choice != "auto":
-        return choice
-    fits = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and head_dim % 8 == 0 and head_dim <= 128
-    return "cudnn" if jax.default_backend() == "gpu" and fits else "xla"
-
-
 @dataclasses.dataclass(frozen=True)
 class Dims:
     """The hyperparameters the layers of a block read (frozen, hashable: a Flax attribute)."""
@@ -104,7 +99,8 @@ class Dims:
     compute: str = "dequant"
     init_std: float = 0.02
     dtype: Any = jnp.bfloat16
-    attention: str = "auto"  # auto | xla | cudnn, see attention_implementation
+    attention: str = "auto"  # see train.attention.attention
+    tensor: TensorParallel = TensorParallel()
 
     def dense(self, name: str, features: int) -> NVFP4Dense:
         return linear(features, name, self.compute, self.dtype, self.init_std)
@@ -113,32 +109,42 @@ class Dims:
 class Attention(nn.Module):
     """Causal grouped-query attention: ``heads`` query heads share ``kv_heads`` key/value
     heads (``heads % kv_heads == 0``; ``kv_heads == heads`` is multi-head attention), through
-    ``jax.nn.dot_product_attention`` (see :func:`attention_implementation`)."""
+    :func:`train.attention.attention`.
+
+    Tensor parallel (``dims.tensor``): the sequence-split input is gathered, each rank runs
+    its ``heads / t`` query heads and ``kv_heads / t`` key/value heads (column-parallel q, k,
+    v), and the row-parallel output projection's partial sums are reduce-scattered back to
+    the sequence split."""
 
     dims: Dims
 
     @nn.compact
     def __call__(self, x):
-        d = self.dims
+        d, tp = self.dims, self.dims.tensor
+        x = tp.gather_sequence(x)
         b, t, _ = x.shape
         hd = d.d_model // d.heads
-        q = d.dense("q", d.heads * hd)(x).reshape(b, t, d.heads, hd)
-        k = d.dense("k", d.kv_heads * hd)(x).reshape(b, t, d.kv_heads, hd)
-        v = d.dense("v", d.kv_heads * hd)(x).reshape(b, t, d.kv_heads, hd)
+        heads, kv = tp.split(d.heads, "model.heads"), tp.split(d.kv_heads, "model.kv_heads")
+        q = d.dense("q", heads * hd)(x).reshape(b, t, heads, hd)
+        k = d.dense("k", kv * hd)(x).reshape(b, t, kv, hd)
+        v = d.dense("v", kv * hd)(x).reshape(b, t, kv, hd)
         q, k = rotary(q, d.rope_theta), rotary(k, d.rope_theta)
-        out = jax.nn.dot_product_attention(q.astype(d.dtype), k.astype(d.dtype), v.astype(d.dtype), is_causal=True,
-                                           implementation=attention_implementation(d.attention, hd, d.dtype))
-        return d.dense("out", d.d_model)(out.reshape(b, t, d.heads * hd))
+        out = attention(q.astype(d.dtype), k.astype(d.dtype), v.astype(d.dtype), d.attention)
+        return tp.scatter_sequence(d.dense("out", d.d_model)(out.reshape(b, t, heads * hd)))
 
 
 class MLP(nn.Module):
+    """SwiGLU; tensor parallel: column-parallel gate/up, row-parallel down (as attention)."""
+
     dims: Dims
 
     @nn.compact
     def __call__(self, x):
-        d = self.dims
-        h = jax.nn.silu(d.dense("gate", d.hidden)(x)) * d.dense("up", d.hidden)(x)
-        return d.dense("down", d.d_model)(h)
+        d, tp = self.dims, self.dims.tensor
+        x = tp.gather_sequence(x)
+        hidden = tp.split(d.hidden, "model.mlp_hidden")
+        h = jax.nn.silu(d.dense("gate", hidden)(x)) * d.dense("up", hidden)(x)
+        return tp.scatter_sequence(d.dense("down", d.d_model)(h))
 
 
 class Block(nn.Module):
@@ -158,11 +164,18 @@ class GPT(nn.Module):
     """Decoder-only transformer (the Llama architecture).
 
     ``compute``: ``"dequant"`` (weights dequantized by the caller, GEMMs in ``dtype``) or
-    ``"nvfp4"`` (the recipe's quantized GEMMs; stored NVFP4 kernels come in through the
-    ``"nvfp4"`` collection, see :func:`nvfp4_collection`). It applies to the layers stored in
-    NVFP4: the blocks kept in bf16 (``keep_first``/``keep_last``) and the head when
+    ``"nvfp4"`` (the recipe's quantized GEMMs; stored NVFP4 kernels come in as
+    :class:`jax_nvfp4.nn.ParamShard` leaves or through the ``"nvfp4"`` collection). It
+    applies to the layers stored in NVFP4: the blocks kept in bf16 (``keep_first``/``keep_last``) and the head when
     ``keep_head`` run their GEMMs in ``dtype``, as the published recipe keeps its last layers
     and output projection in high precision.
+
+    ``tensor``: inside a ``shard_map`` manual over the tensor axis, the model computes this
+    rank's part (Megatron tensor parallelism with sequence parallelism, see
+    :mod:`jax_nvfp4.tensor_parallel`): it reads this rank's shards of the split weights (the
+    embedding's and head's vocabulary rows/columns, heads, MLP columns) and returns this
+    rank's vocabulary columns of the logits, for :func:`cross_entropy` with the same
+    ``tensor``. Off (the default, and at init) it is the whole model on one device.
     """
 
     vocab: int
@@ -174,7 +187,7 @@ class GPT(nn.Module):
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    attention: str = "auto"  # auto | xla | cudnn, see attention_implementation
+    attention: str = "auto"  # see train.attention.attention
     init_std: float = 0.02
     keep_first: int = 0
     keep_last: int = 0
@@ -182,18 +195,21 @@ class GPT(nn.Module):
     compute: str = "dequant"
     dtype: Any = jnp.bfloat16
     remat: Optional[str] = None
+    tensor: TensorParallel = TensorParallel()
 
     @nn.compact
     def __call__(self, tokens):
-        embed = param(self, "embed", nn.initializers.normal(self.init_std), (self.vocab, self.d_model), jnp.float32)
-        x = embed.astype(self.dtype)[tokens]
+        tp = self.tensor
+        vocab = tp.split(self.vocab, "model.vocab")
+        embed = param(self, "embed", nn.initializers.normal(self.init_std), (vocab, self.d_model), jnp.float32)
+        x = vocab_embed(embed.astype(self.dtype), tokens, tp)
         counts = (self.keep_first, self.layers - self.keep_first - self.keep_last, self.keep_last)
         for name, n in zip(SEGMENTS, counts):
             if n == 0:
                 continue
             compute = "dequant" if name in KEPT_SEGMENTS else self.compute
             dims = Dims(self.d_model, self.heads, self.kv_heads or self.heads, self.hidden, self.rope_theta,
-                        self.norm_eps, compute, self.init_std, self.dtype, self.attention)
+                        self.norm_eps, compute, self.init_std, self.dtype, self.attention, tp)
             stack = nn.scan(
                 _remat(Block, self.remat),
                 variable_axes={"params": 0, NVFP4_COLLECTION: 0},
@@ -201,11 +217,11 @@ class GPT(nn.Module):
                 length=n,
             )
             x, _ = stack(dims, name=name)(x, None)
-        x = RMSNorm(self.norm_eps, self.dtype, name="norm_f")(x)
+        x = tp.gather_sequence(RMSNorm(self.norm_eps, self.dtype, name="norm_f")(x))
         if self.tie_embeddings:
             # Logits in the activation dtype, like the untied head (and HF's lm_head).
             return jnp.einsum("btd,vd->btv", x, embed.astype(self.dtype)).astype(jnp.float32)
-        head = linear(self.vocab, "head", "dequant" if self.keep_head else self.compute, self.dtype, self.init_std)
+        head = linear(vocab, "head", "dequant" if self.keep_head else self.compute, self.dtype, self.init_std)
         return head(x).astype(jnp.float32)
 
 
@@ -240,21 +256,10 @@ def from_config(model_cfg, nvfp4_cfg) -> GPT:
     )
 
 
-def nvfp4_collection(tree) -> Optional[Dict[str, Any]]:
-    """The sub-tree of ``tree`` (nested dicts) holding only its ``NVFP4Array`` leaves, as the
-    ``"nvfp4"`` variable collection; None when there are none."""
-    from jax_nvfp4 import is_nvfp4
-
-    if is_nvfp4(tree):
-        return tree
-    if isinstance(tree, dict) or hasattr(tree, "items"):
-        out = {k: nvfp4_collection(v) for k, v in tree.items()}
-        out = {k: v for k, v in out.items() if v is not None}
-        return out or None
-    return None
-
-
-def cross_entropy(logits, targets):
-    """Mean next-token cross-entropy in nats."""
+def cross_entropy(logits, targets, tensor: TensorParallel = TensorParallel()):
+    """Mean next-token cross-entropy in nats (``tensor``: ``logits`` are this rank's
+    vocabulary columns, :func:`jax_nvfp4.tensor_parallel.vocab_token_losses`)."""
+    if tensor.on:
+        return jnp.mean(vocab_token_losses(logits, targets, tensor))
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))

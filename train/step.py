@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_nvfp4 as nv
 from train.config import Config, NVFP4Config, validate_for_devices
-from train.model import KEPT_SEGMENTS, TENSOR_RULES, cross_entropy, from_config, nvfp4_collection
+from train.model import KEPT_SEGMENTS, TENSOR_RULES, cross_entropy, from_config
 from train.optimizer import make_optimizer
 
 
@@ -172,58 +172,71 @@ def build(cfg: Config, mesh, *, init: bool = True) -> tuple:
     return trainer, params, opt_state
 
 
-def _manual(spec: P, axes) -> P:
-    """``spec`` keeping only the mesh axes a ``shard_map`` is manual over."""
-    out = []
-    for e in spec:
-        if isinstance(e, tuple):
-            kept = tuple(a for a in e if a in axes)
-            out.append(kept if len(kept) > 1 else (kept[0] if kept else None))
-        else:
-            out.append(e if e in axes else None)
-    return P(*out)
+def _tensor(mesh, rules: nv.Rules) -> nv.TensorParallel:
+    """The mesh's tensor axis as the model sees it inside the step's ``shard_map``."""
+    size = nv.layout.axis_size(mesh, rules.tensor_axis)
+    return nv.TensorParallel(rules.tensor_axis if size > 1 else None, size)
+
+
+def _sharded_model(cfg: Config, model, rules: nv.Rules, mesh, *, train: bool):
+    """``(forward, tensor)``: ``forward(params, masters, tokens, rngs)`` -> this device's
+    logits (its vocabulary columns), to run inside a ``shard_map`` manual over every mesh
+    axis (its specs: ``nv.partition_specs``), and the tensor axis the model runs with.
+
+    Every parameter reaches the model as a :class:`jax_nvfp4.nn.ParamShard`; the layer that
+    uses it all-gathers its packed bytes over the data axes there, inside the scan over
+    layers. A weight split over the tensor axis is this rank's own tile-major matrix: its
+    gather crosses the data axes only (1/t of the layer's bytes). ``masters=None``
+    (evaluation): forward only."""
+    wdtype = jnp.float32 if cfg.nvfp4.grad_reduce_dtype == "float32" else jnp.bfloat16
+    tensor = _tensor(mesh, rules)
+    gather_cfg = nv.GatherConfig(rules.data_axis, wdtype, packed=cfg.nvfp4.param_gather == "packed",
+                                 replica_axis=rules.replica_axis, tensor_axis=tensor.axis)
+    fmodel = model.clone(remat=cfg.train.remat if train else None, tensor=tensor)
+
+    def forward(params, masters, tokens, rngs=None):
+        if masters is None:
+            masters = jax.tree.map(lambda _: None, params, is_leaf=nv.is_tiled)
+        shards = jax.tree.map(lambda s, m: nv.nn.ParamShard(s, m, gather_cfg), params, masters, is_leaf=nv.is_tiled)
+        return fmodel.apply({"params": shards}, tokens, rngs=rngs)
+
+    return forward, tensor
 
 
 def make_step(cfg: Config, model, tx, rules, mesh):
-    """The train step ``step(params, opt_state, batch, key, loss_scale=None)`` (FSDP, one
-    layer at a time).
+    """The train step ``step(params, opt_state, batch, key, loss_scale=None)``: FSDP one
+    layer at a time, times Megatron tensor parallelism with sequence parallelism.
 
-    The loss and its gradients are computed inside a ``shard_map`` over the data axis, each
-    device on its own rows. Every parameter reaches the model as a
-    :class:`jax_nvfp4.nn.ParamShard`; the layer that uses it all-gathers its packed bytes
-    there, inside the scan over layers, and the scanned blocks are rematerialised, so no
-    device holds more than one layer's weights. The gather's VJP reduce-scatters each layer's
-    weight gradient straight into this device's master shard, summed in a fixed order
-    (:func:`jax_nvfp4.gather_weight`): bit-identical for any process layout. Then the
+    The loss and its gradients are computed inside one ``shard_map`` manual over every mesh
+    axis (rack, data, tensor): each data shard runs its own rows, each tensor rank its part
+    of every layer (:mod:`jax_nvfp4.tensor_parallel`: heads and MLP columns, the vocabulary
+    of the embedding, head and loss; the residual stream split along the sequence between
+    blocks). Every parameter reaches the model as a :class:`jax_nvfp4.nn.ParamShard`; the
+    layer that uses it all-gathers its packed bytes over the data axes there, inside the scan
+    over layers, and the scanned blocks are rematerialised, so no device holds more than one
+    layer's weights (a tensor-split weight: its 1/t). The gather's VJP reduce-scatters each
+    layer's weight gradient straight into this device's master shard, summed in a fixed
+    order over the data axes (and over the tensor axis for weights every tensor rank holds,
+    e.g. norm scales): bit-identical for any process layout of the same mesh. Then the
     ``master_weights`` optimizer updates and re-quantizes each shard in place.
 
     ``loss_scale`` (step argument): a float32 scalar multiplying the loss, 1.0 in training; a
     fault-injection hook (NaN/Inf make that step's gradients non-finite).
     """
     nvfp4_compute = cfg.nvfp4.weights == "nvfp4" and cfg.nvfp4.compute == "nvfp4"
-    # Gradients take the dtype of the weights they are taken against: float32 weights (cast
-    # to bf16 inside the layers) make the cross-device gradient sum float32.
-    wdtype = jnp.float32 if cfg.nvfp4.grad_reduce_dtype == "float32" else jnp.bfloat16
-    gather_cfg = nv.GatherConfig(rules.data_axis, wdtype, packed=cfg.nvfp4.param_gather == "packed",
-                                 replica_axis=rules.replica_axis)
     accum = cfg.optim.grad_accum
-    fmodel = model.clone(remat=cfg.train.remat)
     data_axes = batch_axes(mesh, rules)
-    tensor_on = rules.tensor_axis in mesh.axis_names and mesh.shape[rules.tensor_axis] > 1
-    # Manual over the batch axes; a tensor axis of size > 1 stays with XLA (Megatron-style
-    # splits inside the layers, propagated from the weights' shardings).
-    manual = set(data_axes) if tensor_on else set(mesh.axis_names)
-    is_node = lambda x: nv.is_tiled(x)
+    forward, tensor = _sharded_model(cfg, model, rules, mesh, train=True)
 
     def local(params, masters, rows, key, loss_scale):
         key = jax.random.fold_in(key, jax.lax.axis_index(data_axes))
+        if tensor.on:  # stochastic rounding draws differ between tensor ranks' operands
+            key = jax.random.fold_in(key, tensor.index())
         inputs, targets = rows[:, :-1], rows[:, 1:]
 
         def loss_fn(masters, inp, tgt, k):
-            shards = jax.tree.map(lambda s, m: nv.nn.ParamShard(s, m, gather_cfg), params, masters, is_leaf=is_node)
-            rngs = {"rounding": k} if nvfp4_compute else None
-            logits = fmodel.apply({"params": shards}, inp, rngs=rngs)
-            return cross_entropy(logits, tgt) * loss_scale
+            logits = forward(params, masters, inp, {"rounding": k} if nvfp4_compute else None)
+            return cross_entropy(logits, tgt, tensor) * loss_scale
 
         grad_fn = jax.value_and_grad(loss_fn)
         if accum == 1:
@@ -245,11 +258,10 @@ def make_step(cfg: Config, model, tx, rules, mesh):
     def step(params, opt_state, batch, key, loss_scale=None):
         scale = jnp.float32(1) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
         masters = nv.find_state(opt_state).master
-        p_specs = jax.tree.map(lambda s: _manual(s, manual), nv.partition_specs(params), is_leaf=lambda x: isinstance(x, P))
-        m_specs = jax.tree.map(lambda s: _manual(s, manual), nv.partition_specs(masters), is_leaf=lambda x: isinstance(x, P))
+        m_specs = nv.partition_specs(masters)
         loss, grads = jax.shard_map(
-            local, mesh=mesh, axis_names=manual,
-            in_specs=(p_specs, m_specs, P(data_axes), P(), P()), out_specs=(P(), m_specs), check_vma=False,
+            local, mesh=mesh, in_specs=(nv.partition_specs(params), m_specs, P(data_axes), P(), P()), out_specs=(P(), m_specs),
+            check_vma=False,
         )(params, masters, batch, key, scale)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -265,22 +277,25 @@ def make_step(cfg: Config, model, tx, rules, mesh):
 def make_eval(cfg: Config, model, rules: nv.Rules, mesh, batch_sharding):
     """``evaluate(params, batch) -> [batch] float32``: each row's mean next-token loss.
 
-    Its own jitted function, apart from the train step: the stored params are gathered
-    (``nv.gather``: packed bytes for NVFP4 leaves), dequantized to bf16 and run forward, with
-    the recipe's GEMMs when ``nvfp4.compute=nvfp4`` (round to nearest: no rounding key).
-    Per-row losses come back replicated and the host averages them in a fixed order, so the
-    validation loss does not depend on how devices or processes sum.
+    Its own jitted program with the train step's per-layer machinery (one ``shard_map``
+    manual over every mesh axis; each layer gathers its packed bytes inside the scan, so no
+    device ever holds the whole model), forward only, with the recipe's GEMMs when
+    ``nvfp4.compute=nvfp4`` (round to nearest: no rounding key). The per-row losses are
+    all-gathered (as bits) and come back replicated; the host averages them in a fixed
+    order, so the validation loss does not depend on how devices or processes sum.
     """
-    nvfp4_compute = cfg.nvfp4.weights == "nvfp4" and cfg.nvfp4.compute == "nvfp4"
+    data_axes = batch_axes(mesh, rules)
+    forward, tensor = _sharded_model(cfg, model, rules, mesh, train=False)
+
+    def local(params, rows):
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+        logits = forward(params, None, inputs)
+        losses = jax.vmap(lambda l, t: cross_entropy(l, t, tensor))(logits, targets)
+        return nv.all_gather_bits(losses, data_axes, tiled=True)
 
     def evaluate(params, batch):
-        gathered = nv.gather(params, mesh, rules=rules)
-        variables = {"params": nv.dequantize_params(gathered, jnp.bfloat16)}
-        if nvfp4_compute:
-            variables["nvfp4"] = nvfp4_collection(gathered)
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits = model.apply(variables, inputs)
-        return jax.vmap(cross_entropy)(logits, targets)
+        return jax.shard_map(local, mesh=mesh, in_specs=(nv.partition_specs(params), P(data_axes)), out_specs=P(),
+                             check_vma=False)(params, batch)
 
     return jax.jit(evaluate, in_shardings=(None, batch_sharding), out_shardings=NamedSharding(mesh, P()))
 

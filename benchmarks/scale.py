@@ -47,15 +47,24 @@ LLAMA3_8B = dict(d_model=4096, layers=32, heads=32, kv_heads=8, mlp_hidden=14336
                  rope_theta=500000.0)
 LLAMA3_70B = dict(d_model=8192, layers=80, heads=64, kv_heads=8, mlp_hidden=28672, vocab=128256,
                   rope_theta=500000.0)
+# Llama 3.1 405B: 405.9B parameters.
+LLAMA31_405B = dict(d_model=16384, layers=126, heads=128, kv_heads=8, mlp_hidden=53248, vocab=128256,
+                    rope_theta=500000.0)
 PRESETS: Dict[str, Dict[str, Any]] = {
     "1b": dict(d_model=2048, layers=16, heads=32, mlp_hidden=8192, vocab=128256),
     "llama3_8b": LLAMA3_8B,
     "llama3_70b": LLAMA3_70B,
+    "llama31_405b": LLAMA31_405B,
     "8b": LLAMA3_8B,
     "70b": LLAMA3_70B,
+    "405b": LLAMA31_405B,
 }
 NVLINK_GBPS = 900.0  # NVLink 5, per GPU per direction, inside one NVL72 rack
 IB_GBPS = 50.0  # 400 Gb/s InfiniBand per GPU, across racks
+# A GB200's dense (no sparsity) bf16 tensor-core peak: 180 PFLOP/s per NVL72 rack of 72 GPUs
+# (NVIDIA's datasheet gives 360 PFLOP/s with 2:4 sparsity). A peak, not a measured rate.
+GB200_BF16_DENSE_TFLOPS = 2500.0
+SEQ_LEN = 8192
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -221,7 +230,8 @@ def _tree_bytes(tree) -> int:
 
 
 def analytic(params, rules, policy, n_data: int, n_tensor: int, racks: int,
-             nvlink_gbps: float, ib_gbps: float, hsdp: bool = False) -> Dict[str, Any]:
+             nvlink_gbps: float, ib_gbps: float, hsdp: bool = False, tokens: int = 0, d_model: int = 0,
+             layers: int = 0) -> Dict[str, Any]:
     """The figures the layout should give, from logical shapes alone (no padding, every large
     leaf divisible). ``N_data`` = ``n_data``, the devices the state is sharded over (every data
     device; with ``hsdp`` the devices of one rack), ``racks`` = the NVLink domains the batch
@@ -245,6 +255,15 @@ def analytic(params, rules, policy, n_data: int, n_tensor: int, racks: int,
     Times: the ideal two-level algorithms of :func:`collective_time` over the N_data devices
     spanning ``racks`` domains (``hsdp``: gathers and reduce-scatters inside a rack, the
     shard's all-reduce across racks); ``ib_bytes`` = their InfiniBand bytes per device.
+
+    Tensor and sequence parallelism (``n_tensor = t > 1``; ``tokens`` per data shard, a bf16
+    residual stream of ``d_model``): each collective all-gathers or reduce-scatters the
+    activations ``A = tokens x d_model x 2`` bytes over the t devices of the tensor group
+    (NVLink), ``A (t-1)/t`` on the wire. Per layer: 4 in the forward pass (gather before
+    attention and before the MLP, reduce-scatter after each), 4 in the backward pass (their
+    transposes) and 3 more where the layer is recomputed (the last reduce-scatter only
+    feeds the next layer); outside the layers 4 (embedding and final norm, forward and
+    backward): ``tp_bytes = (11 L + 4) A``.
     """
     import jax
     import jax_nvfp4 as nv
@@ -298,6 +317,7 @@ def analytic(params, rules, policy, n_data: int, n_tensor: int, racks: int,
     k = 1 if hsdp else racks  # NVLink domains a storage (gather, reduce-scatter) group spans
     gathered = out["gather_packed"] + out["gather_plain"]
     out["wire_gather"] = ring_bytes("all-gather", gathered, n)
+    out["wire_gather_packed"] = ring_bytes("all-gather", out["gather_packed"], n)
     out["wire_reduce"] = (ring_bytes("reduce-scatter", out["grad_reduce_scatter"], n)
                           + ring_bytes("all-reduce", out["grad_all_reduce"], n * (racks if hsdp else 1)))
     ag = collective_time("all-gather", gathered, n, k, nvlink_gbps, ib_gbps)
@@ -312,8 +332,10 @@ def analytic(params, rules, policy, n_data: int, n_tensor: int, racks: int,
         out["ib_bytes"] += ib_bytes("all-reduce", out["grad_reduce_scatter"], racks, racks)
     out["time_gather_flat_s"], out["time_gather_2level_s"] = ag
     out["time_grad_rs_flat_s"], out["time_grad_rs_2level_s"] = rs
-    out["time_flat_s"] = ag[0] + rs[0] + ar[0]
-    out["time_2level_s"] = ag[1] + rs[1] + ar[1]
+    out["tp_bytes"] = (11 * layers + 4) * tokens * d_model * 2 if n_tensor > 1 else 0
+    out["time_tp_s"] = collective_time("all-gather", out["tp_bytes"], n_tensor, 1, nvlink_gbps, ib_gbps)[0]
+    out["time_flat_s"] = ag[0] + rs[0] + ar[0] + out["time_tp_s"]
+    out["time_2level_s"] = ag[1] + rs[1] + ar[1] + out["time_tp_s"]
     return out
 
 
@@ -368,6 +390,10 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
     step = step_lib.compiled_step(trainer)
     t_compile = time.perf_counter() - t0
     mem = step["memory"]
+    # Evaluation: its own program, the same per-layer gathers, forward only.
+    t0 = time.perf_counter()
+    eval_mem = trainer.eval_fn.lower(params, batch).compile().memory_analysis()
+    t_eval = time.perf_counter() - t0
 
     mw = nv.find_state(state)
     nvfp4_params = [x for x in jax.tree.leaves(params, is_leaf=nv.is_tiled) if isinstance(x, nv.TiledNVFP4)]
@@ -383,7 +409,14 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
         measured[f"xla_{name}"] = mem[name]
     if None not in mem.values():
         measured["xla_peak"] = measured["xla_argument"] + measured["xla_temp"] + measured["xla_output"] - measured["xla_alias"]
+    if eval_mem is not None:
+        measured["eval_xla_temp"] = eval_mem.temp_size_in_bytes
+        measured["eval_xla_peak"] = (eval_mem.argument_size_in_bytes + eval_mem.temp_size_in_bytes
+                                     + eval_mem.output_size_in_bytes - eval_mem.alias_size_in_bytes)
     colls, warnings = analyze_hlo(step["program"], mesh, spec.nvl_domain, nvlink_gbps, ib_gbps)
+    flops, flop_warnings = nv.comm.dot_flops(step["program"])
+    measured["flops"] = flops
+    measured["compute_s"] = flops / (GB200_BF16_DENSE_TFLOPS * 1e12)
     def sel(op=None, dtypes=None, purpose=None, f="bytes"):
         return sum(r[f] for r in colls if (op is None or r["op"] == op) and (dtypes is None or r["dtype"] in dtypes)
                    and (purpose is None or r["purpose"] == purpose))
@@ -404,6 +437,9 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
         # Re-quantized bytes moved from the master's padded layout to the params layout.
         relayout=sel(purpose="master relayout") + sel("collective-permute", None, "re-quantize"),
         wire_gather=sel(f="wire", **gather) + sel("all-gather", ("u8",), "re-quantize", "wire"),
+        wire_gather_packed=sel(dtypes=("u8",), f="wire", **gather),
+        tp_bytes=sel(purpose="tensor parallel"),
+        time_tp_s=sel(purpose="tensor parallel", f="time_2level_s"),
         wire_reduce=sel(purpose="grad reduce", f="wire"),
         time_flat_s=sum(r["time_flat_s"] for r in colls),
         time_2level_s=sum(r["time_2level_s"] for r in colls),
@@ -415,7 +451,8 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
     n_store = nv.layout.axis_size(mesh, rules.data_axis)
     axes = dict(axes, storage=n_store, racks=k_data)
     ana = analytic(a_params, rules, policy, n_store, axes["tensor"], k_data, nvlink_gbps, ib_gbps,
-                   hsdp=rules.replica_axis is not None)
+                   hsdp=rules.replica_axis is not None, tokens=batch.shape[0] // axes["data"] * cfg.model.seq_len,
+                   d_model=cfg.model.d_model, layers=cfg.model.layers)
     measured["ib_bytes"] = sum(r["ib"] for r in colls)
     specs = nv.partition_specs(a_params, mesh, rules)
     return {
@@ -423,11 +460,11 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
         "mesh": mesh_lib.describe_mesh(mesh, spec.nvl_domain),
         "axes": axes,
         "data_group_domains": k_data,
-        "seconds": {"abstract": t_abstract, "compile": t_compile},
+        "seconds": {"abstract": t_abstract, "compile": t_compile, "compile_eval": t_eval},
         "measured": measured,
         "analytic": ana,
         "collectives": colls,
-        "warnings": warnings,
+        "warnings": warnings + flop_warnings,
         "sharding": spec.sharding,
         "unsharded_large_leaves": unsharded_large_leaves(a_params, specs, rules, n_store),
     }
@@ -442,6 +479,10 @@ def _fmt_bytes(b) -> str:
         if abs(b) >= div:
             return f"{b / div:.3f} {unit}"
     return f"{b:.0f} B"
+
+
+def _fmt_flops(f) -> str:
+    return "-" if f is None else f"{f / 1e12:.1f} TFLOP"
 
 
 def _fmt_s(s) -> str:
@@ -461,6 +502,7 @@ ROWS = (
     ("xla_argument", "XLA arguments (state + batch)", None, "b"),
     ("xla_temp", "XLA temporaries", None, "b"),
     ("xla_peak", "XLA arguments + temporaries + outputs - aliased", None, "b"),
+    ("eval_xla_peak", "evaluation program: arguments + temporaries + outputs - aliased", None, "b"),
     ("gather_packed", "weight all-gather: packed NVFP4 bytes (u8, incl. re-quantized)", "gather_packed", "b"),
     ("gather_plain", "weight all-gather: plain weights (bf16 bits)", "gather_plain", "b"),
     ("grad_reduce", "gradient reduction: collective results", None, "b"),
@@ -471,10 +513,15 @@ ROWS = (
     ("all_reduce", "all-reduce: total", None, "b"),
     ("collective_permute", "collective-permute: total", None, "b"),
     ("wire_gather", "weight all-gathers, ring bytes sent", "wire_gather", "b"),
+    ("wire_gather_packed", "... of which packed NVFP4 bytes (u8)", "wire_gather_packed", "b"),
+    ("tp_bytes", "tensor-parallel activation collectives (bf16 bits; results)", "tp_bytes", "b"),
     ("wire_reduce", "gradient reduction, ring bytes sent (analytic: bf16 reduce-scatter)", "wire_reduce", "b"),
     ("ib_bytes", "InfiniBand bytes received per device (two-level model)", "ib_bytes", "b"),
     ("time_flat_s", "modelled time of all collectives, flat ring", "time_flat_s", "s"),
     ("time_2level_s", "modelled time of all collectives, two-level", "time_2level_s", "s"),
+    ("time_tp_s", "... of which tensor-parallel activations (NVLink)", "time_tp_s", "s"),
+    ("flops", "FLOPs of the step (every dot, loop trip counts applied)", None, "f"),
+    ("compute_s", f"compute time at a GB200's dense bf16 peak ({GB200_BF16_DENSE_TFLOPS:g} TFLOP/s)", None, "s"),
 )
 
 
@@ -504,14 +551,22 @@ def markdown(report: Dict[str, Any]) -> str:
         f"- compiled with all {cfg['layers']} layers (blocks under nn.scan: compile cost does not grow with depth), "
         "so no per-layer figure is extrapolated",
         f"- {runs[0]['mesh']}",
+        *([f"- code: commit {str(report['code'].get('git_commit'))[:10]}"
+           f"{' with uncommitted changes' if report['code'].get('dirty') else ''}, jax {report['code'].get('jax')}"]
+          if report.get("code") else []),
         f"- sharding: {SHARDING_TEXT[runs[0].get('sharding', 'flat')]}",
         f"- batch: {report['micro_batch']} sequence(s) of {report['seq_len']} tokens per data shard (temporaries are "
         "for this micro-batch)",
-        "- step: train.step.make_step (FSDP): inside the scan over layers, each layer all-gathers its packed "
-        "weight bytes, dequantizes, runs forward (remat: again in backward) and reduce-scatters its weight "
-        "gradient into the master shards in a fixed order; then master_weights(AdamW) and sharded "
-        "re-quantization of the tiles each device owns; AOT-compiled for simulated CPU devices",
-        "- wall time: " + ", ".join(f"{r['weights']}: lower and compile {r['seconds']['compile']:.1f} s" for r in runs)
+        "- step: train.step.make_step (FSDP x tensor parallel, one shard_map over every mesh axis): inside the "
+        "scan over layers, each layer all-gathers its packed weight bytes over the data axes (a tensor-split "
+        "weight: this rank's 1/t), dequantizes, runs forward (remat: again in backward) with Megatron "
+        "tensor and sequence parallelism as explicit collectives over the tensor axis, and reduce-scatters "
+        "its weight gradient into the master shards in a fixed order; then master_weights(AdamW) and "
+        "sharded re-quantization of the tiles each device owns; attention blockwise (O(sequence) memory, "
+        "as cuDNN's fused kernel on a GPU); AOT-compiled for simulated CPU devices. Evaluation: its own "
+        "program with the same per-layer gathers, forward only",
+        "- wall time: " + ", ".join(f"{r['weights']}: lower and compile {r['seconds']['compile']:.1f} s (evaluation "
+                                    f"{r['seconds'].get('compile_eval', 0):.1f} s)" for r in runs)
         + f"; whole run {report['wall_s']:.1f} s",
         "",
         "Per device, per step. 'analytic' = formula from logical shapes (see below); ratio = measured / analytic.",
@@ -539,7 +594,7 @@ def markdown(report: Dict[str, Any]) -> str:
         sep += "---:|"
     lines += [head, sep]
     for key, label, akey, kind in ROWS:
-        fmt = _fmt_bytes if kind == "b" else _fmt_s
+        fmt = {"b": _fmt_bytes, "s": _fmt_s, "f": _fmt_flops}[kind]
         row = f"| {label} |"
         for r in runs:
             m = r["measured"].get(key)
@@ -596,6 +651,13 @@ def markdown(report: Dict[str, Any]) -> str:
         "of NVFP4 masters to whole 16 x 16 tiles per data shard (the data-split dim rounded up to a multiple of "
         "16 N, the other to 16); small leaves (< min_shard_size) replicated: 4 numel and 8 numel",
         "- ideal gradient reduction = reduce-scatter of bf16 gradients, result 2 x numel / (N t) per device",
+        "- tensor + sequence parallel activations (t > 1) = (11 L + 4) all-gathers / reduce-scatters of the bf16 "
+        "residual stream A = tokens x d_model x 2 bytes over the tensor group (NVLink), each A (t-1)/t on the "
+        "wire: per layer 4 forward, 4 backward, 3 in the recomputed forward; 4 for the embedding and final norm",
+        "- compute = FLOPs of every dot in the compiled step (forward, recomputed forward, backward; loop trip "
+        f"counts applied; attention blocks above the causal diagonal counted though skipped at run time) / a "
+        f"GB200's dense bf16 peak ({GB200_BF16_DENSE_TFLOPS:g} TFLOP/s): a lower bound on step time, to read "
+        "the communication time against",
         "",
         f"Collective time model (labelled a model: ring algorithms, no latency, no overlap with compute), "
         f"NVLink 5 = {report['nvlink_gbps']:g} GB/s per GPU per direction inside a rack, InfiniBand = "
@@ -627,11 +689,12 @@ def markdown(report: Dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- FSDP vs HSDP vs flat
 def sharding_table(results_dir: str = RESULTS) -> str:
     """Markdown table of the NVFP4 runs on GB200 racks in ``results_dir`` (files
-    ``scale_<model>_gb200-<R>[-hsdp|-flat].json``, default preset shapes, data axis only): per
-    device memory and modelled communication per step for each sharding."""
-    rows = []
+    ``scale_<model>_gb200-<R>[-t<T>][-hsdp|-flat].json``, default preset shapes): per device
+    memory of the step and of evaluation, and modelled communication per step against its
+    analytic figure and against the compute time, for each sharding and tensor-axis size."""
+    rows, tokens = [], set()
     for path in sorted(os.listdir(results_dir)):
-        m = re.fullmatch(r"scale_(\w+?)_gb200-(\d+)(?:-(hsdp|flat))?\.json", path)
+        m = re.fullmatch(r"scale_(\w+?)_gb200-(\d+)(?:-t(\d+))?(?:-(hsdp|flat))?\.json", path)
         if not m:
             continue
         with open(os.path.join(results_dir, path)) as f:
@@ -639,27 +702,35 @@ def sharding_table(results_dir: str = RESULTS) -> str:
         run = next((r for r in rep["runs"] if r["weights"] == "nvfp4"), None)
         if run is None or rep.get("overrides"):
             continue
+        tokens.add(rep.get("seq_len", 0) * rep.get("micro_batch", 1))
         me, an = run["measured"], run["analytic"]
         state = me["params"] + me["master"] + me["opt_state"]
-        order = {"fsdp": 0, "hsdp": 1, "flat": 2}[m.group(3) or "fsdp"]
-        rows.append(((m.group(1), int(m.group(2)), order), [
-            m.group(1), m.group(2), m.group(3) or "fsdp", _fmt_bytes(state), _fmt_bytes(me["xla_peak"]),
-            _fmt_bytes(me["ib_bytes"]), _fmt_bytes(an["ib_bytes"]), _fmt_s(me["time_2level_s"]),
-            _fmt_s(an["time_2level_s"]), _ratio(me["time_2level_s"], an["time_2level_s"])]))
+        model, racks, t, sharding = m.group(1), int(m.group(2)), int(m.group(3) or 1), m.group(4) or "fsdp"
+        order = {"fsdp": 0, "hsdp": 1, "flat": 2}[sharding]
+        rows.append(((PRESETS[model]["d_model"], racks, order, t), [
+            model, str(racks), str(t), sharding, _fmt_bytes(state), _fmt_bytes(me["xla_peak"]),
+            _fmt_bytes(me.get("eval_xla_peak")), _fmt_bytes(me["ib_bytes"]), _fmt_s(me["time_2level_s"]),
+            _fmt_s(an["time_2level_s"]), _ratio(me["time_2level_s"], an["time_2level_s"]),
+            _fmt_s(me.get("compute_s"))]))
+    per_device = " / ".join(str(t) for t in sorted(tokens)) or "-"
     lines = [
-        "# FSDP vs HSDP vs one flat data axis on GB200 NVL72 racks",
+        "# FSDP x tensor parallel, HSDP and one flat data axis on GB200 NVL72 racks",
         "",
-        "NVFP4 weights, `python -m benchmarks scale --model M --mesh gb200:R --weights nvfp4 --sharding S` "
-        "(per device, per step, 1 x 128 tokens per device, data axis only; table: "
+        "NVFP4 weights, `python -m benchmarks scale --model M --mesh gb200:R --tensor T --weights nvfp4 "
+        f"--sharding S` (per device, per step, {per_device} tokens per data shard; table: "
         "`python -m benchmarks scale --table`). fsdp: state sharded over racks x in-rack data, gathers and "
         "gradient sums one level at a time; hsdp: sharded inside a rack, replicated across racks; flat: one "
-        "data axis over every rack (`mesh.layout: auto`). Modelled time: the two-level link model of each "
-        "collective as compiled; analytic: the ideal two-level algorithms for the same sharding (see "
-        "`scale_*.md`).",
+        "data axis over every rack (`mesh.layout: auto`); tensor T: Megatron tensor + sequence parallelism "
+        "inside the rack, each weight's tensor shard gathered over the data axes only. Peak: XLA arguments + "
+        "temporaries + outputs - aliased of the train step and of the evaluation program. Modelled time: the "
+        "two-level link model of each collective as compiled; analytic: the ideal algorithms for the same "
+        "layout (FSDP gathers and reduce-scatters + the tensor-parallel activation collectives; see "
+        "`scale_*.md`); compute: the step's dot FLOPs at a GB200's dense bf16 peak "
+        f"({GB200_BF16_DENSE_TFLOPS:g} TFLOP/s), a lower bound.",
         "",
-        "| model | racks | sharding | state (params + master + Adam) | peak | InfiniBand bytes | ... analytic | "
-        "modelled comm time | ... analytic | ratio |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | racks | tensor | sharding | state (params + master + Adam) | step peak | eval peak | "
+        "InfiniBand bytes | modelled comm time | ... analytic | ratio | compute time |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += ["| " + " | ".join(r) + " |" for _, r in sorted(rows)]
     return "\n".join(lines) + "\n"
@@ -678,7 +749,8 @@ def parse_args(argv=None):
     p.add_argument("--weights", choices=("nvfp4", "bf16", "both"), default="both")
     p.add_argument("--layers", type=int, help="override the preset's layer count (e.g. for a fast test)")
     p.add_argument("--vocab", type=int, help="override the preset's vocabulary size")
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per sequence (and per data shard with "
+                   "--micro-batch 1)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per data shard")
     p.add_argument("--nvlink-gbps", type=float, default=NVLINK_GBPS)
     p.add_argument("--ib-gbps", type=float, default=IB_GBPS)
@@ -710,6 +782,10 @@ def main(argv=None) -> Dict[str, Any]:
             f.write(text)
         print(text)
         return {"table": text}
+    import jax
+
+    from benchmarks.common import source_state
+
     spec = MeshSpec.parse(args.mesh, args.tensor, args.nvl_domain, args.sharding)
     preset = dict(PRESETS[args.model])
     overrides = {k: v for k, v in (("layers", args.layers), ("vocab", args.vocab)) if v is not None}
@@ -735,6 +811,7 @@ def main(argv=None) -> Dict[str, Any]:
         "nvlink_gbps": args.nvlink_gbps,
         "ib_gbps": args.ib_gbps,
         "numel": runs[0]["analytic"]["numel"],
+        "code": {**source_state(), "jax": jax.__version__},
         "runs": runs,
         "wall_s": time.perf_counter() - t_start,
     }

@@ -406,6 +406,45 @@ def parse(hlo_text: str, mesh=None, data_axes: Sequence[str] = ("data",)) -> Pro
                    collectives=tuple(rows))
 
 
+_DOT = re.compile(r"=\s*([a-z0-9]+)\[([0-9,]*)\]\S*\s+dot\(([^)]*)\)")
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[a-z0-9]+\[([0-9,]*)\]")
+
+
+def _dims(text: str) -> Tuple[int, ...]:
+    return tuple(int(d) for d in text.split(",") if d)
+
+
+def dot_flops(program: Program) -> Tuple[float, List[str]]:
+    """``(flops, warnings)``: floating-point operations of every ``dot`` of a compiled
+    program per call, ``2 x prod(result) x prod(contracted dims)`` each, times how often its
+    computation runs (known loop trip counts; :attr:`Program.multipliers`). XLA's own
+    ``cost_analysis()`` counts a loop body once, whatever its trip count. Both branches of a
+    conditional count (e.g. attention blocks skipped above the causal diagonal)."""
+    flops, warnings = 0.0, []
+    for comp, lines in program.computations.items():
+        times = program.multipliers.get(comp, 0)
+        if not times:
+            continue
+        shapes = {}
+        for line in lines:
+            d = _DEF.match(line)
+            if d:
+                shapes[d.group(1)] = _dims(d.group(2))
+        for line in lines:
+            m = _DOT.search(line)
+            if not m:
+                continue
+            operands = [o.strip().split()[-1].lstrip("%") for o in m.group(3).split(",")]
+            lhs = shapes.get(operands[0]) if operands else None
+            contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", line)
+            if lhs is None or contracting is None:
+                warnings.append(f"{comp}: a dot whose operand shape is unknown is not counted")
+                continue
+            k = math.prod(lhs[i] for i in _dims(contracting.group(1)))
+            flops += 2.0 * math.prod(_dims(m.group(2))) * k * times
+    return flops, sorted(set(warnings))
+
+
 # ----------------------------------------------------------------------------- shortcuts
 def collective_bytes(hlo_text: str) -> Dict[Tuple[str, str], int]:
     """Bytes per ``(collective op, dtype)`` moved by one call of compiled HLO, **per device**,

@@ -1,7 +1,9 @@
 """Multi-controller training: 2 processes x 4 CPU devices (gloo over 127.0.0.1) against 1 x 8.
 
-The job runs on the two-level GB200 layout (``mesh.layout=gb200``, 2 racks of 4: one rack per
-process), so the cross-rack level of every weight gather and gradient sum crosses processes.
+The job runs on the two-level GB200 layout with a tensor axis (``mesh.layout=gb200``, 2 racks
+of data 2 x tensor 2: one rack per process), so the cross-rack level of every weight gather
+and gradient sum crosses processes, and each process runs two tensor groups (Megatron tensor
+and sequence parallelism): 2 processes x (2 x 2) against 1 process x (4 x 2).
 
 One sequence, shared by the tests: two processes start the tiny job with checkpoints every 2
 steps; process 1 dies abruptly after step 3 (``TRAIN_FAULT_EXIT``); process 0 must stop with
@@ -35,7 +37,8 @@ from conftest import ROOT, TINY, mesh_of, sets, xla_flags
 # One pytest-xdist worker runs this module: its module fixtures are computed once.
 pytestmark = pytest.mark.xdist_group("multiprocess")
 
-JOB = (*conftest.JOB, "mesh.layout=gb200", "mesh.nvl_domain=4", "optim.clip_norm=1")  # the norm sums across processes
+JOB = (*conftest.JOB, "mesh.layout=gb200", "mesh.nvl_domain=4", "mesh.tensor=2",
+       "optim.clip_norm=1")  # the norm sums across processes
 HEARTBEAT_S = 10  # the peer watch ends a survivor after 0.3 of it
 SURVIVOR_DEADLINE_S = 60
 

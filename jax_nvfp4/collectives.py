@@ -52,13 +52,22 @@ def from_bits(bits: jax.Array, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, dtype)
 
 
+# Folds of up to this many parts are unrolled; longer ones run as a loop, so that a program
+# for hundreds of devices does not carry hundreds of additions per reduced array.
+UNROLL = 8
+
+
 def fold_sum(parts: jax.Array) -> jax.Array:
     """``((p[0] + p[1]) + p[2]) + ...`` over axis 0 in float32: a fixed order (``jnp.sum``
-    may sum pairwise for one shape and sequentially for another)."""
+    may sum pairwise for one shape and sequentially for another). The same additions in the
+    same order whether unrolled or looped (:data:`UNROLL`)."""
     acc = parts[0].astype(jnp.float32)
-    for i in range(1, parts.shape[0]):
-        acc = acc + parts[i].astype(jnp.float32)
-    return acc
+    n = parts.shape[0]
+    if n <= UNROLL:
+        for i in range(1, n):
+            acc = acc + parts[i].astype(jnp.float32)
+        return acc
+    return jax.lax.fori_loop(1, n, lambda i, a: a + parts[i].astype(jnp.float32), acc)
 
 
 def _size(axis) -> int:

@@ -147,8 +147,8 @@ def check_gemm(repeats: int) -> dict:
     from benchmarks.common import median_time
 
     res = {"auto": gemm.resolve_backend("auto"), "te_import_error": gemm._te_import_error()}
-    cc = gemm._gpu_compute_capability()
-    res["compute_capability"] = None if cc is None else f"{cc[0]}.{cc[1]}"
+    target = gemm.cuda_target()
+    res["compute_capability"] = f"{target.capability[0]}.{target.capability[1]}" if target.source == "devices" else None
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((256, 512)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((512, 256)) * 0.05, jnp.float32)

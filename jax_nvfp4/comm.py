@@ -479,6 +479,20 @@ def native_gemms(hlo_text: str) -> List[NativeGemm]:
     return rows
 
 
+def custom_calls(hlo_text: str) -> Dict[str, int]:
+    """``{custom-call target: calls per call of the program}`` of HLO text (loop trip counts
+    applied), e.g. cuDNN's fused attention (``__cudnn$fmha...``) in a compiled GPU program."""
+    comps, entry = computations(hlo_text)
+    mult, _ = multipliers(comps, entry) if entry else ({"": 1}, [])
+    out: Dict[str, int] = collections.defaultdict(int)
+    for comp, lines in comps.items():
+        for line in lines:
+            target = _TARGET.search(line)
+            if target and mult.get(comp):
+                out[target.group(1)] += mult[comp]
+    return dict(sorted(out.items()))
+
+
 # ----------------------------------------------------------------------------- shortcuts
 def collective_bytes(hlo_text: str) -> Dict[Tuple[str, str], int]:
     """Bytes per ``(collective op, dtype)`` moved by one call of compiled HLO, **per device**,

@@ -28,7 +28,8 @@ The CUDA target (:func:`cuda_target`) is known while tracing: the compute capabi
 process's CUDA devices when it has some; without one (a CUDA lowering on a host without GPUs,
 ``jit(f).trace(*args).lower(lowering_platforms=("cuda",))``) the ``NVFP4_CUDA_CAPABILITY``
 environment variable (e.g. ``9.0`` for Hopper's program), else 10.0: the program a Blackwell
-runs. :func:`last_backend` says what the latest trace built for a platform, and
+runs. A jitted function keeps the trace of its first call, so set the variable before it
+traces. :func:`last_backend` says what the latest trace built for a platform, and
 :func:`jax_nvfp4.comm.native_gemms` reads the native GEMMs from a lowered program's text.
 """
 
@@ -47,8 +48,8 @@ import numpy as np
 from jax_nvfp4 import numerics as nx
 from jax_nvfp4.array import BLOCK_1D, BLOCK_2D, NVFP4Array, _ceil_to, dequantize, quantize, transpose
 
-__all__ = ["BACKENDS", "BackendUnavailableError", "CudaTarget", "cuda_target", "dot", "last_backend",
-           "resolve_backend"]
+__all__ = ["BACKENDS", "BackendUnavailableError", "CudaTarget", "cuda_target", "default_platform", "dot",
+           "last_backend", "resolve_backend"]
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,10 @@ Sections (default ``all`` = every one but ``scale``)::
     scaling      6. figures 1-3 over model sizes x data-axis sizes 1, 2, 4, 8
     scale        compile-only large models on simulated racks (``benchmarks.scale``; takes its
                  own arguments: ``python -m benchmarks scale --help``)
+    gpu          validate a GPU machine end to end in one table and a JSON: quantize against
+                 the CPU, packed gathers, the recipe GEMM's backend, the default and a 1.1B
+                 model's steps with NVFP4 and bf16 weights (``benchmarks.gpu_check``; its own
+                 arguments: ``python -m benchmarks gpu --help``); without a GPU, one line, exit 1
 
 Examples::
 
@@ -58,7 +62,7 @@ def parse_args(argv: Sequence[str]):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("sections", nargs="*", default=["all"], metavar="SECTION",
-                   help=f"all (default) or any of: {', '.join(SECTIONS)}; or 'scale ARGS...'")
+                   help=f"all (default) or any of: {', '.join(SECTIONS)}; or 'scale ARGS...', 'gpu ARGS...'")
     p.add_argument("--quick", action="store_true", help="a fast smoke run: tiny model, data 1 and 8, short budgets")
     p.add_argument("--out", help=f"results folder (default {DEFAULT_OUT}; with --quick {QUICK_OUT})")
     p.add_argument("--sizes", type=_names, help="model sizes for scaling, e.g. tiny,small,medium")
@@ -76,7 +80,7 @@ def parse_args(argv: Sequence[str]):
     args = p.parse_args(argv)
     for s in args.sections:
         if s not in ("all", *SECTIONS):
-            p.error(f"unknown section {s!r}; choose from all, {', '.join(SECTIONS)}, scale")
+            p.error(f"unknown section {s!r}; choose from all, {', '.join(SECTIONS)}, scale, gpu")
     q = args.quick
     args.out = args.out or (QUICK_OUT if q else DEFAULT_OUT)
     args.sizes = args.sizes or (["tiny"] if q else ["tiny", "small", "medium"])
@@ -147,6 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "scale":
         return run_scale(argv[1:])
+    if argv and argv[0] == "gpu":
+        from benchmarks import gpu_check
+
+        return gpu_check.main(argv[1:])
     if argv and argv[0] == "convergence" and "--text" in argv:
         from benchmarks import convergence_text
 

@@ -41,6 +41,13 @@ SIZES: Dict[str, Dict[str, Any]] = {
     "small": {"config": "small.yaml", "overrides": []},  # d=128, 4 layers, seq 128, batch 32
     "medium": {"config": "small.yaml",
                "overrides": ["model.d_model=256", "model.heads=8", "model.mlp_hidden=704"]},
+    # For GPUs (python -m benchmarks gpu): the default job's model, and a 1.1B-parameter Llama
+    # (TinyLlama's shapes: grouped-query attention, 2048-token sequences).
+    "default": {"config": "default.yaml", "overrides": []},
+    "1b": {"config": "default.yaml",
+           "overrides": ["model.d_model=2048", "model.layers=22", "model.heads=32", "model.kv_heads=4",
+                         "model.mlp_hidden=5632", "model.vocab=32000", "model.seq_len=2048",
+                         "data.batch_size=4"]},
 }
 # The physical limit of a packed gather with the default config's NVFP4 block: 4 bits per
 # value plus the E4M3 scale bytes of each 16x16 tile, over 16 bits per bf16 value.
@@ -162,6 +169,8 @@ def measure(cfg: Config, devices: Sequence[Any], *, time_steps: int = 3) -> Dict
         "step_time_s": statistics.median(times) if times else None,
         "step_times_s": times,
         "loss_after_steps": loss,
+        # Library calls of the compiled step by target (cuDNN attention, block-scaled GEMMs).
+        "custom_calls": nv.comm.custom_calls(step["text"]),
         "build_compile_s": build_s,
         "hlo_warnings": list(program.warnings),
     }
@@ -190,11 +199,12 @@ def ratios(n: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Optional[float]]:
 
 
 def measure_pair(size: str, n_data: int, devices: Sequence[Any], *, time_steps: int = 3,
-                 log=print) -> Dict[str, Any]:
-    """NVFP4 and bf16 weights of model ``size`` on the first ``n_data`` of ``devices``."""
+                 log=print, extra: Sequence[str] = ()) -> Dict[str, Any]:
+    """NVFP4 and bf16 weights of model ``size`` (config overrides ``extra``) on the first
+    ``n_data`` of ``devices``."""
     res: Dict[str, Any] = {"size": size, "data": n_data}
     for weights in ("nvfp4", "bf16"):
-        cfg = size_config(size, weights)
+        cfg = size_config(size, weights, extra)
         res.setdefault("model", model_summary(cfg))
         r = measure(cfg, devices[:n_data], time_steps=time_steps)
         res[weights] = r

@@ -23,7 +23,7 @@ from jax_nvfp4.array import (
 )
 from jax_nvfp4.comm import collective_bytes, total_bytes
 from jax_nvfp4.export import ExportError, export_hf, export_nvfp4, load_nvfp4
-from jax_nvfp4.gemm import BackendUnavailableError, dot, last_backend, resolve_backend
+from jax_nvfp4.gemm import BackendUnavailableError, cuda_target, dot, last_backend, resolve_backend
 from jax_nvfp4.nn import NVFP4Dense
 from jax_nvfp4.numerics import hadamard_matrix, hadamard_transform
 from jax_nvfp4.collectives import (GatherConfig, all_gather_bits, gather_weight, global_norm, ordered_mean,
@@ -62,6 +62,7 @@ __all__ = [
     "export_hf",
     "export_nvfp4",
     "load_nvfp4",
+    "cuda_target",
     "last_backend",
     "resolve_backend",
     "DEFAULT_POLICY",

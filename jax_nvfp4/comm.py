@@ -204,8 +204,9 @@ def computations(hlo: str) -> Tuple[Dict[str, List[str]], str]:
     comps: Dict[str, List[str]] = {}
     entry, name = None, None
     for line in hlo.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{") and "(" in line:
-            head = line.split("(", 1)[0].split()
+        # "%name (params) -> type {" in compiled text; "name {" in a lowered program's HLO.
+        if line and not line[0].isspace() and line.rstrip().endswith("{") and not line.startswith("HloModule"):
+            head = line.split("(", 1)[0].replace("{", " ").split()
             name = head[-1].lstrip("%")
             if head[0] == "ENTRY":
                 entry = name
@@ -407,7 +408,8 @@ def parse(hlo_text: str, mesh=None, data_axes: Sequence[str] = ("data",)) -> Pro
 
 
 _DOT = re.compile(r"=\s*([a-z0-9]+)\[([0-9,]*)\]\S*\s+dot\(([^)]*)\)")
-_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[a-z0-9]+\[([0-9,]*)\]")
+# "%name = dtype[dims]...": an instruction's name, element type and dimensions.
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*([a-z0-9]+)\[([0-9,]*)\]")
 
 
 def _dims(text: str) -> Tuple[int, ...]:
@@ -429,7 +431,7 @@ def dot_flops(program: Program) -> Tuple[float, List[str]]:
         for line in lines:
             d = _DEF.match(line)
             if d:
-                shapes[d.group(1)] = _dims(d.group(2))
+                shapes[d.group(1)] = _dims(d.group(3))
         for line in lines:
             m = _DOT.search(line)
             if not m:
@@ -443,6 +445,94 @@ def dot_flops(program: Program) -> Tuple[float, List[str]]:
             k = math.prod(lhs[i] for i in _dims(contracting.group(1)))
             flops += 2.0 * math.prod(_dims(m.group(2))) * k * times
     return flops, sorted(set(warnings))
+
+
+# ----------------------------------------------------------------------------- native GEMMs
+# Custom-call targets of block-scaled GEMMs -> the ``jax_nvfp4.gemm`` backend that emits them.
+GEMM_TARGETS = {"__op$block_scaled_dot": "scaled_matmul", "te_gemm_ffi": "te"}
+# Outside shard_map, jax.nn.scaled_matmul lowers to a custom_partitioning call that XLA expands
+# into __op$block_scaled_dot once it knows the shardings (at compile time): recognised by its
+# operands, the only float4 x float8 call in this library's programs.
+PARTITIONED = "CustomSPMDPartitioning"
+BLOCK_SCALED_OPERANDS = ("f4e2m1fn", "f4e2m1fn", "f8e4m3fn", "f8e4m3fn")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeGemm:
+    """One native block-scaled GEMM of a program: its custom-call ``target``, the ``backend``
+    of :mod:`jax_nvfp4.gemm` that emits it, its operands' element types (``"f4e2m1fn"``,
+    ``"f8e4m3fn"``, ...) and how many times it runs per call (known loop trip counts)."""
+
+    backend: str
+    target: str
+    operands: Tuple[str, ...]
+    times: int
+    computation: str
+
+
+def _braced(line: str, key: str) -> str:
+    """The text inside the braces that follow ``key`` in ``line`` (nested braces kept); ''."""
+    start = line.find(key)
+    if start < 0:
+        return ""
+    depth, i = 0, start + len(key)
+    for j in range(i, len(line)):
+        depth += line[j] == "{"
+        depth -= line[j] == "}"
+        if depth == 0:
+            return line[i + 1:j]
+    return line[i + 1:]
+
+
+def _operand_types(line: str, defs: Mapping[str, str]) -> Tuple[str, ...]:
+    """Element types of a custom call's operands: its layout constraints (a lowered program's
+    calls have them), else its typed operand list, else each operand's definition."""
+    constraints = _braced(line, "operand_layout_constraints=")
+    if constraints:
+        return tuple(dtype for dtype, _ in _arrays(constraints))
+    operands = line.split("custom-call(", 1)[1].split(")", 1)[0]
+    typed = tuple(dtype for dtype, _ in _arrays(operands))
+    if typed:
+        return typed
+    return tuple(defs.get(name.strip().lstrip("%"), "?") for name in operands.split(",") if name.strip())
+
+
+def native_gemms(hlo_text: str) -> List[NativeGemm]:
+    """The native GEMMs of HLO text: a lowered program's (``jit(f).trace(*args).lower(
+    lowering_platforms=("cuda",)).as_text(dialect="hlo")``, which needs no GPU) or a compiled
+    one's. An empty list: every GEMM of the program is an ordinary dot (the emulation)."""
+    comps, entry = computations(hlo_text)
+    mult, _ = multipliers(comps, entry) if entry else ({"": 1}, [])
+    rows = []
+    for comp, lines in comps.items():
+        defs = None
+        for line in lines:
+            target = _TARGET.search(line)
+            if not target or not mult.get(comp) or target.group(1) not in (*GEMM_TARGETS, PARTITIONED):
+                continue
+            if defs is None:
+                defs = {m.group(1): m.group(2) for m in map(_DEF.match, lines) if m}
+            operands = _operand_types(line, defs)
+            if target.group(1) == PARTITIONED and operands != BLOCK_SCALED_OPERANDS:
+                continue
+            backend = GEMM_TARGETS.get(target.group(1), "scaled_matmul")
+            rows.append(NativeGemm(backend, target.group(1), operands, mult[comp], comp))
+    return rows
+
+
+def custom_calls(hlo_text: str) -> Dict[str, int]:
+    """``{custom-call target: calls per call of the program}`` of HLO text (loop trip counts
+    applied), e.g. cuDNN's fused attention (``__cudnn$fmha...``) in a compiled GPU program."""
+    comps, entry = computations(hlo_text)
+    mult, _ = multipliers(comps, entry) if entry else ({"": 1}, [])
+    out: Dict[str, int] = collections.defaultdict(int)
+    for comp, lines in comps.items():
+        for line in lines:
+            target = _TARGET.search(line)
+            if target and mult.get(comp):
+                out[target.group(1)] += mult[comp]
+    return dict(sorted(out.items()))
 
 
 # ----------------------------------------------------------------------------- shortcuts

@@ -13,13 +13,24 @@ Each quantized operand has its own global amax. The emulated GEMMs dequantize to
 multiply at ``Precision.HIGHEST``, so the product carries both global decode scales; native
 GEMMs multiply the E2M1 x E4M3 operands and apply ``alpha = D_a * D_b`` afterwards.
 
-Backends (chosen when ``dot`` is traced):
+Backends: one traced program carries a GEMM per platform (``jax.lax.platform_dependent``), and
+the platform it is lowered for picks one: the emulation everywhere but on CUDA, and on CUDA what
+``backend`` asks for:
 
-- ``"emulate"``: everywhere; the reference.
-- ``"scaled_matmul"``: ``jax.nn.scaled_matmul`` (cuDNN block-scaled GEMM; Blackwell, sm_100+).
-- ``"te"``: Transformer Engine's JAX GEMM (optional dependency; Blackwell). Experimental:
-  chosen only when asked for by name.
-- ``"auto"``: ``"scaled_matmul"`` on a Blackwell GPU, else ``"emulate"``.
+- ``"emulate"``: the emulation on CUDA too; the reference.
+- ``"scaled_matmul"``: ``jax.nn.scaled_matmul`` (cuDNN's block-scaled GEMM; Blackwell, sm_100+).
+- ``"te"``: Transformer Engine's JAX GEMM (optional dependency; Blackwell). Experimental: chosen
+  only when asked for by name.
+- ``"auto"`` (default): ``"scaled_matmul"`` where the CUDA target has block-scaled GEMMs
+  (compute capability 10.0 and up), else the emulation (Hopper, sm_90, has no FP4 GEMM).
+
+The CUDA target (:func:`cuda_target`) is known while tracing: the compute capability of this
+process's CUDA devices when it has some; without one (a CUDA lowering on a host without GPUs,
+``jit(f).trace(*args).lower(lowering_platforms=("cuda",))``) the ``NVFP4_CUDA_CAPABILITY``
+environment variable (e.g. ``9.0`` for Hopper's program), else 10.0: the program a Blackwell
+runs. A jitted function keeps the trace of its first call, so set the variable before it
+traces. :func:`last_backend` says what the latest trace built for a platform, and
+:func:`jax_nvfp4.comm.native_gemms` reads the native GEMMs from a lowered program's text.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from typing import Optional, Tuple
 
 import jax
@@ -36,7 +48,8 @@ import numpy as np
 from jax_nvfp4 import numerics as nx
 from jax_nvfp4.array import BLOCK_1D, BLOCK_2D, NVFP4Array, _ceil_to, dequantize, quantize, transpose
 
-__all__ = ["BACKENDS", "BackendUnavailableError", "dot", "last_backend", "resolve_backend"]
+__all__ = ["BACKENDS", "BackendUnavailableError", "CudaTarget", "cuda_target", "default_platform", "dot",
+           "last_backend", "resolve_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +59,13 @@ BACKENDS = ("auto", "emulate", "scaled_matmul", "te")
 _ROW_ALIGN = 128
 _K_ALIGN = 64
 
-_logged_backends: set = set()
-_last_backend: Optional[str] = None
+# The first compute capability with block-scaled FP4 GEMMs (Blackwell).
+NATIVE_CAPABILITY = (10, 0)
+# Without a CUDA device in the process: the CUDA target of a lowering, "major.minor".
+CUDA_CAPABILITY_ENV = "NVFP4_CUDA_CAPABILITY"
+
+_logged: set = set()
+_last_cuda: Optional[str] = None  # what the latest trace of dot built for CUDA
 
 
 class BackendUnavailableError(RuntimeError):
@@ -55,18 +73,67 @@ class BackendUnavailableError(RuntimeError):
 
 
 # -------------------------------------------------------------------------- backend choice
-def _gpu_compute_capability() -> Optional[Tuple[int, int]]:
-    """``(major, minor)`` of the first device when the default backend is a CUDA GPU."""
-    if jax.default_backend() != "gpu":
-        return None
-    cc = getattr(jax.devices()[0], "compute_capability", None)
-    if not cc:
-        return None
-    major, _, minor = str(cc).partition(".")
+@dataclasses.dataclass(frozen=True)
+class CudaTarget:
+    """The CUDA GPU the CUDA branch of :func:`dot` is built for.
+
+    ``capability``: ``(major, minor)``; ``source``: ``"devices"`` (this process's CUDA
+    devices, the smallest capability among them), ``"NVFP4_CUDA_CAPABILITY"`` (the environment
+    variable, read only without CUDA devices) or ``"default"`` (no CUDA device and no variable:
+    a Blackwell, 10.0)."""
+
+    capability: Tuple[int, int]
+    source: str
+
+    @property
+    def native(self) -> bool:
+        """Whether the target has block-scaled FP4 GEMMs."""
+        return self.capability >= NATIVE_CAPABILITY
+
+    def __str__(self) -> str:
+        cc = f"compute capability {self.capability[0]}.{self.capability[1]}"
+        return {"devices": f"{cc} (this process's GPUs)",
+                "default": f"{cc} (no GPU in this process: a Blackwell's program; set {CUDA_CAPABILITY_ENV} "
+                           "for another target)"}.get(self.source, f"{cc} (from {self.source})")
+
+
+def _parse_capability(text: str, where: str) -> Tuple[int, int]:
+    major, _, minor = str(text).strip().partition(".")
     try:
         return int(major), int(minor or 0)
     except ValueError:
+        raise ValueError(f"{where}={text!r}: expected a compute capability such as 9.0 or 10.0") from None
+
+
+def _local_cuda_capability() -> Optional[Tuple[int, int]]:
+    """The smallest compute capability of this process's CUDA devices, or None without any."""
+    try:
+        devices = jax.local_devices(backend="cuda")
+    except RuntimeError:  # no CUDA backend in this process
         return None
+    ccs = [_parse_capability(d.compute_capability, "compute_capability") for d in devices
+           if getattr(d, "compute_capability", None)]
+    return min(ccs) if ccs else None
+
+
+def cuda_target() -> CudaTarget:
+    """The CUDA target of :func:`dot`'s CUDA branch (see :class:`CudaTarget`)."""
+    cc = _local_cuda_capability()
+    if cc is not None:
+        return CudaTarget(cc, "devices")
+    env = os.environ.get(CUDA_CAPABILITY_ENV)
+    if env:
+        return CudaTarget(_parse_capability(env, CUDA_CAPABILITY_ENV), CUDA_CAPABILITY_ENV)
+    return CudaTarget(NATIVE_CAPABILITY, "default")
+
+
+def default_platform() -> str:
+    """The platform a plain ``jit`` call runs on in this process: ``"cuda"``, ``"rocm"``,
+    ``"cpu"`` or ``"tpu"``."""
+    device = jax.devices()[0]
+    if device.platform == "gpu":  # CUDA and ROCm devices both say "gpu"
+        return "cuda" if getattr(device, "compute_capability", None) else "rocm"
+    return device.platform
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,55 +148,71 @@ def _te_import_error() -> Optional[str]:
     return None
 
 
-def _is_blackwell() -> bool:
-    cc = _gpu_compute_capability()
-    return cc is not None and cc[0] >= 10
-
-
-def resolve_backend(backend: str = "auto") -> str:
-    """The backend ``dot`` runs for ``backend`` on this process's default device.
+def resolve_backend(backend: str = "auto", platform: Optional[str] = None) -> str:
+    """The GEMM :func:`dot` builds for ``platform`` (``"cuda"``, ``"cpu"``, ...; default: the
+    platform of this process's devices, :func:`default_platform`) when asked for ``backend``.
 
     Raises:
       ValueError: an unknown name.
-      BackendUnavailableError: ``"scaled_matmul"`` or ``"te"`` requested where it cannot run.
+      BackendUnavailableError: ``"scaled_matmul"`` or ``"te"`` for a platform or CUDA target
+        without block-scaled FP4 GEMMs, or ``"te"`` without Transformer Engine.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    platform = platform or default_platform()
     if backend == "emulate":
         return backend
+    if platform != "cuda":
+        if backend == "auto":
+            return "emulate"
+        raise BackendUnavailableError(
+            f"backend={backend!r} needs an NVIDIA Blackwell GPU (compute capability >= 10.0) for its native "
+            f"NVFP4 GEMM; this process runs on {platform!r}. Use backend='emulate' (or 'auto', which also "
+            "builds the native GEMM for a CUDA lowering).")
+    target = cuda_target()
     if backend == "auto":
         # JAX's own block-scaled GEMM first: the TE path has not run on hardware in this
         # project's checks yet, so it is used only when requested by name.
-        return "scaled_matmul" if _is_blackwell() else "emulate"
-    cc = _gpu_compute_capability()
-    where = (f"default backend {jax.default_backend()!r}" if cc is None
-             else f"GPU compute capability {cc[0]}.{cc[1]}")
+        return "scaled_matmul" if target.native else "emulate"
     if backend == "te":
         err = _te_import_error()
         if err is not None:
             raise BackendUnavailableError(
                 "backend='te' needs Transformer Engine's JAX extension "
                 f"(pip install 'transformer-engine[jax]'), which does not import: {err}")
-    if cc is None or cc[0] < 10:
+    if not target.native:
         raise BackendUnavailableError(
-            f"backend={backend!r} needs an NVIDIA Blackwell GPU (compute capability >= 10.0) "
-            f"for its native NVFP4 GEMM; found {where}. Use backend='emulate' (or 'auto').")
+            f"backend={backend!r} needs an NVIDIA Blackwell GPU (compute capability >= 10.0) for its native "
+            f"NVFP4 GEMM; the CUDA target is {target}. Use backend='emulate' (or 'auto').")
     return backend
 
 
 def _select(backend: str) -> str:
-    global _last_backend
-    chosen = resolve_backend(backend)
-    _last_backend = chosen
-    if chosen not in _logged_backends:
-        _logged_backends.add(chosen)
-        logger.info("jax_nvfp4.gemm: NVFP4 GEMM backend %r (requested %r)", chosen, backend)
+    """The CUDA branch's GEMM for ``backend``, recorded for :func:`last_backend`. An explicit
+    native backend must also suit this process's own platform."""
+    global _last_cuda
+    here = default_platform()
+    if here != "cuda":
+        resolve_backend(backend, here)
+    chosen = resolve_backend(backend, "cuda")
+    _last_cuda = chosen
+    key = (backend, chosen, here)
+    if key not in _logged:
+        _logged.add(key)
+        target = f" for {cuda_target()}" if chosen != "emulate" else ""
+        logger.info("jax_nvfp4.gemm: NVFP4 GEMM %r on CUDA%s, the emulation elsewhere (requested %r; this "
+                    "process runs on %s)", chosen, target, backend, here)
     return chosen
 
 
-def last_backend() -> Optional[str]:
-    """The backend chosen by the most recent trace of :func:`dot` (None before any)."""
-    return _last_backend
+def last_backend(platform: Optional[str] = None) -> Optional[str]:
+    """The GEMM the most recent trace of :func:`dot` built for ``platform`` (``"cuda"``,
+    ``"cpu"``, ``"rocm"``, ``"tpu"``; default: this process's platform, what a plain ``jit``
+    call runs here): ``"scaled_matmul"``, ``"te"`` or ``"emulate"``. None before any trace."""
+    if _last_cuda is None:
+        return None
+    platform = platform or default_platform()
+    return _last_cuda if platform == "cuda" else "emulate"
 
 
 # ------------------------------------------------------------------------------ GEMM kernels
@@ -149,14 +232,32 @@ def _native_operand(q: NVFP4Array):
     return e2m1, scale, nx.global_decode_scale(q.amax)
 
 
+@jax.custom_batching.custom_vmap
+def _block_scaled(a4, b4, sa, sb) -> jax.Array:
+    """``jax.nn.scaled_matmul`` of ``[..., M, K]`` and ``[..., N, K]`` codes with their
+    ``[..., M, K/16]`` and ``[..., N, K/16]`` scales: float32 ``[..., M, N]``, the leading axes
+    (the same for all four) flattened into its batch axis."""
+    flat = lambda v: v.reshape(-1, *v.shape[-2:])
+    out = jax.nn.scaled_matmul(flat(a4), flat(b4), flat(sa), flat(sb), preferred_element_type=jnp.float32)
+    return out.reshape(*a4.shape[:-2], *out.shape[-2:])
+
+
+@_block_scaled.def_vmap
+def _block_scaled_vmap(axis_size, in_batched, *operands):
+    # scaled_matmul's own batching rule needs every operand batched alike; under vmap (e.g.
+    # over rounding keys) only some are. Unbatched operands are broadcast; the vmapped axis
+    # joins the GEMM's batch axis.
+    operands = [v if b else jnp.broadcast_to(v, (axis_size, *v.shape)) for v, b in zip(operands, in_batched)]
+    return _block_scaled(*operands), True
+
+
 def _gemm_nt_native(a: NVFP4Array, b: NVFP4Array, backend: str) -> jax.Array:
-    """``dequantize(a) @ dequantize(b)ᵀ`` in float32 on a native block-scaled GEMM."""
+    """``dequantize(a) @ dequantize(b)ᵀ`` in float32 on a native block-scaled GEMM (CUDA)."""
     (m, _), (n, _) = a.matrix_shape, b.matrix_shape
     a4, sa, da = _native_operand(a)
     b4, sb, db = _native_operand(b)
     if backend == "scaled_matmul":
-        out = jax.nn.scaled_matmul(a4[None], b4[None], sa[None], sb[None],
-                                   preferred_element_type=jnp.float32)[0]
+        out = _block_scaled(a4, b4, sa, sb)
     elif backend == "te":
         out = _te_gemm_nt(a4, sa, b4, sb)
     else:  # pragma: no cover - resolve_backend guards this
@@ -191,26 +292,37 @@ def _te_gemm_nt(a4, sa, b4, sb) -> jax.Array:
     return out.astype(jnp.float32)
 
 
+def _per_platform(*args, cuda, default):
+    """``cuda(*args)`` in a lowering for CUDA, ``default(*args)`` for any other platform."""
+    return jax.lax.platform_dependent(*args, cuda=cuda, default=default)
+
+
 def _gemm(a: NVFP4Array, b: NVFP4Array, b_contract: int, backend: str) -> jax.Array:
-    """``dequantize(a) [R, K] @ dequantize(b)`` contracted over K, float32 ``[R, C]``.
+    """``dequantize(a) [R, K] @ dequantize(b)`` contracted over K, float32 ``[R, C]``: the
+    emulation, and on CUDA the ``backend`` GEMM.
 
     ``b`` is ``[C, K]`` (``b_contract=1``) or, for a 2D-tiled weight, ``[K, C]``
     (``b_contract=0``; native paths transpose its codes, exact for 16x16 tiles).
     """
-    if backend == "emulate":
+
+    def emulated(a, b):
         return jax.lax.dot_general(
             dequantize(a, jnp.float32), dequantize(b, jnp.float32),
             (((1,), (b_contract,)), ((), ())),
             precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    if b_contract == 0:
-        b = transpose(b)
-    return _gemm_nt_native(a, b, backend)
+
+    def native(a, b):
+        return _gemm_nt_native(a, transpose(b) if b_contract == 0 else b, backend)
+
+    if backend == "emulate":
+        return emulated(a, b)
+    return _per_platform(a, b, cuda=native, default=emulated)
 
 
 # ------------------------------------------------------------------------ the custom VJP
 @dataclasses.dataclass(frozen=True)
 class _Config:
-    backend: str
+    cuda_backend: str  # the CUDA branch's GEMM; every other platform runs the emulation
     out_dtype: np.dtype
     w_dtype: Optional[np.dtype]
     stochastic_dgrad: bool
@@ -225,7 +337,7 @@ def _quantize_1d(v: jax.Array, key: Optional[jax.Array]) -> NVFP4Array:
 
 def _fprop(x2d, w_q, cfg: _Config):
     xq = quantize(x2d, block=BLOCK_1D)
-    return _gemm(xq, w_q, 0, cfg.backend).astype(cfg.out_dtype)
+    return _gemm(xq, w_q, 0, cfg.cuda_backend).astype(cfg.out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -248,7 +360,7 @@ def _dot_bwd(cfg: _Config, res, g):
 
     # dgrad: dx [M, K] = dy [M, N] @ Wᵀ; the stored tiles serve transposed as they are.
     dyq = _quantize_1d(g, k_dgrad if cfg.stochastic_dgrad else None)
-    dx = _gemm(dyq, w_q, 1, cfg.backend).astype(x2d.dtype)
+    dx = _gemm(dyq, w_q, 1, cfg.cuda_backend).astype(x2d.dtype)
 
     dw = None
     if cfg.w_dtype is not None:
@@ -265,7 +377,7 @@ def _dot_bwd(cfg: _Config, res, g):
             gt = nx.hadamard_transform(gt, axis=-1)
         xtq = quantize(xt, block=BLOCK_1D)
         gtq = _quantize_1d(gt, k_wgrad)
-        dw = _gemm(xtq, gtq, 1, cfg.backend).astype(cfg.w_dtype)
+        dw = _gemm(xtq, gtq, 1, cfg.cuda_backend).astype(cfg.w_dtype)
     return dx, None, dw, None
 
 
@@ -292,7 +404,9 @@ def dot(
         never read (pass the dequantized or master weight). Without it no wgrad is computed.
       key: PRNG key for stochastic rounding of the gradient in dgrad and wgrad (split
         between the two). ``None``: every quantization rounds to nearest, deterministically.
-      backend: ``"auto"``, ``"emulate"``, ``"scaled_matmul"`` or ``"te"`` (module docstring).
+      backend: the GEMM on CUDA: ``"auto"``, ``"emulate"``, ``"scaled_matmul"`` or ``"te"``
+        (module docstring); other platforms run the emulation. ``"scaled_matmul"`` and ``"te"``
+        raise :class:`BackendUnavailableError` unless this process runs on a Blackwell GPU.
       out_dtype: dtype of ``y`` (default ``x.dtype``).
       stochastic_dgrad: stochastic rounding of dy in dgrad (with a key); wgrad always rounds
         dy stochastically when a key is given.
@@ -319,7 +433,7 @@ def dot(
         if w.shape != (k, n) or not jnp.issubdtype(w.dtype, jnp.floating):
             raise ValueError(f"w must be a float [{k}, {n}] array, got {w.dtype}{list(w.shape)}")
     cfg = _Config(
-        backend=_select(backend),
+        cuda_backend=_select(backend),
         out_dtype=np.dtype(out_dtype if out_dtype is not None else x.dtype),
         w_dtype=None if w is None else np.dtype(w.dtype),
         stochastic_dgrad=bool(stochastic_dgrad),

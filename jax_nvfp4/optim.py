@@ -36,7 +36,7 @@ from jax_nvfp4.array import NVFP4Array, is_nvfp4
 from jax_nvfp4.collectives import global_norm
 from jax_nvfp4.layout import DEFAULT_RULES, Rules, Tiled, TiledNVFP4, is_tiled, layout_for
 from jax_nvfp4.params import DEFAULT_POLICY, Policy, path_str
-from jax_nvfp4.sharding import constrain, context_mesh, requantize
+from jax_nvfp4.sharding import constrain, context_mesh, requantize, scatter_replicated
 
 
 class MasterWeightsState(NamedTuple):
@@ -135,6 +135,7 @@ def master_weights(
                 raise TypeError(f"master_weights: the gradient of {path_str(path)!r} is an NVFP4Array; gradients "
                                 "must be float arrays shaped like the dequantized weights (take them with respect "
                                 "to nv.dequantize_params(params), not the NVFP4 params)")
+        _check_stored_form(params, state.master)
         m = context_mesh(mesh)
         grads_m = _grads_to_master(grads, state.master, m, grad_dtype)
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads_m)]))
@@ -189,6 +190,29 @@ def master_weights(
         return jax.tree.unflatten(treedef, updates), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _sharded(layout) -> bool:
+    return layout.n_data > 1 or layout.n_tensor > 1
+
+
+def _check_stored_form(params, master) -> None:
+    """Params whose masters are sharded over the mesh must come in their stored form.
+
+    A logical param (an ``NVFP4Array`` or a plain array from ``quantize_params``) would need its
+    new value gathered from the master's shards every step, as float32 for a plain leaf; on a
+    mesh with Explicit axes JAX refuses the relayout outright."""
+    leaves_p, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_param_leaf)
+    try:
+        leaves_m = treedef.flatten_up_to(master)
+    except (ValueError, TypeError):
+        return  # reported with the full message once the masters are compared leaf by leaf
+    for (path, p), mw in zip(leaves_p, leaves_m):
+        if isinstance(mw, Tiled) and _sharded(mw.layout) and not is_tiled(p):
+            raise ValueError(
+                f"master_weights: parameter {path_str(path)} is in its logical form ({type(p).__name__}) but its "
+                f"master is sharded over the mesh; pass the stored params: params = nv.shard_params(params), "
+                "then jax.device_put(params, nv.shardings(params, mesh))")
 
 
 def _keep_state_after_master(inner, finite, new, old, master):
@@ -317,8 +341,9 @@ def _constrain_master(master, mesh):
 
 def _grads_to_master(grads, master, mesh, grad_dtype):
     """Float gradients -> the masters' layout. ``Tiled`` gradients (from the training step's
-    per-layer reduce-scatter) pass through; logical gradients shaped like the params are
-    padded and laid out tile-major (XLA moves them to their shards)."""
+    per-layer reduce-scatter) pass through; logical gradients shaped like the params (every
+    device holds them whole: the gradients of gathered weights) are laid out tile-major, each
+    device keeping its own tiles (:func:`~jax_nvfp4.sharding.scatter_replicated`)."""
     leaves_m, treedef = jax.tree.flatten(master, is_leaf=is_tiled)
     try:
         leaves_g = treedef.flatten_up_to(grads)
@@ -338,10 +363,10 @@ def _grads_to_master(grads, master, mesh, grad_dtype):
             raise ValueError(f"gradient of shape {tuple(jnp.shape(g))} for a parameter of shape {tuple(shape)}")
         v = g.astype(grad_dtype) if grad_dtype is not None else g
         if isinstance(mw, Tiled):
-            v = Tiled(mw.layout.to_tiles(v.astype(jnp.float32)), mw.layout)
-            if mesh is not None:
-                v = Tiled(constrain(v.value, NamedSharding(mesh, v.spec())), v.layout)
-            out.append(v)
+            # Laid out in the gradient's own dtype: its rounding (e.g. to bf16) happens before the
+            # relayout, whatever XLA fuses around it.
+            t = scatter_replicated(v, mw.layout, mesh)
+            out.append(Tiled(t.value.astype(jnp.float32), t.layout))
         else:
             out.append(jnp.asarray(v, jnp.float32))
     return jax.tree.unflatten(treedef, out)

@@ -11,6 +11,9 @@ The layout itself (tile-major, sharded over the data axis for any data-axis size
 - :func:`gather` (under ``jit``): all-gather the stored params across the data axis as packed
   bytes and scale bytes, returning logical ``NVFP4Array`` leaves. The training step gathers
   layer by layer instead (:func:`jax_nvfp4.collectives.gather_weight`).
+- :func:`scatter_replicated`: a logical float array that every device holds whole (e.g. the
+  gradient of gathered weights) -> its :class:`~jax_nvfp4.layout.Tiled` shards, each device
+  slicing its own tiles: no communication, on Auto and Explicit meshes alike.
 - :func:`requantize`: a sharded float32 master -> its stored NVFP4 shard, each device
   quantizing the tiles it owns with the global amax (bit-identical to quantizing the whole
   unsharded tensor).
@@ -31,7 +34,7 @@ from jax_nvfp4.layout import (DEFAULT_RULES, Layout, Rules, Tiled, TiledNVFP4, i
 from jax_nvfp4.params import Policy, path_str
 
 __all__ = ["Rules", "context_mesh", "shard_params", "logical", "partition_specs", "shardings", "gather",
-           "gather_dequantized", "requantize", "spec_of", "constrain"]
+           "gather_dequantized", "requantize", "scatter_replicated", "spec_of", "constrain"]
 
 
 def context_mesh(mesh=None):
@@ -185,6 +188,37 @@ def gather_dequantized(tree, dtype=jnp.bfloat16, mesh=None, rules: Optional[Rule
     return jax.tree.map(one, tree, is_leaf=_is_node)
 
 
+def _shard_origin(layout: Layout):
+    """``(first tensor shard, first tile)`` of this device's block of an array in ``layout``
+    (inside a ``shard_map`` manual over the layout's axes)."""
+    ti = jax.lax.axis_index(layout.tensor_axis) if layout.n_tensor > 1 else 0
+    to = jax.lax.axis_index(layout.data_axis) * layout.local_tiles if layout.n_data > 1 else 0
+    return ti, to
+
+
+def scatter_replicated(x: jax.Array, layout: Layout, mesh=None) -> Tiled:
+    """``Tiled.from_logical(x, layout)`` sharded as the layout says, for an ``x`` that every
+    device holds whole (under ``jit``): each device lays out ``x`` and keeps its own tiles.
+
+    Nothing moves when ``x`` is replicated. A sharding constraint would let XLA propagate the
+    tile sharding back into the computation of ``x``: on meshes with Auto axes it then computed
+    the gradients of gathered weights in pieces and moved float32 tiles between devices
+    (all-gathers of the weights' size, and collective-permutes of the tile padding)."""
+    mesh = context_mesh(mesh)
+    if mesh is None or (layout.n_data == 1 and layout.n_tensor == 1):
+        return Tiled.from_logical(x, layout)
+    k = x.ndim - 2
+
+    def local(full):
+        tiles = layout.to_tiles(full)
+        ti, to = _shard_origin(layout)
+        tiles = jax.lax.dynamic_slice_in_dim(tiles, ti, 1, axis=k) if layout.n_tensor > 1 else tiles
+        return jax.lax.dynamic_slice_in_dim(tiles, to, layout.local_tiles, axis=k + 1)
+
+    value = jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=layout.spec(k), check_vma=False)(x)
+    return Tiled(value, layout)
+
+
 # ----------------------------------------------------------------------------- re-quantization
 def requantize(m: Tiled, mesh=None, *, block=BLOCK_2D, key=None, cast_bf16: bool = False) -> TiledNVFP4:
     """Quantize a tiled float32 master to its stored :class:`TiledNVFP4`, each device
@@ -202,13 +236,10 @@ def requantize(m: Tiled, mesh=None, *, block=BLOCK_2D, key=None, cast_bf16: bool
         flat_axes.extend(a if isinstance(a, tuple) else (a,))
     if mesh is None or not flat_axes:
         return quantize_tiles(value, lay, block=block, key=key)
-    t_ax = lay.tensor_axis if lay.n_tensor > 1 else None
-    d_ax = lay.data_axis if lay.n_data > 1 else None
 
     def local(v, *k):
         reduce = lambda bits: jax.lax.pmax(bits, tuple(flat_axes))
-        ti = jax.lax.axis_index(t_ax) * v.shape[-4] if t_ax is not None else 0
-        to = jax.lax.axis_index(d_ax) * v.shape[-3] if d_ax is not None else 0
+        ti, to = _shard_origin(lay)
         q = quantize_tiles(v, lay, block=block, key=k[0] if k else None, reduce_amax=reduce, tensor_index=ti,
                            tile_offset=to)
         return q.data, q.scale_bits, q.amax_bits

@@ -128,3 +128,35 @@ def test_scale_dispatch(monkeypatch, capsys):
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
     assert cli.main(["scale", "--model", "x"]) == 2
     assert "benchmarks/scale.py" in capsys.readouterr().err
+
+
+def test_gpu_check_without_a_gpu_is_one_line():
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "gpu"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 1 and run.stdout == ""
+    assert len(run.stderr.strip().splitlines()) == 1 and run.stderr.startswith("no GPU: ")
+
+
+def test_gpu_check_runs_end_to_end_on_cpu(results, tmp_path, capsys):
+    """The whole command on the CPU (``--cpu``, the tiny model: the smoke run's programs), so
+    that its first run on a GPU is not its first run."""
+    out = tmp_path / "gpu.json"
+    rc = cli.main(["gpu", "--cpu", "--models", "tiny", "--steps", "1", "--repeats", "1", "--json", str(out)])
+    printed = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["ok"], printed
+    table = printed[printed.index("| check |"):].splitlines()
+    assert all(line.count("|") == 4 for line in table if line.startswith("|"))  # one well-formed table
+    assert report["quantize"]["ok"] and len(report["quantize"]["cases"]) == 4
+    assert report["gemm"]["auto"] == "emulate" and report["gemm"]["native_gemm_calls"] == 0
+    step = report["steps"]["tiny"]
+    assert step["devices"] == len(jax.devices()) and step["nvfp4"]["weight_gather_dtypes"] == ["u16", "u8"]
+    assert 0 < step["ratios"]["peak"] < 1  # NVFP4 weights: less memory than bf16 weights
+    assert step["nvfp4"]["cudnn_attention_calls"] == 0  # XLA's attention on a CPU

@@ -1,3 +1,4 @@
+import functools
 import logging
 
 import flax.linen as nn
@@ -235,23 +236,72 @@ def test_input_errors_are_clear():
 
 
 # ------------------------------------------------------------------------------- backends
-def test_backend_selection_on_cpu(caplog):
+def test_backend_selection_on_cpu(caplog, monkeypatch):
     if jax.default_backend() == "gpu":
-        pytest.skip("checks the CPU choice")
-    assert gemm.resolve_backend("auto") == "emulate"
-    assert gemm.resolve_backend("emulate") == "emulate"
-    gemm._logged_backends.clear()
+        pytest.skip("checks the choices of a process without a GPU")
+    monkeypatch.delenv(gemm.CUDA_CAPABILITY_ENV, raising=False)
+    assert gemm.default_platform() == "cpu"
+    assert gemm.resolve_backend("auto") == gemm.resolve_backend("auto", "cpu") == "emulate"
+    assert gemm.resolve_backend("emulate", "cuda") == "emulate"
+    # Without a GPU, the CUDA branch is what a Blackwell runs, and says so.
+    target = gemm.cuda_target()
+    assert target.capability == (10, 0) and target.source == "default" and target.native
+    assert "no GPU in this process" in str(target)
+    assert gemm.resolve_backend("auto", "cuda") == "scaled_matmul"
+    gemm._logged.clear()
     with caplog.at_level(logging.INFO, logger="jax_nvfp4.gemm"):
         for _ in range(2):
             gemm.dot(jnp.ones((16, 16)), nv.quantize(jnp.ones((16, 16))))
-    assert gemm.last_backend() == "emulate"
-    assert sum("'emulate'" in r.getMessage() for r in caplog.records) == 1
+    assert gemm.last_backend() == gemm.last_backend("cpu") == "emulate"
+    assert gemm.last_backend("cuda") == "scaled_matmul"
+    assert sum("'scaled_matmul' on CUDA" in r.getMessage() for r in caplog.records) == 1
+    # Hopper's program, chosen explicitly: no FP4 GEMM, so the emulation on CUDA too.
+    monkeypatch.setenv(gemm.CUDA_CAPABILITY_ENV, "9.0")
+    assert str(gemm.cuda_target()).startswith("compute capability 9.0 (from NVFP4_CUDA_CAPABILITY)")
+    assert gemm.resolve_backend("auto", "cuda") == "emulate"
+    with pytest.raises(gemm.BackendUnavailableError, match="compute capability 9.0"):
+        gemm.resolve_backend("scaled_matmul", "cuda")
+    monkeypatch.setenv(gemm.CUDA_CAPABILITY_ENV, "hopper")
+    with pytest.raises(ValueError, match="NVFP4_CUDA_CAPABILITY='hopper'"):
+        gemm.cuda_target()
+    # Named native backends need this process to run on a Blackwell GPU.
     with pytest.raises(gemm.BackendUnavailableError, match="Blackwell"):
         gemm.dot(jnp.ones((16, 16)), nv.quantize(jnp.ones((16, 16))), backend="scaled_matmul")
     with pytest.raises(gemm.BackendUnavailableError, match="Transformer Engine|Blackwell"):
         gemm.dot(jnp.ones((16, 16)), nv.quantize(jnp.ones((16, 16))), backend="te")
     with pytest.raises(ValueError, match="backend must be one of"):
         gemm.resolve_backend("cublas")
+
+
+def _fwd_bwd(x, wq, w, dy, backend="auto"):
+    y, vjp = jax.vjp(lambda a, b: gemm.dot(a, wq, b, backend=backend), x, w)
+    return (y, *vjp(dy))
+
+
+def test_one_program_per_platform(monkeypatch):
+    """The same trace lowers to block-scaled GEMMs for CUDA (fprop, dgrad, wgrad: E2M1 codes
+    and E4M3 scales) and to the emulation for CPU, on a host without a GPU."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("lowers for CUDA from a host without a GPU")
+    monkeypatch.delenv(gemm.CUDA_CAPABILITY_ENV, raising=False)
+    x, w, dy = (jax.ShapeDtypeStruct(s, jnp.float32) for s in ((32, 48), (48, 64), (32, 64)))
+    wq = jax.eval_shape(nv.quantize, w)
+
+    def gemms(platform, **kw):
+        # A new function each time: a jitted function's trace is cached, and it holds the GEMM
+        # chosen for the CUDA target of its first trace.
+        lowered = jax.jit(functools.partial(_fwd_bwd, **kw)).trace(x, wq, w, dy).lower(lowering_platforms=(platform,))
+        return nv.comm.native_gemms(lowered.as_text(dialect="hlo"))
+
+    cuda = gemms("cuda")
+    assert sum(g.times for g in cuda) == 3, cuda
+    assert {(g.backend, g.operands) for g in cuda} == {("scaled_matmul", nv.comm.BLOCK_SCALED_OPERANDS)}
+    assert gemm.last_backend("cuda") == "scaled_matmul"
+    assert gemms("cpu") == []
+    assert gemms("cuda", backend="emulate") == []  # asked for by name: the emulation on CUDA too
+    monkeypatch.setenv(gemm.CUDA_CAPABILITY_ENV, "9.0")  # Hopper's program: no FP4 GEMM
+    assert gemms("cuda") == []
+    assert gemm.last_backend("cuda") == "emulate"
 
 
 def _scaled_matmul_math(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):
@@ -266,23 +316,35 @@ def test_native_operand_layout_against_scaled_matmul_semantics(monkeypatch):
     checked on CPU by standing in the documented math of ``jax.nn.scaled_matmul``."""
     # (setattr fails if this JAX has no jax.nn.scaled_matmul, the API this layout targets)
     monkeypatch.setattr(jax.nn, "scaled_matmul", _scaled_matmul_math)
-    monkeypatch.setattr(gemm, "resolve_backend", lambda backend="auto": "scaled_matmul")
+    monkeypatch.setattr(gemm, "cuda_target", lambda: gemm.CudaTarget((10, 0), "test"))
+    # Run the CUDA branch on this CPU.
+    monkeypatch.setattr(gemm, "_per_platform", lambda *args, cuda, default: cuda(*args))
     x, w, dy = data((2, 12, 40), 21), data((40, 24), 22, 0.05), data((2, 12, 24), 23)
     wq = nv.quantize(jax.device_put(w))
     y = jax.jit(gemm.dot)(jax.device_put(x), wq)
-    assert gemm.last_backend() == "scaled_matmul"
+    assert gemm.last_backend("cuda") == "scaled_matmul"
     expect = ref_deq(x.reshape(-1, 40), (1, 16)) @ ref_deq(w, (16, 16))
     assert_close(np.asarray(y).reshape(-1, 24), expect, rtol=1e-5)
     dx, dw = jax.jit(grads_eager)(jax.device_put(x), wq, jax.device_put(w), jax.device_put(dy))
     assert_close(np.asarray(dx).reshape(-1, 40), ref_deq(dy.reshape(-1, 24), (1, 16)) @ ref_deq(w, (16, 16)).T, rtol=1e-5)
     xt, gt = ref_wgrad_operands(x.reshape(-1, 40), dy.reshape(-1, 24), rht=True)
     assert_close(dw, ref_deq(xt, (1, 16)) @ ref_deq(gt, (1, 16)).T, rtol=1e-5)
+    # Under vmap (over rounding keys: the weight's operands unbatched, the gradient's batched)
+    # each key's GEMMs are the unbatched ones.
+    # (Arguments, not constants: XLA:CPU's constant folding reads float4 bitcasts wrongly.)
+    keys = jax.random.split(jax.random.key(5), 2)
+    args = (jax.device_put(x), wq, jax.device_put(w), jax.device_put(dy))
+    keyed = lambda k, *a: grads_eager(*a, key=k)
+    batched = jax.jit(jax.vmap(keyed, in_axes=(0, None, None, None, None)))(keys, *args)
+    for i in range(2):
+        for b, one in zip(batched, jax.jit(keyed)(keys[i], *args)):
+            np.testing.assert_array_equal(np.asarray(b[i]), np.asarray(one))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="native NVFP4 GEMM needs a CUDA GPU")
 def test_native_matches_emulation_on_gpu():
-    if not gemm._is_blackwell():
+    if not gemm.cuda_target().native:
         pytest.skip("native NVFP4 GEMM needs a Blackwell GPU (compute capability >= 10)")
     x, w, dy = (jax.device_put(data(s, i, c)) for i, (s, c) in enumerate((((256, 512), 1.0), ((512, 256), 0.05), ((256, 256), 1.0))))
     wq = nv.quantize(w)
@@ -290,7 +352,7 @@ def test_native_matches_emulation_on_gpu():
     for b in ("emulate", "auto"):
         y = dot(x, wq, backend=b)
         out[b] = (y, *grads(x, wq, w, dy, backend=b))
-    assert gemm.last_backend() in ("scaled_matmul", "te")
+    assert gemm.last_backend() in ("scaled_matmul", "te") and gemm.last_backend("cpu") == "emulate"
     for native, emu in zip(out["auto"], out["emulate"]):
         assert_close(native, emu, rtol=1e-4)
 

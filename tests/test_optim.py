@@ -260,9 +260,10 @@ def test_memory_is_sharded():
 
 # ---------------------------------------------------------------------- optax composition
 def _single_step_setup(inner, n=2, **kw):
+    """A mesh of ``n``, the float32 params, their stored form, the wrapper and its state."""
     mesh = make_mesh(n)
     fp32 = init_params()
-    params = nv.quantize_params(fp32)
+    params = jax.jit(functools.partial(nv.shard_params, mesh=mesh))(nv.quantize_params(fp32))
     tx = nv.master_weights(inner, mesh=mesh, **kw)
     state = tx.init(fp32)
     return mesh, fp32, params, tx, state
@@ -275,7 +276,7 @@ def test_apply_updates_is_exact_for_every_leaf():
     new = apply_updates(params, updates)
     for k in SHAPES:
         q = nv.quantize(nv.logical(state.master[k]))
-        for a, b in zip(tree_bytes(new[k]), tree_bytes(q)):
+        for a, b in zip(tree_bytes(logical(new[k])), tree_bytes(q)):
             np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(np.asarray(new["bias"]), np.asarray(nv.logical(state.master["bias"])))
     again = nv.apply_updates(params, updates)
@@ -383,10 +384,19 @@ def test_clear_errors():
         tx2.update(grads_at(0, fp32), tx2.init(fp32), params)
     # An NVFP4Array as a gradient (e.g. taken against the NVFP4 params) names the leaf.
     quantized = dict(grads_at(0, fp32))
-    name = next(k for k, v in params.items() if nv.is_nvfp4(v))
+    name = next(k for k, v in params.items() if isinstance(v, nv.TiledNVFP4))
     quantized[name] = nv.quantize(jnp.asarray(quantized[name], jnp.float32))
     with pytest.raises(TypeError, match=f"gradient of '{name}' is an NVFP4Array"):
         tx.update(quantized, state, params)
+    # Params in their logical form (quantize_params without shard_params) where the masters are
+    # sharded: one line naming the missing call, on Auto and Explicit meshes alike (an Explicit
+    # mesh used to end in JAX's "ShardingTypeError: This reshape is not supported").
+    for axis_type in (AxisType.Auto, AxisType.Explicit):
+        m = jax.make_mesh((2,), ("data",), axis_types=(axis_type,), devices=jax.devices()[:2])
+        with jax.set_mesh(m):
+            tx3 = nv.master_weights(optax.sgd(0.1))
+            with pytest.raises(ValueError, match=r"parameter \S+ is in its logical form \(NVFP4Array\).*nv\.shard_params"):
+                jax.jit(tx3.update)(grads_at(0, fp32), tx3.init(fp32), nv.quantize_params(fp32))
 
 
 def placed_weight(x, lay, mesh):

@@ -116,6 +116,11 @@ def main(argv=None) -> int:
         print(f"error: --export-hf {args.export_hf}: exists and is not a folder; nothing written", file=sys.stderr)
         return 2
 
+    # Before JAX starts: XLA reads its flags once, when the backend starts.
+    from train import xla_flags
+
+    gpu_flags = xla_flags.configure(cfg.train.gpu_xla_flags)
+
     import jax
 
     from train import mesh as mesh_lib
@@ -174,6 +179,8 @@ def main(argv=None) -> int:
             return 2
     if is_main:
         print(mesh_lib.describe_mesh(mesh, cfg.mesh.nvl_domain))
+        if gpu_flags:
+            print(f"XLA flags for overlap on GPU (train/xla_flags.py; XLA_FLAGS overrides): {', '.join(gpu_flags)}")
 
     def start():
         # Only once the state is built or restored: a refused checkpoint writes nothing.

@@ -343,6 +343,9 @@ class TrainConfig(_Section):
                             "'nothing' (recompute the layer; memory flat in depth) or 'dots' (its "
                             "matmul outputs: less recompute, activation memory grows with depth); "
                             "never its gathered weights")
+    gpu_xla_flags: bool = _field(True, doc="on a GPU, add the XLA flags that overlap the per-layer weight "
+                                           "gathers and gradient sums with compute (train/xla_flags.py); a "
+                                           "flag already in XLA_FLAGS keeps its value")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,11 @@ public entry points (``train.step.build``, ``abstract_step_args``, ``step_fn``, 
   scales in every NVFP4 layer (fprop, dgrad and wgrad in the step; fprop in evaluation), and
   the weights-only recipe has none.
 - No collective moves floats: NVFP4 weights are all-gathered as u8 (codes and scale bytes),
-  other values as their bits.
+  other values as their bits; with a tensor axis each layer's gather crosses the data axis
+  only, and the activations cross the tensor axis as bits.
+- Attention: JAX traces cuDNN's fused attention only where cuDNN is present, so a program
+  lowered for CUDA on a host without a GPU carries the blockwise attention
+  (``train.attention``); on a GPU host ``model.attention=auto`` traces the cuDNN branch.
 """
 
 import jax
@@ -20,7 +24,7 @@ from conftest import job, mesh_of
 FLOATS = ("f16", "bf16", "f32", "f64", "f8e4m3fn", "f8e5m2", "f4e2m1fn")
 # Collectives of values computed inside the model (activation amax, tensor-parallel sums) or of
 # the loss: may move floats, but never anything the size of a weight.
-ACTIVATIONS = ("model fwd/bwd", "loss / metrics", "other")
+ACTIVATIONS = ("model fwd/bwd", "tensor parallel", "loss / metrics", "other")
 
 
 def lower_for_cuda(fn, *args) -> str:
@@ -34,34 +38,35 @@ def nvfp4_layers(trainer):
     return [p for p in jax.tree.leaves(trainer.abstract_params, is_leaf=nv.is_tiled) if isinstance(p, nv.TiledNVFP4)]
 
 
-def assert_packed_gathers(text: str, layers, fallback=None) -> None:
+def assert_packed_gathers(text: str, layers, mesh) -> None:
     """Weights, gradients and masters move as bits: no float collective for them, and every
-    NVFP4 layer's codes and scale bytes all-gathered as u8, whole (or the layer's slice of the
-    stacked leaf). ``fallback``: the compiled program, read when ``text`` holds no collective
-    (a ``jit`` whose gathers XLA's partitioner places at compile time; the partitioner is the
-    same for every platform)."""
-    program = comm.parse(text)
-    if not program.select(op="all-gather") and fallback is not None:
-        program = comm.parse(fallback())
+    NVFP4 layer's codes and scale bytes all-gathered as u8 over the data axis, one layer's
+    tensor shard at a time."""
+    program = comm.parse(text, mesh)
     smallest = min(p.data.size // p.data.shape[0] for p in layers)
     floats = [c for c in program.collectives if c.dtype in FLOATS]
     assert all(c.purpose in ACTIVATIONS and c.bytes < smallest for c in floats), program.by("op", "dtype", "purpose")
     assert {c.dtype for c in program.select(op="all-gather", purpose="weight gather")} <= {"u8", "u16"}
-    gathered = {c.shape for c in program.select(op="all-gather", dtype="u8", purpose="weight gather")}
+    packed = program.select(op="all-gather", dtype="u8", purpose="weight gather")
+    assert {c.axes for c in packed} == {("data",)}
+    gathered = {c.shape for c in packed}
+    t = mesh.shape["tensor"]
     for p in layers:
-        for leaf in (p.data, p.scale_bits):  # [layers, ...]: gathered whole, or one layer at a time
-            assert leaf.shape in gathered or leaf.shape[1:] in gathered, (leaf.shape, sorted(gathered))
+        for leaf in (p.data, p.scale_bits):  # [layers, t, T, ...]: one layer's tensor shard, whole over data
+            assert (1, *leaf.shape[2:]) in gathered, (leaf.shape, sorted(gathered))
+            assert leaf.shape[1] == t
+    assert not any("cudnn" in k for k in comm.custom_calls(text))
 
 
-@pytest.mark.parametrize("compute", ["dequant", "nvfp4"])
-def test_step_and_evaluation_lowered_for_cuda(compute, monkeypatch):
+@pytest.mark.parametrize("compute,tensor", [("dequant", 1), ("nvfp4", 1), ("nvfp4", 2)])
+def test_step_and_evaluation_lowered_for_cuda(compute, tensor, monkeypatch):
     if jax.default_backend() == "gpu":
         pytest.skip("lowers for CUDA from a host without a GPU")
     monkeypatch.delenv(gemm.CUDA_CAPABILITY_ENV, raising=False)  # the CUDA target: a Blackwell
     from train import step as step_lib
 
-    cfg = job(f"nvfp4.compute={compute}")
-    trainer, _, _ = step_lib.build(cfg, mesh_of(cfg, 2), init=False)
+    cfg = job(f"nvfp4.compute={compute}", f"mesh.tensor={tensor}")
+    trainer, _, _ = step_lib.build(cfg, mesh_of(cfg, 2 * tensor), init=False)
     args = step_lib.abstract_step_args(trainer)
     layers = nvfp4_layers(trainer)
     assert len(layers) == 7  # q, k, v, out, gate, up, down (the embeddings and head stay bf16)
@@ -79,5 +84,5 @@ def test_step_and_evaluation_lowered_for_cuda(compute, monkeypatch):
     if compute == "nvfp4":
         assert gemm.last_backend("cuda") == "scaled_matmul" and gemm.last_backend() == "emulate"
 
-    assert_packed_gathers(step, layers)
-    assert_packed_gathers(evaluate, layers, fallback=lambda: trainer.eval_fn.lower(args[0], args[2]).compile().as_text())
+    assert_packed_gathers(step, layers, trainer.mesh)
+    assert_packed_gathers(evaluate, layers, trainer.mesh)

@@ -128,3 +128,15 @@ def test_scale_dispatch(monkeypatch, capsys):
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
     assert cli.main(["scale", "--model", "x"]) == 2
     assert "benchmarks/scale.py" in capsys.readouterr().err
+
+
+def test_bad_numbers_are_one_line_errors(capsys):
+    # --host-devices 0 and --data-sizes 0 ended in tracebacks.
+    for args, needle in ((["--host-devices", "0"], "argument --host-devices: expected a positive integer, got '0'"),
+                         (["--data-sizes", "0"], "argument --data-sizes: expected a positive integer, got '0'"),
+                         (["--data-sizes", ","], "expected comma-separated positive integers"),
+                         (["--repeats", "-1"], "argument --repeats"), (["nosuch"], "unknown section 'nosuch'")):
+        with pytest.raises(SystemExit) as e:
+            cli.parse_args(args)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and needle in err[0], (args, err)

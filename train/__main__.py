@@ -210,8 +210,6 @@ def _run(args, cfg, out_dir, fault) -> int:
     except LockError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if is_main:
-        print(mesh_lib.describe_mesh(mesh, cfg.mesh.nvl_domain))
 
     def start():
         # Only once the state is built or restored: a refused checkpoint writes nothing.
@@ -220,12 +218,19 @@ def _run(args, cfg, out_dir, fault) -> int:
             save_config(cfg, os.path.join(out_dir, "config.yaml"))
 
     on_step, inject = fault
-    preemption = Preemption(sync=multi)
-    import threading
-
-    if threading.current_thread() is threading.main_thread():
-        preemption.install()
+    preemption = None
     try:
+        if is_main:
+            print(mesh_lib.describe_mesh(mesh, cfg.mesh.nvl_domain))
+        import threading
+
+        from jax._src import distributed
+
+        # Signal handlers belong to the main thread; several processes need the runtime's
+        # preemption service to agree on a step (without it a signal ends a process as before).
+        if threading.current_thread() is threading.main_thread() and (
+                not multi or distributed.global_state.preemption_sync_manager is not None):
+            preemption = Preemption(sync=multi).install()
         runs = [loop.run(cfg, mesh, out_dir, progress=not args.no_progress, label=f"{cfg.nvfp4.weights} weights",
                          on_step=on_step, on_start=start, inject_nonfinite=inject, preemption=preemption)]
         if args.compare == "bf16":
@@ -251,7 +256,10 @@ def _run(args, cfg, out_dir, fault) -> int:
             # as one process has exited).
             from jax._src import distributed
 
-            distributed.global_state.client.wait_at_barrier(f"train_stopped_{e.step}", 300_000)
+            try:
+                distributed.global_state.client.wait_at_barrier(f"train_stopped_{e.step}", 300_000)
+            except Exception:  # noqa: BLE001 - a peer gone meanwhile: its checkpoint is written
+                pass
         if is_main:
             print(e.line(), file=sys.stderr, flush=True)
         return exit_code(e.signum)
@@ -282,7 +290,8 @@ def _run(args, cfg, out_dir, fault) -> int:
             os._exit(4)
         return 4
     finally:
-        preemption.uninstall()
+        if preemption is not None:
+            preemption.uninstall()
         for lock in locks:
             lock.release()
     if is_main:

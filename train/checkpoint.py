@@ -16,8 +16,8 @@ What one checkpoint (``<dir>/<step>/``) holds:
   that a checkpoint of another model or optimizer is refused with a one-line error naming the
   first leaf that differs.
 - ``meta["run"]``: the config values that define the training trajectory (model, data
-  source and seed, optimizer, schedule length, NVFP4 recipe); :func:`check_resume` compares
-  them with the resuming run's config.
+  source, seed and validation split, the data files' content fingerprints, optimizer, schedule
+  length, NVFP4 recipe); :func:`check_resume` compares them with the resuming run's config.
 - ``jax_nvfp4.sha256.json``: the sha256 of every file of the step directory, written by
   process 0 once the save has committed (for asynchronous saves, from orbax's
   post-finalization callback). Hashing the finished files rather than the arrays keeps it
@@ -31,8 +31,10 @@ every process has written its shards; a save interrupted at any point leaves the
 checkpoints untouched, and a later :class:`Checkpointer` removes the leftover temporary
 directory. Restores refuse non-finite values (NaN/Inf) in params, masters or optimizer state,
 and files whose content hash does not match; :meth:`Checkpointer.restorable_step` with
-``fallback`` picks the newest intact checkpoint instead (the damaged ones are renamed
-``corrupt-<step>``, never deleted).
+``fallback`` picks the newest intact checkpoint instead; :meth:`Checkpointer.set_aside` renames
+the damaged ones ``corrupt-<step>`` (never deleted) once the resume is accepted. Hidden files
+(``.DS_Store``) that were not saved are ignored by the verification; any other extra file fails
+it.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ runtime's handler (it notices a signal within a second); a SIGINT is passed on t
 SIGTERM of this process. A process sees a second signal once the agreed step has come.
 
 A signal whose disposition is not the default one when the run starts (a launcher that made
-background processes ignore SIGINT) is left alone.
+background processes ignore SIGINT) is left alone. Without the runtime's preemption service
+(``jax_enable_preemption_service=False``) a multi-process run installs nothing: a signal ends
+a process as it would without this module.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def main(argv=None) -> int:
 
     logging.getLogger("absl").setLevel(logging.CRITICAL)
     # Config first: it needs no JAX, so a bad config fails fast and before anything is written.
-    from train.config import ConfigError, load_config, save_config, validate_for_devices
+    from train.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, [*args.sets, *args.overrides])

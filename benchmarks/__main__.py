@@ -49,8 +49,30 @@ DEFAULT_OUT = os.path.join("benchmarks", "results")
 QUICK_OUT = os.path.join("runs", "benchmarks-quick")
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
 def _ints(text: str) -> List[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    """Comma-separated positive integers (sizes: 0 has no mesh)."""
+    values = [_positive(x.strip()) for x in text.split(",") if x.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line (``python -m benchmarks: error: ...``), exit 2, without the usage
+    block: a wrong number is said, not buried."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _names(text: str) -> List[str]:
@@ -58,7 +80,7 @@ def _names(text: str) -> List[str]:
 
 
 def parse_args(argv: Sequence[str]):
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0],
+    p = _Parser(prog="python -m benchmarks", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("sections", nargs="*", default=["all"], metavar="SECTION",
@@ -69,11 +91,11 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("--data-sizes", type=_ints, help="data-axis sizes for scaling, e.g. 1,2,4,8")
     p.add_argument("--ref-size", help="model size of the traffic/memory/speed sections (default small; "
                    "quick: tiny), measured at the largest of --data-sizes")
-    p.add_argument("--repeats", type=int, help="timed steps per point (default 3; quick: 2)")
+    p.add_argument("--repeats", type=_positive, help="timed steps per point (default 3; quick: 2)")
     p.add_argument("--conv-size", help="model size of the convergence runs (default tiny)")
-    p.add_argument("--conv-steps", type=int, help="convergence budget in steps (default 300; quick: 40)")
-    p.add_argument("--quant-size", type=int, help="square side for quantize throughput (default 4096; quick: 1024)")
-    p.add_argument("--host-devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    p.add_argument("--conv-steps", type=_positive, help="convergence budget in steps (default 300; quick: 40)")
+    p.add_argument("--quant-size", type=_positive, help="square side for quantize throughput (default 4096; quick: 1024)")
+    p.add_argument("--host-devices", type=_positive, default=8, help="simulated CPU devices (default 8)")
     p.add_argument("--against", metavar="REV",
                    help="speed: also time the same NVFP4 step at git commit REV, back to back with this "
                         "tree (benchmarks.against), e.g. the commit before the FSDP step")

@@ -127,6 +127,21 @@ def _check_matrix_shape(matrix_shape) -> Tuple[int, int]:
     return tuple(int(d) for d in ms)
 
 
+_LEAF_DTYPES = (("data", "packed uint8 codes", np.uint8), ("scale_bits", "uint8 E4M3 scale bytes", np.uint8),
+                ("amax_bits", "the uint32 bits of a float32 amax", np.uint32))
+
+
+def _check_dtypes(leaves) -> None:
+    """Raise TypeError unless ``data``, ``scale_bits`` and ``amax_bits`` have their dtypes: any
+    other integer would be decoded as if it were these bytes. (A tree of float0 leaves is the
+    cotangent of an array, not an array: left alone.)"""
+    if any(np.dtype(leaf.dtype) == jax.dtypes.float0 for leaf in leaves):
+        return
+    for (name, what, dtype), leaf in zip(_LEAF_DTYPES, leaves):
+        if np.dtype(leaf.dtype) != dtype:
+            raise TypeError(f"NVFP4Array: {name} must be {what} ({np.dtype(dtype).name}), got dtype {leaf.dtype}")
+
+
 def _check_layout(data, scale_bits, amax_bits, matrix_shape, block) -> None:
     """Raise ValueError unless the three leaves have the shapes of ``matrix_shape``/``block``."""
     if len(np.shape(data)) < 2:
@@ -161,6 +176,7 @@ class NVFP4Array:
         # broadcast or zero-filled silently. Tracers and abstract leaves (inside jit,
         # shard_map, tree utilities) are not checked here; create() checks those too.
         if all(_concrete(x) for x in (self.data, self.scale_bits, self.amax_bits)):
+            _check_dtypes((self.data, self.scale_bits, self.amax_bits))
             _check_layout(self.data, self.scale_bits, self.amax_bits, self.matrix_shape, self.block)
 
     @classmethod
@@ -279,10 +295,18 @@ def quantize(
       amax: the global amax ``[...]`` (or a scalar) to use instead of ``max(|x|)`` — for
         sharded quantization, where it is the maximum across shards. A float ``>= 0`` (0 only
         for an all-zero matrix); NaN or +Inf mark the matrix non-finite (it dequantizes to
-        NaN). Negative values are refused where the value is known (outside ``jit``).
+        NaN). Negative values, and 0 for a matrix holding non-zero values (it would quantize
+        to all zeros), are refused where the values are known (outside ``jit``).
 
     Returns:
       An :class:`NVFP4Array` bit-identical to the reference recipe's quantizer.
+
+    Not differentiable: the codes are integers, so a gradient through them would be zero
+    everywhere. ``jax.grad`` (or ``jax.jvp``) of an input that reaches ``quantize`` raises
+    ``TypeError`` instead. Quantize ``jax.lax.stop_gradient(x)`` where no gradient should
+    flow; for quantization-aware training the straight-through estimator is
+    ``x + jax.lax.stop_gradient(dequantize(quantize(jax.lax.stop_gradient(x)), x.dtype) - x)``:
+    its value is the quantized tensor, its gradient the identity.
     """
     block = _check_block(block)
     check_rounding(rounding, key)
@@ -296,7 +320,24 @@ def quantize(
         raise ValueError(f"quantize needs a non-empty matrix, got shape {x.shape}")
     if amax is not None:
         amax = _check_amax(amax, batch)
+        known = getattr(amax, "dtype", None) is None or _concrete(amax)
+        if known and _concrete(x) and np.any(np.asarray(amax) == 0):
+            zero = np.broadcast_to(np.asarray(amax) == 0, tuple(batch))
+            if np.any(zero & np.asarray(_nonzero_matrices(x))):
+                raise ValueError("quantize: amax=0 for a matrix holding non-zero values would quantize it to all "
+                                 "zeros; pass its max(|x|) (0 is the amax of an all-zero matrix only)")
     return _quantize(x, key if rounding == "stochastic" else None, amax, block)
+
+
+@jax.jit
+def _nonzero_matrices(x):
+    return jnp.any(x != 0, axis=(-2, -1))
+
+
+NOT_DIFFERENTIABLE = ("quantize is not differentiable: its outputs are integer codes, so a gradient through "
+                      "dequantize(quantize(x)) would be zero everywhere. Quantize jax.lax.stop_gradient(x) where no "
+                      "gradient should flow; a straight-through estimator is x + jax.lax.stop_gradient(dequantize("
+                      "quantize(jax.lax.stop_gradient(x)), x.dtype) - x)")
 
 
 # The numeric cores of quantize and dequantize are compiled once per shape (inlined when the
@@ -304,6 +345,11 @@ def quantize(
 # dispatch (and, for every new shape, compile) a program of its own.
 @functools.partial(jax.jit, static_argnames="block")
 def _quantize(x, key, amax, block):
+    return _quantize_core(x, key, amax, block)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _quantize_core(x, key, amax, block):
     rows, cols = x.shape[-2:]
     xp = pad_to_block(x.astype(jnp.float32), block)
     uniform = None if key is None else nx.uniform_from_index(key, element_index(xp.shape, (rows, cols)))
@@ -311,6 +357,12 @@ def _quantize(x, key, amax, block):
     # The array itself (a pytree) is the program's output: its stored bytes are formed here,
     # not op by op after it.
     return from_codes(codes_[..., :rows, :cols], scale, amax, block)
+
+
+@_quantize_core.defjvp
+def _quantize_jvp(block, primals, tangents):
+    # Called only when some input carries a tangent (JAX skips it for symbolic zeros).
+    raise TypeError(NOT_DIFFERENTIABLE)
 
 
 def check_rounding(rounding: str, key) -> None:

@@ -43,7 +43,7 @@ from jax_nvfp4.array import (BLOCK_1D, BLOCK_2D, BLOCK_COLUMN, NVFP4Array, as_ar
                              packed_shapes)
 from jax_nvfp4.params import path_str
 
-__all__ = ["ExportError", "export_hf", "export_nvfp4", "hf_tensors", "is_export", "llama_config", "load_nvfp4",
+__all__ = ["ExportError", "check_hf", "export_hf", "export_nvfp4", "hf_tensors", "is_export", "llama_config", "load_nvfp4",
            "nvfp4_to_compressed_tensors", "EXPORT_FORMAT", "EXPORT_VERSION", "NVFP4A16_QUANTIZATION_CONFIG"]
 
 EXPORT_FORMAT = "jax_nvfp4.export"
@@ -439,9 +439,19 @@ def nvfp4_to_compressed_tensors(q: NVFP4Array) -> Dict[str, np.ndarray]:
     if q.block not in (BLOCK_2D, BLOCK_COLUMN):
         raise ValueError(f"nvfp4_to_compressed_tensors: needs 16x16 tiles or (16, 1) blocks (groups of 16 "
                          f"inputs), got {q}")
-    if q.shape[-2] % 16:
-        raise ExportError(f"a kernel with {q.shape[-2]} input features: compressed-tensors NVFP4 needs a multiple of 16")
+    why = _compressed_tensors_refusal(q)
+    if why:
+        raise ExportError(why)
     return {k: np.asarray(v) for k, v in _to_compressed_tensors(q).items()}
+
+
+def _compressed_tensors_refusal(q: NVFP4Array) -> str:
+    """Why compressed-tensors' NVFP4 layout cannot hold the kernel ``q`` (empty if it can)."""
+    if q.block not in (BLOCK_2D, BLOCK_COLUMN):
+        return f"a kernel with {tuple(q.block)} blocks: compressed-tensors NVFP4 needs groups of 16 inputs"
+    if q.shape[-2] % 16:
+        return f"a kernel with {q.shape[-2]} input features: compressed-tensors NVFP4 needs a multiple of 16"
+    return ""
 
 
 @jax.jit
@@ -473,6 +483,33 @@ def _segment_offsets(flat, segments) -> Dict[str, int]:
     return offsets
 
 
+def _hf_names(flat, segments) -> List[tuple]:
+    """``[(path, leaf, segment or None, HF name)]`` of ``[(path, leaf)]``; raises ExportError
+    for a parameter without a Llama counterpart."""
+    names = []
+    for path, leaf in flat:
+        seg, _, rest = path.partition("/")
+        if path in _HF_TOP:
+            names.append((path, leaf, None, _HF_TOP[path]))
+        elif seg in segments and rest in _HF_LAYER:
+            names.append((path, leaf, seg, _HF_LAYER[rest]))
+        else:
+            raise ExportError(f"export_hf: parameter {path!r} has no Hugging Face Llama counterpart")
+    return names
+
+
+def check_hf(params, *, fmt: str = "bf16", segments=("blocks",)) -> None:
+    """Raise ExportError (one line) if :func:`export_hf` could not write ``params`` in ``fmt``:
+    a parameter without a Llama counterpart, or (``"nvfp4"``) an NVFP4 kernel that
+    compressed-tensors' layout cannot hold. Reads only shapes: ``params`` may be logical
+    arrays or ``jax.eval_shape`` structures of them, so a run can be checked before it trains."""
+    flat = [(path_str(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_nvfp4)[0]]
+    for path, leaf, _, _ in _hf_names(flat, segments):
+        why = is_nvfp4(leaf) and fmt == "nvfp4" and path.endswith("/kernel") and _compressed_tensors_refusal(leaf)
+        if why:
+            raise ExportError(f"export_hf: {path}: {why}")
+
+
 def hf_tensors(params, *, fmt: str = "bf16", segments=("blocks",)):
     """``(tensors, ignore)``: an iterator of ``(HF name, numpy array)`` for ``params`` in the
     HF Llama layout, and (``fmt="nvfp4"``) the names of Linear modules left in bf16.
@@ -491,15 +528,7 @@ def hf_tensors(params, *, fmt: str = "bf16", segments=("blocks",)):
     params = logical(params)  # stored (tile-major) params: their logical form
     flat = [(path_str(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_nvfp4)[0]]
     offsets = _segment_offsets(flat, segments)
-    names = []
-    for path, leaf in flat:
-        seg, _, rest = path.partition("/")
-        if path in _HF_TOP:
-            names.append((path, leaf, None, _HF_TOP[path]))
-        elif seg in segments and rest in _HF_LAYER:
-            names.append((path, leaf, seg, _HF_LAYER[rest]))
-        else:
-            raise ExportError(f"export_hf: parameter {path!r} has no Hugging Face Llama counterpart")
+    names = _hf_names(flat, segments)
     ignore = []
     linear = lambda path: path.endswith("/kernel")
 
@@ -585,7 +614,8 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, fmt: str = "bf1
 
     Raises:
       FileExistsError: ``directory`` exists and is not empty (nothing is written).
-      ExportError: a parameter without a Llama counterpart, or non-finite NVFP4 amax.
+      ExportError: a parameter without a Llama counterpart, a kernel ``fmt`` cannot hold
+        (:func:`check_hf`), or non-finite NVFP4 amax; nothing is written.
     """
     directory = os.path.abspath(os.fspath(directory))
     if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
@@ -593,6 +623,7 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, fmt: str = "bf1
     from jax_nvfp4.sharding import logical
 
     params = logical(params)
+    check_hf(params, fmt=fmt, segments=segments)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_nvfp4)[0]:
         if is_nvfp4(leaf) and not bool(jnp.all(leaf.isfinite())):
             raise ExportError(f"export_hf: leaf {path_str(path)!r} has a non-finite amax (NaN or Inf); nothing written")

@@ -18,6 +18,12 @@
 # Environment: PYTHON (default: python), LAUNCH_MODULE (default: train; tests swap in a probe),
 # LAUNCH_PORT (default: a free port). Exits with the first non-zero status of any process, after
 # killing the others: a process left alone would otherwise block forever in a collective.
+#
+# Stopping: SIGINT (Ctrl-C) or SIGTERM to this script is passed on to every process as SIGTERM:
+# they agree on a step, save it and exit with 143 (python -m train's "stopped by a signal");
+# the script waits for all of them and exits with that status. A second SIGINT or SIGTERM
+# kills them at once. A process that exits with 130 or 143 by itself (it was signalled
+# directly) does not stop the others either: they stop at the same step.
 set -u
 
 usage() {
@@ -98,6 +104,21 @@ alive() {
 }
 
 pids=()
+stopping=0
+# First signal: ask every process to save and stop; second: kill them now.
+on_signal() {
+  local pid
+  if [[ $stopping -eq 0 ]]; then
+    stopping=$1
+    echo "launch_local: $2: asking the processes to save their step and stop (again: kill them now)" >&2
+    for pid in "${pids[@]}"; do alive "$pid" && kill -TERM "$pid" 2>/dev/null; done
+  else
+    echo "launch_local: $2 again: killing the processes" >&2
+    for pid in "${pids[@]}"; do alive "$pid" && kill -9 "$pid" 2>/dev/null; done
+    wait 2>/dev/null
+    exit "$stopping"
+  fi
+}
 cleanup() {
   local pid t
   for pid in "${pids[@]}"; do alive "$pid" && kill "$pid" 2>/dev/null; done
@@ -111,7 +132,8 @@ cleanup() {
   for pid in "${pids[@]}"; do alive "$pid" && kill -9 "$pid" 2>/dev/null; done
   wait 2>/dev/null
 }
-trap 'cleanup; exit 130' INT TERM
+trap 'on_signal 130 SIGINT' INT
+trap 'on_signal 143 SIGTERM' TERM
 
 for ((i = 0; i < n; i++)); do
   JAX_PROCESS_ID=$i "$python" -m "$module" "${device_args[@]+"${device_args[@]}"}" "$@" \
@@ -121,7 +143,7 @@ done
 
 # Poll rather than `wait -n`: it tells which process ended (bash < 5.1 cannot), and a pid is
 # only signalled while it is still our unreaped child.
-status=0
+status=0 stopped=0
 running=("${pids[@]}")
 while [[ ${#running[@]} -gt 0 && $status -eq 0 ]]; do
   still=()
@@ -131,7 +153,9 @@ while [[ ${#running[@]} -gt 0 && $status -eq 0 ]]; do
     else
       wait "$pid"
       rc=$?
-      if [[ $rc -ne 0 && $status -eq 0 ]]; then
+      if [[ ($rc -eq 130 || $rc -eq 143) && $stopped -eq 0 ]]; then
+        stopped=$rc  # stopped by a signal, its step saved: the others stop at the same step
+      elif [[ $rc -ne 0 && $rc -ne 130 && $rc -ne 143 && $status -eq 0 ]]; then
         echo "launch_local: process $pid exited with status $rc; stopping the others" >&2
         status=$rc
       fi
@@ -146,6 +170,10 @@ if [[ $status -ne 0 ]]; then
   exit $status
 fi
 wait 2>/dev/null  # the output filters
+if [[ $stopped -ne 0 ]]; then
+  echo "launch_local: the $n processes stopped on a signal (status $stopped); rerun the same command to resume" >&2
+  exit $stopped
+fi
 if [[ -n "$check_against" ]]; then
   "$python" -m train.runs --against "$check_against" -- "${device_args[@]+"${device_args[@]}"}" "$@"
   exit $?

@@ -280,6 +280,36 @@ def test_boundary_inputs_are_refused():
     assert nv.dequantize(q, jnp.float16).dtype == jnp.float16
 
 
+def test_quantize_refuses_a_zero_amax_for_a_nonzero_matrix():
+    # It quantized every value to zero with isfinite() True.
+    x = jnp.asarray(np.random.default_rng(10).standard_normal((2, 16, 32)), jnp.float32)
+    for amax in (0.0, np.asarray([3.0, 0.0], np.float32)):
+        with pytest.raises(ValueError, match="amax=0 for a matrix holding non-zero values"):
+            nv.quantize(x, amax=amax)
+    # 0 is the amax of an all-zero matrix, and only of it.
+    x0 = x.at[1].set(0.0)
+    q = nv.quantize(x0, amax=np.asarray([float(jnp.abs(x0[0]).max()), 0.0], np.float32))
+    assert np.array_equal(np.asarray(q.amax)[1], 0.0) and not np.asarray(nv.dequantize(q, jnp.float32)[1]).any()
+
+
+def test_quantize_under_grad_raises_and_the_straight_through_rule_is_the_identity():
+    # jax.grad through dequantize(quantize(x)) used to return zeros without a word.
+    x = jnp.asarray(np.random.default_rng(11).standard_normal((16, 32)), jnp.float32)
+    with pytest.raises(TypeError, match="quantize is not differentiable"):
+        jax.grad(lambda v: nv.dequantize(nv.quantize(v), jnp.float32).sum())(x)
+    with pytest.raises(TypeError, match="straight-through"):
+        jax.jvp(lambda v: nv.quantize(v).data, (x,), (x,))
+    # The documented straight-through estimator: the quantized value, the identity gradient.
+    ste = lambda v: v + jax.lax.stop_gradient(nv.dequantize(nv.quantize(jax.lax.stop_gradient(v)), v.dtype) - v)
+    y, vjp = jax.vjp(ste, x)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(nv.dequantize(nv.quantize(x), jnp.float32)))
+    g = jnp.asarray(np.random.default_rng(12).standard_normal((16, 32)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(vjp(g)[0]), np.asarray(g))
+    # A stopped input quantizes inside a differentiated function as before.
+    got = jax.grad(lambda v: (v * nv.dequantize(nv.quantize(jax.lax.stop_gradient(v)), jnp.float32)).sum())(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(y))
+
+
 def test_hand_built_arrays_must_fit_together():
     q = nv.quantize(jnp.asarray(np.random.default_rng(8).standard_normal((2, 32, 48)), jnp.float32))
     bad = [
@@ -297,6 +327,12 @@ def test_hand_built_arrays_must_fit_together():
         nv.NVFP4Array.create(q.data, q.scale_bits, q.amax, (32,))
     with pytest.raises(TypeError, match="uint8"):
         nv.NVFP4Array.create(q.data.astype(jnp.int32), q.scale_bits, q.amax, q.matrix_shape)
+    # The constructor checks the dtypes as create() does: int32 codes used to decode wrong.
+    for data, scale, amax, needle in ((q.data.astype(jnp.int32), q.scale_bits, q.amax_bits, "data must be packed uint8"),
+                                      (q.data, q.scale_bits.astype(jnp.int8), q.amax_bits, "scale_bits must be uint8"),
+                                      (q.data, q.scale_bits, q.amax, "amax_bits must be the uint32 bits")):
+        with pytest.raises(TypeError, match=needle):
+            nv.NVFP4Array(data, scale, amax, q.matrix_shape, q.block)
     same = nv.NVFP4Array.create(q.data, q.scale, q.amax, q.matrix_shape, q.block)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(q)))
     # Under jit the leaves are tracers: construction stays free (checked on concrete arrays).

@@ -160,3 +160,15 @@ def test_gpu_check_runs_end_to_end_on_cpu(results, tmp_path, capsys):
     assert step["devices"] == len(jax.devices()) and step["nvfp4"]["weight_gather_dtypes"] == ["u16", "u8"]
     assert 0 < step["ratios"]["peak"] < 1  # NVFP4 weights: less memory than bf16 weights
     assert step["nvfp4"]["cudnn_attention_calls"] == 0  # XLA's attention on a CPU
+
+
+def test_bad_numbers_are_one_line_errors(capsys):
+    # --host-devices 0 and --data-sizes 0 ended in tracebacks.
+    for args, needle in ((["--host-devices", "0"], "argument --host-devices: expected a positive integer, got '0'"),
+                         (["--data-sizes", "0"], "argument --data-sizes: expected a positive integer, got '0'"),
+                         (["--data-sizes", ","], "expected comma-separated positive integers"),
+                         (["--repeats", "-1"], "argument --repeats"), (["nosuch"], "unknown section 'nosuch'")):
+        with pytest.raises(SystemExit) as e:
+            cli.parse_args(args)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and needle in err[0], (args, err)

@@ -96,6 +96,30 @@ def test_rerun_after_the_end_trains_nothing(reference, resumed, tmp_path, capsys
     assert len((resumed["out"] / "metrics.jsonl").read_text().splitlines()) == 6
 
 
+def test_a_torn_last_line_of_the_metrics_is_dropped_on_resume(resumed, tmp_path, capsys):
+    # A crash in the middle of writing metrics.jsonl left a line that is not JSON; the resume
+    # stopped on a JSONDecodeError traceback.
+    import shutil
+
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    shutil.copytree(resumed["ck"], ck)
+    shutil.copytree(resumed["out"], out)
+    good = (out / "metrics.jsonl").read_text()
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "loss": 5.12')
+    capsys.readouterr()
+    r = loop.run(dataclasses.replace(resumed["cfg"], checkpoint=dataclasses.replace(resumed["cfg"].checkpoint, dir=str(ck))),
+                 mesh_of(resumed["cfg"], 8), str(out), progress=False)
+    err = capsys.readouterr().err
+    assert "metrics.jsonl: dropped its last line, cut off in the middle (a crash while writing it)" in err
+    assert r["start_step"] == 6 and (out / "metrics.jsonl").read_text() == good
+    # A bad line before the last is not a torn write: refused in one line, the file untouched.
+    lines = good.splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(lines[:2] + ["{oops\n"] + lines[2:]))
+    with pytest.raises(ckpt_lib.CheckpointError, match="line 3 of 7 is not JSON"):
+        loop._resume_metrics(str(out / "metrics.jsonl"), 6)
+
+
 # ----------------------------------------------------------------------------- reshard
 # A step compiles a new program per mesh: take one on the uneven (6) and the tensor mesh.
 RACKS = ("mesh.layout=gb200", "mesh.nvl_domain=4")  # 2 racks of 4 on 8 devices
@@ -284,7 +308,7 @@ def test_save_killed_at_a_random_point_keeps_the_last_checkpoint(tmp_path):
     # may be half deleted: orbax deletes old steps in place). A kill between the latest's
     # commit and its hash record leaves it unverifiable: the fallback takes the one before.
     assert steps and steps[-1] >= 3 and len(steps) <= 3
-    step = ck.restorable_step(fallback=True)
+    step, _ = ck.restorable_step(fallback=True)
     assert step in steps[-2:]
     r = ck.restore(step, *abstract, nv.shardings(abstract[0], mesh), nv.shardings(abstract[1], mesh))
     assert r.data_state["step"] == step
@@ -418,7 +442,68 @@ def test_resume_refuses_a_different_trajectory(resumed, tmp_path, override, need
     key = override.split("=")[0] if override != "train.steps=8" else "optim.schedule_steps"
     if not override.startswith("train.steps=4"):
         ckpt_lib.check_resume("x", ckpt_lib.Checkpointer(str(resumed["ck"])).read_meta(6),
-                              job(override, f"checkpoint.allow_change=[{key}]"))
+                              job(override, f"checkpoint.dir={resumed['ck']}", f"checkpoint.allow_change=[{key}]"))
+
+
+def test_resume_refuses_changed_training_data(resumed, tmp_path):
+    # A resume with data.val_fraction 0 -> 0.9, or after data.path's content changed, used to
+    # continue silently on other data. The checkpoint records the split and the files' content.
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(256)) * 40)
+    base = ("data.source=file", f"data.path={corpus}", "data.val_fraction=0.1", f"checkpoint.dir={tmp_path / 'ck'}")
+    meta = ckpt_lib.Checkpointer(str(resumed["ck"])).read_meta(6)
+    meta["run"] = ckpt_lib.run_identity(job(*base))
+    assert meta["run"]["data.path:content"] == {"bytes": 10240, "sha256": meta["run"]["data.path:content"]["sha256"],
+                                                "hashed": "whole file"}
+    ckpt_lib.check_resume("ck/6", meta, job(*base))  # the same data: accepted
+    with pytest.raises(ckpt_lib.CheckpointError, match="data.val_fraction=0.1 but this run has data.val_fraction=0.9"):
+        ckpt_lib.check_resume("ck/6", meta, job(*base, "data.val_fraction=0.9"))
+    corpus.write_bytes(bytes(range(256)) * 39 + bytes(reversed(range(256))))  # same size, other bytes
+    with pytest.raises(ckpt_lib.CheckpointError) as e:
+        ckpt_lib.check_resume("ck/6", meta, job(*base))
+    msg = str(e.value)
+    assert msg.startswith("checkpoint ck/6 was trained on other data: data.path=") and "\n" not in msg
+    assert "set checkpoint.allow_change=[data.path]" in msg
+    ckpt_lib.check_resume("ck/6", meta, job(*base, "checkpoint.allow_change=[data.path]"))
+    # A checkpoint written before the content was recorded cannot be checked for it: accepted.
+    for key in ("data.path:content", "data.val_path:content", "data.val_fraction", "data.val_path"):
+        del meta["run"][key]
+    ckpt_lib.check_resume("ck/6", meta, job(*base))
+
+
+def test_fallback_renames_nothing_when_the_resume_is_then_refused(resumed, tmp_path):
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(resumed["ck"], ck)
+    victim = next(p for p in (ck / "6").rglob("*") if p.is_file() and p.name != ckpt_lib.HASHES)
+    victim.write_bytes(victim.read_bytes() + b"x")
+    listing = sorted(os.listdir(ck))
+    cfg = job(f"checkpoint.dir={ck}", "checkpoint.fallback=true", "model.heads=1")
+    with pytest.raises(ckpt_lib.CheckpointError, match="model.heads=2 but this run has model.heads=1"):
+        loop.run(cfg, mesh_of(cfg, 8), str(tmp_path / "never"), progress=False)
+    # It used to move step 6 aside to corrupt-6 before refusing (exit 2 promises nothing written).
+    assert sorted(os.listdir(ck)) == listing and not (tmp_path / "never").exists()
+    # Accepted, the fallback moves the corrupt step aside as before.
+    c = ckpt_lib.Checkpointer(str(ck))
+    step, corrupt = c.restorable_step(fallback=True)
+    assert step == 4 and [s for s, _ in corrupt] == [6]
+    c.set_aside(corrupt, step, log=lambda m: None)
+    assert "corrupt-6" in os.listdir(ck) and c.all_steps() == [2, 4]
+
+
+def test_hidden_files_in_a_checkpoint_do_not_make_it_corrupt(two_checkpoints, tmp_path):
+    import shutil
+
+    d = tmp_path / "ck"
+    shutil.copytree(two_checkpoints["dir"], d)
+    (d / "2" / ".DS_Store").write_bytes(b"\0\1")  # a file browser's: was "not part of the saved checkpoint"
+    (d / "2" / "state" / "._meta").write_bytes(b"x")
+    ck = ckpt_lib.Checkpointer(str(d))
+    assert ck.restorable_step() == (2, [])
+    (d / "2" / "notes.txt").write_text("not hidden")
+    with pytest.raises(ckpt_lib.CheckpointError, match="file notes.txt was not part of the saved checkpoint"):
+        ck.verify(2)
 
 
 def test_a_checkpoint_older_than_the_block_key_resumes_as_2d(resumed):
@@ -501,7 +586,8 @@ def test_a_flipped_byte_is_refused_or_falls_back_never_restored(two_checkpoints,
     victim.write_bytes(bytes(raw))
     ck = ckpt_lib.Checkpointer(str(d))
     try:
-        step = ck.restorable_step(fallback=fallback)
+        step, corrupt = ck.restorable_step(fallback=fallback)
+        ck.set_aside(corrupt, step)
         r = ck.restore(step, *two_checkpoints["abstract"], *two_checkpoints["shard"])
     except ckpt_lib.CheckpointError as e:
         assert "\n" not in str(e)

@@ -105,6 +105,19 @@ def test_gin(tmp_path):
     assert load_config(_write(tmp_path, "empty.gin", "# nothing\n"), []) == Config()
 
 
+def test_gin_key_bound_twice_is_an_error(tmp_path):
+    # gin kept the last binding silently.
+    path = _write(tmp_path, "dup.gin", """
+        ModelConfig.layers = 2
+        OptimConfig.lr = 1e-3
+        train.config.ModelConfig.layers = \\
+            8
+        """)
+    msg = _error(path=path)
+    assert msg == f"{path}: ModelConfig.layers is bound twice, on line 2 and line 4; keep one (gin would silently use the last)"
+    assert load_config(_write(tmp_path, "ok.gin", "ModelConfig.layers = 2\nTrainConfig.steps = 2\n")).model.layers == 2
+
+
 def test_gin_errors(tmp_path):
     msg = _error(path=_write(tmp_path, "a.gin", "ModelConfig.layer = 2\n"))
     assert "model.layer" in msg and "model.layers" in msg
@@ -118,7 +131,7 @@ def test_gin_errors(tmp_path):
 def test_overrides():
     cfg = load_config(None, ["model.layers=2", "nvfp4.weights=bf16", "optim.lr=1e-3",
                              "nvfp4.keep_bf16=[embed,head]", "data.path=null",
-                             "checkpoint.async_save=true", "optim.clip_norm=0"])
+                             "checkpoint.dir=ck", "checkpoint.async_save=true", "optim.clip_norm=0"])
     assert cfg.model.layers == 2 and cfg.nvfp4.weights == "bf16" and cfg.optim.lr == 1e-3
     assert cfg.nvfp4.keep_bf16 == ("embed", "head") and cfg.data.path is None
     assert cfg.checkpoint.async_save is True
@@ -199,6 +212,18 @@ def test_round_trip(tmp_path):
     # a path the source would ignore
     (["data.path=corpus.txt"], "data.path='corpus.txt': data.source='markov' does not read a file"),
     (["nvfp4.max_skipped_in_a_row=-1"], "nvfp4.max_skipped_in_a_row=-1: must be >= 0"),
+    # settings that would be ignored (they used to be, silently) ...
+    (["mesh.racks=4"], "mesh.racks=4: only mesh.layout=gb200 has racks"),
+    (["mesh.sharding=hsdp"], "mesh.sharding='hsdp': only mesh.layout=gb200 has racks"),
+    (["checkpoint.every=50"], "checkpoint.every=50: no checkpoint.dir is set"),
+    (["checkpoint.async_save=true"], "checkpoint.async_save=true: no checkpoint.dir is set"),
+    (["checkpoint.fallback=true"], "checkpoint.fallback=true: no checkpoint.dir is set"),
+    (["checkpoint.allow_change=[data.seed]"], "checkpoint.allow_change=['data.seed']: no checkpoint.dir is set"),
+    (["data.val_fraction=0.1"], "data.val_fraction=0.1: data.source='markov' draws validation rows from its own"),
+    (["data.val_path=held_out.txt"], "data.val_path='held_out.txt': data.source='markov'"),
+    # ... or aliased: JAX keys take 32 bits, the token files' shuffle a 31-bit seed
+    (["train.seed=4294967296"], "train.seed=4294967296: must be < 4294967294"),
+    (["data.seed=2147483648"], "data.seed=2147483648: must be < 2147483648"),
     (["optim.schedule_steps=-1"], "optim.schedule_steps=-1: must be >= 0"),
 ])
 def test_errors_name_the_key(overrides, expect):

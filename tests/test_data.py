@@ -1,5 +1,6 @@
 """train.data: the Markov corpus's exact entropy rate, determinism, resume, sharding, files."""
 
+import json
 import os
 
 import numpy as np
@@ -271,3 +272,123 @@ def test_token_source_validation_split_and_errors(tmp_path):
     (tmp_path / "toks.bin").write_bytes(b"\0" * 8)  # truncated behind its sidecar's back
     with pytest.raises(ConfigError, match="do not hold the 1001"):
         TokenFileSource(path)
+
+
+# ----------------------------------------------------------------------------- prepare's guarantees
+def gap_tokenizer(path, eos=4000):
+    """A word-level tokenizer of 5 tokens whose ids have gaps: the largest is ``eos``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "the": 1, "cat": 2, "sat": 7, "<|endoftext|>": eos},
+                                     unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return str(path)
+
+
+def test_prepare_never_replaces_or_deletes_a_file_it_did_not_create(tmp_path, capsys):
+    from train.prepare import main
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the cat sat\n" * 50)
+    tok = gap_tokenizer(tmp_path / "tok.json")
+    # The user's D/notes.json: prepare used to overwrite it on success and delete it on failure.
+    for mine in ("notes.json", "notes.tokenizer.json", "notes"):
+        d = tmp_path / mine.replace(".", "_")
+        d.mkdir()
+        (d / mine).write_text("precious")
+        capsys.readouterr()
+        for args in ([str(doc), "--tokenizer", tok], [str(tmp_path / "missing.txt")], [str(doc), "--chunk-mb", "nan"]):
+            assert main([*args, "--out", str(d / "notes")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 3 and all(line.startswith("error: ") for line in err), err
+        assert "exists; choose a new name (prepare never replaces a file)" in err[0]
+        assert os.listdir(d) == [mine] and (d / mine).read_text() == "precious"
+    # A failure after writing began (too few tokens) removes only what prepare wrote, folders too.
+    empty = tmp_path / "empty.txt"
+    empty.write_text("the")
+    assert main([str(empty), "--tokenizer", tok, "--out", str(tmp_path / "new" / "sub" / "c.bin")]) == 2
+    assert "need at least 2" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    # An unwritable location (a folder below a file) and a bad --chunk-mb: one line, exit 2.
+    for args, needle in (([str(doc), "--tokenizer", tok, "--out", str(doc / "c.bin")], "cannot write in"),
+                         ([str(doc), "--chunk-mb", "nan", "--out", str(tmp_path / "c.bin")], "--chunk-mb nan"),
+                         ([str(doc), "--chunk-mb", "0", "--out", str(tmp_path / "c.bin")], "--chunk-mb 0")):
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+    assert sorted(os.listdir(tmp_path)) == ["doc.txt", "empty.txt", "notes", "notes_json", "notes_tokenizer_json",
+                                            "tok.json"]
+
+
+def test_prepare_records_the_largest_id_and_training_refuses_ids_past_the_model(tmp_path, capfd):
+    import hashlib
+
+    from conftest import main_here
+    from train.prepare import prepare
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the cat sat\n" * 50)
+    tok = gap_tokenizer(tmp_path / "tok.json")
+    out = str(tmp_path / "c.bin")
+    meta = prepare([str(doc), str(doc)], out, tokenizer=tok)
+    # 5 tokens, the largest id 4000 (the end-of-text between the two documents): vocab 4001.
+    assert meta["version"] == 2 and meta["vocab"] == 4001 and meta["dtype"] == "uint16"
+    ids = np.memmap(out, dtype=np.uint16, mode="r")
+    assert int(ids.max()) == 4000 and read_token_header(out)["vocab"] == 4001
+    assert meta["tokenizer_sha256"] == hashlib.sha256(open(out + ".tokenizer.json", "rb").read()).hexdigest()
+    # Training with model.vocab=256 read token 4000 past the embedding table: NaN loss at
+    # every step, 0 skipped, exit 0. Now refused before anything runs.
+    rc, _, err = main_here(["--set", "data.source=tokens", "--set", f"data.path={out}", "--set", "model.vocab=256",
+                            "--out", str(tmp_path / "run")], capfd)
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("config error: model.vocab=256: smaller than the vocabulary") and "4001" in err[0]
+    assert not (tmp_path / "run").exists()
+    # A sidecar of the previous format recorded the token count (5): the file is read for its ids.
+    legacy = dict(meta, version=1, vocab=5)
+    (tmp_path / "c.bin.json").write_text(json.dumps(legacy))
+    assert read_token_header(out)["vocab"] == 4001
+
+
+def test_validation_file_of_another_tokenizer_is_refused(tmp_path):
+    from train.prepare import prepare
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the cat sat\n" * 50)
+    train_file, same, other = (str(tmp_path / n) for n in ("train.bin", "val.bin", "other.bin"))
+    prepare([str(doc)], train_file, tokenizer=gap_tokenizer(tmp_path / "a.json"))
+    prepare([str(doc)], same, tokenizer=gap_tokenizer(tmp_path / "b.json"))  # the same tokenizer again
+    prepare([str(doc)], other, tokenizer=gap_tokenizer(tmp_path / "c.json", eos=3999))
+
+    def val(path):
+        cfg = load_config(None, ["data.source=tokens", f"data.path={train_file}", f"data.val_path={path}",
+                                 "model.vocab=4096", "model.seq_len=8"])
+        return make_source(cfg.data, cfg.model, split="val")
+
+    assert len(val(same)) == len(TokenFileSource(train_file))
+    with pytest.raises(ConfigError, match="not made with the tokenizer of data.path") as e:
+        val(other)
+    assert "\n" not in str(e.value) and "tokenizer sha256" in str(e.value)
+
+
+def test_file_fingerprint_hashes_small_files_whole_and_samples_large_ones(tmp_path, monkeypatch):
+    from train import data as data_lib
+
+    path = tmp_path / "f.bin"
+    raw = bytearray(np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8).tobytes())
+    path.write_bytes(bytes(raw))
+    a = data_lib.file_fingerprint(path)
+    assert a["bytes"] == 10_000 and a["hashed"] == "whole file"
+    raw[5000] ^= 1
+    path.write_bytes(bytes(raw))
+    assert data_lib.file_fingerprint(path)["sha256"] != a["sha256"]
+    # Past the threshold: the size and 64 sampled blocks (the first and the last among them).
+    monkeypatch.setattr(data_lib, "WHOLE_HASH_BYTES", 1000)
+    monkeypatch.setattr(data_lib, "BLOCK_BYTES", 10)
+    b = data_lib.file_fingerprint(path)
+    assert b["hashed"] == "64 blocks of 10 bytes" and b["bytes"] == 10_000
+    for offset in (0, 9_999):
+        raw[offset] ^= 1
+        path.write_bytes(bytes(raw))
+        c = data_lib.file_fingerprint(path)
+        assert c["sha256"] != b["sha256"]
+        b = c

@@ -10,6 +10,9 @@ status and stderr are the CLI's), sharing the compiled tiny job through the comp
 
 import json
 import math
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -19,7 +22,7 @@ from train import checkpoint as ckpt_lib
 from train import loop
 from train import step as step_lib
 
-from conftest import JOB, TINY, job, job_worker, main_here, mesh_of, sets
+from conftest import JOB, ROOT, TINY, job, job_worker, main_here, mesh_of, sets
 
 # The job's programs: on the worker that compiles them for the checkpoint tests.
 pytestmark = job_worker
@@ -104,7 +107,7 @@ def test_bad_inputs_are_one_line_errors_that_write_nothing(tmp_path, capfd):
         (["--set", "data.source=file", "--set", f"data.path={tmp_path}"], "config error:", "not a regular file"),
         (["--set", "data.source=file", "--set", f"data.path={empty}"], "config error:", "file is empty"),
         (["--set", "checkpoint.keep=0"], "config error:", "checkpoint.keep"),
-        (["--set", f"checkpoint.dir={a_file}"], "checkpoint error:", "checkpoint.dir"),
+        (["--set", f"checkpoint.dir={a_file}"], "error:", "checkpoint.dir"),
     ]
     for i, (args, prefix, needle) in enumerate(cases):
         out = tmp_path / f"out{i}"
@@ -130,7 +133,7 @@ def test_divergence_stops_with_exit_3_naming_the_step(tmp_path, capfd, monkeypat
     rc, _, err = main_here([*sets(JOB), "--set", "nvfp4.max_skipped_in_a_row=3", "--set", f"checkpoint.dir={tmp_path / 'ck'}",
                             "--set", "checkpoint.every=1", "--out", str(out)], capfd)
     assert rc == 3, err
-    assert len(err) == 1 and err[0].startswith("error: step 4: 3 steps in a row skipped for non-finite gradients"), err
+    assert len(err) == 1 and err[0].startswith("error: step 4: 3 steps in a row non-finite (gradients skipped or loss nan)"), err
     recs = strict_json_lines(out / "metrics.jsonl")
     assert [x["step"] for x in recs] == [1, 2, 3, 4] and [x["loss"] is None for x in recs] == [False, True, True, True]
     # The diverged step is not checkpointed.
@@ -196,3 +199,192 @@ def test_export_refuses_folders_it_did_not_write(tmp_path, capfd):
         nv.export_nvfp4(tree, str(tmp_path / "exp"))
     nv.export_nvfp4({"v": nv.quantize(jnp.ones((32, 32)))}, str(tmp_path / "exp"), overwrite=True)
     assert list(nv.load_nvfp4(str(tmp_path / "exp"))) == ["v"]
+
+
+# ----------------------------------------------------------------------------- non-finite losses
+@pytest.mark.parametrize("bad,overrides,needle", [
+    ({2, 3, 4}, ("nvfp4.max_skipped_in_a_row=3",), "step 4: 3 steps in a row non-finite (gradients skipped or loss nan)"),
+    # A run shorter than the limit whose every step was non-finite has diverged too.
+    ({1, 2, 3, 4, 5, 6}, (), "step 6: 6 steps in a row non-finite"),
+    ({2}, ("nvfp4.nonfinite=error",), "step 2: non-finite loss (nan) (nvfp4.nonfinite=error)"),
+])
+def test_a_nonfinite_loss_counts_as_a_nonfinite_step(tmp_path, monkeypatch, bad, overrides, needle):
+    # Out-of-vocabulary tokens gave a NaN loss whose update went through (finite gradients):
+    # 0 skipped steps and exit 0. The host loop counts a non-finite loss as a non-finite step
+    # whatever the step did with it; here the step's loss is replaced after the fact.
+    import dataclasses
+    import itertools
+
+    import numpy as np
+
+    real = loop.build
+
+    def nan_loss_build(cfg, mesh, init=True):
+        trainer, params, opt_state = real(cfg, mesh, init=init)
+        count, step_fn = itertools.count(1), trainer.step_fn
+
+        def step(*args):
+            params, opt_state, m = step_fn(*args)
+            return params, opt_state, (dict(m, loss=np.float32("nan")) if next(count) in bad else m)
+
+        return dataclasses.replace(trainer, step_fn=step), params, opt_state
+
+    monkeypatch.setattr(loop, "build", nan_loss_build)
+    cfg = job(*overrides)
+    with pytest.raises(FloatingPointError) as e:
+        loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=False)
+    assert str(e.value).startswith(needle), str(e.value)
+    recs = strict_json_lines(tmp_path / "metrics.jsonl")
+    assert [x["skipped"] for x in recs] == [0] * len(recs)  # the updates went through
+
+
+# ----------------------------------------------------------------------------- signals
+def test_sigterm_saves_the_step_and_the_resume_is_bitwise_equal(tmp_path, capfd, monkeypatch, job_run):
+    # SIGTERM (what SLURM sends at preemption or its time limit) killed the run silently (exit
+    # -15), losing every step since the last periodic checkpoint.
+    import threading
+
+    assert threading.current_thread() is threading.main_thread()  # the CLI's handlers need it
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    args = [*sets(JOB), "--set", f"checkpoint.dir={ck}", "--set", "checkpoint.every=2", "--out", str(out)]
+    monkeypatch.setenv("TRAIN_FAULT_SIGTERM", "3")  # a real SIGTERM to this process after step 3
+    rc, _, err = main_here(args, capfd)
+    assert rc == 143, err
+    assert err == ["stopped at step 4 by SIGTERM; checkpoint saved; rerun the same command to resume"]
+    assert ckpt_lib.Checkpointer(str(ck)).all_steps() == [2, 4]
+    assert [x["step"] for x in strict_json_lines(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    monkeypatch.delenv("TRAIN_FAULT_SIGTERM")
+    rc, said, err = main_here(args, capfd)
+    assert rc == 0 and "resuming from step 4 of 6" in said, err
+    # Bit for bit the uninterrupted run: every loss and the final state.
+    assert [x["loss"] for x in strict_json_lines(out / "metrics.jsonl")] == job_run["history"]
+    cfg = job()
+    trainer = step_lib.build(cfg, mesh_of(cfg, 8), init=False)[0]
+    c = ckpt_lib.Checkpointer(str(ck))
+    r = c.restore(6, trainer.abstract_params, trainer.abstract_state, trainer.param_shardings, trainer.state_shardings)
+    c.close()
+    got, want = ckpt_lib.host_arrays(r.params, r.opt_state), ckpt_lib.host_arrays(job_run["params"], job_run["opt_state"])
+    assert not [k for k in want if got[k].tobytes() != want[k].tobytes()]
+    assert not list(out.glob(".*")) and not list(ck.glob(".*"))  # the locks are gone
+
+
+def test_ctrl_c_during_an_async_save_saves_and_leaves_no_temporary_folder(tmp_path, capfd, monkeypatch):
+    # Ctrl-C during training or a save: a 34-52-line traceback, nothing saved, a tmp folder left.
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    monkeypatch.setenv("TRAIN_FAULT_SIGINT", "2")  # while the asynchronous save of step 2 is written
+    rc, _, err = main_here([*sets(JOB), "--set", f"checkpoint.dir={ck}", "--set", "checkpoint.every=2",
+                            "--set", "checkpoint.async_save=true", "--out", str(out)], capfd)
+    assert rc == 130, err
+    assert err == ["stopped at step 3 by SIGINT; checkpoint saved; rerun the same command to resume"]
+    c = ckpt_lib.Checkpointer(str(ck))
+    assert c.all_steps() == [2, 3] and sorted(os.listdir(ck)) == ["2", "3"]
+    c.verify(2)
+    c.verify(3)
+
+
+SECOND_SIGNAL = """
+import os, signal, sys, time
+from train.preemption import Preemption
+p = Preemption().install()
+os.kill(os.getpid(), signal.SIGTERM)
+print("first:", p.signum == signal.SIGTERM, p.should_stop(1), flush=True)
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(30)
+print("still running", flush=True)
+"""
+
+
+def test_a_second_signal_exits_at_once():
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", SECOND_SIGNAL], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert time.monotonic() - t0 < 20 and p.returncode == 130, (p.returncode, p.stderr)
+    assert p.stdout == "first: True True\n"
+    assert p.stderr.strip() == ("second SIGINT: exiting at once; the checkpoint being written, if any, is abandoned "
+                                "(the earlier ones are intact)")
+
+
+# ----------------------------------------------------------------------------- output folders
+def test_two_runs_on_the_same_folders_one_trains_the_other_exits_2(tmp_path):
+    # They used to both run: one exited 5, the other 0, and the folder mixed the config of one
+    # seed, the metrics of both and checkpoints of both.
+    import signal
+
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    args = [sys.executable, "-m", "train", "--config", TINY, "--no-progress", *sets(JOB), "--out", str(out),
+            "--set", f"checkpoint.dir={ck}", "--set", "checkpoint.every=2"]
+    t0 = time.monotonic()
+    procs = {seed: subprocess.Popen([*args, "--set", f"data.seed={seed}"], cwd=ROOT, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for seed in (0, 1)}
+    try:
+        while all(p.poll() is None for p in procs.values()) and time.monotonic() - t0 < 120:
+            time.sleep(0.05)
+        t_loser = time.monotonic() - t0
+        loser = next(seed for seed, p in procs.items() if p.poll() is not None)
+        winner = 1 - loser
+        # The winner trains; once it is, a SIGTERM from outside ends it early (its step saved).
+        said = []
+        while not said or not said[-1].startswith("nvfp4 weights: compiled"):
+            said.append(procs[winner].stdout.readline())
+            assert said[-1], (said, procs[winner].stderr.read())
+        procs[winner].send_signal(signal.SIGTERM)
+        outs = {seed: p.communicate(timeout=120) for seed, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    assert procs[loser].returncode == 2 and t_loser < 60, outs[loser]
+    err = outs[loser][1].strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --out {out} is in use by another run (pid "
+                                               f"{procs[winner].pid} on "), err
+    assert err[0].endswith("refusing to share it (nothing written)") and "compiling" not in outs[loser][0]
+    assert procs[winner].returncode == 143, outs[winner]
+    stop = outs[winner][1].strip().splitlines()[-1]
+    assert stop.startswith("stopped at step ") and stop.endswith(" by SIGTERM; checkpoint saved; rerun the same "
+                                                                 "command to resume"), stop
+    n = int(stop.split()[3])
+    # One run's files only: the winner's config, metrics and checkpoints.
+    assert f"seed: {winner}" in (out / "config.yaml").read_text().split("data:")[1].split("mesh:")[0]
+    assert [x["step"] for x in strict_json_lines(out / "metrics.jsonl")] == list(range(1, n + 1))
+    c = ckpt_lib.Checkpointer(str(ck))
+    assert c.all_steps()[-1] == n and all(c.read_meta(s)["run"]["data.seed"] == winner for s in c.all_steps())
+    assert sorted(os.listdir(out)) == ["config.yaml", "metrics.jsonl"]
+
+
+def test_output_collisions_and_bad_locations_are_refused_before_training(tmp_path, capfd):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    x, out = tmp_path / "x", tmp_path / "out"
+    cases = [
+        # Trained fully, then a traceback, exit 1, no summary (the last left a half-written export).
+        (["--compare", "bf16", "--export-hf", str(x), "--out", str(x)],
+         f"error: --export-hf {x}: would replace or sit in the run's output directory (--out) {x}"),
+        (["--export", str(x / "bf16"), "--export-hf", str(x), "--out", str(out)],
+         f"error: --export {x / 'bf16'} and --export-hf {x}: one would hold the other"),
+        (["--compare", "bf16", "--export", str(out / "bf16" / "w"), "--out", str(out)],
+         "would replace or sit in the bf16 run's output directory (--out/bf16)"),
+        (["--export-hf", str(x), "--set", "model.d_model=40", "--out", str(out)],
+         "config error: --export-hf (nvfp4): export_hf: blocks/attn/"),
+        # A traceback after compiling.
+        (["--out", str(a_file)], f"error: --out {a_file}: exists and is not a folder"),
+        (["--out", str(a_file / "run")], f"error: --out {a_file / 'run'}: cannot create it: Not a directory"),
+    ]
+    for args, needle in cases:
+        rc, said, err = main_here([*sets(JOB), *args], capfd)
+        assert rc == 2 and len(err) == 1 and needle in err[0], (args, err)
+        assert "compiling" not in said
+    rc, _, err = main_here([*sets(JOB), "--export-hf", str(x), "--set", "model.d_model=40", "--out", str(out)], capfd)
+    assert "a kernel with 40 input features: compressed-tensors NVFP4 needs a multiple of 16" in err[0]
+    assert sorted(os.listdir(tmp_path)) == ["a_file"] and a_file.read_text() == "x"
+
+
+def test_a_full_file_system_mid_run_is_one_line_exit_5(tmp_path, capfd):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").symlink_to("/dev/full")  # every write: "No space left on device"
+    rc, _, err = main_here([*sets(JOB), "--out", str(out)], capfd)
+    assert rc == 5, err
+    assert err == [f"error: cannot write {out / 'metrics.jsonl'}: No space left on device; the checkpoints written "
+                   "before are intact"]

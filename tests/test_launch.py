@@ -23,6 +23,19 @@ PROBE = textwrap.dedent("""
     print("[Gloo] Rank [Gloo] Rank 1 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3")
     print("2 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3")
     print(f"probe {rank} argv " + json.dumps(args))
+    if os.environ.get("PROBE_SIGNALS"):
+        # As python -m train does: the first SIGTERM saves and exits 143 (after a moment);
+        # PROBE_SIGNALS=ignore: it does not stop at all.
+        import signal, time
+        def term(signum, frame):
+            print(f"probe {rank} got SIGTERM", flush=True)
+            if os.environ["PROBE_SIGNALS"] != "ignore":
+                time.sleep(0.5)
+                sys.exit(143)
+        signal.signal(signal.SIGTERM, term)
+        print(f"probe {rank} ready", flush=True)
+        for _ in range(600):
+            time.sleep(0.1)
     if rank == "0" and "--out" in args:
         out = args[args.index("--out") + 1]
         os.makedirs(out, exist_ok=True)
@@ -32,17 +45,20 @@ PROBE = textwrap.dedent("""
 """)
 
 
-def launch(tmp_path, *args, losses=(), xla_flags=None):
+def launch(tmp_path, *args, losses=(), xla_flags=None, start=False, **env_extra):
+    """Run the launcher with the probe (``start``: return the running ``Popen``)."""
     pkg = tmp_path / "probe"
     pkg.mkdir(exist_ok=True)
     (pkg / "__main__.py").write_text(PROBE)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(PYTHON=sys.executable, LAUNCH_MODULE="probe", LAUNCH_PORT="1", PROBE_LOSSES=json.dumps(list(losses)),
-               PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+               PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", **env_extra)
     if xla_flags:
         env["XLA_FLAGS"] = xla_flags
-    return subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), *map(str, args)], env=env,
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    cmd = ["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), *map(str, args)]
+    if start:
+        return subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
 
 
 def argv_of(proc, rank):
@@ -84,6 +100,42 @@ def test_check_against_reports_match_and_first_difference(tmp_path):
     assert "losses differ first at step 2: 3.2500000000000004 here, 3.25 in" in p.stdout
     p = launch(tmp_path, 2, "--check-against", tmp_path / "nowhere", "--out", tmp_path / "c")
     assert p.returncode == 2 and "no metrics.jsonl" in p.stderr and "probe" not in p.stdout
+
+
+def _when_ready(p, n):
+    """Wait until the ``n`` probes of the launcher ``p`` say they are ready."""
+    ready = 0
+    while ready < n:
+        line = p.stdout.readline()
+        assert line, p.stderr.read()
+        ready += line.startswith("probe ") and line.strip().endswith("ready")
+
+
+def test_a_signal_to_the_launcher_reaches_every_process_and_it_waits_for_them(tmp_path):
+    import signal
+    import time
+
+    # The first SIGTERM (or SIGINT): passed on to the processes as SIGTERM; they save and exit
+    # 143, and the launcher waits for them instead of killing them 10 s later.
+    p = launch(tmp_path, 2, start=True, PROBE_SIGNALS="save")
+    _when_ready(p, 2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 143, err
+    assert sorted(line for line in out.splitlines() if "SIGTERM" in line) == ["probe 0 got SIGTERM", "probe 1 got SIGTERM"]
+    assert err.strip().splitlines() == [
+        "launch_local: SIGTERM: asking the processes to save their step and stop (again: kill them now)",
+        "launch_local: the 2 processes stopped on a signal (status 143); rerun the same command to resume"]
+    # A second one kills processes that do not stop, at once.
+    p = launch(tmp_path, 2, start=True, PROBE_SIGNALS="ignore")
+    _when_ready(p, 2)
+    p.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and time.monotonic() - t0 < 5, err
+    assert err.strip().splitlines()[-1] == "launch_local: SIGINT again: killing the processes"
 
 
 def test_compare_losses(tmp_path):

@@ -8,8 +8,10 @@ and sequence parallelism): 2 processes x (2 x 2) against 1 process x (4 x 2).
 One sequence, shared by the tests: two processes start the tiny job with checkpoints every 2
 steps; process 1 dies abruptly after step 3 (``TRAIN_FAULT_EXIT``); process 0 must stop with
 a clear error instead of hanging in a collective. Then both are restarted with the same
-command (through ``scripts/launch_local.sh``) and continue from the step-2 checkpoint. The
-losses of the whole run, its final checkpoint and its export are bit-identical to one
+command (through ``scripts/launch_local.sh``) and continue from the step-2 checkpoint, until
+process 1 alone gets a SIGTERM after step 3 (``TRAIN_FAULT_SIGTERM``, as a preempted host
+would): both agree on a step, save it and stop. The same command once more finishes the run.
+The losses of the whole run, its final checkpoint and its export are bit-identical to one
 process with 8 devices: every cross-device float sum in the step is a data movement followed
 by a sum in a fixed order (``jax_nvfp4.collectives``), so the collective implementation
 (in-process vs gloo) cannot change a bit.
@@ -104,13 +106,19 @@ def sequence(tmp_path_factory, reference):
     faulted = {"rcs": rcs, "died_at": died_at, "survivor_at": survivor_at, "logs": texts,
                "steps_on_disk": sorted(int(d) for d in os.listdir(ck) if d.isdigit()) if ck.exists() else []}
 
-    # The launcher's own split this time (2 x 8/2 devices, not XLA_FLAGS), and its comparison
-    # with the single-process run.
+    # The launcher's own split this time (2 x 8/2 devices, not XLA_FLAGS); SIGTERM to process 1.
+    launch = ["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2"]
+    env = proc_env(LAUNCH_PORT=str(free_port()), PYTHON=sys.executable, XLA_FLAGS=xla_flags(), TRAIN_FAULT_SIGTERM="3:1")
+    stopped = subprocess.run([*launch, *job_args(ck, out, export)], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=300)
+    stopped_at = {"steps_on_disk": sorted(int(d) for d in os.listdir(ck) if d.isdigit()),
+                  "metrics": [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]}
+    # The same command again, and its comparison with the single-process run.
     env = proc_env(LAUNCH_PORT=str(free_port()), PYTHON=sys.executable, XLA_FLAGS=xla_flags())
-    restarted = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2", "--check-against",
-                                reference["out_dir"], *job_args(ck, out, export)],
+    restarted = subprocess.run([*launch, "--check-against", reference["out_dir"], *job_args(ck, out, export)],
                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    return {"faulted": faulted, "restarted": restarted, "ck": ck, "out": out, "export": export}
+    return {"faulted": faulted, "stopped": stopped, "stopped_at": stopped_at, "restarted": restarted, "ck": ck,
+            "out": out, "export": export}
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +147,20 @@ def test_survivor_of_a_dead_peer_stops_with_a_clear_error(sequence):
     assert f["steps_on_disk"] == [2]
 
 
+def test_sigterm_to_one_process_stops_both_at_the_same_saved_step(sequence):
+    # SIGTERM used to end a process silently (exit -15), nothing saved since the last
+    # periodic checkpoint, and left the other blocked in a collective.
+    r = sequence["stopped"]
+    assert r.returncode == 143, (r.stdout[-2000:], r.stderr[-3000:])
+    lines = [line for line in r.stderr.splitlines() if "preemption_notifier" not in line]  # the runtime's own log
+    assert lines == ["stopped at step 5 by SIGTERM; checkpoint saved; rerun the same command to resume",
+                     "launch_local: the 2 processes stopped on a signal (status 143); rerun the same command to resume"], \
+        r.stderr[-3000:]
+    # Process 1 was signalled after step 3, process 0 was then at step 4: both saved step 5,
+    # the next after the furthest (orbax writes one step's shards from both or none).
+    assert sequence["stopped_at"] == {"steps_on_disk": [2, 4, 5], "metrics": [1, 2, 3, 4, 5]}
+
+
 def test_restart_continues_and_two_processes_match_one(sequence, reference):
     r = sequence["restarted"]
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
@@ -151,7 +173,7 @@ def test_restart_continues_and_two_processes_match_one(sequence, reference):
     # The final checkpoint of the two processes holds exactly the single-process state.
     t = reference["trainer"]
     ck = ckpt_lib.Checkpointer(str(sequence["ck"]))
-    assert ck.all_steps() == [2, 4, 6]
+    assert ck.all_steps() == [4, 5, 6]
     got = ck.restore(6, t.abstract_params, t.abstract_state, t.param_shardings, t.state_shardings)
     ck.close()
     host = ckpt_lib.host_arrays(got.params, got.opt_state)

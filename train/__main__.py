@@ -21,20 +21,37 @@ Checkpoints: --set checkpoint.dir=D --set checkpoint.every=K saves every K steps
 end; rerunning the same command resumes from the latest checkpoint in D (bit-identically) and
 says "resuming from step N of M". A corrupt checkpoint (content hash mismatch) is refused;
 --set checkpoint.fallback=true resumes from the newest intact one. A checkpoint of another
-model, data, optimizer or schedule length is refused too (checkpoint.allow_change,
-optim.schedule_steps; see train.checkpoint.check_resume).
+model, data (the files' content and the validation split included), optimizer or schedule
+length is refused too (checkpoint.allow_change, optim.schedule_steps; see
+train.checkpoint.check_resume).
+
+Stopping: SIGTERM (SLURM's preemption and time-limit signal) or SIGINT (Ctrl-C) stops the run
+after the step it is at: that step's checkpoint is saved (with checkpoint.dir), pending saves
+finish, one line says "stopped at step N by SIGTERM; checkpoint saved; rerun the same command
+to resume", exit 143 (SIGTERM) or 130 (SIGINT). A second signal exits at once. The processes of
+a multi-process run agree on the step (JAX's preemption sync protocol; see train.preemption).
+
+One run per folder: --out and checkpoint.dir are locked while a run uses them (a file lock that
+dies with the process); a second run is refused with one line naming the holder (exit 2).
+
 --export DIR writes the trained NVFP4 weights (jax_nvfp4.export_nvfp4) into a new or empty
 directory, or over a previous export; any other non-empty directory is refused before
 training starts. --export-hf DIR writes Hugging Face Llama checkpoints of them: DIR/bf16
 (dequantized, for transformers' LlamaForCausalLM) and DIR/nvfp4 (the compressed-tensors NVFP4
-layout vLLM reads, lossless); DIR must not exist or be empty (checked before training).
+layout vLLM reads, lossless); DIR must not exist or be empty, and the model's kernels must fit
+the format (checked before training). Export folders may not hold, replace or sit in --out's
+run folders, the checkpoint folders or each other (checked before training).
 
 Exit status (one line on stderr for every failure):
-  0 done; 2 bad config, mesh, data file, checkpoint or export directory (nothing written);
-  3 the run stopped on non-finite gradients: nvfp4.nonfinite=error, or
-    nvfp4.max_skipped_in_a_row skipped steps in a row (diverged); the line names the step;
+  0 done; 2 bad config, mesh, data file, checkpoint, output or export folder, or a folder
+    another run holds (nothing written, nothing trained);
+  3 the run stopped on non-finite steps (skipped gradients or a non-finite loss):
+    nvfp4.nonfinite=error, or nvfp4.max_skipped_in_a_row of them in a row (diverged); the line
+    names the step;
   4 a runtime failure such as a lost or frozen peer process;
-  5 a checkpoint could not be written mid-run (the checkpoints before it are intact).
+  5 a checkpoint or another output could not be written mid-run (a full or read-only file
+    system; the checkpoints before it are intact);
+  130, 143 stopped by SIGINT, SIGTERM (128 + the signal): the step it stopped at is saved.
 
 Fault injection (rehearse failures on a real run; see the README):
   TRAIN_FAULT_EXIT=STEP[:PROCESS]   the process (every one, or only PROCESS) exits abruptly
@@ -43,6 +60,8 @@ Fault injection (rehearse failures on a real run; see the README):
                                     VALUE (nan, inf)
   TRAIN_FAULT_STOP=STEP[:PROCESS]   freezes the process (SIGSTOP) after step STEP, as a hung
                                     host would
+  TRAIN_FAULT_SIGTERM=STEP[:PROCESS], TRAIN_FAULT_SIGINT=STEP[:PROCESS]   the process sends
+                                    itself that signal after step STEP, as a preempted host
   TRAIN_FAULT_READONLY=STEP         every checkpoint write after step STEP fails with
                                     "Permission denied", as a directory that became read-only would
 """
@@ -102,19 +121,34 @@ def main(argv=None) -> int:
 
     logging.getLogger("absl").setLevel(logging.CRITICAL)
     # Config first: it needs no JAX, so a bad config fails fast and before anything is written.
-    from train.config import ConfigError, load_config, save_config, validate_for_devices
+    from train.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, [*args.sets, *args.overrides])
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    if args.export_hf and os.path.isdir(args.export_hf) and os.listdir(args.export_hf):
-        print(f"error: --export-hf {args.export_hf}: exists and is not empty; nothing written", file=sys.stderr)
+    out_dir = args.out or cfg.train.out_dir
+    why = output_refusal(args, cfg, out_dir)
+    if why:
+        print(f"error: {why}; nothing written", file=sys.stderr)
         return 2
-    if args.export_hf and os.path.exists(args.export_hf) and not os.path.isdir(args.export_hf):
-        print(f"error: --export-hf {args.export_hf}: exists and is not a folder; nothing written", file=sys.stderr)
+    try:
+        fault = fault_hooks(cfg.checkpoint.dir)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        return _run(args, cfg, out_dir, fault)
+    except KeyboardInterrupt:
+        # Ctrl-C before the training loop took SIGINT over (starting up, compiling).
+        print("interrupted (SIGINT) before training started; nothing saved", file=sys.stderr, flush=True)
+        return 130
+
+
+def _run(args, cfg, out_dir, fault) -> int:
+    """The run of :func:`main` once its config and output locations are known good."""
+    from train.config import ConfigError, save_config, validate_for_devices
 
     # Before JAX starts: XLA reads its flags once, when the backend starts.
     from train import xla_flags
@@ -163,24 +197,24 @@ def main(argv=None) -> int:
         mesh = mesh_lib.build_mesh(cfg.mesh)
         data_lib.make_source(cfg.data, cfg.model)  # a missing or unreadable data file fails here
         data_lib.make_source(cfg.data, cfg.model, split="val")
+        if args.export_hf:
+            hf_check(cfg, mesh)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
 
     from train import loop, summary as summary_lib
     from train.checkpoint import CheckpointError, CheckpointWriteError
+    from train.lock import LockError
+    from train.preemption import Preemption, Stopped, exit_code
 
-    out_dir = args.out or cfg.train.out_dir
     is_main = jax.process_index() == 0
-    if args.export:
-        why = export_refusal(args.export, out_dir, cfg.checkpoint.dir)
-        if why:
-            print(f"error: --export {args.export}: {why}", file=sys.stderr)
-            return 2
-    if is_main:
-        print(mesh_lib.describe_mesh(mesh, cfg.mesh.nvl_domain))
-        if gpu_flags:
-            print(f"XLA flags for overlap on GPU (train/xla_flags.py; XLA_FLAGS overrides): {', '.join(gpu_flags)}")
+    multi = jax.process_count() > 1
+    try:
+        locks = lock_folders(out_dir, checkpoint_dirs(cfg, args.compare), is_main, multi)
+    except LockError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     def start():
         # Only once the state is built or restored: a refused checkpoint writes nothing.
@@ -188,46 +222,54 @@ def main(argv=None) -> int:
             os.makedirs(out_dir, exist_ok=True)
             save_config(cfg, os.path.join(out_dir, "config.yaml"))
 
+    on_step, inject = fault
+    preemption = None
     try:
-        on_step, inject = fault_hooks(cfg.checkpoint.dir)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
+        if is_main:
+            print(mesh_lib.describe_mesh(mesh, cfg.mesh.nvl_domain))
+            if gpu_flags:
+                print(f"XLA flags for overlap on GPU (train/xla_flags.py; XLA_FLAGS overrides): {', '.join(gpu_flags)}")
+        import threading
+
+        from jax._src import distributed
+
+        # Signal handlers belong to the main thread; several processes need the runtime's
+        # preemption service to agree on a step (without it a signal ends a process as before).
+        if threading.current_thread() is threading.main_thread() and (
+                not multi or distributed.global_state.preemption_sync_manager is not None):
+            preemption = Preemption(sync=multi).install()
         runs = [loop.run(cfg, mesh, out_dir, progress=not args.no_progress, label=f"{cfg.nvfp4.weights} weights",
-                         on_step=on_step, on_start=start, inject_nonfinite=inject)]
+                         on_step=on_step, on_start=start, inject_nonfinite=inject, preemption=preemption)]
         if args.compare == "bf16":
             base = dataclasses.replace(cfg, nvfp4=dataclasses.replace(cfg.nvfp4, weights="bf16"))
             if cfg.checkpoint.dir:
                 base = dataclasses.replace(base, checkpoint=dataclasses.replace(
-                    cfg.checkpoint, dir=cfg.checkpoint.dir.rstrip("/") + "-bf16"))
+                    cfg.checkpoint, dir=checkpoint_dirs(cfg, args.compare)[1]))
             runs.append(loop.run(base, mesh, os.path.join(out_dir, "bf16"), progress=not args.no_progress,
-                                 label="bf16 weights"))
+                                 label="bf16 weights", preemption=preemption))
         if args.export:
             import jax_nvfp4 as nv
 
             # overwrite replaces a previous export only (export_nvfp4 refuses anything else).
             nv.export_nvfp4(runs[0]["params"], args.export, overwrite=True)
         if args.export_hf:
-            from jax_nvfp4 import export as export_lib
-
-            tokenizer = eos = None
-            if cfg.data.source == "tokens":
-                meta = data_lib.read_token_header(cfg.data.path)
-                path = os.path.join(os.path.dirname(os.path.abspath(cfg.data.path)), meta.get("tokenizer") or "")
-                tokenizer, eos = (path, meta.get("eos_id")) if os.path.isfile(path) else (None, None)
-            m = cfg.model
-            hf_cfg = export_lib.llama_config(
-                vocab=m.vocab, d_model=m.d_model, layers=m.layers, heads=m.heads, kv_heads=m.n_kv_heads,
-                mlp_hidden=m.mlp_hidden, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-                tie_embeddings=m.tie_embeddings, max_position_embeddings=m.seq_len, eos_token_id=eos)
-            from train.model import SEGMENTS as layer_prefixes
-            export_lib.export_hf(runs[0]["params"], hf_cfg, os.path.join(args.export_hf, "bf16"), fmt="bf16",
-                                 segments=layer_prefixes, tokenizer=tokenizer)
-            export_lib.export_hf(runs[0]["params"], hf_cfg, os.path.join(args.export_hf, "nvfp4"), fmt="nvfp4",
-                                 segments=layer_prefixes, tokenizer=tokenizer)
+            export_hf(cfg, runs[0]["params"], args.export_hf)
             if is_main:
                 print(f"exported Hugging Face Llama checkpoints: {args.export_hf}/bf16, {args.export_hf}/nvfp4")
+        summary = summary_lib.summarize(runs, out_dir)
+    except Stopped as e:
+        if multi:
+            # Every process has saved; leave together (a launcher may stop the others as soon
+            # as one process has exited).
+            from jax._src import distributed
+
+            try:
+                distributed.global_state.client.wait_at_barrier(f"train_stopped_{e.step}", 300_000)
+            except Exception:  # noqa: BLE001 - a peer gone meanwhile: its checkpoint is written
+                pass
+        if is_main:
+            print(e.line(), file=sys.stderr, flush=True)
+        return exit_code(e.signum)
     except CheckpointWriteError as e:
         print(f"checkpoint error: {e}", file=sys.stderr)
         return 5
@@ -237,6 +279,12 @@ def main(argv=None) -> int:
     except FloatingPointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except OSError as e:
+        # An output that could not be written mid-run (a full or read-only file system).
+        where = f" {e.filename}" if e.filename else ""
+        print(f"error: cannot write{where}: {e.strerror or e}; the checkpoints written before are intact",
+              file=sys.stderr)
+        return 5
     except jax.errors.JaxRuntimeError as e:
         # E.g. a peer process died mid-collective: one line, not a multi-page XLA traceback.
         text = str(e).strip()
@@ -248,30 +296,156 @@ def main(argv=None) -> int:
             sys.stdout.flush()
             os._exit(4)
         return 4
-    summary = summary_lib.summarize(runs, out_dir)
+    finally:
+        if preemption is not None:
+            preemption.uninstall()
+        for lock in locks:
+            lock.release()
     if is_main:
         print_summary(summary, out_dir)
     return 0
 
 
-def export_refusal(export: str, out_dir: str, ckpt_dir) -> str:
-    """Why ``--export export`` must not run (empty if it may): it would replace a directory
-    that is not a previous export, or one holding the run's outputs or checkpoints."""
-    from jax_nvfp4.export import is_export
+def checkpoint_dirs(cfg, compare) -> list:
+    """The checkpoint folders of the command: ``checkpoint.dir``, and with ``--compare bf16``
+    the bf16 run's (``<checkpoint.dir>-bf16``); none without ``checkpoint.dir``."""
+    if not cfg.checkpoint.dir:
+        return []
+    return [cfg.checkpoint.dir] + ([cfg.checkpoint.dir.rstrip("/") + "-bf16"] if compare else [])
 
-    target = os.path.realpath(export)
-    # A folder inside --out is fine (it holds the run's outputs next to it); inside the
-    # checkpoint directory it is not (that one belongs to orbax).
-    for name, d, inside_ok in (("the run's output directory (--out)", out_dir, True), ("checkpoint.dir", ckpt_dir, False)):
-        if not d:
-            continue
-        d = os.path.realpath(d)
-        if target == d or d.startswith(target + os.sep) or (not inside_ok and target.startswith(d + os.sep)):
-            return f"would replace or sit in {name} {d}; choose another directory"
-    if os.path.exists(target) and not os.path.isdir(target):
-        return "exists and is not a directory"
-    if os.path.isdir(target) and os.listdir(target) and not is_export(target):
-        return "is not empty and is not a previous NVFP4 export; refusing to replace it (nothing was written)"
+
+def lock_folders(out_dir: str, ckpt_dirs, is_main: bool, multi: bool) -> list:
+    """Lock ``--out`` and the checkpoint folders for this run (:mod:`train.lock`), in process 0;
+    the other processes of a multi-process run learn its outcome from the coordination
+    service. Returns the locks held here (release them when the run ends).
+
+    Raises:
+      train.lock.LockError: a folder is another run's, or cannot be created or written.
+    """
+    from train.lock import FolderLock, LockError
+
+    locks, why = [], ""
+    if is_main:
+        seen = set()
+        try:
+            for path, what in [(out_dir, "--out"), *((d, "checkpoint.dir") for d in ckpt_dirs)]:
+                real = os.path.realpath(path)
+                if real not in seen:
+                    seen.add(real)
+                    locks.append(FolderLock(path, what).acquire())
+        except LockError as e:
+            for lock in locks:
+                lock.release()
+            locks, why = [], str(e)
+    if multi:
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        if is_main:
+            client.key_value_set("train_lock/outcome", why or "ok")
+        else:
+            outcome = client.blocking_key_value_get("train_lock/outcome", 300_000)
+            why = "" if outcome == "ok" else outcome
+    if why:
+        raise LockError(why)
+    return locks
+
+
+def hf_check(cfg, mesh) -> None:
+    """Refuse (ConfigError) an ``--export-hf`` of ``cfg``'s model that could not be written in
+    both formats, from the planned state's shapes (before anything is trained)."""
+    import jax
+
+    import jax_nvfp4 as nv
+    from jax_nvfp4 import export as export_lib
+    from train.config import ConfigError
+    from train.model import SEGMENTS
+    from train.step import build
+
+    params = jax.eval_shape(nv.logical, build(cfg, mesh, init=False)[0].abstract_params)
+    for fmt in ("bf16", "nvfp4"):
+        try:
+            export_lib.check_hf(params, fmt=fmt, segments=SEGMENTS)
+        except export_lib.ExportError as e:
+            raise ConfigError(f"--export-hf ({fmt}): {e}; set model sizes it can hold, or drop --export-hf") from None
+
+
+def export_hf(cfg, params, directory: str) -> None:
+    """``--export-hf DIR``: Hugging Face Llama checkpoints of ``params`` in DIR/bf16 and
+    DIR/nvfp4, with the token file's tokenizer when there is one."""
+    from jax_nvfp4 import export as export_lib
+    from train import data as data_lib
+    from train.model import SEGMENTS
+
+    tokenizer = eos = None
+    if cfg.data.source == "tokens":
+        meta = data_lib.read_token_header(cfg.data.path)
+        path = os.path.join(os.path.dirname(os.path.abspath(cfg.data.path)), meta.get("tokenizer") or "")
+        tokenizer, eos = (path, meta.get("eos_id")) if os.path.isfile(path) else (None, None)
+    m = cfg.model
+    hf_cfg = export_lib.llama_config(
+        vocab=m.vocab, d_model=m.d_model, layers=m.layers, heads=m.heads, kv_heads=m.n_kv_heads,
+        mlp_hidden=m.mlp_hidden, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+        tie_embeddings=m.tie_embeddings, max_position_embeddings=m.seq_len, eos_token_id=eos)
+    for fmt in ("bf16", "nvfp4"):
+        export_lib.export_hf(params, hf_cfg, os.path.join(directory, fmt), fmt=fmt, segments=SEGMENTS,
+                             tokenizer=tokenizer)
+
+
+# What a run writes into --out besides the bf16 run's folder of --compare.
+RUN_FILES = ("metrics.jsonl", "loss.png", "summary.json", "config.yaml")
+
+
+def _within(path: str, folder: str) -> bool:
+    """``path`` is ``folder`` or inside it (both real paths)."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def output_refusal(args, cfg, out_dir: str) -> str:
+    """Why the outputs of this command cannot all be written (empty if they can), checked
+    before anything runs: ``--out`` a file; ``--export`` or ``--export-hf`` on, in or around
+    the checkpoint folders, replacing or holding ``--out`` or the compare run's folder, or
+    landing on a file the run writes there; the two exports holding each other; an
+    ``--export`` folder that is not empty and not a previous export; an ``--export-hf``
+    folder that exists and is not empty."""
+    from jax_nvfp4.export import is_export
+    from train.lock import LOCK_NAME
+
+    real = os.path.realpath
+    out = real(out_dir)
+    if os.path.exists(out) and not os.path.isdir(out):
+        return f"--out {out_dir}: exists and is not a folder"
+    if args.export_hf:
+        if os.path.exists(args.export_hf) and not os.path.isdir(args.export_hf):
+            return f"--export-hf {args.export_hf}: exists and is not a folder"
+        if os.path.isdir(args.export_hf) and os.listdir(args.export_hf):
+            return f"--export-hf {args.export_hf}: exists and is not empty"
+    runs = [("the run's output directory (--out)", out)]
+    if args.compare:
+        runs.append(("the bf16 run's output directory (--out/bf16)", os.path.join(out, "bf16")))
+    own = [os.path.join(out, name) for name in (*RUN_FILES, LOCK_NAME)]
+    exports = [(f"--export {args.export}", real(args.export))] if args.export else []
+    if args.export_hf:
+        exports.append((f"--export-hf {args.export_hf}", real(args.export_hf)))
+    for name, target in exports:
+        for what, d in runs:
+            if _within(d, target) or (d != out and _within(target, d)):
+                return f"{name}: would replace or sit in {what} {d}; choose another directory"
+        for d in checkpoint_dirs(cfg, args.compare):
+            d = real(d)
+            if _within(target, d) or _within(d, target):
+                return f"{name}: would replace or sit in checkpoint.dir {d}; choose another directory"
+        hit = [p for p in own if _within(target, p)]
+        if hit:
+            return f"{name}: is {hit[0]}, a file the run writes; choose another directory"
+    if len(exports) == 2 and (_within(exports[0][1], exports[1][1]) or _within(exports[1][1], exports[0][1])):
+        return f"{exports[0][0]} and {exports[1][0]}: one would hold the other; choose separate directories"
+    if args.export:
+        target = real(args.export)
+        if os.path.exists(target) and not os.path.isdir(target):
+            return f"--export {args.export}: exists and is not a directory"
+        if os.path.isdir(target) and os.listdir(target) and not is_export(target):
+            return f"--export {args.export}: is not empty and is not a previous NVFP4 export; refusing to replace it"
     return ""
 
 
@@ -307,6 +481,22 @@ def fault_hooks(checkpoint_dir=None):
             os.kill(os.getpid(), signal.SIGSTOP)
 
         actions.append((*_step_and_process("TRAIN_FAULT_STOP", spec), freeze))
+    for sig in ("SIGTERM", "SIGINT"):
+        spec = os.environ.get(f"TRAIN_FAULT_{sig}")
+        if spec:
+            def send(step, sig=sig):
+                import signal
+                import time
+
+                import jax
+
+                os.kill(os.getpid(), getattr(signal, sig))
+                if jax.process_count() > 1:
+                    # The runtime's preemption notifier looks for SIGTERM once a second: let the
+                    # notice reach every process before this one takes its next step.
+                    time.sleep(2.0)
+
+            actions.append((*_step_and_process(f"TRAIN_FAULT_{sig}", spec), send))
     spec = os.environ.get("TRAIN_FAULT_READONLY")
     if spec:
         ro_step, proc = _step_and_process("TRAIN_FAULT_READONLY", spec)

@@ -16,8 +16,8 @@ What one checkpoint (``<dir>/<step>/``) holds:
   that a checkpoint of another model or optimizer is refused with a one-line error naming the
   first leaf that differs.
 - ``meta["run"]``: the config values that define the training trajectory (model, data
-  source and seed, optimizer, schedule length, NVFP4 recipe); :func:`check_resume` compares
-  them with the resuming run's config.
+  source, seed and validation split, the data files' content fingerprints, optimizer, schedule
+  length, NVFP4 recipe); :func:`check_resume` compares them with the resuming run's config.
 - ``jax_nvfp4.sha256.json``: the sha256 of every file of the step directory, written by
   process 0 once the save has committed (for asynchronous saves, from orbax's
   post-finalization callback). Hashing the finished files rather than the arrays keeps it
@@ -31,8 +31,10 @@ every process has written its shards; a save interrupted at any point leaves the
 checkpoints untouched, and a later :class:`Checkpointer` removes the leftover temporary
 directory. Restores refuse non-finite values (NaN/Inf) in params, masters or optimizer state,
 and files whose content hash does not match; :meth:`Checkpointer.restorable_step` with
-``fallback`` picks the newest intact checkpoint instead (the damaged ones are renamed
-``corrupt-<step>``, never deleted).
+``fallback`` picks the newest intact checkpoint instead; :meth:`Checkpointer.set_aside` renames
+the damaged ones ``corrupt-<step>`` (never deleted) once the resume is accepted. Hidden files
+(``.DS_Store``) that were not saved are ignored by the verification; any other extra file fails
+it.
 """
 
 from __future__ import annotations
@@ -381,20 +383,21 @@ class Checkpointer:
         for name in sorted(set(files) | set(actual)):
             if name not in actual:
                 raise CheckpointError(f"{where}: corrupt: file {name} is missing")
+            if name not in files and _hidden(name):
+                continue  # e.g. a .DS_Store a file browser left: not part of the checkpoint, not read
             if name not in files:
                 raise CheckpointError(f"{where}: corrupt: file {name} was not part of the saved checkpoint")
             if files[name] != actual[name]:
                 raise CheckpointError(f"{where}: corrupt: file {name} does not match its sha256 (altered or damaged)")
 
-    def restorable_step(self, fallback: bool = False, log=None) -> Optional[int]:
-        """The step to resume from: the newest one, verified (:meth:`verify`); None if there
-        is none.
+    def restorable_step(self, fallback: bool = False) -> Tuple[Optional[int], List[Tuple[int, str]]]:
+        """``(step, corrupt)``: the step to resume from, the newest one that verifies
+        (:meth:`verify`), or None if there is none; and the newer ``(step, why)`` that did not
+        verify (only with ``fallback``). Nothing is moved: :meth:`set_aside` does that once
+        the resume is accepted.
 
         Args:
-          fallback: if the newest is corrupt, use the newest intact one instead; the corrupt
-            newer ones are renamed ``corrupt-<step>`` (kept, out of orbax's way: their steps
-            will be saved again).
-          log: where to say so (default: stderr of process 0).
+          fallback: if the newest is corrupt, take the newest intact one instead.
 
         Raises:
           CheckpointError: the newest is corrupt and not ``fallback``, or none is intact.
@@ -417,19 +420,25 @@ class Checkpointer:
         if bad and chosen is None:
             raise CheckpointError(f"no intact checkpoint in {self.directory}: {bad[0][1]}"
                                   + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
-        if bad:
-            say = log or (lambda m: print(m, file=sys.stderr, flush=True))
-            if jax.process_index() == 0:
-                for step, why in bad:
-                    aside = _free_name(self.directory, f"corrupt-{step}")
-                    os.rename(os.path.join(self.directory, str(step)), aside)
-                    say(f"checkpoint: {why}; moved to {aside}; restoring step {chosen} instead")
-            if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
+        return chosen, bad
 
-                multihost_utils.sync_global_devices("jax_nvfp4_checkpoint_fallback")
-            self.manager.reload()
-        return chosen
+    def set_aside(self, corrupt: List[Tuple[int, str]], chosen: int, log=None) -> None:
+        """Rename the ``corrupt`` steps of :meth:`restorable_step` ``corrupt-<step>`` (kept,
+        out of orbax's way: their steps will be saved again) and say so; ``log``: where
+        (default: stderr of process 0). Call it on every process."""
+        if not corrupt:
+            return
+        say = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        if jax.process_index() == 0:
+            for step, why in corrupt:
+                aside = _free_name(self.directory, f"corrupt-{step}")
+                os.rename(os.path.join(self.directory, str(step)), aside)
+                say(f"checkpoint: {why}; moved to {aside}; restoring step {chosen} instead")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("jax_nvfp4_checkpoint_fallback")
+        self.manager.reload()
 
     # -- restore
     def read_meta(self, step: int) -> Dict[str, Any]:
@@ -611,6 +620,11 @@ def _hash_files(d: str) -> Dict[str, str]:
     return out
 
 
+def _hidden(rel: str) -> bool:
+    """True for a path any of whose components is hidden (starts with a dot)."""
+    return any(part.startswith(".") for part in rel.split(os.sep))
+
+
 def _digest_of(files: Dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
@@ -638,7 +652,7 @@ def _free_name(directory: str, base: str) -> str:
 # schedule's length stands for it.
 _TRAJECTORY = {
     "model": None,  # every key
-    "data": ("source", "path", "seed", "markov_states", "batch_size"),
+    "data": ("source", "path", "val_path", "val_fraction", "seed", "markov_states", "batch_size"),
     "optim": ("name", "lr", "schedule", "warmup_steps", "weight_decay", "b1", "b2", "clip_norm", "grad_accum"),
     "nvfp4": ("weights", "compute", "keep_bf16", "keep_first_blocks", "keep_last_blocks", "stochastic_rounding",
               "cast_master_bf16", "grad_reduce_dtype"),
@@ -648,6 +662,8 @@ _TRAJECTORY = {
 
 # Keys that checkpoints written before they existed do not record, with the value those had.
 _BEFORE_RECORDED = {"nvfp4.block": "2d"}
+# Keys that older checkpoints do not record and whose value then is unknown: not compared.
+_UNKNOWN_BEFORE = ("data.val_path", "data.val_fraction", "data.path:content", "data.val_path:content")
 
 
 def run_identity(cfg) -> Dict[str, Any]:
@@ -663,6 +679,13 @@ def run_identity(cfg) -> Dict[str, Any]:
     out["nvfp4.block"] = cfg.nvfp4.resolved_block()
     out["optim.schedule_steps"] = cfg.schedule_steps()
     out["train.steps"] = cfg.train.steps
+    # The data files' content, not only their names (train.data.file_fingerprint).
+    if cfg.data.source in ("file", "tokens"):
+        from train.data import file_fingerprint
+
+        for key in ("path", "val_path"):
+            path = getattr(cfg.data, key)
+            out[f"data.{key}:content"] = file_fingerprint(path) if path else None
     return out
 
 
@@ -691,11 +714,21 @@ def check_resume(where: str, meta: Dict[str, Any], cfg) -> None:
     here = run_identity(cfg)
     allowed = set(cfg.checkpoint.allow_change)
     saved = {**_BEFORE_RECORDED, **saved}
-    diffs = [k for k in here if k != "train.steps" and k not in allowed and _jsonish(saved.get(k)) != _jsonish(here[k])]
+    # A file's content may change where its name is allowed to ("data.path:content" goes with data.path).
+    diffs = [k for k in here if k != "train.steps" and k.split(":")[0] not in allowed
+             and not (k in _UNKNOWN_BEFORE and k not in saved) and _jsonish(saved.get(k)) != _jsonish(here[k])]
     if not diffs:
         return
     k = diffs[0]
     more = f" (and {len(diffs) - 1} more: {', '.join(diffs[1:4])})" if len(diffs) > 1 else ""
+    if k.endswith(":content"):
+        key = k.split(":")[0]
+        was, now = saved.get(k) or {}, here[k] or {}
+        raise CheckpointError(
+            f"checkpoint {where} was trained on other data: {key}={getattr(cfg.data, key.split('.')[1])!r} now holds "
+            f"{now.get('bytes')} bytes (sha256 {str(now.get('sha256'))[:12]}), the checkpoint's had {was.get('bytes')} "
+            f"bytes (sha256 {str(was.get('sha256'))[:12]}){more}; resuming would train on different data. To continue "
+            f"on the new content set checkpoint.allow_change=[{key}], or use another checkpoint.dir")
     if k == "optim.schedule_steps":
         hint = (f"to extend the run on its schedule set optim.schedule_steps={saved.get(k)}; to rebuild the "
                 f"schedule for the new length set checkpoint.allow_change=[optim.schedule_steps]")

@@ -224,7 +224,8 @@ class DataConfig(_Section):
     batch_size: int = _field(16, gt=0)
     # Size of the Markov chain's alphabet (tokens 0..states-1), see train.data.MarkovSource.
     markov_states: int = _field(32, ge=2)
-    seed: int = _field(0, ge=0)
+    # Below 2**31: the token files' shuffle takes a 31-bit seed, so larger ones would alias smaller.
+    seed: int = _field(0, ge=0, lt=2**31)
 
     def check(self) -> None:
         if self.source in ("file", "tokens") and not self.path:
@@ -235,6 +236,11 @@ class DataConfig(_Section):
                               "set data.source=file or tokens to train on it (or data.path=null)")
         if self.val_path and self.val_fraction:
             raise ConfigError("data.val_fraction: set either data.val_path or data.val_fraction, not both")
+        if self.source == "markov" and (self.val_path or self.val_fraction):
+            # The Markov source draws its validation rows from a stream of its own.
+            key = "data.val_path" if self.val_path else "data.val_fraction"
+            raise ConfigError(f"{key}={self.val_path or self.val_fraction!r}: data.source='markov' draws validation "
+                              "rows from its own stream and would ignore it; set data.source=file or tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +267,12 @@ class MeshConfig(_Section):
         for name in ("data", "tensor"):
             if getattr(self, name) == 0:
                 raise ConfigError(f"mesh.{name}=0: must be a positive size or -1 (the rest)")
+        if self.layout != "gb200":
+            # Racks and the sharding across them exist only in the gb200 layout.
+            for name, default in (("racks", 0), ("sharding", "fsdp")):
+                if getattr(self, name) != default:
+                    raise ConfigError(f"mesh.{name}={getattr(self, name)!r}: only mesh.layout=gb200 has racks; "
+                                      f"set mesh.layout=gb200 (or leave mesh.{name} at {default!r})")
         if self.data == -1 and self.tensor == -1:
             raise ConfigError("mesh.data=-1 and mesh.tensor=-1: at most one axis may be -1")
 
@@ -337,7 +349,8 @@ class TrainConfig(_Section):
     eval_every: int = _field(0, ge=0, doc="validation loss every N steps and at the end; 0 = none")
     eval_batches: int = _field(4, gt=0, doc="validation batches (of data.batch_size rows) per evaluation")
     out_dir: str = _field("runs/default")
-    seed: int = _field(0, ge=0)
+    # JAX keys take 32 bits and the run uses seed, seed + 1 and seed + 2: a larger seed would alias a smaller one.
+    seed: int = _field(0, ge=0, lt=2**32 - 2)
     remat: str = _field("nothing", choices=("nothing", "dots"),
                         doc="what a scanned layer keeps for its backward pass besides its input: "
                             "'nothing' (recompute the layer; memory flat in depth) or 'dots' (its "
@@ -368,6 +381,14 @@ class CheckpointConfig(_Section):
             cls = SECTIONS.get(section)
             if cls is None or name not in {f.name for f in dataclasses.fields(cls)}:
                 raise ConfigError(f"checkpoint.allow_change: {key!r} is not a config key (section.key)")
+        if not self.dir:
+            # Without a directory there are no checkpoints: a setting of them would be ignored.
+            for f in dataclasses.fields(self):
+                value = getattr(self, f.name)
+                if f.name != "dir" and value != f.default:
+                    shown = str(value).lower() if isinstance(value, bool) else _short(list(value) if isinstance(value, tuple) else value)
+                    raise ConfigError(f"checkpoint.{f.name}={shown}: no checkpoint.dir is set, so there are "
+                                      "no checkpoints; set checkpoint.dir too")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -581,11 +602,36 @@ def _gin_collectors() -> dict[str, Any]:
     return _GIN_COLLECTORS
 
 
+def _gin_duplicates(path: str, text: str) -> None:
+    """Raise ConfigError for a key bound twice in the gin ``text`` (gin keeps the last binding
+    silently, as PyYAML would for a repeated YAML key)."""
+    import gin
+    from gin import config_parser
+
+    seen: dict[tuple, int] = {}
+    try:
+        statements = list(config_parser.ConfigParser(text, gin.config.ParserDelegate(skip_unknown=True)))
+    except Exception:  # noqa: BLE001 - a syntax error: gin.parse_config reports it with its line
+        return
+    for st in statements:
+        if not isinstance(st, config_parser.BindingStatement):
+            continue
+        # "train.config.ModelConfig" and "ModelConfig" name the same configurable.
+        key = (st.scope, st.selector.rsplit(".", 1)[-1], st.arg_name)
+        line = st.location.line_num
+        if key in seen:
+            name = ".".join(k for k in key if k)
+            raise ConfigError(f"{path}: {name} is bound twice, on line {seen[key]} and line {line}; "
+                              "keep one (gin would silently use the last)")
+        seen[key] = line
+
+
 def _read_gin(path: str) -> dict[str, Any]:
     import gin
 
     collectors = _gin_collectors()
     text = _read_text(path)
+    _gin_duplicates(path, text)
     # Bindings are global gin state: start clean and leave clean so loads do not leak.
     gin.clear_config()
     try:

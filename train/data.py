@@ -31,6 +31,7 @@ infinite, draws validation rows from its own stream.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import os
 from typing import Any, Mapping, Protocol, Sequence
@@ -46,6 +47,7 @@ __all__ = [
     "TextFileSource",
     "TokenFileSource",
     "read_token_header",
+    "file_fingerprint",
     "make_data_iterator",
     "make_source",
     "split_batch",
@@ -234,9 +236,19 @@ class TextFileSource:
 TOKENS_FORMAT = "jax_nvfp4.tokens"
 
 
+def _max_id(path: str, dtype: str) -> int:
+    """The largest token id in the token file ``path`` (one pass, 64 Mi tokens at a time)."""
+    ids = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+    step = 1 << 26
+    return max(int(ids[i:i + step].max()) for i in range(0, len(ids), step))
+
+
 def read_token_header(path: str | os.PathLike, key: str = "data.path") -> dict[str, Any]:
     """The JSON sidecar ``PATH.json`` of a token file: ``{"format", "dtype", "vocab", "tokens",
-    ...}``, checked against the file's size."""
+    ...}``, checked against the file's size. ``vocab`` is an upper bound of the file's ids (the
+    largest id + 1): sidecars of format version 2 record it (``python -m train.prepare``);
+    older ones recorded the tokenizer's token count, which a tokenizer with gaps in its ids
+    exceeds, so their files are read once here for their largest id."""
     path = os.fspath(path)
     size = _check_file(path, key)
     meta_path = path + ".json"
@@ -258,6 +270,8 @@ def read_token_header(path: str | os.PathLike, key: str = "data.path") -> dict[s
                           f"{meta['dtype']} tokens its sidecar declares (truncated or altered)")
     if not isinstance(meta.get("vocab"), int) or meta["vocab"] < 1:
         raise ConfigError(f"{key}={path!r}: sidecar vocab {meta.get('vocab')!r} is not a positive integer")
+    if meta.get("version", 1) < 2:
+        meta["vocab"] = max(meta["vocab"], _max_id(path, meta["dtype"]) + 1)
     return meta
 
 
@@ -408,6 +422,8 @@ def make_source(data: DataConfig, model: ModelConfig, split: str = "train") -> S
     if split == "val":
         if data.val_path:
             src = cls(data.val_path, n, key="data.val_path")
+            if cls is TokenFileSource:
+                _check_same_tokenizer(src, read_token_header(data.path))
         elif data.val_fraction > 0:
             src = cls(data.path, n, part=(1.0 - data.val_fraction, 1.0))
         else:
@@ -415,9 +431,50 @@ def make_source(data: DataConfig, model: ModelConfig, split: str = "train") -> S
     else:
         src = cls(data.path, n, part=(0.0, 1.0 - (0.0 if data.val_path else data.val_fraction)))
     if src.vocab > model.vocab:
-        raise ConfigError(f"model.vocab={model.vocab}: smaller than the vocabulary of "
-                          f"{src.path!r} ({src.vocab})")
+        # Ids at or past model.vocab have no embedding row: their loss is NaN at every step.
+        raise ConfigError(f"model.vocab={model.vocab}: smaller than the vocabulary of {src.path!r} ({src.vocab} = its "
+                          f"largest token id + 1); its ids would reach past the embedding table. Set "
+                          f"model.vocab={src.vocab} or more")
     return src
+
+
+def _check_same_tokenizer(val: "TokenFileSource", train_meta: dict[str, Any]) -> None:
+    """Refuse a validation token file made by another tokenizer than the training file: its
+    loss would compare different token streams."""
+    a, b = val.meta.get("tokenizer_sha256"), train_meta.get("tokenizer_sha256")
+    if a != b or (a is None and val.meta.get("vocab") != train_meta.get("vocab")):
+        what = (f"tokenizer sha256 {a[:12] if a else 'not recorded'} against {b[:12] if b else 'not recorded'}"
+                if a or b else f"vocabulary {val.meta.get('vocab')} against {train_meta.get('vocab')}")
+        raise ConfigError(f"data.val_path={val.path!r}: not made with the tokenizer of data.path ({what}); "
+                          "prepare both with the same --tokenizer")
+
+
+# Files up to this size are hashed whole for a resume's check; larger ones by sampled blocks.
+WHOLE_HASH_BYTES = 256 << 20
+SAMPLED_BLOCKS, BLOCK_BYTES = 64, 1 << 20
+
+
+def file_fingerprint(path: str | os.PathLike) -> dict[str, Any]:
+    """``{"bytes", "sha256", "hashed"}`` of a data file, recorded in checkpoints so that a
+    resume on changed data is refused. Up to 256 MiB the sha256 is of the whole file; a larger
+    file is fingerprinted by its size and the sha256 of 64 blocks of 1 MiB at evenly spaced
+    offsets, the first and the last included (an edit elsewhere that keeps the size can go
+    unseen; the cost stays about 64 MiB of reads at every start)."""
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= WHOLE_HASH_BYTES:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+            how = "whole file"
+        else:
+            last = size - BLOCK_BYTES
+            for i in range(SAMPLED_BLOCKS):
+                f.seek(last * i // (SAMPLED_BLOCKS - 1))
+                h.update(f.read(BLOCK_BYTES))
+            how = f"{SAMPLED_BLOCKS} blocks of {BLOCK_BYTES} bytes"
+    return {"bytes": size, "sha256": h.hexdigest(), "hashed": how}
 
 
 def make_data_iterator(cfg: Config, *, process_index: int = 0, process_count: int = 1,

@@ -9,7 +9,9 @@ bit-identically.
 from __future__ import annotations
 
 import json
+import math
 import os
+import sys
 import time
 from typing import Any, Dict, Optional
 
@@ -20,6 +22,7 @@ import jax_nvfp4 as nv
 from train import checkpoint as checkpoint_lib
 from train import data as data_lib
 from train.config import Config
+from train.preemption import Preemption, Stopped
 from train.step import build, gather_accounting, global_batch, validation_loss
 from train.summary import json_record
 
@@ -27,11 +30,26 @@ from train.summary import json_record
 def _resume_metrics(path: str, step: int) -> list:
     """The records of ``metrics.jsonl`` up to ``step`` (a resumed run continues after them);
     the file is rewritten without later records, which a run stopped after its last
-    checkpoint had written."""
+    checkpoint had written. A last line that is not JSON (a crash in the middle of writing
+    it) is dropped, with a notice; a bad line before it is an error.
+
+    Raises:
+      train.checkpoint.CheckpointError: a line before the last is not JSON."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    recs = []
+    for i, line in enumerate(lines):
+        try:
+            recs.append(json.loads(line))
+        except ValueError:
+            if i + 1 < len(lines):
+                raise checkpoint_lib.CheckpointError(
+                    f"{path}: line {i + 1} of {len(lines)} is not JSON; cannot continue its records "
+                    "(move the file aside to start it anew)") from None
+            print(f"{path}: dropped its last line, cut off in the middle (a crash while writing it)",
+                  file=sys.stderr, flush=True)
     recs = [r for r in recs if r.get("step", 0) <= step]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -50,6 +68,7 @@ def run(
     on_step=None,
     on_start=None,
     inject_nonfinite: Optional[Dict[int, float]] = None,
+    preemption: Optional[Preemption] = None,
 ) -> Dict[str, Any]:
     """Train ``cfg`` on ``mesh``; write ``metrics.jsonl`` into ``out_dir``; return a summary.
 
@@ -58,11 +77,17 @@ def run(
     matches (:func:`train.checkpoint.check_resume`); metrics.jsonl continues after its step. It
     saves every ``checkpoint.every`` steps and at the end.
 
+    A non-finite step is one whose update was skipped for non-finite gradients or whose loss
+    is not finite.
+
     Raises:
       FloatingPointError: a non-finite step with ``nvfp4.nonfinite="error"``, or
-        ``nvfp4.max_skipped_in_a_row`` skipped steps in a row; the message names the step.
+        ``nvfp4.max_skipped_in_a_row`` non-finite steps in a row (or every step of a run
+        shorter than that); the message names the step.
       train.checkpoint.CheckpointError: a corrupt or incompatible checkpoint
         (``CheckpointWriteError``: one that cannot be written).
+      train.preemption.Stopped: ``preemption`` asked to stop; the step it stopped at is saved
+        (with ``checkpoint.dir``) and every pending save finished.
 
     Args:
       on_step: ``on_step(step, params, opt_state, data_iterator)`` after each step (and its
@@ -71,6 +96,7 @@ def run(
       inject_nonfinite: fault-injection hook for tests, not a config key: ``{step: value}``
         multiplies the loss of that step (counted from 1) by ``value`` (NaN or Inf), which
         makes its gradients non-finite.
+      preemption: asked after every step whether to stop there (SIGTERM, SIGINT).
     """
     inject = {int(k): float(v) for k, v in (inject_nonfinite or {}).items()}
     is_main = jax.process_index() == 0
@@ -80,9 +106,12 @@ def run(
                                            async_save=cfg.checkpoint.async_save)
     fh = bar = None
     try:
-        start = ckpt.restorable_step(cfg.checkpoint.fallback) if ckpt is not None else None
+        start, corrupt = ckpt.restorable_step(cfg.checkpoint.fallback) if ckpt is not None else (None, [])
         if start is not None:
             checkpoint_lib.check_resume(os.path.join(ckpt.directory, str(start)), ckpt.read_meta(start), cfg)
+        if corrupt:
+            # Only now that the resume is accepted: a refused run leaves the folder as it was.
+            ckpt.set_aside(corrupt, start)
         name = label or cfg.nvfp4.weights
         t_compile = time.perf_counter()
         if is_main:
@@ -130,6 +159,7 @@ def run(
         times = []
         skipped_before = int(nv.find_state(opt_state).skipped)
         in_a_row, limit = 0, cfg.nvfp4.max_skipped_in_a_row
+        saved_step = start
         run_id = checkpoint_lib.run_identity(cfg)
         # The host reads metrics every train.log_every steps (and at checkpoints, evaluations,
         # the first and last step, every step with nvfp4.nonfinite=error or an on_step hook):
@@ -141,10 +171,13 @@ def run(
             scale = np.float32(inject.get(step + 1, 1.0))
             params, opt_state, m = trainer.step_fn(params, opt_state, batch, jax.random.fold_in(base_key, step), scale)
             pending.append((step, m))
+            # Asked at every step, by every process (a multi-process run agrees on the step).
+            stop = preemption is not None and preemption.should_stop(step + 1)
             last = step + 1 == cfg.train.steps
-            ckpt_due = ckpt is not None and ((cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or last)
-            eval_due = eval_fn is not None and ((step + 1) % cfg.train.eval_every == 0 or last)
-            if not (last or ckpt_due or eval_due or on_step is not None or step == start
+            ckpt_due = ckpt is not None and ((cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0)
+                                             or last or stop)
+            eval_due = eval_fn is not None and ((step + 1) % cfg.train.eval_every == 0 or last) and not stop
+            if not (last or ckpt_due or eval_due or on_step is not None or step == start or stop
                     or cfg.nvfp4.nonfinite == "error" or (step + 1) % cfg.train.log_every == 0):
                 continue
             fetched = jax.device_get([pm for _, pm in pending])  # waits for the steps in flight
@@ -153,14 +186,16 @@ def run(
             t_mark = now
             for (s, _), mm in zip(pending, fetched):
                 loss, skipped = float(mm["loss"]), int(mm["skipped"])
-                if cfg.nvfp4.nonfinite == "error" and skipped > skipped_before:
+                if cfg.nvfp4.nonfinite == "error" and (skipped > skipped_before or not math.isfinite(loss)):
                     # Read every step in this mode, before any checkpoint of this step: the
                     # state on disk stays the last good one.
                     try:
                         nv.raise_if_skipped(opt_state, skipped_before)
                     except FloatingPointError as e:
                         raise FloatingPointError(f"step {s + 1}: {e}") from None
-                in_a_row = in_a_row + 1 if skipped > skipped_before else 0
+                    raise FloatingPointError(f"step {s + 1}: non-finite loss ({loss}) (nvfp4.nonfinite=error)")
+                # A non-finite loss counts as a non-finite step even where the update went through.
+                in_a_row = in_a_row + 1 if skipped > skipped_before or not math.isfinite(loss) else 0
                 skipped_before = skipped
                 if s > start:
                     times.append(dt)
@@ -170,33 +205,53 @@ def run(
                     rec["val_loss"] = validation_loss(eval_fn, params, val_batches)
                 history.append(rec)
                 if fh:
-                    fh.write(json_record(rec) + "\n")
+                    try:
+                        fh.write(json_record(rec) + "\n")
+                    except OSError as e:
+                        raise OSError(e.errno, e.strerror, metrics_path) from None
                 if bar is not None:
                     bar.update(1)
                     shown = [h["val_loss"] for h in history if "val_loss" in h]
                     bar.set_postfix(loss=f"{loss:.3f}", **({"val": f"{shown[-1]:.3f}"} if shown else {}),
                                     tok_s=f"{rec['tokens_per_s']:.0f}",
                                     gather=f"{acct['all_gather_bytes'] / 1e6:.2f}MB", skipped=skipped, refresh=False)
-                if limit and in_a_row >= limit:
-                    # Diverged: every step is being thrown away. Stop before checkpointing it.
+                # Diverged: every step is being thrown away, or every step of a run shorter than
+                # the limit was. Stop before checkpointing it.
+                if limit and (in_a_row >= limit or (s + 1 == cfg.train.steps and in_a_row == s + 1 - start)):
                     raise FloatingPointError(
-                        f"step {s + 1}: {in_a_row} steps in a row skipped for non-finite gradients (loss {loss}); "
+                        f"step {s + 1}: {in_a_row} steps in a row non-finite (gradients skipped or loss {loss}); "
                         f"the run has diverged (nvfp4.max_skipped_in_a_row={limit}; 0 = no limit)")
             pending.clear()
             if fh:
-                fh.flush()
-            if ckpt_due:
+                try:
+                    fh.flush()
+                except OSError as e:  # e.g. a full file system: name the file
+                    raise OSError(e.errno, e.strerror, metrics_path) from None
+            if ckpt_due and saved_step != step + 1:
                 ckpt.save(step + 1, params, opt_state, mesh=mesh, rules=trainer.rules, base_key=base_key,
                           data_state=it.get_state(), run=run_id)
+                saved_step = step + 1
             if on_step is not None:
                 on_step(step + 1, params, opt_state, it)
+            if stop:
+                # This step is saved (ckpt_due). A second signal now ends the process at once.
+                preemption.arm_second()
+                if ckpt is not None:
+                    ckpt.close()  # every pending save written and its hashes recorded
+                    ckpt = None
+                raise Stopped(step + 1, preemption.signum, cfg.checkpoint.dir)
     finally:
-        if fh:
-            fh.close()
         if bar is not None:
             bar.close()
-        if ckpt is not None:
-            ckpt.close()  # waits for an asynchronous save of the last good step
+        try:
+            if ckpt is not None:
+                ckpt.close()  # waits for an asynchronous save of the last good step
+        finally:
+            if fh:
+                try:
+                    fh.close()
+                except OSError as e:  # the rest of a failed write: name the file
+                    raise OSError(e.errno, e.strerror, metrics_path) from None
     losses = [h["loss"] for h in history]
     val = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
     tail = losses[-max(1, min(20, len(losses) // 5)):]

@@ -1,0 +1,133 @@
+"""One run per folder: an exclusive lock on a run's output and checkpoint folders.
+
+:class:`FolderLock` takes ``fcntl.flock`` on ``<folder>/.train.lock`` and writes the holder
+into it (process id, host, start time). The kernel drops the lock when the process ends, in
+any way (``kill -9`` included), so a lock is never stale: a leftover file is taken over by
+the next run. A second run that finds the lock taken is refused with one line naming the
+holder, before it writes anything. On release the file is removed (while still locked, so a
+run that opened it meanwhile sees it replaced and tries again), and so is the folder when the
+lock created it and nothing else was written there.
+
+``flock`` works on local file systems and on NFS (as a whole-file POSIX lock); a multi-process
+run takes its locks in process 0 only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+from typing import Optional
+
+__all__ = ["FolderLock", "LockError", "LOCK_NAME"]
+
+LOCK_NAME = ".train.lock"
+
+
+class LockError(RuntimeError):
+    """The folder cannot be locked: another run holds it, or it cannot be created or written.
+    The message is one line."""
+
+
+class FolderLock:
+    """An exclusive lock on ``folder`` (see the module docstring); ``what`` names the folder in
+    messages (``"--out"``, ``"checkpoint.dir"``)."""
+
+    def __init__(self, folder: str, what: str):
+        self.folder, self.what = os.path.abspath(os.fspath(folder)), what
+        self.path = os.path.join(self.folder, LOCK_NAME)
+        self._fd: Optional[int] = None
+        self._created: list = []  # folders this lock created, innermost first
+
+    def acquire(self) -> "FolderLock":
+        """Take the lock, creating the folder if needed.
+
+        Raises:
+          LockError: another run holds it (the message names it), or the folder is a file,
+            cannot be created or is not writable.
+        """
+        where = f"{self.what} {self.folder}"
+        if os.path.exists(self.folder) and not os.path.isdir(self.folder):
+            raise LockError(f"{where}: exists and is not a folder")
+        try:
+            missing, d = [], self.folder
+            while not os.path.exists(d):
+                missing.append(d)
+                d = os.path.dirname(d)
+            for d in reversed(missing):
+                os.mkdir(d)
+                self._created.insert(0, d)
+        except OSError as e:
+            self._remove_created()
+            raise LockError(f"{where}: cannot create it: {e.strerror or e}") from None
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                self._remove_created()
+                raise LockError(f"{where}: cannot write there: {e.strerror or e}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = _read(fd)
+                os.close(fd)
+                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise LockError(f"{where}: cannot lock {LOCK_NAME}: {e.strerror or e}") from None
+                raise LockError(f"{where} is in use by another run ({holder}); refusing to share it "
+                                "(nothing written)") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # the holder removed it between our open and our lock: try the new one
+        self._fd = fd
+        started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started})
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (info + "\n").encode(), 0)
+        except OSError as e:
+            self.release()
+            raise LockError(f"{where}: cannot write there: {e.strerror or e}") from None
+        return self
+
+    def release(self) -> None:
+        """Remove the lock file and release the lock; remove the folders the lock created if
+        nothing else was written into them. Idempotent."""
+        if self._fd is None:
+            return
+        try:
+            os.remove(self.path)
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+        self._remove_created()
+
+    def _remove_created(self) -> None:
+        for d in self._created:
+            try:
+                os.rmdir(d)  # only if empty
+            except OSError:
+                break
+        self._created = []
+
+    def __enter__(self) -> "FolderLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read(fd: int) -> str:
+    """The holder recorded in a lock file, in words."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        return f"pid {info['pid']} on {info['host']}, started {info['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its holder not recorded yet"

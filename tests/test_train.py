@@ -246,6 +246,25 @@ def test_tensor_axis_splits_the_weights_and_trains_like_the_data_axis(tmp_path, 
 
 
 @job_worker
+def test_a_nonfinite_loss_is_a_skipped_step():
+    """A target id past the vocabulary gives a NaN loss with finite gradients: the step
+    changes nothing and counts itself skipped (it used to train on, loss NaN, exit 0)."""
+    import jax_nvfp4 as nv
+
+    cfg = job()
+    trainer, params, opt_state = step_lib.build(cfg, mesh_of(cfg, 8))
+    before = jax.device_get((params, nv.find_state(opt_state).master))
+    rows = np.random.default_rng(0).integers(0, cfg.model.vocab, (cfg.data.batch_size, cfg.model.seq_len + 1))
+    rows[3, -1] = cfg.model.vocab + 44
+    params, opt_state, metrics = trainer.step_fn(params, opt_state, step_lib.global_batch(trainer, rows),
+                                                 jax.random.key(0), np.float32(1))
+    assert not np.isfinite(float(metrics["loss"])) and int(metrics["skipped"]) == 1
+    after = jax.device_get((params, nv.find_state(opt_state).master))
+    assert all(np.asarray(a).tobytes() == np.asarray(b).tobytes()
+               for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+
+
+@job_worker
 def test_evaluation_gathers_one_layer_at_a_time(job_run):
     """The evaluation program gathers each layer's packed bytes inside the scan, as the step
     does (it used to gather the whole model first)."""

@@ -45,7 +45,9 @@ __all__ = [
     "TrainConfig",
     "apply_overrides",
     "from_dict",
+    "given_keys",
     "load_config",
+    "raw_config",
     "resolve_mesh_axes",
     "save_config",
     "to_dict",
@@ -337,6 +339,9 @@ class TrainConfig(_Section):
     eval_batches: int = _field(4, gt=0, doc="validation batches (of data.batch_size rows) per evaluation")
     out_dir: str = _field("runs/default")
     seed: int = _field(0, ge=0)
+    # A Hugging Face Llama checkpoint folder to start from instead of random weights
+    # (train.hf_import; its config.json sets the model keys this config leaves unset).
+    init_from: Optional[str] = _field(None, doc="a Hugging Face Llama checkpoint folder to start from")
     remat: str = _field("nothing", choices=("nothing", "dots"),
                         doc="what a scanned layer keeps for its backward pass besides its input: "
                             "'nothing' (recompute the layer; memory flat in depth) or 'dots' (its "
@@ -634,6 +639,19 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     Raises:
       ConfigError: one line naming the offending key, file or override.
     """
+    return from_dict(raw_config(path, overrides))
+
+
+def given_keys(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> set[str]:
+    """The ``section.key`` names that ``path`` and ``overrides`` set (the others keep their
+    defaults): what a checkpoint's own config may fill in (``train.init_from``)."""
+    return {f"{section}.{key}" for section, values in raw_config(path, overrides).items()
+            if isinstance(values, Mapping) for key in values}
+
+
+def raw_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """``{section: {key: value}}`` from ``path`` (YAML or gin) and ``overrides``, merged and
+    not yet validated."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = os.fspath(path)
@@ -645,7 +663,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         else:
             raise ConfigError(f"config file {path}: unknown extension {ext!r}; "
                               "use .yaml, .yml or .gin")
-    return from_dict(_merge(raw, _overrides_to_dict(overrides)))
+    return _merge(raw, _overrides_to_dict(overrides))
 
 
 # -- device-dependent checks --------------------------------------------------------------------

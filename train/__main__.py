@@ -25,8 +25,8 @@ model, data, optimizer or schedule length is refused too (checkpoint.allow_chang
 optim.schedule_steps; see train.checkpoint.check_resume).
 --init-from DIR (train.init_from) starts from a Hugging Face Llama checkpoint instead of random
 weights: plain bf16/f16/f32 safetensors or compressed-tensors NVFP4 (read losslessly into the
-NVFP4 weights), one file or shards; its config.json sets the model keys the config leaves unset
-and must agree with those it sets. With evaluation on, the imported model's validation loss is
+NVFP4 weights), one file or shards; its config.json sets the model's shape (a model key given
+with --set must agree with it; a config file's are replaced). With evaluation on, the imported model's validation loss is
 printed at step 0. Its tokenizer travels into --export-hf.
 --export DIR writes the trained NVFP4 weights (jax_nvfp4.export_nvfp4) into a new or empty
 directory, or over a previous export; any other non-empty directory is refused before
@@ -75,7 +75,7 @@ def parse_args(argv=None):
                    "to DIR/bf16 and DIR/nvfp4 (DIR must be new or empty)")
     p.add_argument("--init-from", metavar="DIR", help="start from the Hugging Face Llama checkpoint in DIR "
                    "(train.init_from: bf16/f16/f32 or compressed-tensors NVFP4 safetensors; its config.json sets "
-                   "the model keys the config leaves unset)")
+                   "the model's shape, and --set model keys must agree with it)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more overrides")
     return p.parse_args(argv)
 
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
 
     logging.getLogger("absl").setLevel(logging.CRITICAL)
     # Config first: it needs no JAX, so a bad config fails fast and before anything is written.
-    from train.config import ConfigError, given_keys, load_config, save_config, validate_for_devices
+    from train.config import ConfigError, load_config, override_keys, save_config, validate_for_devices
 
     try:
         overrides = [*args.sets, *args.overrides]
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
         if cfg.train.init_from:
             from train.hf_import import resolve_config
 
-            cfg = resolve_config(cfg, given_keys(args.config, overrides))
+            cfg = resolve_config(cfg, override_keys(overrides))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -45,9 +45,8 @@ __all__ = [
     "TrainConfig",
     "apply_overrides",
     "from_dict",
-    "given_keys",
     "load_config",
-    "raw_config",
+    "override_keys",
     "resolve_mesh_axes",
     "save_config",
     "to_dict",
@@ -340,7 +339,7 @@ class TrainConfig(_Section):
     out_dir: str = _field("runs/default")
     seed: int = _field(0, ge=0)
     # A Hugging Face Llama checkpoint folder to start from instead of random weights
-    # (train.hf_import; its config.json sets the model keys this config leaves unset).
+    # (train.hf_import; its config.json sets the model's shape).
     init_from: Optional[str] = _field(None, doc="a Hugging Face Llama checkpoint folder to start from")
     remat: str = _field("nothing", choices=("nothing", "dots"),
                         doc="what a scanned layer keeps for its backward pass besides its input: "
@@ -639,19 +638,6 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     Raises:
       ConfigError: one line naming the offending key, file or override.
     """
-    return from_dict(raw_config(path, overrides))
-
-
-def given_keys(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> set[str]:
-    """The ``section.key`` names that ``path`` and ``overrides`` set (the others keep their
-    defaults): what a checkpoint's own config may fill in (``train.init_from``)."""
-    return {f"{section}.{key}" for section, values in raw_config(path, overrides).items()
-            if isinstance(values, Mapping) for key in values}
-
-
-def raw_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """``{section: {key: value}}`` from ``path`` (YAML or gin) and ``overrides``, merged and
-    not yet validated."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = os.fspath(path)
@@ -663,7 +649,13 @@ def raw_config(path: str | os.PathLike | None = None, overrides: Sequence[str] =
         else:
             raise ConfigError(f"config file {path}: unknown extension {ext!r}; "
                               "use .yaml, .yml or .gin")
-    return _merge(raw, _overrides_to_dict(overrides))
+    return from_dict(_merge(raw, _overrides_to_dict(overrides)))
+
+
+def override_keys(overrides: Sequence[str]) -> set[str]:
+    """The ``section.key`` names ``overrides`` set: on the command line, what a checkpoint's
+    own config must agree with (``train.init_from``) rather than replace."""
+    return {f"{section}.{key}" for section, values in _overrides_to_dict(overrides).items() for key in values}
 
 
 # -- device-dependent checks --------------------------------------------------------------------

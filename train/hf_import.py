@@ -2,9 +2,9 @@
 
 What it reads (``DIR``):
 
-- ``config.json``: the model's shape. :func:`resolve_config` fills the ``model`` keys a run's
-  config leaves unset from it and checks the ones it sets (a mismatch is one line naming the
-  key); :func:`check_model` only checks (what :func:`load` does).
+- ``config.json``: the model's shape. :func:`resolve_config` sets the run's ``model`` keys from
+  it, except those given explicitly (``--set``), which must agree with it (a mismatch is one
+  line naming the key); :func:`check_model` only checks (what :func:`load` does).
 - safetensors weights, one ``model.safetensors`` or shards listed by
   ``model.safetensors.index.json``: plain bf16 / f16 / f32 tensors, or compressed-tensors'
   ``nvfp4-pack-quantized`` Linear weights (``weight_packed`` u8 ``[out, in/2]``,
@@ -132,9 +132,9 @@ def _model_value(cfg: Config, key: str):
 
 def resolve_config(cfg: Config, given: Optional[set] = None) -> Config:
     """``cfg`` with the model shape of ``cfg.train.init_from``'s ``config.json``: the ``model``
-    keys in ``given`` (``section.key`` names the run's config sets, see
-    :func:`train.config.given_keys`; None: all of them) must agree with it, the others are
-    taken from it. Needs no JAX.
+    keys in ``given`` (``section.key`` names given explicitly, e.g. the command line's
+    :func:`train.config.override_keys`; None: all of them) must agree with it, the others are
+    taken from it (a config file's values included: the checkpoint is the model). Needs no JAX.
 
     Raises:
       ConfigError: one line naming the first key that differs, or a checkpoint this model
@@ -418,6 +418,27 @@ def _ranges(index, shape) -> List[range]:
     return [range(*s.indices(n)) for s, n in zip(index, shape)]
 
 
+def _rectangles(lay, t0: int, t1: int):
+    """Tiles ``[t0, t1)`` of one tensor shard's sub-matrix (row-major tile order; padding
+    tiles past the matrix dropped) as at most three rectangles of whole tiles, each a run of
+    consecutive tiles: ``[(first tile, (tile rows), (tile columns))]`` (a partial first tile
+    row, whole tile rows, a partial last one), so that a device reads exactly its tiles."""
+    gc = lay.grid[1]
+    t1 = min(t1, lay.tiles)
+    out = []
+    while t0 < t1:
+        g, j = divmod(t0, gc)
+        if j or t1 - t0 < gc:  # part of one tile row
+            end = min(t1, (g + 1) * gc)
+            out.append((t0, (g, g + 1), (j, end - g * gc)))
+            t0 = end
+        else:  # whole tile rows
+            g1 = t1 // gc
+            out.append((t0, (g, g1), (0, gc)))
+            t0 = g1 * gc
+    return out
+
+
 class _Target:
     """One device array to build: its global ``shape``, ``dtype``, sharding and how a block of
     it is read (:meth:`bands`: the reads of each part and how they become the block)."""
@@ -443,33 +464,28 @@ class _Target:
         lay = self.layout
         trailing = 2 if self.kind in ("values", "codes") else (0 if tuple(self.block) == (16, 16) else 1)
         nb = len(self.shape) - 2 - trailing
-        t_range = r[nb + 1]
-        gr, gc = lay.grid
-        t0, t1 = t_range.start, min(t_range.stop, lay.tiles)
-        if t1 <= t0:
-            return out  # padding tiles only: zeros
-        g0, g1 = t0 // gc, -(-t1 // gc)
+        t_first = r[nb + 1].start
         sub_r, sub_c = lay.sub
-        rows = slice(g0 * 16, min(g1 * 16, sub_r))
-        band = type(lay)((rows.stop - rows.start, sub_c))  # the band as a matrix of its own
-        lo, hi = t0 - g0 * gc, t1 - g0 * gc
         for pos in itertools.product(*(range(len(x)) for x in r[:nb])):
             layer = tuple(x[i] for x, i in zip(r[:nb], pos))
             for j, ti in enumerate(r[nb]):
                 roff = ti * sub_r if lay.tensor_dim == -2 else 0
                 coff = ti * sub_c if lay.tensor_dim == -1 else 0
-                rr, cc = slice(roff + rows.start, roff + rows.stop), slice(coff, coff + sub_c)
-                where = (*pos, j, slice(0, hi - lo))
-                if self.kind == "values":
-                    reads = p.value_reads(layer, rr, cc)
-                    conv = lambda arrays, band=band: band.to_tiles(p.values(arrays))[0, lo:hi]
-                elif self.kind == "codes":
-                    reads = p.code_reads(layer, rr, cc)
-                    conv = lambda arrays, band=band, n=rr.stop - rr.start: band.to_tiles(p.codes(arrays, n), 8)[0, lo:hi]
-                else:
-                    reads = p.scale_reads(layer, slice(rr.start // 16, -(-rr.stop // 16)), cc)
-                    conv = lambda arrays, band=band, layer=layer: self._tile_scales(band, p.scales(arrays), layer)[lo:hi]
-                out.append((where, reads, conv))
+                for t, (g0, g1), (j0, j1) in _rectangles(lay, t_first, r[nb + 1].stop):
+                    rows = slice(roff + g0 * 16, roff + min(g1 * 16, sub_r))
+                    cols = slice(coff + j0 * 16, coff + min(j1 * 16, sub_c))
+                    rect = type(lay)((rows.stop - rows.start, cols.stop - cols.start))  # a matrix of its own
+                    where = (*pos, j, slice(t - t_first, t - t_first + rect.tiles))
+                    if self.kind == "values":
+                        reads = p.value_reads(layer, rows, cols)
+                        conv = lambda arrays, rect=rect: rect.to_tiles(p.values(arrays))[0]
+                    elif self.kind == "codes":
+                        reads = p.code_reads(layer, rows, cols)
+                        conv = lambda arrays, rect=rect: rect.to_tiles(p.codes(arrays, rect.matrix[0]), 8)[0]
+                    else:
+                        reads = p.scale_reads(layer, slice(rows.start // 16, -(-rows.stop // 16)), cols)
+                        conv = lambda arrays, rect=rect, layer=layer: self._tile_scales(rect, p.scales(arrays), layer)
+                    out.append((where, reads, conv))
         return out
 
     def _tile_scales(self, band, s: np.ndarray, layer) -> np.ndarray:

@@ -13,6 +13,9 @@ Sections (default ``all`` = every one but ``scale``)::
     scaling      6. figures 1-3 over model sizes x data-axis sizes 1, 2, 4, 8
     scale        compile-only large models on simulated racks (``benchmarks.scale``; takes its
                  own arguments: ``python -m benchmarks scale --help``)
+    serving      the validation loss of a model served in NVFP4: bf16 + post-training
+                 quantization, native NVFP4 training, bf16 + NVFP4 fine-tuning
+                 (``benchmarks.serving``; its own arguments: ``serving --help``)
 
 Examples::
 
@@ -147,6 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "scale":
         return run_scale(argv[1:])
+    if argv and argv[0] == "serving":
+        from benchmarks import serving
+
+        return serving.main(argv[1:])
     if argv and argv[0] == "convergence" and "--text" in argv:
         from benchmarks import convergence_text
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jax_nvfp4 as nv
-from jax_nvfp4.export import export_hf, llama_config
+from jax_nvfp4.export import export_hf
 from train import hf_import
 from train.model import SEGMENTS
 from train.step import build, validation_loss
@@ -28,13 +28,6 @@ from conftest import JOB, TINY, job, job_worker, main_here, mesh_of, sets
 
 # The job's fixture and programs live on the job's worker.
 pytestmark = job_worker
-
-
-def hf_config_of(cfg, **kw):
-    m = cfg.model
-    return llama_config(vocab=m.vocab, d_model=m.d_model, layers=m.layers, heads=m.heads, kv_heads=m.n_kv_heads,
-                        mlp_hidden=m.mlp_hidden, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-                        tie_embeddings=m.tie_embeddings, max_position_embeddings=m.seq_len, **kw)
 
 
 def host_leaves(tree):
@@ -55,9 +48,9 @@ def exports(job_run, tmp_path_factory):
     index), ``bf16`` in one file."""
     root = tmp_path_factory.mktemp("hf-import")
     cfg = job()
-    export_hf(job_run["params"], hf_config_of(cfg), str(root / "nvfp4"), fmt="nvfp4", segments=SEGMENTS,
+    export_hf(job_run["params"], hf_import.hf_config(cfg), str(root / "nvfp4"), fmt="nvfp4", segments=SEGMENTS,
               max_shard_bytes=40_000)
-    export_hf(job_run["params"], hf_config_of(cfg), str(root / "bf16"), fmt="bf16", segments=SEGMENTS)
+    export_hf(job_run["params"], hf_import.hf_config(cfg), str(root / "bf16"), fmt="bf16", segments=SEGMENTS)
     return root
 
 
@@ -89,7 +82,7 @@ def test_bf16_export_reads_back_with_bf16_weights(job_run, exports, tmp_path):
     want = nv.dequantize_params(nv.logical(job_run["params"]), jnp.bfloat16)
     assert_bits_equal(nv.logical(params), want)
     # A bf16-weights state, exported and read back: bit-identical.
-    export_hf(params, hf_config_of(cfg), str(tmp_path / "again"), fmt="bf16", segments=SEGMENTS)
+    export_hf(params, hf_import.hf_config(cfg), str(tmp_path / "again"), fmt="bf16", segments=SEGMENTS)
     again, _ = hf_import.load(str(tmp_path / "again"), trainer)
     assert_bits_equal(again, params)
 

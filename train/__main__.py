@@ -233,12 +233,8 @@ def main(argv=None) -> int:
                 eos, bos = source.get("eos_token_id", eos), source.get("bos_token_id")
                 max_positions = max(max_positions, int(source.get("max_position_embeddings") or 0))
                 tokenizer = hf_import.tokenizer_source(cfg.train.init_from) or tokenizer
-            m = cfg.model
-            hf_cfg = export_lib.llama_config(
-                vocab=m.vocab, d_model=m.d_model, layers=m.layers, heads=m.heads, kv_heads=m.n_kv_heads,
-                mlp_hidden=m.mlp_hidden, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-                tie_embeddings=m.tie_embeddings, max_position_embeddings=max_positions, eos_token_id=eos,
-                bos_token_id=bos)
+            hf_cfg = hf_import.hf_config(cfg, max_position_embeddings=max_positions, eos_token_id=eos,
+                                         bos_token_id=bos)
             from train.model import SEGMENTS as layer_prefixes
             export_lib.export_hf(runs[0]["params"], hf_cfg, os.path.join(args.export_hf, "bf16"), fmt="bf16",
                                  segments=layer_prefixes, tokenizer=tokenizer)

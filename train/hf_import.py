@@ -50,8 +50,8 @@ import numpy as np
 
 from train.config import Config, ConfigError
 
-__all__ = ["Checkpoint", "Read", "check_model", "load", "model_values", "plan", "read_hf_config", "resolve_config",
-           "tokenizer_source"]
+__all__ = ["Checkpoint", "Read", "amax_from_global_scale", "check_model", "hf_config", "load", "model_values", "plan",
+           "read_hf_config", "resolve_config", "tokenizer_source"]
 
 E2M1_X_E4M3 = np.float32(6 * 448)  # 448 * 6: the global encode scale's numerator (jax_nvfp4.numerics)
 F32_MAX = np.float32(np.finfo(np.float32).max)
@@ -161,6 +161,19 @@ def check_model(cfg: Config) -> None:
     """Raise ConfigError (one line naming the key) unless ``cfg.model`` is the shape of
     ``cfg.train.init_from``'s ``config.json``."""
     resolve_config(cfg, given=None)
+
+
+def hf_config(cfg: Config, **kw) -> Dict[str, Any]:
+    """The ``config.json`` of ``cfg.model`` (:func:`jax_nvfp4.export.llama_config`; ``kw``:
+    ``max_position_embeddings`` (default ``model.seq_len``), token ids): what
+    :func:`model_values` reads back as the same model."""
+    from jax_nvfp4.export import llama_config
+
+    m = cfg.model
+    kw.setdefault("max_position_embeddings", m.seq_len)
+    return llama_config(vocab=m.vocab, d_model=m.d_model, layers=m.layers, heads=m.heads, kv_heads=m.n_kv_heads,
+                        mlp_hidden=m.mlp_hidden, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
+                        tie_embeddings=m.tie_embeddings, **kw)
 
 
 def tokenizer_source(directory: Optional[str]) -> Optional[str]:

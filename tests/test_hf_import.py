@@ -131,6 +131,50 @@ def test_each_process_reads_only_its_slices(exports):
     assert len(ckpt.reads) == len(got)  # nothing read twice
 
 
+def test_an_8b_import_is_planned_without_reading_or_allocating(tmp_path):
+    """Llama 3 8B's shapes (GQA, 128256 vocab: 16 GB of bf16) in a checkpoint whose data is a
+    sparse file: the plan of 4 processes of 2 devices each, from the headers and the abstract
+    state alone, gives each a quarter of the bytes; nothing is read, nothing model-sized is
+    allocated."""
+    import struct
+    import tracemalloc
+
+    from jax_nvfp4.export import hf_modules, is_linear
+
+    cfg = job("model.d_model=4096", "model.layers=32", "model.heads=32", "model.kv_heads=8", "model.mlp_hidden=14336",
+              "model.vocab=128256", "model.rope_theta=500000.0")
+    mesh = mesh_of(cfg, 8)
+    trainer, _, _ = build(cfg, mesh, init=False)
+    header, end = {}, 0
+    for path, leaf, modules in hf_modules(trainer.abstract_params, SEGMENTS):  # the export's own map
+        for module, idx in modules:
+            shape = list(leaf.shape[len(idx):])
+            shape = shape[::-1] if is_linear(path) else shape
+            n = 2 * int(np.prod(shape))
+            header[f"{module}.weight"] = {"dtype": "BF16", "shape": shape, "data_offsets": [end, end + n]}
+            end += n
+    raw = json.dumps(header).encode()
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + end)  # sparse: no data on disk
+    (tmp_path / "config.json").write_text(json.dumps(hf_import.hf_config(cfg)))
+    assert end > 16e9
+    devices = list(mesh.devices.flat)
+    tracemalloc.start()
+    try:
+        shares = []
+        for i in range(4):
+            plan = hf_import.plan(str(tmp_path), trainer, devices[2 * i:2 * i + 2])
+            distinct = {(r.tensor, tuple((s.start, s.stop) for s in r.index)): r.nbytes for rs in plan.values() for r in rs}
+            shares.append(sum(distinct.values()) / end)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # A quarter each, plus the replicated norm scales (0.003% of the model).
+    assert all(0.25 <= s < 0.2501 for s in shares), shares
+    assert peak < 50e6, peak
+
+
 def test_amax_from_global_scale():
     from jax_nvfp4 import numerics as nx
 

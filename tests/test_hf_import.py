@@ -87,6 +87,21 @@ def test_bf16_export_reads_back_with_bf16_weights(job_run, exports, tmp_path):
     assert_bits_equal(again, params)
 
 
+def test_2d_tiles_read_back_when_the_scales_repeat_over_each_tile(exports, tmp_path):
+    # The 2d export repeats each tile's scale on its 16 rows: read with 2d tiles, bit-identical;
+    # with 1d blocks, the same values. A 1d checkpoint's scales differ inside tiles: refused.
+    cfg = job("nvfp4.block=2d")
+    trainer, params, _ = build(cfg, mesh_of(cfg, 8))
+    export_hf(params, hf_import.hf_config(cfg), str(tmp_path / "2d"), fmt="nvfp4", segments=SEGMENTS)
+    again, _ = hf_import.load(str(tmp_path / "2d"), trainer)
+    assert_bits_equal(again, params)
+    one_d, _ = build(job(), mesh_of(cfg, 8), init=False)[:2]
+    as_1d, _ = hf_import.load(str(tmp_path / "2d"), one_d)
+    assert_bits_equal(nv.dequantize_params(nv.logical(as_1d)), nv.dequantize_params(nv.logical(params)))
+    with pytest.raises(hf_import.ConfigError, match="nvfp4.block=2d: model.layers.0."):
+        hf_import.load(str(exports / "nvfp4"), trainer)
+
+
 @pytest.mark.parametrize("devices, overrides", [(6, ()), (8, ("mesh.tensor=2",))])
 def test_import_onto_another_mesh(job_run, exports, devices, overrides):
     # Other tile paddings (6 data shards) and tensor splits: each device reads its own tiles.

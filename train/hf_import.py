@@ -96,13 +96,11 @@ def _rope_theta(hf: Dict[str, Any], where: str) -> float:
     return float(theta)
 
 
-def model_values(hf: Dict[str, Any], where: str = "DIR") -> Dict[str, Any]:
-    """``{model config key: value}`` that a Llama ``config.json`` defines, with
-    ``{key: the config.json name}`` for messages. Features this model does not have (another
-    architecture, biases, rope scaling, another activation or head size) are refused.
-
-    Returns ``(values, names)``.
-    """
+def model_values(hf: Dict[str, Any], where: str = "DIR") -> Tuple[Dict[str, Any], Dict[str, str]]:
+    """``(values, names)``: ``{model config key: value}`` that a Llama ``config.json``
+    defines, and ``{key: its config.json name}`` for messages. Features this model does not
+    have (another architecture, biases, rope scaling, another activation or head size) are
+    refused (ConfigError, one line)."""
     if hf.get("model_type") != "llama":
         _fail(where, f"config.json model_type={hf.get('model_type')!r}: only Llama checkpoints ('llama') are read")
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
@@ -453,8 +451,10 @@ def _rectangles(lay, t0: int, t1: int):
 
 
 class _Target:
-    """One device array to build: its global ``shape``, ``dtype``, sharding and how a block of
-    it is read (:meth:`bands`: the reads of each part and how they become the block)."""
+    """One array to build: its global ``shape``, ``dtype`` and sharding, and how a device's
+    block of it is read (:meth:`parts`: the reads of each part and how they become the block).
+    ``kind``: ``values`` (float32 tiles), ``codes`` / ``scales`` (an NVFP4 param's tiles, in
+    ``layout`` with ``block``), ``amax`` (per layer) or ``whole`` (a replicated logical leaf)."""
 
     def __init__(self, name: str, shape, dtype, sharding, param: _Param, kind: str, layout=None, block=None):
         self.name, self.shape, self.dtype, self.sharding = name, tuple(shape), np.dtype(dtype), sharding
@@ -502,8 +502,8 @@ class _Target:
         return out
 
     def _tile_scales(self, band, s: np.ndarray, layer) -> np.ndarray:
-        from jax_nvfp4.layout import tile_scales
-
+        """The ``[tile rows, cols]`` scale bytes of ``(16, 1)`` blocks as the tiles' scales of
+        ``self.block``."""
         if tuple(self.block) == (16, 1):
             return band.scales_to_tiles(s, (16, 1))[0]
         # 16x16 tiles: one scale per tile, so the checkpoint's must repeat over each tile's columns.
@@ -512,7 +512,6 @@ class _Target:
         if np.any(padded != padded[..., :1]):
             raise ConfigError(f"nvfp4.block=2d: {self.param.module(layer)}'s NVFP4 scales (one per 16 inputs of "
                               f"each output) differ inside a 16x16 tile; read it with nvfp4.block=1d")
-        assert tile_scales(self.block) == (1, 1)
         return band.scales_to_tiles(np.ascontiguousarray(padded[..., 0]), (16, 16))[0]
 
     def fill(self, index, ckpt: Checkpoint) -> np.ndarray:
@@ -627,7 +626,8 @@ def _device_array(t: _Target, ckpt: Checkpoint):
 def load(directory: str, trainer, *, checkpoint: Optional[Checkpoint] = None) -> Tuple[Any, Any]:
     """``(params, opt_state)`` of ``trainer`` (``train.step.build(cfg, mesh, init=False)``)
     from the Hugging Face checkpoint in ``directory``, in the trainer's shardings (module
-    docstring). Call it on every process.
+    docstring). Call it on every process. ``checkpoint``: a :class:`Checkpoint` of
+    ``directory`` to read through (its ``reads`` then list what this process read).
 
     Raises:
       ConfigError: the checkpoint's config.json or tensors do not fit the run's model or

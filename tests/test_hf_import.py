@@ -30,6 +30,11 @@ from conftest import JOB, TINY, job, job_worker, main_here, mesh_of, sets
 pytestmark = job_worker
 
 
+def host_logical(tree):
+    """The logical view of a stored tree, relaid out on the host (no device programs)."""
+    return nv.logical(jax.device_get(tree))
+
+
 def host_leaves(tree):
     return [np.asarray(jax.device_get(x)) for x in jax.tree.leaves(tree)]
 
@@ -79,8 +84,8 @@ def test_bf16_export_reads_back_with_bf16_weights(job_run, exports, tmp_path):
     trainer, _, _ = build(cfg, mesh_of(cfg, 8), init=False)
     params, _ = hf_import.load(str(exports / "bf16"), trainer)
     # The bf16 export holds the dequantized NVFP4 weights: bf16 params of exactly those values.
-    want = nv.dequantize_params(nv.logical(job_run["params"]), jnp.bfloat16)
-    assert_bits_equal(nv.logical(params), want)
+    want = nv.dequantize_params(host_logical(job_run["params"]), jnp.bfloat16)
+    assert_bits_equal(host_logical(params), want)
     # A bf16-weights state, exported and read back: bit-identical.
     export_hf(params, hf_import.hf_config(cfg), str(tmp_path / "again"), fmt="bf16", segments=SEGMENTS)
     again, _ = hf_import.load(str(tmp_path / "again"), trainer)
@@ -97,7 +102,7 @@ def test_2d_tiles_read_back_when_the_scales_repeat_over_each_tile(exports, tmp_p
     assert_bits_equal(again, params)
     one_d, _ = build(job(), mesh_of(cfg, 8), init=False)[:2]
     as_1d, _ = hf_import.load(str(tmp_path / "2d"), one_d)
-    assert_bits_equal(nv.dequantize_params(nv.logical(as_1d)), nv.dequantize_params(nv.logical(params)))
+    assert_bits_equal(nv.dequantize_params(host_logical(as_1d)), nv.dequantize_params(host_logical(params)))
     with pytest.raises(hf_import.ConfigError, match="nvfp4.block=2d: model.layers.0."):
         hf_import.load(str(exports / "nvfp4"), trainer)
 
@@ -108,7 +113,7 @@ def test_import_onto_another_mesh(job_run, exports, devices, overrides):
     cfg = job(*overrides)
     trainer, _, _ = build(cfg, mesh_of(cfg, devices), init=False)
     params, _ = hf_import.load(str(exports / "nvfp4"), trainer)
-    assert_bits_equal(nv.logical(params), nv.logical(job_run["params"]))
+    assert_bits_equal(host_logical(params), host_logical(job_run["params"]))
 
 
 def test_each_process_reads_only_its_slices(exports):
@@ -341,8 +346,8 @@ def test_compressed_tensors_checkpoint_imports_losslessly(tmp_path):
     cfg = import_config(str(tmp_path / "ct"), "mesh.data=2", "data.batch_size=2", "nvfp4.block=1d")
     trainer, _, _ = build(cfg, mesh_of(cfg, 2), init=False)
     params, opt_state = hf_import.load(cfg.train.init_from, trainer)
-    logical = jax.device_get(nv.logical(params))
-    masters = jax.device_get(nv.logical(nv.find_state(opt_state).master))
+    logical = host_logical(params)
+    masters = host_logical(nv.find_state(opt_state).master)
     tensors = load_file(str(tmp_path / "ct" / "model.safetensors"))
     scheme = QuantizationConfig.model_validate(
         json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]).config_groups["group_0"]

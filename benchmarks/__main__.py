@@ -17,6 +17,9 @@ Sections (default ``all`` = every one but ``scale``)::
                  the CPU, packed gathers, the recipe GEMM's backend, the default and a 1.1B
                  model's steps with NVFP4 and bf16 weights (``benchmarks.gpu_check``; its own
                  arguments: ``python -m benchmarks gpu --help``); without a GPU, one line, exit 1
+    serving      the validation loss of a model served in NVFP4: bf16 + post-training
+                 quantization, native NVFP4 training, bf16 + NVFP4 fine-tuning
+                 (``benchmarks.serving``; its own arguments: ``serving --help``)
 
 Examples::
 
@@ -177,6 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from benchmarks import gpu_check
 
         return gpu_check.main(argv[1:])
+    if argv and argv[0] == "serving":
+        from benchmarks import serving
+
+        return serving.main(argv[1:])
     if argv and argv[0] == "convergence" and "--text" in argv:
         from benchmarks import convergence_text
 

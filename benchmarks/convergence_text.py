@@ -290,7 +290,9 @@ def plain_bf16_run(cfg) -> Dict[str, Any]:
 
 
 def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=print) -> Dict[str, Any]:
-    """Train one run of the grid (or read its result if ``<cache>/runs/<name>.json`` exists)."""
+    """Train one run of the grid (or read its result if ``<cache>/runs/<name>.json`` exists).
+    ``spec`` may add ``extra`` overrides and ``export_hf: {step: folder}`` (bf16 Hugging Face
+    checkpoints of the params after those steps)."""
     path = os.path.join(cache, "runs", spec["name"] + ".json")
     if os.path.exists(path):
         with open(path) as f:
@@ -308,7 +310,8 @@ def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=pri
         r = plain_bf16_run(cfg)
     else:
         mesh = mesh_lib.build_mesh(cfg.mesh, jax.devices()[:1])
-        r = loop.run(cfg, mesh, os.path.join(cache, "out", spec["name"]), progress=False, label=spec["name"])
+        r = loop.run(cfg, mesh, os.path.join(cache, "out", spec["name"]), progress=False, label=spec["name"],
+                     on_step=_exporter(cfg, spec.get("export_hf")))
     wall = time.perf_counter() - t0
     res = {**spec, "overrides": overrides,
            "final_val_loss": r["final_val_loss"], "val_history": [list(v) for v in r["val_history"]],
@@ -325,6 +328,29 @@ def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=pri
     os.replace(tmp, path)
     log(f"  {spec['name']}: val {res['final_val_loss']:.4f}, train {res['final_train_loss']:.4f}, {wall:.0f} s")
     return res
+
+
+def _exporter(cfg, at: Optional[Dict[int, str]]):
+    """The ``on_step`` hook of a run whose spec has ``export_hf: {step: folder}``: a bf16 Hugging
+    Face checkpoint of the params after each of those steps (what ``train.init_from`` reads);
+    None without."""
+    if not at:
+        return None
+    import shutil
+
+    from jax_nvfp4.export import export_hf
+    from train.hf_import import hf_config
+    from train.model import SEGMENTS
+
+    at = {int(k): v for k, v in at.items()}
+    for d in at.values():
+        shutil.rmtree(d, ignore_errors=True)  # a previous attempt's, interrupted before its result
+
+    def on_step(step, params, opt_state, it):
+        if step in at:
+            export_hf(params, hf_config(cfg), at[step], fmt="bf16", segments=SEGMENTS)
+
+    return on_step
 
 
 def _alive(pid: int) -> bool:

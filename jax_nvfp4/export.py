@@ -43,8 +43,9 @@ from jax_nvfp4.array import (BLOCK_1D, BLOCK_2D, BLOCK_COLUMN, NVFP4Array, as_ar
                              packed_shapes)
 from jax_nvfp4.params import path_str
 
-__all__ = ["ExportError", "check_hf", "export_hf", "export_nvfp4", "hf_tensors", "is_export", "llama_config", "load_nvfp4",
-           "nvfp4_to_compressed_tensors", "EXPORT_FORMAT", "EXPORT_VERSION", "NVFP4A16_QUANTIZATION_CONFIG"]
+__all__ = ["ExportError", "check_hf", "export_hf", "export_nvfp4", "hf_modules", "hf_tensors", "is_export", "is_linear",
+           "llama_config", "load_nvfp4", "nvfp4_to_compressed_tensors", "AMAX_METADATA", "EXPORT_FORMAT",
+           "EXPORT_VERSION", "NVFP4A16_QUANTIZATION_CONFIG", "TOKENIZER_FILES"]
 
 EXPORT_FORMAT = "jax_nvfp4.export"
 EXPORT_VERSION = 2  # 2: the manifest hashes itself
@@ -391,6 +392,13 @@ _HF_LAYER = {
 }
 _HF_TOP = {"embed": "model.embed_tokens", "norm_f/scale": "model.norm", "head/kernel": "lm_head"}
 
+# The safetensors header entry (a JSON object: HF name of each ``weight_global_scale`` -> the
+# hex float32 bits of the amax it was computed from) that export_hf writes for NVFP4 kernels.
+AMAX_METADATA = "jax_nvfp4.amax"
+# The files of a Hugging Face tokenizer, copied from a checkpoint folder into an export.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "generation_config.json")
+
 # compressed-tensors' ``NVFP4A16`` preset (NVFP4 weights in 1x16 groups with E4M3 scales and a
 # float32 global scale; bf16 activations), as ``QuantizationConfig.model_dump_json`` writes it
 # (compressed-tensors 0.20). Weight-only: the model was trained with bf16 activations.
@@ -483,19 +491,44 @@ def _segment_offsets(flat, segments) -> Dict[str, int]:
     return offsets
 
 
-def _hf_names(flat, segments) -> List[tuple]:
-    """``[(path, leaf, segment or None, HF name)]`` of ``[(path, leaf)]``; raises ExportError
-    for a parameter without a Llama counterpart."""
-    names = []
+def is_linear(path: str) -> bool:
+    """Whether the parameter at ``path`` is a Flax ``[in, out]`` kernel, whose Hugging Face
+    tensor is the transposed ``[out, in]`` Linear weight (embeddings and norm scales keep their
+    orientation)."""
+    return path.endswith("/kernel")
+
+
+def hf_modules(params, segments=("blocks",)) -> List[tuple]:
+    """The one map between this project's Llama params and Hugging Face's ``LlamaForCausalLM``
+    module names: ``[(path, leaf, [(module, index)])]`` for every leaf of ``params`` (logical or
+    stored, concrete or abstract: only ``leaf.shape`` is read), where ``module`` is the HF module
+    (``model.layers.3.self_attn.q_proj``; its tensors are ``module.weight`` or the
+    compressed-tensors ``module.weight_packed`` ...) and ``index`` the leaf's stacked-layer
+    index (``()`` for unstacked leaves). ``segments``: the stacked-layer sub-trees in layer
+    order (``blocks_first``, ``blocks``, ``blocks_last`` for ``train.model.GPT``).
+
+    Raises:
+      ExportError: a parameter without a Llama counterpart.
+    """
+    flat = [(path_str(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_param)[0]]
+    offsets = _segment_offsets(flat, segments)
+    out = []
     for path, leaf in flat:
         seg, _, rest = path.partition("/")
         if path in _HF_TOP:
-            names.append((path, leaf, None, _HF_TOP[path]))
+            out.append((path, leaf, [(_HF_TOP[path], ())]))
         elif seg in segments and rest in _HF_LAYER:
-            names.append((path, leaf, seg, _HF_LAYER[rest]))
+            out.append((path, leaf, [(f"model.layers.{offsets[seg] + i}.{_HF_LAYER[rest]}", (i,))
+                                     for i in range(int(leaf.shape[0]))]))
         else:
             raise ExportError(f"export_hf: parameter {path!r} has no Hugging Face Llama counterpart")
-    return names
+    return out
+
+
+def _is_param(x) -> bool:
+    from jax_nvfp4.layout import is_tiled
+
+    return is_nvfp4(x) or is_tiled(x)
 
 
 def check_hf(params, *, fmt: str = "bf16", segments=("blocks",)) -> None:
@@ -503,21 +536,22 @@ def check_hf(params, *, fmt: str = "bf16", segments=("blocks",)) -> None:
     a parameter without a Llama counterpart, or (``"nvfp4"``) an NVFP4 kernel that
     compressed-tensors' layout cannot hold. Reads only shapes: ``params`` may be logical
     arrays or ``jax.eval_shape`` structures of them, so a run can be checked before it trains."""
-    flat = [(path_str(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_nvfp4)[0]]
-    for path, leaf, _, _ in _hf_names(flat, segments):
-        why = is_nvfp4(leaf) and fmt == "nvfp4" and path.endswith("/kernel") and _compressed_tensors_refusal(leaf)
+    for path, leaf, _ in hf_modules(params, segments):
+        why = is_nvfp4(leaf) and fmt == "nvfp4" and is_linear(path) and _compressed_tensors_refusal(leaf)
         if why:
             raise ExportError(f"export_hf: {path}: {why}")
 
 
-def hf_tensors(params, *, fmt: str = "bf16", segments=("blocks",)):
+def hf_tensors(params, *, fmt: str = "bf16", segments=("blocks",), amax: Optional[Dict[str, int]] = None):
     """``(tensors, ignore)``: an iterator of ``(HF name, numpy array)`` for ``params`` in the
     HF Llama layout, and (``fmt="nvfp4"``) the names of Linear modules left in bf16.
 
     ``fmt="bf16"``: every tensor bf16, the NVFP4 leaves dequantized (``dequantize``).
     ``fmt="nvfp4"``: NVFP4 kernels as :func:`nvfp4_to_compressed_tensors`; the rest bf16.
-    ``segments``: the stacked-layer sub-trees in layer order (``blocks_first``, ``blocks``,
-    ``blocks_last`` for ``train.model.GPT``).
+    ``segments``: the stacked-layer sub-trees in layer order (:func:`hf_modules`).
+    ``amax``: a dict filled, as the tensors are produced, with ``{HF name of a
+    weight_global_scale: the float32 bits of the exact amax behind it}`` (``448 * 6 / S`` does
+    not always give the amax back: neighbouring amaxes can share one global scale).
 
     Call on every process of a multi-process run (sharded leaves are gathered).
     """
@@ -526,43 +560,39 @@ def hf_tensors(params, *, fmt: str = "bf16", segments=("blocks",)):
     if fmt not in ("bf16", "nvfp4"):
         raise ValueError(f"fmt must be 'bf16' or 'nvfp4', got {fmt!r}")
     params = logical(params)  # stored (tile-major) params: their logical form
-    flat = [(path_str(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_nvfp4)[0]]
-    offsets = _segment_offsets(flat, segments)
-    names = _hf_names(flat, segments)
+    names = hf_modules(params, segments)
     ignore = []
-    linear = lambda path: path.endswith("/kernel")
 
     def tensors(leaf, path):
         """``{suffix: [..., *shape] host array}`` for a whole (stacked) leaf, converted at once."""
-        if is_nvfp4(leaf) and fmt == "nvfp4" and linear(path):
+        if is_nvfp4(leaf) and fmt == "nvfp4" and is_linear(path):
             return nvfp4_to_compressed_tensors(leaf)
         value = np.asarray(_dequantized_bf16(leaf)) if is_nvfp4(leaf) else np.asarray(jnp.asarray(leaf, jnp.bfloat16))
-        return {"weight": np.swapaxes(value, -1, -2) if linear(path) else value}
+        return {"weight": np.swapaxes(value, -1, -2) if is_linear(path) else value}
 
     def gen():
-        for path, leaf, seg, hf in names:
+        for path, leaf, modules in names:
             if is_nvfp4(leaf):
                 host = NVFP4Array(_host(leaf.data), _host(leaf.scale_bits), _host(leaf.amax_bits), leaf.matrix_shape, leaf.block)
             else:
                 host = _host(leaf)
             arrays = tensors(host, path)
             quantized = "weight_packed" in arrays
-            if seg is None:
-                modules = [(hf, ())]
-            else:
-                modules = [(f"model.layers.{offsets[seg] + i}.{hf}", (i,)) for i in range(int(host.shape[0]))]
             for module, idx in modules:
-                if fmt == "nvfp4" and linear(path) and not quantized:
+                if fmt == "nvfp4" and is_linear(path) and not quantized:
                     ignore.append(module)
+                if quantized and amax is not None:
+                    amax[f"{module}.weight_global_scale"] = int(np.asarray(host.amax_bits)[idx])
                 for suffix, a in arrays.items():
                     yield f"{module}.{suffix}", a[idx]
 
     return gen(), ignore
 
 
-def _write_safetensors(tensors, directory: str, max_shard_bytes: int) -> None:
+def _write_safetensors(tensors, directory: str, max_shard_bytes: int, metadata=None) -> None:
     """``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` + the index, written shard by
-    shard (at most about one shard in memory)."""
+    shard (at most about one shard in memory). ``metadata(names)``: more string entries for the
+    header of the shard holding the tensors ``names``."""
     from safetensors.numpy import save_file
 
     shards, current, size = [], {}, 0
@@ -571,7 +601,8 @@ def _write_safetensors(tensors, directory: str, max_shard_bytes: int) -> None:
         nonlocal current, size
         if current:
             name = f"shard-{len(shards):05d}.tmp"
-            save_file(current, os.path.join(directory, name), metadata={"format": "pt"})
+            meta = {"format": "pt", **(metadata(list(current)) if metadata else {})}
+            save_file(current, os.path.join(directory, name), metadata=meta)
             shards.append((name, list(current)))
             current, size = {}, 0
 
@@ -608,7 +639,14 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, fmt: str = "bf1
         ``config.json``; leaves that are not NVFP4 (embeddings, norms, kept layers, the head)
         stay bf16, their Linear modules listed in ``ignore``.
       segments: the stacked-layer sub-trees in layer order.
-      tokenizer: a ``tokenizer.json`` to copy in (with a ``tokenizer_config.json``).
+      tokenizer: a ``tokenizer.json`` to copy in (with a ``tokenizer_config.json``), or the
+        folder of a Hugging Face checkpoint whose tokenizer files (:data:`TOKENIZER_FILES`)
+        are copied as they are.
+
+    ``fmt="nvfp4"`` also records each NVFP4 kernel's exact float32 amax in the safetensors
+    header (:data:`AMAX_METADATA`), which readers ignore: the global scale ``448 * 6 / amax``
+    alone does not always give the amax back, and a checkpoint read back by
+    ``train.hf_import`` is then bit-identical to the exported params.
 
     Call it on every process; process 0 writes. Returns ``directory``.
 
@@ -627,7 +665,8 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, fmt: str = "bf1
     for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_nvfp4)[0]:
         if is_nvfp4(leaf) and not bool(jnp.all(leaf.isfinite())):
             raise ExportError(f"export_hf: leaf {path_str(path)!r} has a non-finite amax (NaN or Inf); nothing written")
-    tensors, ignore = hf_tensors(params, fmt=fmt, segments=segments)
+    amax: Dict[str, int] = {}
+    tensors, ignore = hf_tensors(params, fmt=fmt, segments=segments, amax=amax)
     if jax.process_index() != 0:
         for _ in tensors:  # the other processes take part in the gathers
             pass
@@ -636,14 +675,23 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, fmt: str = "bf1
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=parent)
     try:
-        _write_safetensors(tensors, tmp, max_shard_bytes)
+        def metadata(names):
+            mine = {k: f"{amax[k]:08x}" for k in names if k in amax}
+            return {AMAX_METADATA: json.dumps(mine, sort_keys=True)} if mine else {}
+
+        _write_safetensors(tensors, tmp, max_shard_bytes, metadata)
         cfg = dict(config)
         if fmt == "nvfp4":
             cfg["quantization_config"] = dict(NVFP4A16_QUANTIZATION_CONFIG, ignore=sorted(set(ignore)))
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
-        if tokenizer:
+        if tokenizer and os.path.isdir(tokenizer):
+            for name in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(tokenizer, name)):
+                    shutil.copyfile(os.path.join(tokenizer, name), os.path.join(tmp, name))
+        elif tokenizer:
             shutil.copyfile(tokenizer, os.path.join(tmp, "tokenizer.json"))
+        if os.path.isfile(os.path.join(tmp, "tokenizer.json")) and not os.path.isfile(os.path.join(tmp, "tokenizer_config.json")):
             with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
                 json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
                            "model_max_length": cfg.get("max_position_embeddings")}, f, indent=2)

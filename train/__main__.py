@@ -34,6 +34,12 @@ a multi-process run agree on the step (JAX's preemption sync protocol; see train
 One run per folder: --out and checkpoint.dir are locked while a run uses them (a file lock that
 dies with the process); a second run is refused with one line naming the holder (exit 2).
 
+--init-from DIR (train.init_from) starts from a Hugging Face Llama checkpoint instead of random
+weights: plain bf16/f16/f32 safetensors or compressed-tensors NVFP4 (read losslessly into the
+NVFP4 weights), one file or shards; its config.json sets the model's shape (a model key given
+with --set must agree with it; a config file's are replaced). With evaluation on, the imported
+model's validation loss is printed at step 0. Its tokenizer travels into --export-hf.
+
 --export DIR writes the trained NVFP4 weights (jax_nvfp4.export_nvfp4) into a new or empty
 directory, or over a previous export; any other non-empty directory is refused before
 training starts. --export-hf DIR writes Hugging Face Llama checkpoints of them: DIR/bf16
@@ -87,6 +93,9 @@ def parse_args(argv=None):
     p.add_argument("--export", metavar="DIR", help="after training, write the NVFP4 weights to DIR")
     p.add_argument("--export-hf", metavar="DIR", help="after training, write Hugging Face Llama checkpoints "
                    "to DIR/bf16 and DIR/nvfp4 (DIR must be new or empty)")
+    p.add_argument("--init-from", metavar="DIR", help="start from the Hugging Face Llama checkpoint in DIR "
+                   "(train.init_from: bf16/f16/f32 or compressed-tensors NVFP4 safetensors; its config.json sets "
+                   "the model's shape, and --set model keys must agree with it)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more overrides")
     return p.parse_args(argv)
 
@@ -121,10 +130,17 @@ def main(argv=None) -> int:
 
     logging.getLogger("absl").setLevel(logging.CRITICAL)
     # Config first: it needs no JAX, so a bad config fails fast and before anything is written.
-    from train.config import ConfigError, load_config
+    from train.config import ConfigError, load_config, override_keys
 
     try:
-        cfg = load_config(args.config, [*args.sets, *args.overrides])
+        overrides = [*args.sets, *args.overrides]
+        cfg = load_config(args.config, overrides)
+        if args.init_from:
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=args.init_from))
+        if cfg.train.init_from:
+            from train.hf_import import resolve_config
+
+            cfg = resolve_config(cfg, override_keys(overrides))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -372,21 +388,25 @@ def hf_check(cfg, mesh) -> None:
 
 def export_hf(cfg, params, directory: str) -> None:
     """``--export-hf DIR``: Hugging Face Llama checkpoints of ``params`` in DIR/bf16 and
-    DIR/nvfp4, with the token file's tokenizer when there is one."""
+    DIR/nvfp4, with the token file's tokenizer when there is one, or the imported checkpoint's
+    tokenizer and special tokens (``train.init_from``)."""
     from jax_nvfp4 import export as export_lib
     from train import data as data_lib
+    from train import hf_import
     from train.model import SEGMENTS
 
-    tokenizer = eos = None
+    tokenizer = eos = bos = None
+    max_positions = cfg.model.seq_len
     if cfg.data.source == "tokens":
         meta = data_lib.read_token_header(cfg.data.path)
         path = os.path.join(os.path.dirname(os.path.abspath(cfg.data.path)), meta.get("tokenizer") or "")
         tokenizer, eos = (path, meta.get("eos_id")) if os.path.isfile(path) else (None, None)
-    m = cfg.model
-    hf_cfg = export_lib.llama_config(
-        vocab=m.vocab, d_model=m.d_model, layers=m.layers, heads=m.heads, kv_heads=m.n_kv_heads,
-        mlp_hidden=m.mlp_hidden, rope_theta=m.rope_theta, norm_eps=m.norm_eps,
-        tie_embeddings=m.tie_embeddings, max_position_embeddings=m.seq_len, eos_token_id=eos)
+    if cfg.train.init_from:
+        source = hf_import.read_hf_config(cfg.train.init_from)
+        eos, bos = source.get("eos_token_id", eos), source.get("bos_token_id")
+        max_positions = max(max_positions, int(source.get("max_position_embeddings") or 0))
+        tokenizer = hf_import.tokenizer_source(cfg.train.init_from) or tokenizer
+    hf_cfg = hf_import.hf_config(cfg, max_position_embeddings=max_positions, eos_token_id=eos, bos_token_id=bos)
     for fmt in ("bf16", "nvfp4"):
         export_lib.export_hf(params, hf_cfg, os.path.join(directory, fmt), fmt=fmt, segments=SEGMENTS,
                              tokenizer=tokenizer)

@@ -46,6 +46,7 @@ __all__ = [
     "apply_overrides",
     "from_dict",
     "load_config",
+    "override_keys",
     "resolve_mesh_axes",
     "save_config",
     "to_dict",
@@ -351,6 +352,9 @@ class TrainConfig(_Section):
     out_dir: str = _field("runs/default")
     # JAX keys take 32 bits and the run uses seed, seed + 1 and seed + 2: a larger seed would alias a smaller one.
     seed: int = _field(0, ge=0, lt=2**32 - 2)
+    # A Hugging Face Llama checkpoint folder to start from instead of random weights
+    # (train.hf_import; its config.json sets the model's shape).
+    init_from: Optional[str] = _field(None, doc="a Hugging Face Llama checkpoint folder to start from")
     remat: str = _field("nothing", choices=("nothing", "dots"),
                         doc="what a scanned layer keeps for its backward pass besides its input: "
                             "'nothing' (recompute the layer; memory flat in depth) or 'dots' (its "
@@ -696,6 +700,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
             raise ConfigError(f"config file {path}: unknown extension {ext!r}; "
                               "use .yaml, .yml or .gin")
     return from_dict(_merge(raw, _overrides_to_dict(overrides)))
+
+
+def override_keys(overrides: Sequence[str]) -> set[str]:
+    """The ``section.key`` names ``overrides`` set: on the command line, what a checkpoint's
+    own config must agree with (``train.init_from``) rather than replace."""
+    return {f"{section}.{key}" for section, values in _overrides_to_dict(overrides).items() for key in values}
 
 
 # -- device-dependent checks --------------------------------------------------------------------

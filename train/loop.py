@@ -72,6 +72,10 @@ def run(
 ) -> Dict[str, Any]:
     """Train ``cfg`` on ``mesh``; write ``metrics.jsonl`` into ``out_dir``; return a summary.
 
+    A new run starts from ``train.seed``'s random init, or from the Hugging Face checkpoint
+    ``train.init_from`` (:func:`train.hf_import.load`), whose validation loss is evaluated at
+    step 0, before any update, when ``train.eval_every`` is set.
+
     With ``cfg.checkpoint.dir``, the run resumes from the newest checkpoint there once its
     content hashes are verified (``checkpoint.fallback``: the newest intact one) and its config
     matches (:func:`train.checkpoint.check_resume`); metrics.jsonl continues after its step. It
@@ -117,7 +121,12 @@ def run(
         if is_main:
             # Building the state and compiling the step take a while before the first step.
             print(f"{name}: compiling the train step...", flush=True)
-        trainer, params, opt_state = build(cfg, mesh, init=start is None)
+        imported = start is None and bool(cfg.train.init_from)
+        trainer, params, opt_state = build(cfg, mesh, init=start is None and not imported)
+        if imported:
+            from train import hf_import
+
+            params, opt_state = hf_import.load(cfg.train.init_from, trainer)
         source = data_lib.make_source(cfg.data, cfg.model)
         it = data_lib.make_data_iterator(cfg, process_index=jax.process_index(), process_count=jax.process_count(), source=source)
         val_batches, eval_fn = [], None
@@ -150,6 +159,14 @@ def run(
             os.makedirs(out_dir, exist_ok=True)
             history = _resume_metrics(metrics_path, start) if start else []
             fh = open(metrics_path, "a" if start else "w")
+        if imported and eval_fn is not None:
+            # The imported model's quality first, before any update.
+            rec = {"step": 0, "val_loss": validation_loss(eval_fn, params, val_batches)}
+            history.append(rec)
+            if is_main:
+                fh.write(json_record(rec) + "\n")
+                print(f"{name}: step 0 (imported from {cfg.train.init_from}): validation loss {rec['val_loss']:.4f}",
+                      flush=True)
         if progress and is_main:
             from tqdm.auto import tqdm
 
@@ -252,7 +269,7 @@ def run(
                     fh.close()
                 except OSError as e:  # the rest of a failed write: name the file
                     raise OSError(e.errno, e.strerror, metrics_path) from None
-    losses = [h["loss"] for h in history]
+    losses = [h["loss"] for h in history if "loss" in h]
     val = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
     tail = losses[-max(1, min(20, len(losses) // 5)):]
     return {

@@ -1,0 +1,287 @@
+"""``python -m benchmarks serving``: the validation loss of a model as served in NVFP4, on one budget.
+
+A model served in NVFP4 is usually trained in bf16 and quantized after training; a model
+trained with NVFP4 weights is served exactly as it was trained (the export is lossless). On
+the real text of ``python -m benchmarks convergence --text`` (the Python standard library's
+modules, every tenth held out; bytes as tokens) and its default model, each seed trains the
+same number of steps (``--steps``, the same batches) for every row:
+
+- ``bf16``: bf16 weights (float32 masters), served in bf16: the ceiling;
+- ``ptq``: that bf16 model, exported as a bf16 Hugging Face checkpoint and quantized to NVFP4
+  round to nearest with one E4M3 scale per 16 inputs and a global amax per matrix, the
+  compressed-tensors ``NVFP4A16`` layout (``train.init_from`` with ``nvfp4.weights=nvfp4
+  nvfp4.block=1d``, evaluated at step 0): post-training quantization as done today;
+- ``native``: NVFP4 weights from scratch (the default recipe; weights only, 1d blocks);
+- ``qat``: the bf16 run's checkpoint after 90% of the steps (a bf16 Hugging Face export),
+  ``train.init_from`` with NVFP4 weights for the last 10%: quantization-aware fine-tuning.
+  A Hugging Face checkpoint carries no optimizer state: AdamW starts fresh, at a constant
+  learning rate, the mean of the bf16 run's schedule over those last steps; its batches are
+  drawn with another data seed (``data.seed + 1000``; random windows, as every run's).
+
+The NVFP4 rows are evaluated with their NVFP4 weights dequantized to bf16, what a weight-only
+NVFP4 kernel computes with; embeddings, head and norms stay bf16 in every row (as NVFP4A16
+leaves them). Gaps are ``(row - bf16) / bf16`` per seed; the report gives their mean, the
+seeds' range and the 95% t-interval of the mean.
+
+The runs are ``benchmarks.convergence_text`` runs (its corpus, configs and per-run cache in
+``--cache``; a rerun skips finished runs; the native and bf16 runs are that grid's
+``default-STEPS-sN-nvfp4`` and ``-bf16`` configs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Dict, List, Sequence
+
+from benchmarks import convergence_text as ct
+from benchmarks.common import git_commit, source_state
+
+DEFAULT_CACHE = os.path.join("runs", "serving")
+SIZE = "default"
+STEPS = 2000
+TAIL = 0.1  # the fine-tuned share of the budget
+ROWS = ("bf16", "ptq", "native", "qat")
+ROW_NAMES = {
+    "bf16": "bf16 weights, served in bf16 (the ceiling)",
+    "ptq": "bf16 training, then round-to-nearest NVFP4 (1x16 blocks, NVFP4A16)",
+    "native": "NVFP4 weights from scratch (served as trained)",
+    "qat": "bf16 for 90% of the steps, then `init_from` with NVFP4 weights for 10%",
+}
+
+
+def tail_lr(size: str, steps: int, tail: int, corpus) -> float:
+    """The mean learning rate of the full run's schedule over its last ``tail`` steps."""
+    from train.optimizer import schedule_for
+
+    cfg, _ = ct.run_config(size, steps, 0, "bf16", corpus)
+    sched = schedule_for(cfg)
+    return float(statistics.fmean(float(sched(s)) for s in range(steps - tail, steps)))
+
+
+def specs(size: str, steps: int, seeds: Sequence[int], cache: str, corpus) -> List[Dict[str, Any]]:
+    """Per seed, in order: the bf16 run (exporting at 90% and at the end), the native NVFP4
+    run, the fine-tune from the 90% export; ``ptq`` entries are evaluations, not runs."""
+    tail = max(1, round(steps * TAIL))
+    lr = tail_lr(size, steps, tail, corpus)
+    out = []
+    for seed in seeds:
+        hf = lambda step: os.path.abspath(os.path.join(cache, "hf", f"{size}-{steps}-s{seed}-bf16", f"step-{step}"))
+        out.append({"row": "bf16", "size": size, "steps": steps, "seed": seed, "variant": "bf16",
+                    "name": ct.run_name(size, steps, seed, "bf16") + "-exported",
+                    "export_hf": {steps - tail: hf(steps - tail), steps: hf(steps)}})
+        out.append({"row": "native", "size": size, "steps": steps, "seed": seed, "variant": "nvfp4",
+                    "name": ct.run_name(size, steps, seed, "nvfp4")})
+        out.append({"row": "qat", "size": size, "steps": tail, "seed": seed, "variant": "nvfp4",
+                    "name": ct.run_name(size, steps, seed, "qat"),
+                    "extra": [f"train.init_from={hf(steps - tail)}", "optim.schedule=constant", "optim.warmup_steps=0",
+                              f"optim.lr={lr!r}", f"data.seed={seed + 1000}"]})
+        out.append({"row": "ptq", "size": size, "steps": steps, "seed": seed, "variant": "nvfp4",
+                    "name": ct.run_name(size, steps, seed, "ptq"), "source": hf(steps)})
+    return out
+
+
+def ptq_one(spec: Dict[str, Any], corpus, cache: str, log=print) -> Dict[str, Any]:
+    """The validation loss of the bf16 export ``spec["source"]`` quantized to NVFP4 (1x16
+    blocks, round to nearest) as ``train.init_from`` reads it; cached like a run."""
+    path = os.path.join(cache, "runs", spec["name"] + ".json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    import jax
+
+    from train import data as data_lib
+    from train import hf_import
+    from train import mesh as mesh_lib
+    from train.step import build, global_batch, validation_loss
+
+    t0 = time.perf_counter()
+    cfg, overrides = ct.run_config(spec["size"], spec["steps"], spec["seed"], "nvfp4", corpus,
+                                   [f"train.init_from={spec['source']}", "nvfp4.block=1d"])
+    trainer, _, _ = build(cfg, mesh_lib.build_mesh(cfg.mesh, jax.devices()[:1]), init=False)
+    params, _ = hf_import.load(spec["source"], trainer)
+    val = data_lib.eval_batches(cfg, data_lib.make_source(cfg.data, cfg.model, split="val"))
+    loss = validation_loss(trainer.eval_fn, params, [global_batch(trainer, b) for b in val])
+    res = {**spec, "overrides": overrides, "final_val_loss": loss, "wall_s": round(time.perf_counter() - t0, 1),
+           "finished_unix": time.time(), "source": source_state()}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    log(f"  {spec['name']}: val {loss:.4f}")
+    return res
+
+
+def aggregate(results: Dict[str, Dict[str, Any]], all_specs, seeds) -> Dict[str, Any]:
+    by = {(s["row"], s["seed"]): results.get(s["name"]) for s in all_specs}
+    rows = {}
+    for row in ROWS:
+        per = {}
+        for seed in seeds:
+            r, base = by.get((row, seed)), by.get(("bf16", seed))
+            if r and base:
+                v, b = r["final_val_loss"], base["final_val_loss"]
+                per[seed] = {"val": v, "gap_pct": 100 * (v - b) / b, "gap_nats": v - b}
+        if per:
+            gaps = [p["gap_pct"] for p in per.values()]
+            st = ct._stats(gaps)
+            lo, hi = ct.mean_interval(st)
+            rows[row] = {"name": ROW_NAMES[row], "per_seed": per, "val": ct._stats([p["val"] for p in per.values()]),
+                         "gap_pct": st, "gap_nats": ct._stats([p["gap_nats"] for p in per.values()]),
+                         "gap_pct_interval95": [lo, hi]}
+    # Each NVFP4 row against each other, paired by seed (negative: the first serves better).
+    pairs = {}
+    for a, b in (("native", "ptq"), ("qat", "ptq"), ("native", "qat")):
+        if a in rows and b in rows:
+            d = [rows[a]["per_seed"][s]["gap_pct"] - rows[b]["per_seed"][s]["gap_pct"]
+                 for s in seeds if s in rows[a]["per_seed"] and s in rows[b]["per_seed"]]
+            if d:
+                st = ct._stats(d)
+                pairs[f"{a}-{b}"] = {**st, "interval95": list(ct.mean_interval(st))}
+    curves = {}
+    for s in all_specs:
+        r = results.get(s["name"])
+        if r and r.get("val_history") and s["seed"] == seeds[0]:
+            off = s["steps"] * (1 / TAIL - 1) if s["row"] == "qat" else 0  # the fine-tune's steps follow 90%
+            curves[s["row"]] = [[int(round(st + off)), v] for st, v in r["val_history"]]
+    return {"rows": rows, "pairs": pairs, "curves_seed0": curves}
+
+
+def plot(agg: Dict[str, Any], path: str, steps: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, cx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [r for r in ROWS if r in agg["rows"]]
+    for i, row in enumerate(names):
+        g = agg["rows"][row]
+        xs = [p["gap_pct"] for p in g["per_seed"].values()]
+        ax.plot([i] * len(xs), xs, "o", color="C0", alpha=0.6, label="one seed" if i == 0 else None)
+        lo, hi = g["gap_pct_interval95"]
+        m = g["gap_pct"]["mean"]
+        ax.errorbar([i + 0.15], [m], yerr=[[m - lo], [hi - m]], fmt="D", color="k", capsize=4,
+                    label="mean, 95% interval" if i == 0 else None)
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set_xticks(range(len(names)), [{"bf16": "bf16\n(ceiling)", "ptq": "bf16 +\nRTN NVFP4", "native": "native\nNVFP4",
+                                       "qat": "bf16 90% +\nNVFP4 10%"}[r] for r in names])
+    ax.set_ylabel("validation loss vs bf16 (% of bf16)")
+    ax.set_title(f"served in NVFP4: default model, {steps} steps")
+    ax.legend(fontsize=8)
+    for row, pts in agg["curves_seed0"].items():
+        if pts:
+            cx.plot(*zip(*pts), "o-" if row != "qat" else "s-", ms=3, label=row)
+    if "ptq" in agg["rows"]:
+        cx.plot([steps], [agg["rows"]["ptq"]["per_seed"][min(agg["rows"]["ptq"]["per_seed"])]["val"]], "x", ms=9,
+                color="C3", label="ptq")
+    cx.set_xlabel("step")
+    cx.set_ylabel("validation loss (nats/byte)")
+    cx.set_title("seed 0")
+    cx.set_yscale("log")
+    cx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(payload: Dict[str, Any], out: str) -> str:
+    meta, agg = payload["meta"], payload["aggregate"]
+    L = ["# Served in NVFP4: post-training quantization, native NVFP4 training, fine-tuning", "",
+         f"`{meta['command']}` — {meta['where']}; commit `{(meta['git_commit'] or '?')[:10]}`; "
+         f"{meta['wall_min']:.0f} min wall clock ({meta['runs_done']}/{meta['runs_total']} runs and evaluations).", "",
+         f"The `{meta['size']}` model ({meta['model']}), {meta['steps']} steps of {meta['tokens_per_step']} byte "
+         f"tokens for every row (the fine-tune: the bf16 run's first {meta['steps'] - meta['tail_steps']} and "
+         f"{meta['tail_steps']} of its own), seeds "
+         f"{', '.join(map(str, meta['seeds']))}; validation: {ct.EVAL_BATCHES} batches of held-out stdlib modules. "
+         "See `benchmarks/serving.py` for what each row is.", "",
+         "| served model | validation loss (mean) | gap vs bf16, % (mean) | seeds' range | 95% interval of the mean |",
+         "|---|---:|---:|---|---|"]
+    for row, g in agg["rows"].items():
+        lo, hi = g["gap_pct_interval95"]
+        L.append(f"| {g['name']} | {g['val']['mean']:.4f} | {g['gap_pct']['mean']:+.2f} | "
+                 f"[{g['gap_pct']['min']:+.2f}, {g['gap_pct']['max']:+.2f}] | "
+                 + ("-" if row == "bf16" else f"[{lo:+.2f}, {hi:+.2f}]") + " |")
+    L += ["", "Paired by seed (difference of the two gaps, percentage points; negative: the first serves better):", ""]
+    for k, p in agg["pairs"].items():
+        a, b = k.split("-")
+        lo, hi = p["interval95"]
+        L.append(f"- {a} - {b}: mean {p['mean']:+.2f} (seeds {p['min']:+.2f} to {p['max']:+.2f}; 95% interval "
+                 f"[{lo:+.2f}, {hi:+.2f}])")
+    L += ["", "Per seed (validation loss):", "", "| seed | " + " | ".join(agg["rows"]) + " |",
+          "|---|" + "---:|" * len(agg["rows"])]
+    for seed in meta["seeds"]:
+        L.append(f"| {seed} | " + " | ".join(f"{g['per_seed'][seed]['val']:.4f}" if seed in g["per_seed"] else "-"
+                                            for g in agg["rows"].values()) + " |")
+    L += ["", "![serving](serving.png)", ""]
+    path = os.path.join(out, "SERVING.md")
+    with open(path, "w") as f:
+        f.write("\n".join(L) + "\n")
+    return path
+
+
+def parse_args(argv: Sequence[str]):
+    p = argparse.ArgumentParser(prog="python -m benchmarks serving", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("--steps", type=int, default=STEPS, help=f"the budget of every row, in steps (default {STEPS})")
+    p.add_argument("--seeds", default=",".join(map(str, ct.SEEDS)), help="seeds (default 0,1,2)")
+    p.add_argument("--size", default=SIZE, choices=list(ct.SIZES), help=f"model size (default {SIZE})")
+    p.add_argument("--out", default=ct.DEFAULT_OUT, help=f"report folder (default {ct.DEFAULT_OUT})")
+    p.add_argument("--cache", default=DEFAULT_CACHE, help=f"corpus, runs, exports (default {DEFAULT_CACHE})")
+    p.add_argument("--max-bytes", type=int, help=argparse.SUPPRESS)  # cap the corpus (tests)
+    args = p.parse_args(list(argv))
+    args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    log = lambda msg: print(f"[{time.perf_counter() - t_start:6.0f}s] {msg}", flush=True)
+    corpus = ct.build_corpus(args.cache, max_bytes=args.max_bytes)
+    all_specs = specs(args.size, args.steps, args.seeds, args.cache, corpus)
+    ct._one_device(args.cache)
+    results = {}
+    for spec in all_specs:
+        if spec["row"] == "ptq":
+            results[spec["name"]] = ptq_one(spec, corpus, args.cache, log)
+        else:
+            results[spec["name"]] = ct.run_one(spec, corpus, args.cache, log=log)
+    import jax
+
+    from benchmarks.train_step import model_summary
+
+    cfg, _ = ct.run_config(args.size, args.steps, 0, "nvfp4", corpus)
+    m = model_summary(cfg)
+    wall = sum(r["wall_s"] for r in results.values())
+    meta = {"command": " ".join(["python -m benchmarks serving", *argv]), "steps": args.steps, "seeds": args.seeds,
+            "size": args.size, "model": f"{m['layers']} layers, d_model {m['d_model']}, MLP {m['mlp_hidden']}",
+            "tokens_per_step": f"{m['batch_size']} x {m['seq_len']}", "runs_done": len(results), "runs_total": len(all_specs), "wall_min": wall / 60,
+            "where": f"{jax.default_backend()}, {os.cpu_count()} CPU cores, jax {jax.__version__}, "
+                     f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+            "git_commit": git_commit(), "tail_steps": max(1, round(args.steps * TAIL)),
+            "qat_lr": tail_lr(args.size, args.steps, max(1, round(args.steps * TAIL)), corpus)}
+    agg = aggregate(results, all_specs, args.seeds)
+    payload = {"meta": meta, "corpus": {k: v for k, v in corpus.items() if k not in ("train", "val")},
+               "aggregate": agg, "runs": {k: {kk: vv for kk, vv in v.items() if kk != "train_loss_every_10"}
+                                          for k, v in results.items()}}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "serving.json"), "w") as f:
+        json.dump(payload, f, indent=1)
+    plot(agg, os.path.join(args.out, "serving.png"), args.steps)
+    path = report(payload, args.out)
+    for row, g in agg["rows"].items():
+        log(f"{row:>7}: val {g['val']['mean']:.4f}, gap {g['gap_pct']['mean']:+.2f}% "
+            f"[{g['gap_pct']['min']:+.2f}, {g['gap_pct']['max']:+.2f}]")
+    log(f"wrote {path}, serving.json, serving.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

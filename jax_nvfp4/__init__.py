@@ -26,7 +26,7 @@ from jax_nvfp4.export import ExportError, export_hf, export_nvfp4, load_nvfp4
 from jax_nvfp4.gemm import BackendUnavailableError, cuda_target, dot, last_backend, resolve_backend
 from jax_nvfp4.nn import NVFP4Dense
 from jax_nvfp4.numerics import hadamard_matrix, hadamard_transform
-from jax_nvfp4.collectives import (GatherConfig, all_gather_bits, gather_weight, global_norm, ordered_mean,
+from jax_nvfp4.collectives import (GatherConfig, all_gather_bits, gather_weight, ordered_mean,
                                    ordered_reduce_scatter, ordered_sum, ordered_sum_scatter)
 from jax_nvfp4.tensor_parallel import TensorParallel
 from jax_nvfp4.layout import Layout, Rules, Tiled, TiledNVFP4, is_tiled, layout_for
@@ -42,6 +42,7 @@ from jax_nvfp4.params import DEFAULT_POLICY, Policy, dequantize_params, path_str
 from jax_nvfp4.sharding import (
     gather,
     gather_dequantized,
+    global_norm,
     logical,
     partition_specs,
     requantize,

@@ -15,7 +15,8 @@ Inside a ``shard_map`` that is manual over the data axis:
   full-size gradients.
 - :func:`ordered_mean` averages a replicated value (the loss, a norm's partial gradient).
 
-Outside (``jit`` with shardings): :func:`reshard_bits`, :func:`global_norm`.
+Their counterparts outside ``shard_map`` (``jit`` with shardings: ``constrain``,
+``reshard_bits``, ``global_norm``) are in :mod:`jax_nvfp4.sharding`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from typing import Any, Optional, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from jax_nvfp4.layout import Tiled, TiledNVFP4, is_tiled
 
@@ -301,67 +301,3 @@ def gather_weight(stored, master, cfg: GatherConfig = GatherConfig()):
         w, q = _gather_forward(stored, cfg)
         return (q, None) if cfg.nvfp4 else w
     return _gather_fn(cfg)(stored, master)
-
-
-# ----------------------------------------------------------------------------- outside shard_map
-def constrain(x, sharding):
-    """``with_sharding_constraint``, or ``jax.sharding.reshard`` on meshes with Explicit axes
-    (the default of ``jax.make_mesh``), where a constraint is refused."""
-    mesh = getattr(sharding, "mesh", None)
-    types = getattr(mesh, "axis_types", ())
-    if any(str(t).endswith("Explicit") for t in types):
-        return jax.sharding.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, sharding)
-
-
-def reshard_bits(x, sharding, *, min_itemsize: int = 1):
-    """Reshard ``x`` (under ``jit``) through its same-width unsigned bits, so the collective
-    only moves bytes: XLA can neither widen it (XLA:CPU widens bf16 and float8 collectives) nor
-    turn it into a reduction. The optimization barriers stop XLA from folding the bitcasts back
-    into the collective. Float arrays narrower than ``min_itemsize`` bytes, and non-floats,
-    are resharded as they are."""
-    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize < min_itemsize:
-        return constrain(x, sharding)
-    bits = jax.lax.optimization_barrier(to_bits(x))
-    bits = jax.lax.optimization_barrier(constrain(bits, sharding))
-    return from_bits(bits, x.dtype)
-
-
-def global_norm(tree, mesh, rules) -> jax.Array:
-    """``sqrt(sum of squares)`` of a tree of :class:`Tiled` / replicated float arrays (e.g.
-    master-layout gradients) with the cross-device sum in a fixed order: each device sums its
-    own shard, the partial sums are gathered as bits and folded in shard order."""
-    from jax_nvfp4.sharding import spec_of
-
-    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Tiled))
-    if not leaves:
-        return jnp.zeros([], jnp.float32)
-    if mesh is None:
-        sq = [jnp.sum(jnp.square((x.value if isinstance(x, Tiled) else x).astype(jnp.float32))) for x in leaves]
-        return jnp.sqrt(functools.reduce(jnp.add, sq))
-    axes = tuple(a for a in (*rules.data_axes, rules.tensor_axis) if a is not None and a in mesh.axis_names)
-    specs = [spec_of(x) for x in leaves]
-    values = [x.value if isinstance(x, Tiled) else x for x in leaves]
-    # Leaves split over the same mesh axes share one partial sum and one gather; a replicated
-    # leaf is counted once.
-    groups = {}
-    for i, spec in enumerate(specs):
-        used = set()
-        for e in spec:
-            used.update(e if isinstance(e, tuple) else (e,))
-        groups.setdefault(tuple(a for a in axes if a in used), []).append(i)
-
-    def local(*vs):
-        total = None
-        for split, idx in groups.items():
-            part = None
-            for i in idx:
-                s = jnp.sum(jnp.square(vs[i].astype(jnp.float32)))
-                part = s if part is None else part + s
-            with jax.named_scope(REDUCE_SCOPE):
-                for ax in split:  # a fixed order of axes, each folded in shard order
-                    part = fold_sum(all_gather_bits(part, ax))
-            total = part if total is None else total + part
-        return jnp.sqrt(total)
-
-    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=P(), check_vma=False)(*values)

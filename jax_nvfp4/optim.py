@@ -33,10 +33,9 @@ import optax
 from jax.sharding import NamedSharding
 
 from jax_nvfp4.array import NVFP4Array, is_nvfp4
-from jax_nvfp4.collectives import global_norm
 from jax_nvfp4.layout import DEFAULT_RULES, Rules, Tiled, TiledNVFP4, is_tiled, layout_for
 from jax_nvfp4.params import DEFAULT_POLICY, Policy, path_str
-from jax_nvfp4.sharding import constrain, context_mesh, requantize, scatter_replicated
+from jax_nvfp4.sharding import constrain, context_mesh, global_norm, requantize, scatter_replicated
 
 
 class MasterWeightsState(NamedTuple):
@@ -374,7 +373,7 @@ def _grads_to_master(grads, master, mesh, grad_dtype):
 
 def clip_by_global_norm(max_norm: float, mesh=None, rules: Optional[Rules] = None) -> optax.GradientTransformation:
     """``optax.clip_by_global_norm`` whose norm is summed in a fixed order across devices
-    (:func:`jax_nvfp4.collectives.global_norm`), for the master-layout gradients the
+    (:func:`jax_nvfp4.sharding.global_norm`), for the master-layout gradients the
     :func:`master_weights` wrapper's inner transform sees; without a mesh, optax's own."""
     rules = rules or DEFAULT_RULES
 

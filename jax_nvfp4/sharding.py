@@ -11,6 +11,8 @@ The layout itself (tile-major, sharded over the data axis for any data-axis size
 - :func:`gather` (under ``jit``): all-gather the stored params across the data axis as packed
   bytes and scale bytes, returning logical ``NVFP4Array`` leaves. The training step gathers
   layer by layer instead (:func:`jax_nvfp4.collectives.gather_weight`).
+- :func:`constrain` / :func:`reshard_bits`: place an array (bits only, for floats);
+  :func:`global_norm`: the norm of a tree of shards, summed across devices in a fixed order.
 - :func:`scatter_replicated`: a logical float array that every device holds whole (e.g. the
   gradient of gathered weights) -> its :class:`~jax_nvfp4.layout.Tiled` shards, each device
   slicing its own tiles: no communication, on Auto and Explicit meshes alike.
@@ -21,6 +23,7 @@ The layout itself (tile-major, sharded over the data axis for any data-axis size
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -28,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_nvfp4.array import BLOCK_2D, is_nvfp4
-from jax_nvfp4.collectives import constrain, reshard_bits
+from jax_nvfp4.collectives import REDUCE_SCOPE, all_gather_bits, fold_sum, from_bits, to_bits
 from jax_nvfp4.layout import (DEFAULT_RULES, Layout, Rules, Tiled, TiledNVFP4, is_tiled, layout_for, quantize_tiles,
                               tile_scales)
 from jax_nvfp4.params import Policy, path_str
@@ -61,6 +64,68 @@ def spec_of(leaf) -> P:
     if isinstance(leaf, Tiled):
         return leaf.spec()
     return P()
+
+
+# ----------------------------------------------------------------------------- placement (outside shard_map)
+def constrain(x, sharding):
+    """``with_sharding_constraint``, or ``jax.sharding.reshard`` on meshes with Explicit axes
+    (the default of ``jax.make_mesh``), where a constraint is refused."""
+    mesh = getattr(sharding, "mesh", None)
+    types = getattr(mesh, "axis_types", ())
+    if any(str(t).endswith("Explicit") for t in types):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def reshard_bits(x, sharding, *, min_itemsize: int = 1):
+    """Reshard ``x`` (under ``jit``) through its same-width unsigned bits, so the collective
+    only moves bytes: XLA can neither widen it (XLA:CPU widens bf16 and float8 collectives) nor
+    turn it into a reduction. The optimization barriers stop XLA from folding the bitcasts back
+    into the collective. Float arrays narrower than ``min_itemsize`` bytes, and non-floats,
+    are resharded as they are."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize < min_itemsize:
+        return constrain(x, sharding)
+    bits = jax.lax.optimization_barrier(to_bits(x))
+    bits = jax.lax.optimization_barrier(constrain(bits, sharding))
+    return from_bits(bits, x.dtype)
+
+
+def global_norm(tree, mesh, rules) -> jax.Array:
+    """``sqrt(sum of squares)`` of a tree of :class:`Tiled` / replicated float arrays (e.g.
+    master-layout gradients) with the cross-device sum in a fixed order: each device sums its
+    own shard, the partial sums are gathered as bits and folded in shard order."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Tiled))
+    if not leaves:
+        return jnp.zeros([], jnp.float32)
+    if mesh is None:
+        sq = [jnp.sum(jnp.square((x.value if isinstance(x, Tiled) else x).astype(jnp.float32))) for x in leaves]
+        return jnp.sqrt(functools.reduce(jnp.add, sq))
+    axes = tuple(a for a in (*rules.data_axes, rules.tensor_axis) if a is not None and a in mesh.axis_names)
+    specs = [spec_of(x) for x in leaves]
+    values = [x.value if isinstance(x, Tiled) else x for x in leaves]
+    # Leaves split over the same mesh axes share one partial sum and one gather; a replicated
+    # leaf is counted once.
+    groups = {}
+    for i, spec in enumerate(specs):
+        used = set()
+        for e in spec:
+            used.update(e if isinstance(e, tuple) else (e,))
+        groups.setdefault(tuple(a for a in axes if a in used), []).append(i)
+
+    def local(*vs):
+        total = None
+        for split, idx in groups.items():
+            part = None
+            for i in idx:
+                s = jnp.sum(jnp.square(vs[i].astype(jnp.float32)))
+                part = s if part is None else part + s
+            with jax.named_scope(REDUCE_SCOPE):
+                for ax in split:  # a fixed order of axes, each folded in shard order
+                    part = fold_sum(all_gather_bits(part, ax))
+            total = part if total is None else total + part
+        return jnp.sqrt(total)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=P(), check_vma=False)(*values)
 
 
 # ----------------------------------------------------------------------------- logical <-> stored

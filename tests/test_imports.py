@@ -1,0 +1,83 @@
+"""The packages' import graph, read from the sources: no cycles (function-level imports
+included: a cycle hidden inside a function is still one), and the library never imports the
+training stack."""
+
+import ast
+import os
+
+from conftest import ROOT
+
+PACKAGES = ("jax_nvfp4", "train")
+
+
+def _module(path: str) -> str:
+    rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def import_graph() -> dict:
+    """``{module: {modules of PACKAGES it imports}}``; ``from pkg import name`` counts as
+    ``pkg.name`` when that is a module, else ``pkg``."""
+    modules = {}
+    for pkg in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for f in files:
+                if f.endswith(".py"):
+                    modules[_module(os.path.join(folder, f))] = os.path.join(folder, f)
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        with open(path) as fh:
+            tree = ast.parse(fh.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                           for a in node.names]
+            else:
+                continue
+            deps.update(t for t in targets if t in modules and t != name)
+        # A package's __init__ imports its submodules; a submodule importing its own package
+        # means the package's public names, not a cycle through __init__.
+        graph[name] = {d for d in deps if not name.startswith(d + ".")}
+    return graph
+
+
+def find_cycle(graph: dict):
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for d in sorted(graph.get(n, ())):
+            if state.get(d) == 1:
+                return stack[stack.index(d):] + [d]
+            if d not in state:
+                cycle = visit(d)
+                if cycle:
+                    return cycle
+        state[n] = 2
+        stack.pop()
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            cycle = visit(n)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert "jax_nvfp4.collectives" in graph and "train.step" in graph
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+    # The check finds a cycle when there is one.
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_the_library_never_imports_the_training_stack():
+    graph = import_graph()
+    bad = {m: sorted(d for d in deps if d.startswith("train")) for m, deps in graph.items() if m.startswith("jax_nvfp4")}
+    assert not any(bad.values()), bad

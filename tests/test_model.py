@@ -116,9 +116,13 @@ def test_kv_heads_config_checks():
     assert load_config(None, ["model.heads=4"]).model.n_kv_heads == 4  # 0 = as many as the query heads
     with pytest.raises(ConfigError, match="model.kv_heads=3: must divide model.heads=4"):
         load_config(None, ["model.heads=4", "model.kv_heads=3"])
+    # Fewer key/value heads than tensor ranks: replicated when they divide the axis.
     cfg = load_config(None, ["model.heads=4", "model.kv_heads=1", "model.d_model=256", "model.mlp_hidden=512", "mesh.tensor=2",
                              "mesh.data=4"])
-    with pytest.raises(ConfigError, match="model.kv_heads=1: must be divisible by the mesh tensor axis"):
+    assert validate_for_devices(cfg, 8) == {"data": 4, "tensor": 2}
+    cfg = load_config(None, ["model.heads=6", "model.kv_heads=3", "model.d_model=384", "model.mlp_hidden=512", "mesh.tensor=2",
+                             "mesh.data=4"])
+    with pytest.raises(ConfigError, match="model.kv_heads=3: must be divisible by the mesh tensor axis"):
         validate_for_devices(cfg, 8)
 
 

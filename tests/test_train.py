@@ -246,6 +246,36 @@ def test_tensor_axis_splits_the_weights_and_trains_like_the_data_axis(tmp_path, 
 
 
 @job_worker
+def test_key_value_heads_fewer_than_tensor_ranks_are_replicated():
+    """One key/value head on a tensor axis of 2: the k and v kernels are replicated over the
+    tensor axis (stored split over the data axis only) and each rank uses the head its query
+    heads share; one step computes what the flat mesh computes, the k and v gradients summed
+    over both ranks."""
+    import jax_nvfp4 as nv
+
+    rows = np.random.default_rng(1).integers(0, 256, (24, 33))
+    attn = lambda state: nv.logical(jax.device_get(nv.find_state(state).master))["blocks"]["attn"]
+    out = {}
+    for name, extra in (("flat", ()), ("tensor", ("mesh.data=4", "mesh.tensor=2"))):
+        # Plain SGD from the first step: the update is the gradient itself.
+        cfg = job("model.kv_heads=1", "optim.name=sgd", "optim.warmup_steps=0", "optim.lr=1", *extra)
+        trainer, params, opt_state = step_lib.build(cfg, mesh_of(cfg, 8))
+        before = attn(opt_state)
+        params, opt_state, metrics = trainer.step_fn(params, opt_state, step_lib.global_batch(trainer, rows),
+                                                     jax.random.key(0), np.float32(1))
+        after = attn(opt_state)
+        grads = {k: before[k]["kernel"] - after[k]["kernel"] for k in ("q", "k", "v")}
+        out[name] = float(metrics["loss"]), grads, trainer
+    layout = out["tensor"][2].param_shardings["blocks"]["attn"]["k"]["kernel"].data.spec
+    assert "tensor" not in tuple(layout) and out["tensor"][2].rules.tensor_dim("blocks/attn/q/kernel") == -1
+    np.testing.assert_allclose(out["tensor"][0], out["flat"][0], rtol=1e-3)
+    for k in ("q", "k", "v"):
+        a, b = out["tensor"][1][k], out["flat"][1][k]
+        assert np.max(np.abs(b)) > 0
+        np.testing.assert_allclose(a, b, atol=2e-2 * float(np.max(np.abs(b))))
+
+
+@job_worker
 def test_a_nonfinite_loss_is_a_skipped_step():
     """A target id past the vocabulary gives a NaN loss with finite gradients: the step
     changes nothing and counts itself skipped (it used to train on, loss NaN, exit 0)."""

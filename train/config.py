@@ -748,17 +748,19 @@ def validate_for_devices(cfg: Config, n_devices: int) -> dict[str, int]:
     if tensor > 1:
         m = cfg.model
         # 16 = the NVFP4 block: each tensor shard must hold whole blocks.
-        kv_width = ("model.kv_heads x head size", m.n_kv_heads * m.head_dim)
-        for name, size in (("model.d_model", m.d_model), ("model.mlp_hidden", m.mlp_hidden), kv_width):
+        widths = [("model.d_model", m.d_model), ("model.mlp_hidden", m.mlp_hidden)]
+        if m.n_kv_heads % tensor == 0:  # split key/value heads (else replicated)
+            widths.append(("model.kv_heads x head size", m.n_kv_heads * m.head_dim))
+        for name, size in widths:
             if size % (16 * tensor):
                 raise ConfigError(f"{name}={size}: must be divisible by 16 x mesh tensor axis "
                                   f"({tensor}) = {16 * tensor}")
         if m.heads % tensor:
             raise ConfigError(f"model.heads={m.heads}: must be divisible by the mesh tensor "
                               f"axis ({tensor}) to shard attention heads")
-        if m.n_kv_heads % tensor:
-            raise ConfigError(f"model.kv_heads={m.n_kv_heads}: must be divisible by the mesh "
-                              f"tensor axis ({tensor}) to shard key/value heads")
+        if m.n_kv_heads % tensor and tensor % m.n_kv_heads:
+            raise ConfigError(f"model.kv_heads={m.n_kv_heads}: must be divisible by the mesh tensor axis "
+                              f"({tensor}) to split key/value heads, or divide it to replicate them")
         if m.vocab % (16 * tensor):
             raise ConfigError(f"model.vocab={m.vocab}: must be divisible by 16 x mesh tensor axis "
                               f"({tensor}) = {16 * tensor} to split the embedding and head over it")

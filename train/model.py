@@ -41,6 +41,16 @@ TENSOR_RULES = (
     (r"^embed$", -2),
     (r"^head/kernel$", -1),
 )
+
+
+def tensor_rules(kv_heads: int, tensor: int) -> tuple:
+    """:data:`TENSOR_RULES` for ``kv_heads`` key/value heads on a tensor axis of ``tensor``:
+    with fewer key/value heads than tensor ranks the k and v kernels are not split but
+    replicated over the tensor axis (Megatron's choice), each rank using the head its query
+    heads share (see :class:`Attention`)."""
+    if kv_heads % tensor == 0:
+        return TENSOR_RULES
+    return ((r"attn/q/kernel", -1),) + tuple(r for r in TENSOR_RULES if not r[0].startswith("attn/(q|k|v)"))
 SEGMENTS = ("blocks_first", "blocks", "blocks_last")
 # The segments of the blocks kept in bf16: stored in bf16 (train.step.policy_for) and, under
 # compute="nvfp4", run with bf16 GEMMs.
@@ -114,7 +124,9 @@ class Attention(nn.Module):
     Tensor parallel (``dims.tensor``): the sequence-split input is gathered, each rank runs
     its ``heads / t`` query heads and ``kv_heads / t`` key/value heads (column-parallel q, k,
     v), and the row-parallel output projection's partial sums are reduce-scattered back to
-    the sequence split."""
+    the sequence split. With fewer key/value heads than ranks (``t % kv_heads == 0``) the k
+    and v kernels are replicated (:func:`tensor_rules`): each rank computes every key/value
+    head and keeps the one its query heads share."""
 
     dims: Dims
 
@@ -124,10 +136,15 @@ class Attention(nn.Module):
         x = tp.gather_sequence(x)
         b, t, _ = x.shape
         hd = d.d_model // d.heads
-        heads, kv = tp.split(d.heads, "model.heads"), tp.split(d.kv_heads, "model.kv_heads")
+        heads = tp.split(d.heads, "model.heads")
+        replicated = d.kv_heads % tp.size != 0
+        kv = d.kv_heads if replicated else tp.split(d.kv_heads, "model.kv_heads")
         q = d.dense("q", heads * hd)(x).reshape(b, t, heads, hd)
         k = d.dense("k", kv * hd)(x).reshape(b, t, kv, hd)
         v = d.dense("v", kv * hd)(x).reshape(b, t, kv, hd)
+        if replicated:  # the one key/value head this rank's query heads share
+            mine = tp.index() * d.kv_heads // tp.size
+            k, v = (jax.lax.dynamic_slice_in_dim(a, mine, 1, axis=2) for a in (k, v))
         q, k = rotary(q, d.rope_theta), rotary(k, d.rope_theta)
         out = attention(q.astype(d.dtype), k.astype(d.dtype), v.astype(d.dtype), d.attention)
         return tp.scatter_sequence(d.dense("out", d.d_model)(out.reshape(b, t, heads * hd)))

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_nvfp4 as nv
 from train.config import Config, NVFP4Config, validate_for_devices
-from train.model import KEPT_SEGMENTS, TENSOR_RULES, cross_entropy, from_config
+from train.model import KEPT_SEGMENTS, cross_entropy, from_config, tensor_rules
 from train.optimizer import make_optimizer
 
 
@@ -40,7 +40,7 @@ def policy_for(cfg: Config) -> nv.Policy:
     return nv.Policy(keep=keep, keep_dtype=jnp.bfloat16, block=BLOCKS[cfg.nvfp4.resolved_block()])
 
 
-def rules_for(cfg: Config) -> nv.Rules:
+def rules_for(cfg: Config, tensor: int = 1) -> nv.Rules:
     """Where the state lives. Scanned segments stack layers on axis 0. Large bf16 leaves
     (embeddings, head, the bf16 baseline's weights) are stored sharded and gathered like the
     NVFP4 ones, so the two weight formats are compared like for like.
@@ -48,8 +48,9 @@ def rules_for(cfg: Config) -> nv.Rules:
     With ``mesh.layout: gb200`` (axes rack, data, tensor): ``mesh.sharding: fsdp`` shards the
     state over ``("data", "rack")``, racks minor, so a weight gather crosses racks first on
     1/I of the bytes and a gradient is summed inside the rack first; ``hsdp`` shards it over
-    ``data`` (inside the rack) and replicates it across racks."""
-    common = dict(tensor_axis="tensor", tensor=TENSOR_RULES, stacked=(r"^blocks",))
+    ``data`` (inside the rack) and replicates it across racks. ``tensor``: the tensor axis's
+    size (which kernels it splits: :func:`train.model.tensor_rules`)."""
+    common = dict(tensor_axis="tensor", tensor=tensor_rules(cfg.model.n_kv_heads, tensor), stacked=(r"^blocks",))
     if cfg.mesh.layout != "gb200":
         return nv.Rules(data_axis="data", **common)
     if cfg.mesh.sharding == "hsdp":
@@ -137,7 +138,7 @@ def _plan(cfg: Config, mesh) -> Trainer:
         _PLANS.move_to_end(key)
         return _PLANS[key]
     model = from_config(cfg.model, cfg.nvfp4)
-    policy, rules = policy_for(cfg), rules_for(cfg)
+    policy, rules = policy_for(cfg), rules_for(cfg, nv.layout.axis_size(mesh, "tensor"))
     tx = make_optimizer(cfg, rules, policy, mesh)
     create = _state_fn(cfg, model, policy, rules, tx, mesh)
     (a_params, a_state), (p_sh, s_sh) = abstract_state(create, mesh)

@@ -454,7 +454,7 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
                    hsdp=rules.replica_axis is not None, tokens=batch.shape[0] // axes["data"] * cfg.model.seq_len,
                    d_model=cfg.model.d_model, layers=cfg.model.layers)
     measured["ib_bytes"] = sum(r["ib"] for r in colls)
-    specs = nv.partition_specs(a_params, mesh, rules)
+    specs = nv.partition_specs(a_params)
     return {
         "weights": cfg.nvfp4.weights,
         "mesh": mesh_lib.describe_mesh(mesh, spec.nvl_domain),

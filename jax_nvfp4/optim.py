@@ -18,8 +18,8 @@ re-quantizes each NVFP4 leaf shard by shard with the global amax, and returns up
   reproduces (exactly whenever old and new values are within a factor 2**16).
 
 Non-finite gradients skip the step (master, params, inner state and key unchanged; the skip is
-counted in the state). With ``nonfinite="error"`` the same happens on the device and
-:func:`raise_if_skipped`, called on the host after the step, raises.
+counted in the state). What to do about a skipped step is the host's decision:
+:func:`raise_if_skipped`, called after the step, turns it into an error.
 """
 
 from __future__ import annotations
@@ -66,11 +66,9 @@ def master_weights(
     mesh=None,
     rules: Optional[Rules] = None,
     data_axis: str = "data",
-    nonfinite: str = "skip",
     stochastic_rounding: bool = False,
     key: Optional[jax.Array] = None,
     cast_master_bf16: bool = False,
-    grad_dtype=None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap ``inner`` so that it updates float32 masters of NVFP4 params.
 
@@ -81,13 +79,9 @@ def master_weights(
         ``quantize_params``; default the default policy). ``NVFP4Array`` leaves always are.
       mesh: the mesh; default the context mesh (``jax.set_mesh``), or none (one device).
       rules: sharding rules (data/tensor axes); default data axis ``data_axis``.
-      nonfinite: ``"skip"`` (default) or ``"error"`` (the step is not applied either way; with
-        ``"error"`` call :func:`raise_if_skipped` after each step to stop with an error).
       stochastic_rounding: re-quantize with stochastic rounding (key carried in the state).
       key: PRNG key for stochastic rounding (default ``jax.random.key(0)``).
       cast_master_bf16: cast the master to bf16 before quantizing (as Transformer Engine does).
-      grad_dtype: cast incoming gradients to this dtype before they are summed into the master
-        shards (e.g. ``jnp.float32``); default: keep the gradient dtype.
 
     ``init(params)`` takes the float32 tree (the master is exactly it; ``policy`` says which
     leaves are NVFP4) or a tree with ``NVFP4Array`` leaves (the master starts from their
@@ -95,8 +89,6 @@ def master_weights(
     and shaped like the dequantized weights, or already in the masters' layout
     (:class:`~jax_nvfp4.layout.Tiled` shards from :func:`~jax_nvfp4.collectives.gather_weight`).
     """
-    if nonfinite not in ("skip", "error"):
-        raise ValueError(f"nonfinite must be 'skip' or 'error', got {nonfinite!r}")
     rules = rules or dataclasses.replace(DEFAULT_RULES, data_axis=data_axis)
     policy = policy or DEFAULT_POLICY
 
@@ -136,7 +128,7 @@ def master_weights(
                                 "to nv.dequantize_params(params), not the NVFP4 params)")
         _check_stored_form(params, state.master)
         m = context_mesh(mesh)
-        grads_m = _grads_to_master(grads, state.master, m, grad_dtype)
+        grads_m = _grads_to_master(grads, state.master, m)
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads_m)]))
         updates_m, inner_state = inner.update(grads_m, state.inner_state, state.master, **extra)
         # The update of a float32 plain param is materialised once: master + u and param + u
@@ -310,7 +302,7 @@ def find_state(state) -> Optional[MasterWeightsState]:
 
 
 def raise_if_skipped(state, before: int = 0) -> None:
-    """Host-side check for ``nonfinite="error"``: raise ``FloatingPointError`` if the wrapper
+    """Host-side check for a run that treats a skipped step as an error: raise ``FloatingPointError`` if the wrapper
     has skipped more than ``before`` steps. Call it after a step (it reads one scalar).
 
     Raising from inside a compiled multi-device step would leave the other devices waiting in
@@ -338,7 +330,7 @@ def _constrain_master(master, mesh):
     )
 
 
-def _grads_to_master(grads, master, mesh, grad_dtype):
+def _grads_to_master(grads, master, mesh):
     """Float gradients -> the masters' layout. ``Tiled`` gradients (from the training step's
     per-layer reduce-scatter) pass through; logical gradients shaped like the params (every
     device holds them whole: the gradients of gathered weights) are laid out tile-major, each
@@ -360,14 +352,12 @@ def _grads_to_master(grads, master, mesh, grad_dtype):
         shape = mw.shape if isinstance(mw, Tiled) else jnp.shape(mw)
         if tuple(jnp.shape(g)) != tuple(shape):
             raise ValueError(f"gradient of shape {tuple(jnp.shape(g))} for a parameter of shape {tuple(shape)}")
-        v = g.astype(grad_dtype) if grad_dtype is not None else g
         if isinstance(mw, Tiled):
-            # Laid out in the gradient's own dtype: its rounding (e.g. to bf16) happens before the
-            # relayout, whatever XLA fuses around it.
-            t = scatter_replicated(v, mw.layout, mesh)
+            # Laid out in the gradient's own dtype, then widened.
+            t = scatter_replicated(g, mw.layout, mesh)
             out.append(Tiled(t.value.astype(jnp.float32), t.layout))
         else:
-            out.append(jnp.asarray(v, jnp.float32))
+            out.append(jnp.asarray(g, jnp.float32))
     return jax.tree.unflatten(treedef, out)
 
 

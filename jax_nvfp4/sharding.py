@@ -169,7 +169,7 @@ def logical(tree):
     return jax.tree.map(one, tree, is_leaf=_is_node)
 
 
-def partition_specs(tree, mesh=None, rules: Optional[Rules] = None):
+def partition_specs(tree):
     """PartitionSpecs for every leaf of a stored params tree or an optimizer state
     (``TiledNVFP4`` and ``Tiled`` nodes get their layouts; other leaves are replicated)."""
 
@@ -183,12 +183,11 @@ def partition_specs(tree, mesh=None, rules: Optional[Rules] = None):
     return jax.tree.map(one, tree, is_leaf=_is_node)
 
 
-def shardings(tree, mesh, data_axis: str = "data", rules: Optional[Rules] = None):
+def shardings(tree, mesh):
     """``NamedSharding`` for every leaf of a stored params tree or optimizer state on ``mesh``
     (for ``jax.device_put`` or ``jit`` in/out shardings). The layouts are carried by the tree's
-    ``Tiled``/``TiledNVFP4`` nodes; ``data_axis``/``rules`` are accepted for symmetry."""
-    del data_axis, rules
-    specs = partition_specs(tree, mesh)
+    ``Tiled``/``TiledNVFP4`` nodes."""
+    specs = partition_specs(tree)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
@@ -207,11 +206,10 @@ def _without_data(spec: P, layout: Layout) -> P:
 
 
 # ----------------------------------------------------------------------------- gather (GSPMD)
-def gather(tree, mesh=None, rules: Optional[Rules] = None, data_axis: str = "data"):
+def gather(tree, mesh=None):
     """All-gather a stored params tree across the data axis (under ``jit``): packed bytes and
     scale bytes for NVFP4 leaves, bits for large plain leaves. Returns the logical tree
     (``NVFP4Array`` and float arrays; tensor-axis splits are kept)."""
-    del rules, data_axis
     mesh = context_mesh(mesh)
 
     def one(leaf):
@@ -230,14 +228,13 @@ def gather(tree, mesh=None, rules: Optional[Rules] = None, data_axis: str = "dat
     return jax.tree.map(one, tree, is_leaf=_is_node)
 
 
-def gather_dequantized(tree, dtype=jnp.bfloat16, mesh=None, rules: Optional[Rules] = None):
+def gather_dequantized(tree, dtype=jnp.bfloat16, mesh=None):
     """The reference to :func:`gather`: each device dequantizes its own tiles of every NVFP4
     leaf to ``dtype`` and the *dequantized* tiles are all-gathered (``dtype`` bytes, about 4x
     the packed bytes). Values are bit-identical to ``dequantize_params(gather(tree), dtype)``.
     Other float leaves: cast to ``dtype``."""
     from jax_nvfp4.params import dequantize_params
 
-    del rules
     mesh = context_mesh(mesh)
 
     def one(leaf):

@@ -199,7 +199,7 @@ def test_nonfinite_checkpoint_is_refused(reference, tmp_path, where):
         params = {**params, "blocks": {**params["blocks"], "mlp": {**params["blocks"]["mlp"], "down": {"kernel": q}}}}
         needle = "params/blocks/mlp/down/kernel/amax_bits"
     ck = ckpt_lib.Checkpointer(str(tmp_path / "ck"))
-    ck.save(6, params, opt_state, mesh=mesh, rules=trainer.rules, data_state={"step": 6, "seed": 0})
+    ck.save(6, params, opt_state, mesh=mesh, data_state={"step": 6, "seed": 0})
     ck.close()
     ck = ckpt_lib.Checkpointer(str(tmp_path / "ck"))
     with pytest.raises(ckpt_lib.CheckpointError, match="non-finite") as e:
@@ -227,7 +227,7 @@ def test_save_failing_at_its_commit_leaves_the_previous_checkpoint(reference, tm
     trainer, _, _ = step_lib.build(cfg, mesh, init=False)
     d = str(tmp_path / "ck")
     ck = ckpt_lib.Checkpointer(d)
-    ck.save(1, reference["params"], reference["opt_state"], mesh=mesh, rules=trainer.rules, data_state={"step": 1, "seed": 0})
+    ck.save(1, reference["params"], reference["opt_state"], mesh=mesh, data_state={"step": 1, "seed": 0})
     ck.wait()
 
     async def crash(*a, **k):
@@ -236,7 +236,7 @@ def test_save_failing_at_its_commit_leaves_the_previous_checkpoint(reference, tm
     # Every file of step 2 is written, then the process "dies" at the atomic rename.
     monkeypatch.setattr(async_path, "rename", crash)
     with pytest.raises(Exception):
-        ck.save(2, reference["params"], reference["opt_state"], mesh=mesh, rules=trainer.rules,
+        ck.save(2, reference["params"], reference["opt_state"], mesh=mesh,
                 data_state={"step": 2, "seed": 0})
         ck.wait()
     monkeypatch.undo()

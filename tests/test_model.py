@@ -104,11 +104,19 @@ def test_attention_implementation_choice():
 
 
 def test_tied_head_has_no_head_kernel():
-    model = GPT(vocab=48, d_model=32, layers=1, heads=2, hidden=32, tie_embeddings=True)
-    tokens = np.zeros((1, 4), np.int32)
+    kw = dict(vocab=48, d_model=32, layers=1, heads=2, hidden=32)
+    model = GPT(**kw, tie_embeddings=True)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 48, (2, 8)), jnp.int32)
     params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
     assert "head" not in params and params["embed"].shape == (48, 32)
-    assert jax.jit(model.apply)({"params": params}, tokens).shape == (1, 4, 48)
+    tied = np.asarray(jax.jit(model.apply)({"params": params}, tokens))
+    # The logits are the untied model's with the head kernel set to the embedding transposed.
+    untied = {**params, "head": {"kernel": params["embed"].T}}
+    want = np.asarray(jax.jit(GPT(**kw).apply)({"params": untied}, tokens))
+    assert tied.shape == (2, 8, 48)
+    np.testing.assert_allclose(tied, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    other = {**params, "head": {"kernel": params["embed"].T[:, ::-1]}}
+    assert not np.allclose(np.asarray(jax.jit(GPT(**kw).apply)({"params": other}, tokens)), tied, atol=1e-3)
 
 
 def test_kv_heads_config_checks():

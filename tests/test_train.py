@@ -379,14 +379,26 @@ def test_step_gathers_and_reduces_one_layer_at_a_time(job_step):
 @job_worker
 def test_step_never_holds_every_layers_weights_or_full_gradients(job_step):
     # The whole-model step held a [layers, in, out] stack of dequantized weights and of
-    # full-size gradients; the per-layer step must never materialise one (any dtype).
+    # full-size gradients; the per-layer step must never materialise one, logical or tiled
+    # (any float dtype): only each device's 1/N of the tiles (its master, Adam and gradient
+    # shards) may appear with the layer axis.
     import re
 
+    import jax_nvfp4 as nv
+
     cfg, step = job_step
-    layers, d, h = cfg.model.layers, cfg.model.d_model, cfg.model.mlp_hidden
-    stacked = {f"[{layers},{a},{b}]" for a, b in ((d, d), (d, h), (h, d))}
-    shapes = set(re.findall(r"(?:bf16|f32|f16)(\[[0-9,]+\])", step["text"]))
-    assert not shapes & stacked, shapes & stacked
+    trainer = step_lib.build(cfg, mesh_of(cfg, 8), init=False)[0]
+    layers = cfg.model.layers
+    whole = set()
+    for leaf in jax.tree.leaves(trainer.abstract_params, is_leaf=nv.is_tiled):
+        if isinstance(leaf, nv.TiledNVFP4):
+            (r, c), (*_, nt, t, _, _) = leaf.layout.matrix, leaf.data.shape
+            whole |= {(layers, r, c), (layers, c, r), (layers, nt, t, 16, 16), (layers, t, 16, 16)}
+    assert len(whole) > 4
+    shapes = {tuple(int(d) for d in dims.split(",")) for dims in re.findall(r"(?:bf16|f32|f16)\[([0-9,]+)\]", step["text"])}
+    local = {(layers, 1, t // 8, 16, 16) for (_, _, t, *_) in (w for w in whole if len(w) == 5)}
+    assert local & shapes  # the device's shards are there, with the layer axis
+    assert not shapes & whole, shapes & whole
 
 
 def test_prepared_tokens_train_with_validation_and_resume(tmp_path):

@@ -272,7 +272,7 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     # -- save
-    def save(self, step: int, params, opt_state, *, mesh, rules: Optional[nv.Rules] = None,
+    def save(self, step: int, params, opt_state, *, mesh,
              base_key: Optional[jax.Array] = None, data_state: Optional[Dict[str, int]] = None,
              run: Optional[Dict[str, Any]] = None) -> None:
         """Write checkpoint ``step`` (asynchronously with ``async_save``: the arrays are copied
@@ -284,8 +284,7 @@ class Checkpointer:
           CheckpointWriteError: the directory cannot be written (this save or, asynchronous,
             the previous one); the checkpoints before are intact.
         """
-        ocp = self._ocp
-        del rules  # the layouts travel with the state's Tiled / TiledNVFP4 nodes
+        ocp = self._ocp  # (the layouts travel with the state's Tiled / TiledNVFP4 nodes)
         flat = _arrays(params, opt_state)
         meta = {
             "format": FORMAT,

@@ -245,7 +245,7 @@ def run(
                 except OSError as e:  # e.g. a full file system: name the file
                     raise OSError(e.errno, e.strerror, metrics_path) from None
             if ckpt_due and saved_step != step + 1:
-                ckpt.save(step + 1, params, opt_state, mesh=mesh, rules=trainer.rules, base_key=base_key,
+                ckpt.save(step + 1, params, opt_state, mesh=mesh, base_key=base_key,
                           data_state=it.get_state(), run=run_id)
                 saved_step = step + 1
             if on_step is not None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import optax
 
 import jax_nvfp4 as nv
@@ -54,9 +53,7 @@ def make_optimizer(cfg: Config, rules: nv.Rules, policy: nv.Policy, mesh) -> opt
         policy=policy,
         mesh=mesh,
         rules=rules,
-        nonfinite=cfg.nvfp4.nonfinite,
         stochastic_rounding=cfg.nvfp4.stochastic_rounding,
         key=jax.random.key(cfg.train.seed + 1),
         cast_master_bf16=cfg.nvfp4.cast_master_bf16,
-        grad_dtype=jnp.float32 if cfg.nvfp4.grad_reduce_dtype == "float32" else None,
     )

@@ -378,7 +378,7 @@ def load_nvfp4(directory: str, *, like=None):
 
 # ----------------------------------------------------------------------------- Hugging Face
 #
-# A Llama checkpoint (``config.json`` + safetensors) of a ``train.model.GPT``-shaped params tree
+# A Llama checkpoint (``config.json`` + safetensors) of a ``train.model.Llama``-shaped params tree
 # (``embed``, ``<segment>/attn/{q,k,v,out}/kernel``, ``<segment>/mlp/{gate,up,down}/kernel``,
 # ``<segment>/norm{1,2}/scale`` stacked over layers, ``norm_f/scale``, ``head/kernel``). The
 # model's rotary layout, RMSNorm and SwiGLU are HF Llama's own, so weights map one to one;
@@ -505,7 +505,7 @@ def hf_modules(params, segments=("blocks",)) -> List[tuple]:
     (``model.layers.3.self_attn.q_proj``; its tensors are ``module.weight`` or the
     compressed-tensors ``module.weight_packed`` ...) and ``index`` the leaf's stacked-layer
     index (``()`` for unstacked leaves). ``segments``: the stacked-layer sub-trees in layer
-    order (``blocks_first``, ``blocks``, ``blocks_last`` for ``train.model.GPT``).
+    order (``blocks_first``, ``blocks``, ``blocks_last`` for ``train.model.Llama``).
 
     Raises:
       ExportError: a parameter without a Llama counterpart.

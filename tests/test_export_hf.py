@@ -17,7 +17,7 @@ import pytest
 
 import jax_nvfp4 as nv
 from jax_nvfp4.export import export_hf, llama_config, nvfp4_to_compressed_tensors
-from train.model import GPT, SEGMENTS
+from train.model import Llama, SEGMENTS
 
 from conftest import main_here
 
@@ -54,7 +54,7 @@ def decode_compressed_tensors(packed, scale, global_scale):
 
 
 def tiny_model(tie=False, keep_first=1):
-    return GPT(vocab=SHAPES["vocab"], d_model=SHAPES["d_model"], layers=SHAPES["layers"], heads=SHAPES["heads"],
+    return Llama(vocab=SHAPES["vocab"], d_model=SHAPES["d_model"], layers=SHAPES["layers"], heads=SHAPES["heads"],
                kv_heads=SHAPES["kv_heads"], hidden=SHAPES["hidden"], rope_theta=SHAPES["rope_theta"],
                tie_embeddings=tie, init_std=0.08, keep_first=keep_first)
 

@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.scale import PRESETS
 from train.config import ConfigError, from_dict, load_config, validate_for_devices
-from train.model import GPT, RMSNorm, from_config, rotary
+from train.model import Llama, RMSNorm, from_config, rotary
 
 
 def param_count(preset):
@@ -34,7 +34,7 @@ def test_gqa_matches_repeated_kv_reference():
     """jax.nn.dot_product_attention with 2 kv heads for 4 query heads equals causal softmax
     attention with each kv head repeated for its query group (float32). Each side is one
     jitted program (op by op, each of their few dozen operations compiles a program of its own)."""
-    model = GPT(vocab=64, d_model=64, layers=1, heads=4, kv_heads=2, hidden=64, dtype=jnp.float32, init_std=0.2)
+    model = Llama(vocab=64, d_model=64, layers=1, heads=4, kv_heads=2, hidden=64, dtype=jnp.float32, init_std=0.2)
     tokens = np.random.default_rng(0).integers(0, 64, (2, 12))
     params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
     attn = params["blocks"]["attn"]
@@ -105,18 +105,18 @@ def test_attention_implementation_choice():
 
 def test_tied_head_has_no_head_kernel():
     kw = dict(vocab=48, d_model=32, layers=1, heads=2, hidden=32)
-    model = GPT(**kw, tie_embeddings=True)
+    model = Llama(**kw, tie_embeddings=True)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 48, (2, 8)), jnp.int32)
     params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
     assert "head" not in params and params["embed"].shape == (48, 32)
     tied = np.asarray(jax.jit(model.apply)({"params": params}, tokens))
     # The logits are the untied model's with the head kernel set to the embedding transposed.
     untied = {**params, "head": {"kernel": params["embed"].T}}
-    want = np.asarray(jax.jit(GPT(**kw).apply)({"params": untied}, tokens))
+    want = np.asarray(jax.jit(Llama(**kw).apply)({"params": untied}, tokens))
     assert tied.shape == (2, 8, 48)
     np.testing.assert_allclose(tied, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
     other = {**params, "head": {"kernel": params["embed"].T[:, ::-1]}}
-    assert not np.allclose(np.asarray(jax.jit(GPT(**kw).apply)({"params": other}, tokens)), tied, atol=1e-3)
+    assert not np.allclose(np.asarray(jax.jit(Llama(**kw).apply)({"params": other}, tokens)), tied, atol=1e-3)
 
 
 def test_kv_heads_config_checks():
@@ -143,8 +143,8 @@ def test_layers_kept_in_bf16_run_bf16_gemms_under_the_recipe():
 
     def logits(keep_last, **k):
         # Init and each forward pass as one program (op by op, each op compiles its own).
-        params = jax.jit(GPT(**kw, keep_last=keep_last).init)(jax.random.key(0), tokens)["params"]
-        return [np.asarray(jax.jit(GPT(**kw, keep_last=keep_last, compute=c, **k).apply)({"params": params}, tokens))
+        params = jax.jit(Llama(**kw, keep_last=keep_last).init)(jax.random.key(0), tokens)["params"]
+        return [np.asarray(jax.jit(Llama(**kw, keep_last=keep_last, compute=c, **k).apply)({"params": params}, tokens))
                 for c in ("dequant", "nvfp4")]
 
     bf16, recipe = logits(2)

@@ -177,7 +177,7 @@ class Block(nn.Module):
         return x, None
 
 
-class GPT(nn.Module):
+class Llama(nn.Module):
     """Decoder-only transformer (the Llama architecture).
 
     ``compute``: ``"dequant"`` (weights dequantized by the caller, GEMMs in ``dtype``) or
@@ -260,9 +260,9 @@ def _remat(block, policy: Optional[str]):
     return nn.remat(block, policy=REMAT_POLICIES[policy], prevent_cse=False)
 
 
-def from_config(model_cfg, nvfp4_cfg) -> GPT:
+def from_config(model_cfg, nvfp4_cfg) -> Llama:
     same = ("vocab", "d_model", "layers", "heads", "rope_theta", "norm_eps", "tie_embeddings", "attention", "init_std")
-    return GPT(
+    return Llama(
         **{k: getattr(model_cfg, k) for k in same},
         kv_heads=model_cfg.n_kv_heads,
         hidden=model_cfg.mlp_hidden,

@@ -91,8 +91,7 @@ LONGEST_FIRST = ("test_multiprocess.py", "test_train.py", "test_benchmarks.py", 
 def pytest_collection_finish(session):
     # Tracing makes many short-lived objects; the heap of a test process is large (JAX, Flax,
     # orbax, the test modules). Collections of the modules' objects are wasted work: keep them
-    # out of the collector, and collect young objects less often (measured: test_optim.py and
-    # test_layout.py in one process, 95.2 s -> 92.2 s).
+    # out of the collector, and collect young objects less often.
     import gc
 
     gc.collect()

@@ -435,7 +435,7 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
         collective_permute=sel("collective-permute"),
         grad_reduce=sel(purpose="grad reduce"),
         # Re-quantized bytes moved from the master's padded layout to the params layout.
-        relayout=sel(purpose="master relayout") + sel("collective-permute", None, "re-quantize"),
+        relayout=sel("collective-permute", None, "re-quantize") + sel("collective-permute", None, "optimizer"),
         wire_gather=sel(f="wire", **gather) + sel("all-gather", ("u8",), "re-quantize", "wire"),
         wire_gather_packed=sel(dtypes=("u8",), f="wire", **gather),
         tp_bytes=sel(purpose="tensor parallel"),

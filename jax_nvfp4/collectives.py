@@ -31,10 +31,26 @@ import numpy as np
 
 from jax_nvfp4.layout import Tiled, TiledNVFP4, is_tiled
 
-# Name scopes (HLO op_name metadata): what a collective is for.
+# What each of the library's collectives is for, said where it is called with a name scope
+# (HLO op_name metadata): the innermost of these scopes in a collective's scope path is its
+# purpose (jax_nvfp4.comm). The ordered primitives below carry none of their own: their callers
+# say what a sum is for.
 GATHER_SCOPE = "weight_gather"
-REDUCE_SCOPE = "ordered_reduce"
-TENSOR_SCOPE = "tensor_parallel"  # activation collectives of tensor/sequence parallelism
+REDUCE_SCOPE = "grad_reduce"
+TENSOR_SCOPE = "tensor_parallel"
+NORM_SCOPE = "grad_norm"
+REQUANTIZE_SCOPE = "requantize"
+OPTIMIZER_SCOPE = "optimizer"
+LOSS_SCOPE = "loss_metrics"
+SCOPES = {
+    GATHER_SCOPE: "weight gather",
+    REDUCE_SCOPE: "grad reduce",
+    TENSOR_SCOPE: "tensor parallel",
+    NORM_SCOPE: "grad norm",
+    REQUANTIZE_SCOPE: "re-quantize",
+    OPTIMIZER_SCOPE: "optimizer",
+    LOSS_SCOPE: "loss / metrics",
+}
 
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
@@ -106,9 +122,7 @@ def ordered_mean(x: jax.Array, axis) -> jax.Array:
     n = _size(axis)
     if n == 1:
         return x.astype(jnp.float32)
-    with jax.named_scope(REDUCE_SCOPE):
-        parts = all_gather_bits(x, axis)
-        return fold_sum(parts) / np.float32(n)
+    return fold_sum(all_gather_bits(x, axis)) / np.float32(n)
 
 
 def ordered_sum(x: jax.Array, axis) -> jax.Array:
@@ -116,8 +130,7 @@ def ordered_sum(x: jax.Array, axis) -> jax.Array:
     all-gather its bits, fold in shard order in float32. Same on every device."""
     if _size(axis) == 1:
         return x
-    with jax.named_scope(REDUCE_SCOPE):
-        return fold_sum(all_gather_bits(x, axis)).astype(x.dtype)
+    return fold_sum(all_gather_bits(x, axis)).astype(x.dtype)
 
 
 def ordered_sum_scatter(x: jax.Array, axis: str, dim: int, out_dtype=None) -> jax.Array:
@@ -133,10 +146,9 @@ def ordered_sum_scatter(x: jax.Array, axis: str, dim: int, out_dtype=None) -> ja
     shape = x.shape
     if shape[dim] % n:
         raise ValueError(f"ordered_sum_scatter: dimension {dim} of {shape} is not divisible by the {n} shards of {axis!r}")
-    with jax.named_scope(REDUCE_SCOPE):
-        parts = jnp.moveaxis(x.reshape(*shape[:dim], n, shape[dim] // n, *shape[dim + 1:]), dim, 0)
-        moved = jax.lax.all_to_all(to_bits(parts), axis, 0, 0, tiled=True)
-        return fold_sum(from_bits(moved, x.dtype)).astype(out_dtype)
+    parts = jnp.moveaxis(x.reshape(*shape[:dim], n, shape[dim] // n, *shape[dim + 1:]), dim, 0)
+    moved = jax.lax.all_to_all(to_bits(parts), axis, 0, 0, tiled=True)
+    return fold_sum(from_bits(moved, x.dtype)).astype(out_dtype)
 
 
 def ordered_reduce_scatter(tiles: jax.Array, axis, replica_axis=None) -> jax.Array:
@@ -163,12 +175,11 @@ def ordered_reduce_scatter(tiles: jax.Array, axis, replica_axis=None) -> jax.Arr
     if n == 1:
         return tiles.astype(jnp.float32)
     x = tiles
-    with jax.named_scope(REDUCE_SCOPE):
-        for ax in levels:  # the tile axis (-3): tile block j -> device j of the level
-            x = ordered_sum_scatter(x.astype(tiles.dtype), ax, -3, out_dtype=jnp.float32)
-        if replicas > 1:
-            x = fold_sum(all_gather_bits(x.astype(tiles.dtype), replica_axis))
-        return x.astype(jnp.float32) / np.float32(n)
+    for ax in levels:  # the tile axis (-3): tile block j -> device j of the level
+        x = ordered_sum_scatter(x.astype(tiles.dtype), ax, -3, out_dtype=jnp.float32)
+    if replicas > 1:
+        x = fold_sum(all_gather_bits(x.astype(tiles.dtype), replica_axis))
+    return x.astype(jnp.float32) / np.float32(n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +275,10 @@ def _gather_fn(cfg: GatherConfig):
         return fetch(stored, master), (stored, master)
 
     def bwd(res, ct):
+        with jax.named_scope(REDUCE_SCOPE):
+            return _reduce_grad(res, ct)
+
+    def _reduce_grad(res, ct):
         stored, master = res
         g = ct[1] if cfg.nvfp4 else ct
         if isinstance(master, Tiled):

@@ -13,12 +13,11 @@ all-gather its gathered array, a reduce-scatter its shard, an all-reduce the who
 array); an asynchronous ``*-start`` op counts its output buffer once and its ``*-done`` half
 not at all.
 
-Purpose (:data:`PURPOSES`) comes first from the library's name scopes
-(``collectives.GATHER_SCOPE`` / ``REDUCE_SCOPE``: the per-layer gathers and gradient reductions
-run in custom-VJP code whose Python frames XLA does not keep), then from the innermost known
-function of the call stack (:data:`FUNCTION_PURPOSES`), then from the file it came from (model
-code), and, given a mesh, an XLA-inserted sum over the data axis inside the model's backward
-pass is a gradient reduction.
+Purpose (:data:`PURPOSES`) is what the library says where it places a collective: a name
+scope (``jax.named_scope``; :data:`jax_nvfp4.collectives.SCOPES`), the innermost one in the
+instruction's scope path. Renaming a function changes nothing. A collective XLA placed by
+itself is ``"other"``, except that, given a mesh, an all-reduce or reduce-scatter over a data
+axis is XLA's own gradient sum (a plain ``jit`` of a data-parallel step).
 """
 
 from __future__ import annotations
@@ -56,33 +55,11 @@ PURPOSES = {
     "grad reduce": "gradient reduction into the master shards",
     "grad norm": "global gradient norm (clipping)",
     "re-quantize": "re-quantization of the updated masters (shared amax)",
-    "master relayout": "masters moved to their sharding",
     "optimizer": "inside the optimizer update",
     "loss / metrics": "loss and metric reductions",
     "tensor parallel": "activations across the tensor axis (sequence gathers, row-parallel and vocabulary sums)",
-    "model fwd/bwd": "inside the model, not one of the library's collectives",
-    "other": "not attributed",
+    "other": "placed by XLA, not by the library (e.g. a gradient sum of a plain jit)",
 }
-# Innermost function of a collective's Python stack -> its purpose (checked innermost first).
-FUNCTION_PURPOSES = (
-    ("ordered_reduce_scatter", "grad reduce"),
-    ("_grads_to_master", "grad reduce"),
-    ("global_norm", "grad norm"),
-    ("clip_by_global_norm", "grad norm"),
-    ("requantize", "re-quantize"),
-    ("_constrain_master", "master relayout"),
-    ("_gather_forward", "weight gather"),
-    ("gather_dequantized", "weight gather"),
-    ("gather", "weight gather"),
-    ("master_weights", "optimizer"),
-    ("ordered_mean", "loss / metrics"),
-    ("make_step", "loss / metrics"),
-)
-# Files whose code is the model: a collective raised there (and not by a known library
-# function) is part of the model's forward or backward pass.
-MODEL_FILES = ("model.py", "jax_nvfp4/nn.py", "jax_nvfp4/gemm.py")
-
-
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One result array of one collective instruction."""
@@ -333,29 +310,14 @@ def replica_groups(line: str) -> Tuple[Tuple[int, ...], ...]:
     return ()
 
 
-def purpose(op: str, op_name: str, stack: Sequence[Tuple[str, str]]) -> str:
-    """What a collective is for (a key of :data:`PURPOSES`), from its JAX name scope and its
-    Python call stack (innermost first)."""
-    from jax_nvfp4.collectives import GATHER_SCOPE, REDUCE_SCOPE, TENSOR_SCOPE
+def purpose(op_name: str) -> str:
+    """What a collective is for (a key of :data:`PURPOSES`): the innermost of the library's
+    name scopes (:data:`jax_nvfp4.collectives.SCOPES`) in its JAX scope path ``op_name``;
+    ``"other"`` for a collective no library code placed (XLA's own)."""
+    from jax_nvfp4.collectives import SCOPES
 
-    label = "other"
-    for path, func in stack:
-        name = func.split(".<locals>")[0]
-        hit = next((p for key, p in FUNCTION_PURPOSES if name == key), None)
-        if hit == "loss / metrics" and any(f.endswith(MODEL_FILES) for f, _ in stack):
-            hit = "model fwd/bwd"
-        if hit is None and path.endswith(MODEL_FILES):
-            hit = "model fwd/bwd"
-        if hit is not None:
-            label = hit
-            break
-    if GATHER_SCOPE in op_name:
-        return "weight gather"
-    if TENSOR_SCOPE in op_name:
-        return "tensor parallel"
-    if REDUCE_SCOPE in op_name and label not in ("grad norm", "loss / metrics"):
-        return "grad reduce"
-    return label
+    found = [(m.start(), scope) for scope in SCOPES for m in re.finditer(rf"(?:^|[/(]){scope}(?=$|[/)])", op_name)]
+    return SCOPES[max(found)[1]] if found else "other"
 
 
 def _mesh_axes(groups, mesh) -> Tuple[str, ...]:
@@ -374,8 +336,8 @@ def parse(hlo_text: str, mesh=None, data_axes: Sequence[str] = ("data",)) -> Pro
     """Read compiled HLO text (``jax.jit(f).lower(...).compile().as_text()``) once.
 
     With ``mesh`` (the program's mesh), each collective also gets the mesh axes its groups
-    span, and an all-reduce or reduce-scatter over a ``data_axes`` axis inside model code
-    (XLA's own gradient sum placed in the backward pass) is a gradient reduction."""
+    span, and an all-reduce or reduce-scatter over a ``data_axes`` axis that no library scope
+    names (XLA's own gradient sum) is a gradient reduction."""
     comps, entry = computations(hlo_text)
     mult, warnings = multipliers(comps, entry) if entry else ({"": 1}, [])
     frames = stacks(hlo_text)
@@ -394,9 +356,9 @@ def parse(hlo_text: str, mesh=None, data_axes: Sequence[str] = ("data",)) -> Pro
             fid = _FRAME.search(line)
             stack = tuple(frames.get(int(fid.group(1)), ())) if fid else ()
             groups = replica_groups(line)
-            label = purpose(results[0][0], op_name, stack)
+            label = purpose(op_name)
             axes = _mesh_axes(groups, mesh) if mesh is not None else ()
-            if (label == "model fwd/bwd" and results[0][0] in ("all-reduce", "reduce-scatter")
+            if (label == "other" and results[0][0] in ("all-reduce", "reduce-scatter")
                     and set(axes) & set(data_axes)):
                 label = "grad reduce"
             for op, dtype, shape in results:

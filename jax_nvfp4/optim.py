@@ -33,6 +33,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from jax_nvfp4.array import NVFP4Array, is_nvfp4
+from jax_nvfp4.collectives import OPTIMIZER_SCOPE
 from jax_nvfp4.layout import DEFAULT_RULES, Rules, Tiled, TiledNVFP4, is_tiled, layout_for
 from jax_nvfp4.params import DEFAULT_POLICY, Policy, path_str
 from jax_nvfp4.sharding import constrain, context_mesh, global_norm, requantize, scatter_replicated
@@ -119,6 +120,10 @@ def master_weights(
         )
 
     def update_fn(grads, state: MasterWeightsState, params=None, **extra):
+        with jax.named_scope(OPTIMIZER_SCOPE):
+            return _update(grads, state, params, **extra)
+
+    def _update(grads, state: MasterWeightsState, params=None, **extra):
         if params is None:
             raise ValueError("master_weights: update(grads, state, params) needs the current params")
         for path, g in jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_nvfp4)[0]:

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_nvfp4.array import BLOCK_2D, is_nvfp4
-from jax_nvfp4.collectives import REDUCE_SCOPE, all_gather_bits, fold_sum, from_bits, to_bits
+from jax_nvfp4.collectives import (GATHER_SCOPE, NORM_SCOPE, REQUANTIZE_SCOPE, all_gather_bits, fold_sum, from_bits,
+                                   to_bits)
 from jax_nvfp4.layout import (DEFAULT_RULES, Layout, Rules, Tiled, TiledNVFP4, is_tiled, layout_for, quantize_tiles,
                               tile_scales)
 from jax_nvfp4.params import Policy, path_str
@@ -119,7 +120,7 @@ def global_norm(tree, mesh, rules) -> jax.Array:
             for i in idx:
                 s = jnp.sum(jnp.square(vs[i].astype(jnp.float32)))
                 part = s if part is None else part + s
-            with jax.named_scope(REDUCE_SCOPE):
+            with jax.named_scope(NORM_SCOPE):
                 for ax in split:  # a fixed order of axes, each folded in shard order
                     part = fold_sum(all_gather_bits(part, ax))
             total = part if total is None else total + part
@@ -225,7 +226,8 @@ def gather(tree, mesh=None):
         value = reshard_bits(leaf.value, NamedSharding(mesh, _without_data(leaf.spec(), leaf.layout)))
         return leaf.layout.from_tiles(value)
 
-    return jax.tree.map(one, tree, is_leaf=_is_node)
+    with jax.named_scope(GATHER_SCOPE):
+        return jax.tree.map(one, tree, is_leaf=_is_node)
 
 
 def gather_dequantized(tree, dtype=jnp.bfloat16, mesh=None):
@@ -247,7 +249,8 @@ def gather_dequantized(tree, dtype=jnp.bfloat16, mesh=None):
         out = gather(leaf, mesh)
         return dequantize_params(out, dtype)
 
-    return jax.tree.map(one, tree, is_leaf=_is_node)
+    with jax.named_scope(GATHER_SCOPE):
+        return jax.tree.map(one, tree, is_leaf=_is_node)
 
 
 def _shard_origin(layout: Layout):
@@ -300,7 +303,9 @@ def requantize(m: Tiled, mesh=None, *, block=BLOCK_2D, key=None, cast_bf16: bool
         return quantize_tiles(value, lay, block=block, key=key)
 
     def local(v, *k):
-        reduce = lambda bits: jax.lax.pmax(bits, tuple(flat_axes))
+        def reduce(bits):
+            with jax.named_scope(REQUANTIZE_SCOPE):
+                return jax.lax.pmax(bits, tuple(flat_axes))
         ti, to = _shard_origin(lay)
         q = quantize_tiles(v, lay, block=block, key=k[0] if k else None, reduce_amax=reduce, tensor_index=ti,
                            tile_offset=to)

@@ -8,8 +8,9 @@ from jax_nvfp4 import comm
 
 # A program shaped like a compiled training step: an entry computation with a packed gather
 # and a loss sum, a scan over 6 layers whose body gathers a layer (scope weight_gather) and
-# calls a nested loop of 3 micro-steps reducing a gradient (scope ordered_reduce), and a
-# conditional branch. Stack frame tables as XLA prints them (parent ids one above).
+# calls a nested loop of 3 micro-steps reducing a gradient (scope grad_reduce, inside a
+# transposed scope and under the step's optimizer scope: the innermost library scope decides),
+# and a conditional branch. Stack frame tables as XLA prints them (parent ids one above).
 STEP = """HloModule jit_step, entry_computation_layout={()->()}
 
 FileNames
@@ -37,7 +38,7 @@ StackFrames
 }
 
 %inner_body (p: (s32[], bf16[64])) -> (s32[], bf16[64]) {
-  %a2a = u16[4,16]{1,0} all-to-all(%g), channel_id=5, replica_groups=[1,4]<=[4], dimensions={0}, metadata={op_name="jit(step)/ordered_reduce/all_to_all"}
+  %a2a = u16[4,16]{1,0} all-to-all(%g), channel_id=5, replica_groups=[1,4]<=[4], dimensions={0}, metadata={op_name="jit(step)/optimizer/transpose(jvp(grad_reduce))/all_to_all"}
 }
 
 %inner_cond (p: (s32[], bf16[64])) -> pred[] {
@@ -61,7 +62,7 @@ StackFrames
 
 ENTRY %main (a: u8[4,64]) -> f32[] {
   %ag = bf16[16,16]{1,0} all-gather(%e), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}, metadata={op_name="jit(step)/weight_gather/all_gather"}
-  %loss = f32[4]{0} all-gather(%l), channel_id=4, replica_groups=[1,4]<=[4], dimensions={0}, metadata={op_name="jit(step)/ordered_reduce/all_gather" stack_frame_id=2}
+  %loss = f32[4]{0} all-gather(%l), channel_id=4, replica_groups=[1,4]<=[4], dimensions={0}, metadata={op_name="jit(step)/loss_metrics/all_gather" stack_frame_id=2}
   %w = (s32[], u8[4,64]) while(%t0), condition=%layer_cond, body=%layer_body, backend_config={"known_trip_count":{"n":"6"}}
   %c = f32[2] conditional(%i, %x), branch_computations={%branch}
 }
@@ -131,19 +132,21 @@ def test_stack_tables_follow_real_callers():
                                             ("/src/train/step.py", "make_step.<locals>.step")]
 
 
-def test_purposes_from_scopes_stacks_and_mesh():
+def test_purposes_from_scopes_and_mesh():
     purposes = {c.instruction: c.purpose for c in comm.parse(STEP).collectives}
     assert purposes == {
         "ag": "weight gather", "ags": "weight gather",  # the gather scope decides
-        "a2a": "grad reduce",  # the reduce scope, no stack
-        "loss": "loss / metrics",  # ordered_mean: the reduce scope does not make it a gradient
-        "ar": "model fwd/bwd",  # raised in model code
+        "a2a": "grad reduce",  # the innermost library scope, not the optimizer around it
+        "loss": "loss / metrics",
+        "ar": "other",  # no library scope: XLA's own (its stack frame says nothing)
         "cp": "other",
     }
+    # A scope's name inside another word is not that scope.
+    assert comm.purpose("jit(step)/my_weight_gathering/all_gather") == "other"
     with_mesh = comm.parse(STEP, _Mesh())
     rows = {c.instruction: c for c in with_mesh.collectives}
-    # {{0,1},{2,3}} on a (data 2, tensor 2) mesh spans the tensor axis: still the model's sum.
-    assert rows["ar"].axes == ("tensor",) and rows["ar"].purpose == "model fwd/bwd"
+    # {{0,1},{2,3}} on a (data 2, tensor 2) mesh spans the tensor axis: not a gradient sum.
+    assert rows["ar"].axes == ("tensor",) and rows["ar"].purpose == "other"
     assert rows["ag"].axes == ("data", "tensor")
     # The same sum over the data axis is XLA's own gradient reduction.
     over_data = comm.parse(STEP.replace("replica_groups={{0,1},{2,3}}", "replica_groups={{0,2},{1,3}}"), _Mesh())

@@ -24,7 +24,7 @@ from conftest import job, mesh_of
 FLOATS = ("f16", "bf16", "f32", "f64", "f8e4m3fn", "f8e5m2", "f4e2m1fn")
 # Collectives of values computed inside the model (activation amax, tensor-parallel sums) or of
 # the loss: may move floats, but never anything the size of a weight.
-ACTIVATIONS = ("model fwd/bwd", "tensor parallel", "loss / metrics", "other")
+ACTIVATIONS = ("tensor parallel", "loss / metrics", "other")
 
 
 def lower_for_cuda(fn, *args) -> str:

@@ -23,6 +23,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_nvfp4 as nv
+from jax_nvfp4.collectives import LOSS_SCOPE
 from train.config import Config, NVFP4Config, validate_for_devices
 from train.model import KEPT_SEGMENTS, cross_entropy, from_config, tensor_rules
 from train.optimizer import make_optimizer
@@ -257,7 +258,8 @@ def make_step(cfg: Config, model, tx, rules, mesh):
             zero = jax.tree.map(jnp.zeros_like, (jnp.zeros([], jnp.float32), masters))
             (loss, grads), _ = jax.lax.scan(body, zero, (jnp.arange(accum), micro(inputs), micro(targets)))
             loss, grads = loss / accum, jax.tree.map(lambda g: g / np.float32(accum), grads)
-        return nv.ordered_mean(loss, data_axes), grads
+        with jax.named_scope(LOSS_SCOPE):
+            return nv.ordered_mean(loss, data_axes), grads
 
     def step(params, opt_state, batch, key, loss_scale=None):
         scale = jnp.float32(1) if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
@@ -296,7 +298,8 @@ def make_eval(cfg: Config, model, rules: nv.Rules, mesh, batch_sharding):
         inputs, targets = rows[:, :-1], rows[:, 1:]
         logits = forward(params, None, inputs)
         losses = jax.vmap(lambda l, t: cross_entropy(l, t, tensor))(logits, targets)
-        return nv.all_gather_bits(losses, data_axes, tiled=True)
+        with jax.named_scope(LOSS_SCOPE):
+            return nv.all_gather_bits(losses, data_axes, tiled=True)
 
     def evaluate(params, batch):
         return jax.shard_map(local, mesh=mesh, in_specs=(nv.partition_specs(params), P(data_axes)), out_specs=P(),

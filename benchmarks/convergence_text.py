@@ -340,7 +340,7 @@ def _exporter(cfg, at: Optional[Dict[int, str]]):
 
     from jax_nvfp4.export import export_hf
     from train.hf_import import hf_config
-    from train.model import SEGMENTS
+    from train.model import HF_NAMES
 
     at = {int(k): v for k, v in at.items()}
     for d in at.values():
@@ -348,7 +348,7 @@ def _exporter(cfg, at: Optional[Dict[int, str]]):
 
     def on_step(step, params, opt_state, it):
         if step in at:
-            export_hf(params, hf_config(cfg), at[step], fmt="bf16", segments=SEGMENTS)
+            export_hf(params, hf_config(cfg), at[step], fmt="bf16", names=HF_NAMES)
 
     return on_step
 

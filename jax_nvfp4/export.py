@@ -1,5 +1,6 @@
 """Export trained weights: this project's own NVFP4 format (``export_nvfp4`` / ``load_nvfp4``)
-and Hugging Face Llama checkpoints for serving engines (``export_hf``).
+and Hugging Face checkpoints for serving engines (``export_hf``, through the name map its caller
+gives: :class:`HFNames`; the training stack's Llama map is ``train.model.HF_NAMES``).
 
 The native format is a directory with one ``.npy`` file per array and a ``manifest.json``::
 
@@ -28,12 +29,13 @@ directory holding anything else is never deleted.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +45,8 @@ from jax_nvfp4.array import (BLOCK_1D, BLOCK_2D, BLOCK_COLUMN, NVFP4Array, as_ar
                              packed_shapes)
 from jax_nvfp4.params import path_str
 
-__all__ = ["ExportError", "check_hf", "export_hf", "export_nvfp4", "hf_modules", "hf_tensors", "is_export", "is_linear",
-           "llama_config", "load_nvfp4", "nvfp4_to_compressed_tensors", "AMAX_METADATA", "EXPORT_FORMAT",
+__all__ = ["ExportError", "HFNames", "check_hf", "export_hf", "export_nvfp4", "hf_modules", "hf_tensors", "is_export",
+           "is_linear", "load_nvfp4", "nvfp4_to_compressed_tensors", "AMAX_METADATA", "EXPORT_FORMAT",
            "EXPORT_VERSION", "NVFP4A16_QUANTIZATION_CONFIG", "TOKENIZER_FILES"]
 
 EXPORT_FORMAT = "jax_nvfp4.export"
@@ -378,19 +380,31 @@ def load_nvfp4(directory: str, *, like=None):
 
 # ----------------------------------------------------------------------------- Hugging Face
 #
-# A Llama checkpoint (``config.json`` + safetensors) of a ``train.model.Llama``-shaped params tree
-# (``embed``, ``<segment>/attn/{q,k,v,out}/kernel``, ``<segment>/mlp/{gate,up,down}/kernel``,
-# ``<segment>/norm{1,2}/scale`` stacked over layers, ``norm_f/scale``, ``head/kernel``). The
-# model's rotary layout, RMSNorm and SwiGLU are HF Llama's own, so weights map one to one;
-# only the Flax ``[in, out]`` kernels become torch's ``[out, in]``.
+# A Hugging Face checkpoint (``config.json`` + safetensors) of a params tree, through a name
+# map the caller gives (:class:`HFNames`: the training stack's Llama map is
+# ``train.model.HF_NAMES``). Only the Flax ``[in, out]`` kernels change orientation, to torch's
+# ``[out, in]``; every other leaf maps one to one.
 
-_HF_LAYER = {
-    "attn/q/kernel": "self_attn.q_proj", "attn/k/kernel": "self_attn.k_proj",
-    "attn/v/kernel": "self_attn.v_proj", "attn/out/kernel": "self_attn.o_proj",
-    "mlp/gate/kernel": "mlp.gate_proj", "mlp/up/kernel": "mlp.up_proj", "mlp/down/kernel": "mlp.down_proj",
-    "norm1/scale": "input_layernorm", "norm2/scale": "post_attention_layernorm",
-}
-_HF_TOP = {"embed": "model.embed_tokens", "norm_f/scale": "model.norm", "head/kernel": "lm_head"}
+
+@dataclasses.dataclass(frozen=True)
+class HFNames:
+    """How a params tree's leaves are named in a Hugging Face checkpoint.
+
+    ``top``: param path -> HF module for unstacked leaves (``{"embed": "model.embed_tokens"}``);
+    ``layer``: path inside a stacked-layer sub-tree -> the module's name inside one HF layer
+    (``{"attn/q/kernel": "self_attn.q_proj"}``); ``segments``: the stacked-layer sub-trees in
+    layer order (their layers are numbered on, one after the other); ``layer_prefix``: the HF
+    name of layer ``i`` is ``f"{layer_prefix}.{i}"``."""
+
+    top: Tuple[Tuple[str, str], ...]
+    layer: Tuple[Tuple[str, str], ...]
+    segments: Tuple[str, ...] = ("blocks",)
+    layer_prefix: str = "model.layers"
+
+    @classmethod
+    def of(cls, top: Dict[str, str], layer: Dict[str, str], segments=("blocks",), layer_prefix="model.layers"):
+        return cls(tuple(top.items()), tuple(layer.items()), tuple(segments), layer_prefix)
+
 
 # The safetensors header entry (a JSON object: HF name of each ``weight_global_scale`` -> the
 # hex float32 bits of the amax it was computed from) that export_hf writes for NVFP4 kernels.
@@ -410,25 +424,6 @@ NVFP4A16_QUANTIZATION_CONFIG = {
     "format": "nvfp4-pack-quantized",
     "quantization_status": "compressed",
 }
-
-
-def llama_config(*, vocab: int, d_model: int, layers: int, heads: int, mlp_hidden: int,
-                 kv_heads: Optional[int] = None, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
-                 tie_embeddings: bool = False, max_position_embeddings: int = 2048,
-                 bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None) -> Dict[str, Any]:
-    """The ``config.json`` of a ``LlamaForCausalLM`` with these shapes (bf16, no rope scaling)."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": int(vocab), "hidden_size": int(d_model), "intermediate_size": int(mlp_hidden),
-        "num_hidden_layers": int(layers), "num_attention_heads": int(heads),
-        "num_key_value_heads": int(kv_heads or heads), "head_dim": int(d_model) // int(heads),
-        "hidden_act": "silu", "rms_norm_eps": float(norm_eps), "rope_theta": float(rope_theta),
-        "rope_scaling": None, "max_position_embeddings": int(max_position_embeddings),
-        "tie_word_embeddings": bool(tie_embeddings), "attention_bias": False, "mlp_bias": False,
-        "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True,
-        "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
-        "torch_dtype": "bfloat16", "dtype": "bfloat16",
-    }
 
 
 def nvfp4_to_compressed_tensors(q: NVFP4Array) -> Dict[str, np.ndarray]:
@@ -498,30 +493,30 @@ def is_linear(path: str) -> bool:
     return path.endswith("/kernel")
 
 
-def hf_modules(params, segments=("blocks",)) -> List[tuple]:
-    """The one map between this project's Llama params and Hugging Face's ``LlamaForCausalLM``
-    module names: ``[(path, leaf, [(module, index)])]`` for every leaf of ``params`` (logical or
-    stored, concrete or abstract: only ``leaf.shape`` is read), where ``module`` is the HF module
+def hf_modules(params, names: HFNames) -> List[tuple]:
+    """The one map between a params tree and Hugging Face module names (``names``):
+    ``[(path, leaf, [(module, index)])]`` for every leaf of ``params`` (logical or stored,
+    concrete or abstract: only ``leaf.shape`` is read), where ``module`` is the HF module
     (``model.layers.3.self_attn.q_proj``; its tensors are ``module.weight`` or the
     compressed-tensors ``module.weight_packed`` ...) and ``index`` the leaf's stacked-layer
-    index (``()`` for unstacked leaves). ``segments``: the stacked-layer sub-trees in layer
-    order (``blocks_first``, ``blocks``, ``blocks_last`` for ``train.model.Llama``).
+    index (``()`` for unstacked leaves). Export and import both read it.
 
     Raises:
-      ExportError: a parameter without a Llama counterpart.
+      ExportError: a parameter ``names`` does not name.
     """
+    top, layer = dict(names.top), dict(names.layer)
     flat = [(path_str(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_param)[0]]
-    offsets = _segment_offsets(flat, segments)
+    offsets = _segment_offsets(flat, names.segments)
     out = []
     for path, leaf in flat:
         seg, _, rest = path.partition("/")
-        if path in _HF_TOP:
-            out.append((path, leaf, [(_HF_TOP[path], ())]))
-        elif seg in segments and rest in _HF_LAYER:
-            out.append((path, leaf, [(f"model.layers.{offsets[seg] + i}.{_HF_LAYER[rest]}", (i,))
+        if path in top:
+            out.append((path, leaf, [(top[path], ())]))
+        elif seg in names.segments and rest in layer:
+            out.append((path, leaf, [(f"{names.layer_prefix}.{offsets[seg] + i}.{layer[rest]}", (i,))
                                      for i in range(int(leaf.shape[0]))]))
         else:
-            raise ExportError(f"export_hf: parameter {path!r} has no Hugging Face Llama counterpart")
+            raise ExportError(f"export_hf: parameter {path!r} has no Hugging Face name")
     return out
 
 
@@ -531,24 +526,23 @@ def _is_param(x) -> bool:
     return is_nvfp4(x) or is_tiled(x)
 
 
-def check_hf(params, *, fmt: str = "bf16", segments=("blocks",)) -> None:
+def check_hf(params, names: HFNames, *, fmt: str = "bf16") -> None:
     """Raise ExportError (one line) if :func:`export_hf` could not write ``params`` in ``fmt``:
     a parameter without a Llama counterpart, or (``"nvfp4"``) an NVFP4 kernel that
     compressed-tensors' layout cannot hold. Reads only shapes: ``params`` may be logical
     arrays or ``jax.eval_shape`` structures of them, so a run can be checked before it trains."""
-    for path, leaf, _ in hf_modules(params, segments):
+    for path, leaf, _ in hf_modules(params, names):
         why = is_nvfp4(leaf) and fmt == "nvfp4" and is_linear(path) and _compressed_tensors_refusal(leaf)
         if why:
             raise ExportError(f"export_hf: {path}: {why}")
 
 
-def hf_tensors(params, *, fmt: str = "bf16", segments=("blocks",), amax: Optional[Dict[str, int]] = None):
+def hf_tensors(params, names: HFNames, *, fmt: str = "bf16", amax: Optional[Dict[str, int]] = None):
     """``(tensors, ignore)``: an iterator of ``(HF name, numpy array)`` for ``params`` in the
-    HF Llama layout, and (``fmt="nvfp4"``) the names of Linear modules left in bf16.
+    HF layout ``names`` gives, and (``fmt="nvfp4"``) the names of Linear modules left in bf16.
 
     ``fmt="bf16"``: every tensor bf16, the NVFP4 leaves dequantized (``dequantize``).
     ``fmt="nvfp4"``: NVFP4 kernels as :func:`nvfp4_to_compressed_tensors`; the rest bf16.
-    ``segments``: the stacked-layer sub-trees in layer order (:func:`hf_modules`).
     ``amax``: a dict filled, as the tensors are produced, with ``{HF name of a
     weight_global_scale: the float32 bits of the exact amax behind it}`` (``448 * 6 / S`` does
     not always give the amax back: neighbouring amaxes can share one global scale).
@@ -560,7 +554,7 @@ def hf_tensors(params, *, fmt: str = "bf16", segments=("blocks",), amax: Optiona
     if fmt not in ("bf16", "nvfp4"):
         raise ValueError(f"fmt must be 'bf16' or 'nvfp4', got {fmt!r}")
     params = logical(params)  # stored (tile-major) params: their logical form
-    names = hf_modules(params, segments)
+    modules_of = hf_modules(params, names)
     ignore = []
 
     def tensors(leaf, path):
@@ -571,7 +565,7 @@ def hf_tensors(params, *, fmt: str = "bf16", segments=("blocks",), amax: Optiona
         return {"weight": np.swapaxes(value, -1, -2) if is_linear(path) else value}
 
     def gen():
-        for path, leaf, modules in names:
+        for path, leaf, modules in modules_of:
             if is_nvfp4(leaf):
                 host = NVFP4Array(_host(leaf.data), _host(leaf.scale_bits), _host(leaf.amax_bits), leaf.matrix_shape, leaf.block)
             else:
@@ -627,18 +621,18 @@ def _write_safetensors(tensors, directory: str, max_shard_bytes: int, metadata=N
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
 
 
-def export_hf(params, config: Dict[str, Any], directory: str, *, fmt: str = "bf16", segments=("blocks",),
+def export_hf(params, config: Dict[str, Any], directory: str, *, names: HFNames, fmt: str = "bf16",
               tokenizer: Optional[str] = None, max_shard_bytes: int = 5 << 30) -> str:
-    """Write a Hugging Face ``LlamaForCausalLM`` checkpoint of ``params`` into ``directory``.
+    """Write a Hugging Face checkpoint of ``params`` into ``directory``.
 
     Args:
-      config: the ``config.json`` (:func:`llama_config`).
+      config: the ``config.json`` (the training stack's Llama: ``train.model.hf_config``).
+      names: the params' Hugging Face names (:class:`HFNames`; ``train.model.HF_NAMES``).
       fmt: ``"bf16"``: dequantized bf16 weights (``transformers`` loads them as they are).
         ``"nvfp4"``: NVFP4 kernels in compressed-tensors' ``nvfp4-pack-quantized`` layout
         (lossless: the same codes, scales and amax), the quantization config in
         ``config.json``; leaves that are not NVFP4 (embeddings, norms, kept layers, the head)
         stay bf16, their Linear modules listed in ``ignore``.
-      segments: the stacked-layer sub-trees in layer order.
       tokenizer: a ``tokenizer.json`` to copy in (with a ``tokenizer_config.json``), or the
         folder of a Hugging Face checkpoint whose tokenizer files (:data:`TOKENIZER_FILES`)
         are copied as they are.
@@ -652,7 +646,7 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, fmt: str = "bf1
 
     Raises:
       FileExistsError: ``directory`` exists and is not empty (nothing is written).
-      ExportError: a parameter without a Llama counterpart, a kernel ``fmt`` cannot hold
+      ExportError: a parameter ``names`` does not name, a kernel ``fmt`` cannot hold
         (:func:`check_hf`), or non-finite NVFP4 amax; nothing is written.
     """
     directory = os.path.abspath(os.fspath(directory))
@@ -661,12 +655,12 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, fmt: str = "bf1
     from jax_nvfp4.sharding import logical
 
     params = logical(params)
-    check_hf(params, fmt=fmt, segments=segments)
+    check_hf(params, names, fmt=fmt)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_nvfp4)[0]:
         if is_nvfp4(leaf) and not bool(jnp.all(leaf.isfinite())):
             raise ExportError(f"export_hf: leaf {path_str(path)!r} has a non-finite amax (NaN or Inf); nothing written")
     amax: Dict[str, int] = {}
-    tensors, ignore = hf_tensors(params, fmt=fmt, segments=segments, amax=amax)
+    tensors, ignore = hf_tensors(params, names, fmt=fmt, amax=amax)
     if jax.process_index() != 0:
         for _ in tensors:  # the other processes take part in the gathers
             pass
@@ -675,8 +669,8 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, fmt: str = "bf1
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.tmp-", dir=parent)
     try:
-        def metadata(names):
-            mine = {k: f"{amax[k]:08x}" for k in names if k in amax}
+        def metadata(keys):
+            mine = {k: f"{amax[k]:08x}" for k in keys if k in amax}
             return {AMAX_METADATA: json.dumps(mine, sort_keys=True)} if mine else {}
 
         _write_safetensors(tensors, tmp, max_shard_bytes, metadata)

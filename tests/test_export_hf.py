@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import jax_nvfp4 as nv
-from jax_nvfp4.export import export_hf, llama_config, nvfp4_to_compressed_tensors
-from train.model import Llama, SEGMENTS
+from jax_nvfp4.export import export_hf, nvfp4_to_compressed_tensors
+from train.model import HF_NAMES, SEGMENTS, Llama, llama_config
 
 from conftest import main_here
 
@@ -110,7 +110,7 @@ def exported(tmp_path_factory):
     model, params = tiny_params()
     root = tmp_path_factory.mktemp("hf")
     for fmt in ("bf16", "nvfp4"):
-        export_hf(params, hf_config(), str(root / fmt), fmt=fmt, segments=SEGMENTS)
+        export_hf(params, hf_config(), str(root / fmt), fmt=fmt, names=HF_NAMES)
     return model, params, root
 
 
@@ -183,13 +183,15 @@ def test_tied_head_and_refusals(tmp_path):
     _, params = tiny_params(tie=True, keep_first=0)
     assert "head" not in params
     out = tmp_path / "tied"
-    export_hf(params, hf_config(tie=True), str(out), fmt="nvfp4", segments=SEGMENTS)
+    export_hf(params, hf_config(tie=True), str(out), fmt="nvfp4", names=HF_NAMES)
     st = read_safetensors(out / "model.safetensors")
     assert "lm_head.weight" not in st and json.loads((out / "config.json").read_text())["tie_word_embeddings"]
     with pytest.raises(FileExistsError, match="not empty"):
-        export_hf(params, hf_config(tie=True), str(out), fmt="bf16", segments=SEGMENTS)
-    with pytest.raises(nv.ExportError, match="no Hugging Face Llama counterpart"):
-        export_hf({"blocks": {"odd": {"kernel": jnp.ones((1, 16, 16))}}}, hf_config(), str(tmp_path / "x"))
+        export_hf(params, hf_config(tie=True), str(out), fmt="bf16", names=HF_NAMES)
+    with pytest.raises(nv.ExportError, match="'blocks/odd/kernel' has no Hugging Face name"):
+        export_hf({"blocks": {"odd": {"kernel": jnp.ones((1, 16, 16))}}}, hf_config(), str(tmp_path / "x"),
+                  names=HF_NAMES)
+    assert not (tmp_path / "x").exists()
 
 
 def test_cli_refuses_a_non_empty_export_folder(tmp_path, capfd):
@@ -213,7 +215,7 @@ def test_transformers_loads_the_bf16_export_and_logits_match(exported, tmp_path)
         if tie:
             tmodel, tparams = tiny_params(tie=True, keep_first=0)
             ours_t = logits(tmodel, tparams)
-            path = export_hf(tparams, hf_config(tie=True), str(tmp_path / "tied"), fmt="bf16", segments=SEGMENTS)
+            path = export_hf(tparams, hf_config(tie=True), str(tmp_path / "tied"), fmt="bf16", names=HF_NAMES)
         else:
             ours_t, path = ours, str(root / "bf16")
         hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager")

@@ -21,7 +21,7 @@ import pytest
 import jax_nvfp4 as nv
 from jax_nvfp4.export import export_hf
 from train import hf_import
-from train.model import SEGMENTS
+from train.model import HF_NAMES
 from train.step import build, validation_loss
 
 from conftest import JOB, TINY, job, job_worker, main_here, mesh_of, sets
@@ -53,9 +53,9 @@ def exports(job_run, tmp_path_factory):
     index), ``bf16`` in one file."""
     root = tmp_path_factory.mktemp("hf-import")
     cfg = job()
-    export_hf(job_run["params"], hf_import.hf_config(cfg), str(root / "nvfp4"), fmt="nvfp4", segments=SEGMENTS,
+    export_hf(job_run["params"], hf_import.hf_config(cfg), str(root / "nvfp4"), fmt="nvfp4", names=HF_NAMES,
               max_shard_bytes=40_000)
-    export_hf(job_run["params"], hf_import.hf_config(cfg), str(root / "bf16"), fmt="bf16", segments=SEGMENTS)
+    export_hf(job_run["params"], hf_import.hf_config(cfg), str(root / "bf16"), fmt="bf16", names=HF_NAMES)
     return root
 
 
@@ -87,7 +87,7 @@ def test_bf16_export_reads_back_with_bf16_weights(job_run, exports, tmp_path):
     want = nv.dequantize_params(host_logical(job_run["params"]), jnp.bfloat16)
     assert_bits_equal(host_logical(params), want)
     # A bf16-weights state, exported and read back: bit-identical.
-    export_hf(params, hf_import.hf_config(cfg), str(tmp_path / "again"), fmt="bf16", segments=SEGMENTS)
+    export_hf(params, hf_import.hf_config(cfg), str(tmp_path / "again"), fmt="bf16", names=HF_NAMES)
     again, _ = hf_import.load(str(tmp_path / "again"), trainer)
     assert_bits_equal(again, params)
 
@@ -97,7 +97,7 @@ def test_2d_tiles_read_back_when_the_scales_repeat_over_each_tile(exports, tmp_p
     # with 1d blocks, the same values. A 1d checkpoint's scales differ inside tiles: refused.
     cfg = job("nvfp4.block=2d")
     trainer, params, _ = build(cfg, mesh_of(cfg, 8))
-    export_hf(params, hf_import.hf_config(cfg), str(tmp_path / "2d"), fmt="nvfp4", segments=SEGMENTS)
+    export_hf(params, hf_import.hf_config(cfg), str(tmp_path / "2d"), fmt="nvfp4", names=HF_NAMES)
     again, _ = hf_import.load(str(tmp_path / "2d"), trainer)
     assert_bits_equal(again, params)
     one_d, _ = build(job(), mesh_of(cfg, 8), init=False)[:2]
@@ -166,7 +166,7 @@ def test_an_8b_import_is_planned_without_reading_or_allocating(tmp_path):
     mesh = mesh_of(cfg, 8)
     trainer, _, _ = build(cfg, mesh, init=False)
     header, end = {}, 0
-    for path, leaf, modules in hf_modules(trainer.abstract_params, SEGMENTS):  # the export's own map
+    for path, leaf, modules in hf_modules(trainer.abstract_params, HF_NAMES):  # the export's own map
         for module, idx in modules:
             shape = list(leaf.shape[len(idx):])
             shape = shape[::-1] if is_linear(path) else shape

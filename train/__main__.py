@@ -375,13 +375,13 @@ def hf_check(cfg, mesh) -> None:
     import jax_nvfp4 as nv
     from jax_nvfp4 import export as export_lib
     from train.config import ConfigError
-    from train.model import SEGMENTS
+    from train.model import HF_NAMES
     from train.step import build
 
     params = jax.eval_shape(nv.logical, build(cfg, mesh, init=False)[0].abstract_params)
     for fmt in ("bf16", "nvfp4"):
         try:
-            export_lib.check_hf(params, fmt=fmt, segments=SEGMENTS)
+            export_lib.check_hf(params, HF_NAMES, fmt=fmt)
         except export_lib.ExportError as e:
             raise ConfigError(f"--export-hf ({fmt}): {e}; set model sizes it can hold, or drop --export-hf") from None
 
@@ -393,7 +393,7 @@ def export_hf(cfg, params, directory: str) -> None:
     from jax_nvfp4 import export as export_lib
     from train import data as data_lib
     from train import hf_import
-    from train.model import SEGMENTS
+    from train.model import HF_NAMES
 
     tokenizer = eos = bos = None
     max_positions = cfg.model.seq_len
@@ -408,7 +408,7 @@ def export_hf(cfg, params, directory: str) -> None:
         tokenizer = hf_import.tokenizer_source(cfg.train.init_from) or tokenizer
     hf_cfg = hf_import.hf_config(cfg, max_position_embeddings=max_positions, eos_token_id=eos, bos_token_id=bos)
     for fmt in ("bf16", "nvfp4"):
-        export_lib.export_hf(params, hf_cfg, os.path.join(directory, fmt), fmt=fmt, segments=SEGMENTS,
+        export_lib.export_hf(params, hf_cfg, os.path.join(directory, fmt), names=HF_NAMES, fmt=fmt,
                              tokenizer=tokenizer)
 
 

@@ -162,10 +162,10 @@ def check_model(cfg: Config) -> None:
 
 
 def hf_config(cfg: Config, **kw) -> Dict[str, Any]:
-    """The ``config.json`` of ``cfg.model`` (:func:`jax_nvfp4.export.llama_config`; ``kw``:
+    """The ``config.json`` of ``cfg.model`` (:func:`train.model.llama_config`; ``kw``:
     ``max_position_embeddings`` (default ``model.seq_len``), token ids): what
     :func:`model_values` reads back as the same model."""
-    from jax_nvfp4.export import llama_config
+    from train.model import llama_config
 
     m = cfg.model
     kw.setdefault("max_position_embeddings", m.seq_len)
@@ -542,13 +542,13 @@ def _targets(ckpt: Checkpoint, trainer) -> List[_Leaf]:
 
     import jax_nvfp4 as nv
     from jax_nvfp4.export import hf_modules, is_linear
-    from train.model import SEGMENTS
+    from train.model import HF_NAMES
 
     mesh = trainer.mesh
     masters = nv.find_state(trainer.abstract_state).master
     by_path = {nv.path_str(p): m for p, m in jax.tree_util.tree_flatten_with_path(masters, is_leaf=nv.is_tiled)[0]}
     leaves = []
-    for path, a_p, modules in hf_modules(trainer.abstract_params, SEGMENTS):
+    for path, a_p, modules in hf_modules(trainer.abstract_params, HF_NAMES):
         a_m = by_path[path]
         param = _Param(ckpt, path, modules, a_p.shape, is_linear(path))
         sh = lambda spec: NamedSharding(mesh, spec)

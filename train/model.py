@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jax_nvfp4.export import HFNames
 from jax_nvfp4.nn import NVFP4_COLLECTION, ROUNDING_RNG, NVFP4Dense, param
 from jax_nvfp4.params import Policy
 from jax_nvfp4.tensor_parallel import TensorParallel, vocab_embed, vocab_token_losses
@@ -55,6 +56,38 @@ SEGMENTS = ("blocks_first", "blocks", "blocks_last")
 # The segments of the blocks kept in bf16: stored in bf16 (train.step.policy_for) and, under
 # compute="nvfp4", run with bf16 GEMMs.
 KEPT_SEGMENTS = ("blocks_first", "blocks_last")
+
+
+# The Hugging Face names of this model's params (``LlamaForCausalLM``): the model's rotary
+# layout, RMSNorm and SwiGLU are HF Llama's own, so the weights map one to one
+# (jax_nvfp4.export writes them, train.hf_import reads them).
+HF_NAMES = HFNames.of(
+    top={"embed": "model.embed_tokens", "norm_f/scale": "model.norm", "head/kernel": "lm_head"},
+    layer={"attn/q/kernel": "self_attn.q_proj", "attn/k/kernel": "self_attn.k_proj",
+           "attn/v/kernel": "self_attn.v_proj", "attn/out/kernel": "self_attn.o_proj",
+           "mlp/gate/kernel": "mlp.gate_proj", "mlp/up/kernel": "mlp.up_proj", "mlp/down/kernel": "mlp.down_proj",
+           "norm1/scale": "input_layernorm", "norm2/scale": "post_attention_layernorm"},
+    segments=SEGMENTS,
+)
+
+
+def llama_config(*, vocab: int, d_model: int, layers: int, heads: int, mlp_hidden: int,
+                 kv_heads: Optional[int] = None, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
+                 tie_embeddings: bool = False, max_position_embeddings: int = 2048,
+                 bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None) -> Dict[str, Any]:
+    """The ``config.json`` of a ``LlamaForCausalLM`` with these shapes (bf16, no rope scaling)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": int(vocab), "hidden_size": int(d_model), "intermediate_size": int(mlp_hidden),
+        "num_hidden_layers": int(layers), "num_attention_heads": int(heads),
+        "num_key_value_heads": int(kv_heads or heads), "head_dim": int(d_model) // int(heads),
+        "hidden_act": "silu", "rms_norm_eps": float(norm_eps), "rope_theta": float(rope_theta),
+        "rope_scaling": None, "max_position_embeddings": int(max_position_embeddings),
+        "tie_word_embeddings": bool(tie_embeddings), "attention_bias": False, "mlp_bias": False,
+        "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True,
+        "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
+        "torch_dtype": "bfloat16", "dtype": "bfloat16",
+    }
 
 
 class RMSNorm(nn.Module):

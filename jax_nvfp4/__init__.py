@@ -26,8 +26,8 @@ from jax_nvfp4.export import ExportError, export_hf, export_nvfp4, load_nvfp4
 from jax_nvfp4.gemm import BackendUnavailableError, cuda_target, dot, last_backend, resolve_backend
 from jax_nvfp4.nn import NVFP4Dense
 from jax_nvfp4.numerics import hadamard_matrix, hadamard_transform
-from jax_nvfp4.collectives import (GatherConfig, all_gather_bits, gather_weight, ordered_mean,
-                                   ordered_reduce_scatter, ordered_sum, ordered_sum_scatter)
+from jax_nvfp4.collectives import all_gather_bits, ordered_mean, ordered_reduce_scatter, ordered_sum, ordered_sum_scatter
+from jax_nvfp4.fetch import GatherConfig, ParamShard, gather_weight
 from jax_nvfp4.tensor_parallel import TensorParallel
 from jax_nvfp4.layout import Layout, Rules, Tiled, TiledNVFP4, is_tiled, layout_for
 from jax_nvfp4.optim import (
@@ -68,6 +68,7 @@ __all__ = [
     "resolve_backend",
     "DEFAULT_POLICY",
     "GatherConfig",
+    "ParamShard",
     "Layout",
     "Tiled",
     "TiledNVFP4",

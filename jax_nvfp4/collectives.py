@@ -1,4 +1,4 @@
-"""Collectives that move bits and sum in a fixed order; the per-layer gather with its VJP.
+"""Collectives inside ``shard_map`` that move bits and sum in a fixed order.
 
 Every cross-device sum of floats here is a pure data movement of the values' bits (an
 all-to-all or all-gather of same-width unsigned integers, which XLA can neither widen nor turn
@@ -6,30 +6,23 @@ into a reduction) followed by an explicit left fold on the device, in shard orde
 Results therefore do not depend on how the runtime implements its collectives: one process
 with 8 devices and two processes with 4 each train bit-identically.
 
-Inside a ``shard_map`` that is manual over the data axis:
+- :func:`all_gather_levels` / :func:`all_gather_bits`: gathers, one mesh level at a time, of
+  bits;
+- :func:`ordered_mean` / :func:`ordered_sum`: the mean or sum of a value every device holds;
+- :func:`ordered_sum_scatter` / :func:`ordered_reduce_scatter`: a sum each device gets its
+  chunk of (a gradient's tiles: the master shard it owns).
 
-- :func:`gather_weight` is how a layer gets its weight at the point of use: it all-gathers the
-  layer's packed bytes and scale bytes (or a plain weight's bits) and dequantizes; its VJP
-  reduce-scatters the weight gradient straight into this device's master shard
-  (:func:`ordered_reduce_scatter`), so no device ever holds more than one layer's weights or
-  full-size gradients.
-- :func:`ordered_mean` averages a replicated value (the loss, a norm's partial gradient).
-
-Their counterparts outside ``shard_map`` (``jit`` with shardings: ``constrain``,
+The per-layer parameter fetch built on them is :mod:`jax_nvfp4.fetch`; their counterparts outside ``shard_map`` (``jit`` with shardings: ``constrain``,
 ``reshard_bits``, ``global_norm``) are in :mod:`jax_nvfp4.sharding`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import Any, Optional, Tuple
+from typing import Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jax_nvfp4.layout import Tiled, TiledNVFP4, is_tiled
 
 # What each of the library's collectives is for, said where it is called with a name scope
 # (HLO op_name metadata): the innermost of these scopes in a collective's scope path is its
@@ -180,139 +173,3 @@ def ordered_reduce_scatter(tiles: jax.Array, axis, replica_axis=None) -> jax.Arr
     if replicas > 1:
         x = fold_sum(all_gather_bits(x.astype(tiles.dtype), replica_axis))
     return x.astype(jnp.float32) / np.float32(n)
-
-
-@dataclasses.dataclass(frozen=True)
-class GatherConfig:
-    """How :func:`gather_weight` materialises a weight.
-
-    ``axis``: the data axis (name or tuple, major first) the shards are split over;
-    ``replica_axis``: a mesh axis the shards are replicated over (hybrid sharding; the
-    gradient is also averaged over it), or None. ``dtype``: the weight's
-    compute dtype (its gradient arrives in it). ``packed``: gather the packed NVFP4 bytes and
-    dequantize after (True), or dequantize each shard and gather the dequantized values
-    (False; the bf16-gather reference, bit-identical values). ``nvfp4``: also return the
-    gathered :class:`NVFP4Array` (for the recipe GEMMs). ``tensor_axis``: the tensor axis
-    when the ``shard_map`` is manual over it (size > 1), else None. A weight split over it
-    (``layout.n_tensor > 1``) is then this device's tensor shard, its own tile-major matrix
-    (:meth:`Layout.local`): its gather crosses the data axes only, and its gradient is
-    complete on this tensor rank. Every other weight is the same on each tensor rank and
-    gets a partial gradient there, summed over the tensor axis in a fixed order.
-    """
-
-    axis: Any = "data"
-    dtype: Any = jnp.bfloat16
-    packed: bool = True
-    nvfp4: bool = False
-    replica_axis: Optional[str] = None
-    tensor_axis: Optional[str] = None
-
-    @property
-    def batch_axes(self) -> Tuple[str, ...]:
-        """Every mesh axis the batch is split over (the gradient is averaged over all)."""
-        return (*((self.replica_axis,) if self.replica_axis else ()), *_levels(self.axis))
-
-
-def _local(x):
-    """``x`` (a :class:`Tiled` / :class:`TiledNVFP4` shard inside a ``shard_map`` manual over
-    the tensor axis) with the layout of its own tensor shard."""
-    if is_tiled(x) and x.layout.n_tensor > 1:
-        return dataclasses.replace(x, layout=x.layout.local())
-    return x
-
-
-def _split_over_tensor(x) -> bool:
-    return is_tiled(x) and x.layout.n_tensor > 1
-
-
-def _gather_forward(stored, cfg: GatherConfig):
-    """(logical weight in ``cfg.dtype`` or None, gathered NVFP4Array or None)."""
-    axis = cfg.axis
-    stored = _local(stored)
-    if _size(axis) == 1:  # nothing to gather: the shard is the whole parameter
-        if isinstance(stored, TiledNVFP4):
-            return (None, stored.to_array()) if cfg.nvfp4 else (stored.dequantize(cfg.dtype), None)
-        if isinstance(stored, Tiled):
-            return stored.logical().astype(cfg.dtype), None
-        return stored.astype(cfg.dtype), None
-    with jax.named_scope(GATHER_SCOPE):
-        if isinstance(stored, TiledNVFP4):
-            dim = stored.data.ndim - 3
-            if cfg.packed or cfg.nvfp4:
-                full = stored.replace(all_gather_levels(stored.data, axis, dim=dim),
-                                      all_gather_levels(stored.scale_bits, axis, dim=dim))
-            if cfg.nvfp4:
-                return None, full.to_array()
-            if cfg.packed:
-                return full.dequantize(cfg.dtype), None
-            local = stored.dequantize_tiles(cfg.dtype)
-            return stored.layout.from_tiles(all_gather_bits(local, axis, dim=dim, tiled=True)), None
-        if isinstance(stored, Tiled):
-            dim = stored.value.ndim - 3
-            full = all_gather_bits(stored.value, axis, dim=dim, tiled=True)
-            return stored.layout.from_tiles(full).astype(cfg.dtype), None
-        return stored.astype(cfg.dtype), None
-
-
-def _zero_cotangent(x):
-    return jax.tree.map(
-        lambda a: np.zeros(a.shape, jax.dtypes.float0) if not jnp.issubdtype(a.dtype, jnp.inexact)
-        else jnp.zeros_like(a), x)
-
-
-@functools.lru_cache(maxsize=None)
-def _gather_fn(cfg: GatherConfig):
-    @jax.custom_vjp
-    def fetch(stored, master):
-        w, q = _gather_forward(stored, cfg)
-        if cfg.nvfp4:
-            # The recipe GEMM never reads the float weight's values: a zero sink that only
-            # routes the weight gradient (XLA removes it).
-            return q, jnp.zeros(q.shape, cfg.dtype)
-        return w
-
-    def fwd(stored, master):
-        return fetch(stored, master), (stored, master)
-
-    def bwd(res, ct):
-        with jax.named_scope(REDUCE_SCOPE):
-            return _reduce_grad(res, ct)
-
-    def _reduce_grad(res, ct):
-        stored, master = res
-        g = ct[1] if cfg.nvfp4 else ct
-        if isinstance(master, Tiled):
-            tiles = master.layout.local().to_tiles(g)
-            value = ordered_reduce_scatter(tiles, cfg.axis, cfg.replica_axis)
-            if cfg.tensor_axis is not None and not _split_over_tensor(master):
-                value = ordered_sum(value, cfg.tensor_axis)
-            grad = Tiled(value.astype(master.value.dtype), master.layout)
-        else:
-            value = ordered_mean(g, cfg.batch_axes)
-            if cfg.tensor_axis is not None:
-                value = ordered_sum(value, cfg.tensor_axis)
-            grad = value.astype(master.dtype)
-        return _zero_cotangent(stored), grad
-
-    fetch.defvjp(fwd, bwd)
-    return fetch
-
-
-def gather_weight(stored, master, cfg: GatherConfig = GatherConfig()):
-    """A parameter at its point of use (inside ``shard_map`` manual over ``cfg.axis``).
-
-    ``stored``: this device's shard of the stored param (:class:`TiledNVFP4`, :class:`Tiled`
-    plain, or a replicated array); ``master``: this device's shard of its float32 master
-    (:class:`Tiled`, or the replicated array), which only receives the gradient.
-
-    Forward: all-gather the shard's packed bytes and scale bytes (u8) or plain bits and return
-    the logical weight in ``cfg.dtype`` (or ``(NVFP4Array, sink)`` with ``cfg.nvfp4``); with
-    ``cfg.tensor_axis``, a tensor-split weight is this rank's sub-matrix.
-    Backward: the weight gradient, averaged over the data axis in a fixed order, lands in
-    ``master``'s layout: this device's tiles only (a replicated master gets the full mean).
-    ``master=None`` (evaluation): the forward alone, nothing to differentiate.
-    """
-    if master is None:
-        w, q = _gather_forward(stored, cfg)
-        return (q, None) if cfg.nvfp4 else w
-    return _gather_fn(cfg)(stored, master)

@@ -1,15 +1,14 @@
 """Flax linen layers that take their weights at the point of use; NVFP4 recipe matmuls.
 
 A training step that shards its parameters (FSDP) passes each parameter to ``apply`` as a
-:class:`ParamShard` (this device's stored shard and master shard). A layer reads it through
-:func:`param`, which all-gathers the packed bytes right there (inside the scanned layer) and
-dequantizes; the gradient flows back to the master shard through the gather's VJP. Passed
-ordinary arrays, :func:`param` is ``module.param``.
+:class:`~jax_nvfp4.fetch.ParamShard` (this device's stored shard and master shard). A layer
+reads it through :func:`param`, which all-gathers the packed bytes right there (inside the
+scanned layer) and dequantizes; the gradient flows back to the master shard through the
+gather's VJP. Passed ordinary arrays, :func:`param` is ``module.param``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
@@ -18,37 +17,9 @@ import jax.numpy as jnp
 
 from jax_nvfp4 import gemm
 from jax_nvfp4.array import BLOCK_2D, NVFP4Array, quantize
-from jax_nvfp4.collectives import GatherConfig, gather_weight
-from jax_nvfp4.layout import TiledNVFP4
+from jax_nvfp4.fetch import ParamShard
 
-__all__ = ["NVFP4Dense", "NVFP4_COLLECTION", "ROUNDING_RNG", "ParamShard", "param"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamShard:
-    """A parameter as one device holds it inside a data-parallel ``shard_map``: ``stored``
-    (its shard of the stored param) and ``master`` (its shard of the float32 master, which
-    receives the gradient). ``nn.scan`` slices both per layer."""
-
-    stored: Any
-    master: Any
-    config: GatherConfig = dataclasses.field(default=GatherConfig(), metadata=dict(static=True))
-
-    @property
-    def is_nvfp4(self) -> bool:
-        return isinstance(self.stored, TiledNVFP4)
-
-    def get(self) -> jax.Array:
-        """The logical weight (gathered and dequantized to ``config.dtype``)."""
-        return gather_weight(self.stored, self.master, self.config)
-
-    def get_nvfp4(self):
-        """``(NVFP4Array, sink)``: the gathered stored weight for the recipe GEMM and a float
-        array that only carries the weight gradient (its values are never read)."""
-        return gather_weight(self.stored, self.master, dataclasses.replace(self.config, nvfp4=True))
-
-
-jax.tree_util.register_dataclass(ParamShard, data_fields=["stored", "master"], meta_fields=["config"])
+__all__ = ["NVFP4Dense", "NVFP4_COLLECTION", "ROUNDING_RNG", "param"]
 
 
 def _shard(module: nn.Module, name: str) -> Optional[ParamShard]:

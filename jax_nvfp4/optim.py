@@ -88,7 +88,7 @@ def master_weights(
     leaves are NVFP4) or a tree with ``NVFP4Array`` leaves (the master starts from their
     dequantized values). ``update(grads, state, params)`` needs ``params``; ``grads`` are float
     and shaped like the dequantized weights, or already in the masters' layout
-    (:class:`~jax_nvfp4.layout.Tiled` shards from :func:`~jax_nvfp4.collectives.gather_weight`).
+    (:class:`~jax_nvfp4.layout.Tiled` shards from :func:`~jax_nvfp4.fetch.gather_weight`).
     """
     rules = rules or dataclasses.replace(DEFAULT_RULES, data_axis=data_axis)
     policy = policy or DEFAULT_POLICY

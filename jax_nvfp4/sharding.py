@@ -10,7 +10,7 @@ The layout itself (tile-major, sharded over the data axis for any data-axis size
   optimizer state lives.
 - :func:`gather` (under ``jit``): all-gather the stored params across the data axis as packed
   bytes and scale bytes, returning logical ``NVFP4Array`` leaves. The training step gathers
-  layer by layer instead (:func:`jax_nvfp4.collectives.gather_weight`).
+  layer by layer instead (:func:`jax_nvfp4.fetch.gather_weight`).
 - :func:`constrain` / :func:`reshard_bits`: place an array (bits only, for floats);
   :func:`global_norm`: the norm of a tree of shards, summed across devices in a fixed order.
 - :func:`scatter_replicated`: a logical float array that every device holds whole (e.g. the

@@ -199,7 +199,7 @@ def _sharded_model(cfg: Config, model, rules: nv.Rules, mesh, *, train: bool):
     def forward(params, masters, tokens, rngs=None):
         if masters is None:
             masters = jax.tree.map(lambda _: None, params, is_leaf=nv.is_tiled)
-        shards = jax.tree.map(lambda s, m: nv.nn.ParamShard(s, m, gather_cfg), params, masters, is_leaf=nv.is_tiled)
+        shards = jax.tree.map(lambda s, m: nv.ParamShard(s, m, gather_cfg), params, masters, is_leaf=nv.is_tiled)
         return fmodel.apply({"params": shards}, tokens, rngs=rngs)
 
     return forward, tensor

@@ -1,0 +1,191 @@
+"""The per-layer parameter fetch of FSDP x tensor parallelism (inside ``shard_map``).
+
+A training step passes each parameter to the model as a :class:`ParamShard` (this device's
+stored shard and master shard). The layer that uses it calls :func:`gather_weight` right
+there, inside the scan over layers: it all-gathers the layer's packed bytes and scale bytes (or
+a plain weight's bits) over the data axes and dequantizes; its VJP reduce-scatters the weight
+gradient straight into this device's master shard in a fixed order
+(:func:`jax_nvfp4.collectives.ordered_reduce_scatter`), so no device ever holds more than one
+layer's weights or full-size gradients. A weight split over the tensor axis is this rank's own
+tile-major matrix (:meth:`jax_nvfp4.layout.Layout.local`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_nvfp4.collectives import (GATHER_SCOPE, REDUCE_SCOPE, _levels, _size, all_gather_bits, all_gather_levels,
+                                   ordered_mean, ordered_reduce_scatter, ordered_sum)
+from jax_nvfp4.layout import Tiled, TiledNVFP4, is_tiled
+
+__all__ = ["GatherConfig", "ParamShard", "gather_weight"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherConfig:
+    """How :func:`gather_weight` materialises a weight.
+
+    ``axis``: the data axis (name or tuple, major first) the shards are split over;
+    ``replica_axis``: a mesh axis the shards are replicated over (hybrid sharding; the
+    gradient is also averaged over it), or None. ``dtype``: the weight's
+    compute dtype (its gradient arrives in it). ``packed``: gather the packed NVFP4 bytes and
+    dequantize after (True), or dequantize each shard and gather the dequantized values
+    (False; the bf16-gather reference, bit-identical values). ``nvfp4``: also return the
+    gathered :class:`NVFP4Array` (for the recipe GEMMs). ``tensor_axis``: the tensor axis
+    when the ``shard_map`` is manual over it (size > 1), else None. A weight split over it
+    (``layout.n_tensor > 1``) is then this device's tensor shard, its own tile-major matrix
+    (:meth:`Layout.local`): its gather crosses the data axes only, and its gradient is
+    complete on this tensor rank. Every other weight is the same on each tensor rank and
+    gets a partial gradient there, summed over the tensor axis in a fixed order.
+    """
+
+    axis: Any = "data"
+    dtype: Any = jnp.bfloat16
+    packed: bool = True
+    nvfp4: bool = False
+    replica_axis: Optional[str] = None
+    tensor_axis: Optional[str] = None
+
+    @property
+    def batch_axes(self) -> Tuple[str, ...]:
+        """Every mesh axis the batch is split over (the gradient is averaged over all)."""
+        return (*((self.replica_axis,) if self.replica_axis else ()), *_levels(self.axis))
+
+
+def _local(x):
+    """``x`` (a :class:`Tiled` / :class:`TiledNVFP4` shard inside a ``shard_map`` manual over
+    the tensor axis) with the layout of its own tensor shard."""
+    if is_tiled(x) and x.layout.n_tensor > 1:
+        return dataclasses.replace(x, layout=x.layout.local())
+    return x
+
+
+def _split_over_tensor(x) -> bool:
+    return is_tiled(x) and x.layout.n_tensor > 1
+
+
+def _gather_forward(stored, cfg: GatherConfig):
+    """(logical weight in ``cfg.dtype`` or None, gathered NVFP4Array or None)."""
+    axis = cfg.axis
+    stored = _local(stored)
+    if _size(axis) == 1:  # nothing to gather: the shard is the whole parameter
+        if isinstance(stored, TiledNVFP4):
+            return (None, stored.to_array()) if cfg.nvfp4 else (stored.dequantize(cfg.dtype), None)
+        if isinstance(stored, Tiled):
+            return stored.logical().astype(cfg.dtype), None
+        return stored.astype(cfg.dtype), None
+    with jax.named_scope(GATHER_SCOPE):
+        if isinstance(stored, TiledNVFP4):
+            dim = stored.data.ndim - 3
+            if cfg.packed or cfg.nvfp4:
+                full = stored.replace(all_gather_levels(stored.data, axis, dim=dim),
+                                      all_gather_levels(stored.scale_bits, axis, dim=dim))
+            if cfg.nvfp4:
+                return None, full.to_array()
+            if cfg.packed:
+                return full.dequantize(cfg.dtype), None
+            local = stored.dequantize_tiles(cfg.dtype)
+            return stored.layout.from_tiles(all_gather_bits(local, axis, dim=dim, tiled=True)), None
+        if isinstance(stored, Tiled):
+            dim = stored.value.ndim - 3
+            full = all_gather_bits(stored.value, axis, dim=dim, tiled=True)
+            return stored.layout.from_tiles(full).astype(cfg.dtype), None
+        return stored.astype(cfg.dtype), None
+
+
+def _zero_cotangent(x):
+    return jax.tree.map(
+        lambda a: np.zeros(a.shape, jax.dtypes.float0) if not jnp.issubdtype(a.dtype, jnp.inexact)
+        else jnp.zeros_like(a), x)
+
+
+@functools.lru_cache(maxsize=None)
+def _gather_fn(cfg: GatherConfig):
+    @jax.custom_vjp
+    def fetch(stored, master):
+        w, q = _gather_forward(stored, cfg)
+        if cfg.nvfp4:
+            # The recipe GEMM never reads the float weight's values: a zero sink that only
+            # routes the weight gradient (XLA removes it).
+            return q, jnp.zeros(q.shape, cfg.dtype)
+        return w
+
+    def fwd(stored, master):
+        return fetch(stored, master), (stored, master)
+
+    def bwd(res, ct):
+        with jax.named_scope(REDUCE_SCOPE):
+            return _reduce_grad(res, ct)
+
+    def _reduce_grad(res, ct):
+        stored, master = res
+        g = ct[1] if cfg.nvfp4 else ct
+        if isinstance(master, Tiled):
+            tiles = master.layout.local().to_tiles(g)
+            value = ordered_reduce_scatter(tiles, cfg.axis, cfg.replica_axis)
+            if cfg.tensor_axis is not None and not _split_over_tensor(master):
+                value = ordered_sum(value, cfg.tensor_axis)
+            grad = Tiled(value.astype(master.value.dtype), master.layout)
+        else:
+            value = ordered_mean(g, cfg.batch_axes)
+            if cfg.tensor_axis is not None:
+                value = ordered_sum(value, cfg.tensor_axis)
+            grad = value.astype(master.dtype)
+        return _zero_cotangent(stored), grad
+
+    fetch.defvjp(fwd, bwd)
+    return fetch
+
+
+def gather_weight(stored, master, cfg: GatherConfig = GatherConfig()):
+    """A parameter at its point of use (inside ``shard_map`` manual over ``cfg.axis``).
+
+    ``stored``: this device's shard of the stored param (:class:`TiledNVFP4`, :class:`Tiled`
+    plain, or a replicated array); ``master``: this device's shard of its float32 master
+    (:class:`Tiled`, or the replicated array), which only receives the gradient.
+
+    Forward: all-gather the shard's packed bytes and scale bytes (u8) or plain bits and return
+    the logical weight in ``cfg.dtype`` (or ``(NVFP4Array, sink)`` with ``cfg.nvfp4``); with
+    ``cfg.tensor_axis``, a tensor-split weight is this rank's sub-matrix.
+    Backward: the weight gradient, averaged over the data axis in a fixed order, lands in
+    ``master``'s layout: this device's tiles only (a replicated master gets the full mean).
+    ``master=None`` (evaluation): the forward alone, nothing to differentiate.
+    """
+    if master is None:
+        w, q = _gather_forward(stored, cfg)
+        return (q, None) if cfg.nvfp4 else w
+    return _gather_fn(cfg)(stored, master)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamShard:
+    """A parameter as one device holds it inside the step's ``shard_map``: ``stored`` (its
+    shard of the stored param) and ``master`` (its shard of the float32 master, which receives
+    the gradient; None in evaluation). ``nn.scan`` slices both per layer; a layer reads it
+    through :func:`jax_nvfp4.nn.param`."""
+
+    stored: Any
+    master: Any
+    config: GatherConfig = dataclasses.field(default=GatherConfig(), metadata=dict(static=True))
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return isinstance(self.stored, TiledNVFP4)
+
+    def get(self) -> jax.Array:
+        """The logical weight (gathered and dequantized to ``config.dtype``)."""
+        return gather_weight(self.stored, self.master, self.config)
+
+    def get_nvfp4(self):
+        """``(NVFP4Array, sink)``: the gathered stored weight for the recipe GEMM and a float
+        array that only carries the weight gradient (its values are never read)."""
+        return gather_weight(self.stored, self.master, dataclasses.replace(self.config, nvfp4=True))
+
+
+jax.tree_util.register_dataclass(ParamShard, data_fields=["stored", "master"], meta_fields=["config"])

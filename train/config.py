@@ -1,10 +1,15 @@
-"""Experiment configuration: nested frozen dataclasses, loaded from YAML or gin, validated on load.
+"""Experiment configuration: frozen pydantic dataclasses, loaded from YAML or gin, validated on load.
 
-A config is plain data. Every section validates its own fields when constructed (types, choices,
-ranges), :class:`Config` validates the rules that tie sections together, and
-:func:`validate_for_devices` adds the rules that need the device count. Every failure is a
-:class:`ConfigError` whose message is ONE line naming the offending key, so a typo in a 2000-GPU
-launch fails in the first second with a message that fits in a SLURM log line.
+A config is plain data; the classes below are the one source of its defaults (``default.yaml``
+and ``default.gin`` spell them out, a test keeps them equal). pydantic checks every field (type,
+choice, range; unknown keys are refused), a validator per class adds the rules that tie fields
+together, and :func:`validate_for_devices` the rules that need the device count. Every failure is
+a :class:`ConfigError` whose message is ONE line naming the offending key, so a typo in a
+2000-GPU launch fails in the first second with a message that fits in a SLURM log line.
+
+The classes are pydantic *dataclasses*, not ``BaseModel``: frozen and hashable (a config is part
+of the compiled program's cache key), and ``dataclasses.replace(cfg.optim, lr=...)`` builds a
+validated copy, as the rest of the stack does.
 
 Sources, applied in order (later wins):
 
@@ -20,39 +25,22 @@ that is invalid on its own (e.g. lower ``model.layers`` and ``nvfp4.keep_last_bl
 This module does not import jax: the CLI loads and checks the config before JAX starts.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
 import typing
-from typing import Any, ClassVar, Mapping, Optional, Sequence, Tuple
+from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional, Sequence, Tuple
 
+import pydantic
 import yaml
+from pydantic import Field, Strict
 
-__all__ = [
-    "CheckpointConfig",
-    "Config",
-    "ConfigError",
-    "DataConfig",
-    "MeshConfig",
-    "ModelConfig",
-    "NVFP4Config",
-    "OptimConfig",
-    "SECTIONS",
-    "TrainConfig",
-    "apply_overrides",
-    "from_dict",
-    "load_config",
-    "override_keys",
-    "resolve_mesh_axes",
-    "save_config",
-    "to_dict",
-    "to_yaml",
-    "validate_for_devices",
-]
+__all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "NVFP4Config",
+           "OptimConfig", "SECTIONS", "TrainConfig", "apply_overrides", "from_dict", "load_config", "override_keys",
+           "resolve_mesh_axes", "save_config", "to_dict", "to_yaml", "validate_for_devices"]
 
 
 class ConfigError(ValueError):
@@ -63,143 +51,71 @@ class ConfigError(ValueError):
         super().__init__(" ".join(str(message).split()))
 
 
-# -- field helpers ------------------------------------------------------------------------------
+# -- field types: strict (`layers: true` is not 1, `1` is not true), an int widens to a float ---
+
+Int = Annotated[int, Strict()]
+Str = Annotated[str, Strict()]
+Bool = Annotated[bool, Strict()]
+Float = Annotated[float, pydantic.BeforeValidator(lambda v: float(v) if type(v) is int else v), Strict(),
+                  pydantic.AllowInfNan(False)]
+Pos, NonNeg = Annotated[Int, Field(gt=0)], Annotated[Int, Field(ge=0)]
+PosFloat, NonNegFloat = Annotated[Float, Field(gt=0)], Annotated[Float, Field(ge=0)]
+Fraction = Annotated[Float, Field(ge=0, lt=1)]
 
 
-def _field(default: Any, *, choices: Sequence[Any] | None = None, ge: float | None = None,
-           gt: float | None = None, lt: float | None = None, doc: str = "") -> Any:
-    """A dataclass field whose constraints are data, checked by :func:`_check_section`."""
-    meta = {"choices": tuple(choices) if choices else None, "ge": ge, "gt": gt, "lt": lt,
-            "doc": doc}
-    if isinstance(default, (list, dict)):
-        raise TypeError("use tuples for sequence defaults: the config is frozen")
-    return dataclasses.field(default=default, metadata=meta)
+def _section(cls):
+    """``cls`` as a frozen pydantic dataclass refusing unknown keys, whose construction
+    (``cls(...)``, ``dataclasses.replace``) raises :class:`ConfigError` instead of pydantic's
+    multi-line report."""
+    cls = pydantic.dataclasses.dataclass(frozen=True, config=pydantic.ConfigDict(extra="forbid"))(cls)
+    init = cls.__init__
 
-
-def _type_name(hint: Any) -> str:
-    if hint is bool:
-        return "bool"
-    if hint is int:
-        return "int"
-    if hint is float:
-        return "float"
-    if hint is str:
-        return "str"
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is tuple:
-        return f"list of {_type_name(args[0])}"
-    if origin is typing.Union or (origin is not None and type(None) in args):
-        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
-    return getattr(hint, "__name__", str(hint))
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    """``value`` checked against the type hint ``hint``; int -> float and list -> tuple widen."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Union or (origin is not None and type(None) in args):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
         try:
-            return _coerce(key, value, inner)
-        except ConfigError:
-            raise ConfigError(f"{key}: expected {_type_name(hint)}, got "
-                              f"{type(value).__name__} {_short(value)}") from None
-    ok = False
-    # bool is a subclass of int: `layers: true` must not pass for 1, nor `1` for true.
-    if hint is bool:
-        ok = isinstance(value, bool)
-    elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if ok:
-            value = float(value)
-    elif hint is str:
-        ok = isinstance(value, str)
-    elif origin is tuple:
-        if isinstance(value, (list, tuple)):
-            return tuple(_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value))
-    if not ok:
-        raise ConfigError(f"{key}: expected {_type_name(hint)}, got "
-                          f"{type(value).__name__} {_short(value)}")
-    return value
+            init(self, *args, **kwargs)
+        except pydantic.ValidationError as e:
+            raise _one_line(cls, e) from None
 
-
-def _check_section(obj: Any) -> None:
-    """Type-checks and range-checks every field of a section dataclass, in place."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        key = f"{obj.section}.{f.name}"
-        value = _coerce(key, getattr(obj, f.name), hints[f.name])
-        # Frozen: widening (int -> float, list -> tuple) is written once, here, at construction.
-        object.__setattr__(obj, f.name, value)
-        m = f.metadata
-        if m.get("choices") and value not in m["choices"]:
-            options = ", ".join(repr(c) for c in m["choices"])
-            raise ConfigError(f"{key}={value!r}: must be one of {options}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{key}={value!r}: must be finite")
-        if m.get("ge") is not None and value < m["ge"]:
-            raise ConfigError(f"{key}={value!r}: must be >= {m['ge']}")
-        if m.get("gt") is not None and value <= m["gt"]:
-            raise ConfigError(f"{key}={value!r}: must be > {m['gt']}")
-        if m.get("lt") is not None and value >= m["lt"]:
-            raise ConfigError(f"{key}={value!r}: must be < {m['lt']}")
+    cls.__init__ = __init__
+    return cls
 
 
 # -- sections -----------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class _Section:
-    """A config section: every field is type- and range-checked from its :func:`_field`
-    metadata at construction; :meth:`check` adds the rules that tie fields together."""
-
-    section: ClassVar[str] = ""
-
-    def __post_init__(self):
-        _check_section(self)
-        self.check()
-
-    def check(self) -> None:
-        """Cross-field rules (raise :class:`ConfigError`); none by default."""
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig(_Section):
+@_section
+class ModelConfig:
     """A decoder-only transformer with the Llama architecture (pre-norm RMSNorm, rotary
     positions, grouped-query attention, SwiGLU MLP)."""
 
     section: ClassVar[str] = "model"
-    vocab: int = _field(256, gt=0)
-    d_model: int = _field(64, gt=0)
-    layers: int = _field(2, gt=0)
-    heads: int = _field(2, gt=0)
-    kv_heads: int = _field(0, ge=0, doc="key/value heads (grouped-query attention); 0 = model.heads")
-    mlp_hidden: int = _field(192, gt=0)
-    seq_len: int = _field(64, gt=0)
-    rope_theta: float = _field(10000.0, gt=0)
-    norm_eps: float = _field(1e-5, gt=0)
-    tie_embeddings: bool = _field(False, doc="the head is the embedding matrix transposed")
+    vocab: Pos = 256
+    d_model: Pos = 64
+    layers: Pos = 2
+    heads: Pos = 2
+    kv_heads: NonNeg = 0  # key/value heads (grouped-query attention); 0 = model.heads
+    mlp_hidden: Pos = 192
+    seq_len: Pos = 64
+    rope_theta: PosFloat = 10000.0
+    norm_eps: PosFloat = 1e-5
+    tie_embeddings: Bool = False  # the head is the embedding matrix transposed
     # train.attention.attention: auto = cuDNN's fused kernel on a CUDA GPU, else blockwise
     # (O(sequence) memory); xla = XLA's attention (O(sequence^2) scores).
-    attention: str = _field("auto", choices=("auto", "blockwise", "xla", "cudnn"))
-    init_std: float = _field(0.02, gt=0)
+    attention: Literal["auto", "blockwise", "xla", "cudnn"] = "auto"
+    init_std: PosFloat = 0.02
 
-    def check(self) -> None:
+    @pydantic.model_validator(mode="after")
+    def _check(self):
         if self.d_model % self.heads:
-            raise ConfigError(f"model.d_model={self.d_model}: must be divisible by "
-                              f"model.heads={self.heads}")
+            raise ConfigError(f"model.d_model={self.d_model}: must be divisible by model.heads={self.heads}")
         if self.heads % self.n_kv_heads:
             raise ConfigError(f"model.kv_heads={self.kv_heads}: must divide model.heads={self.heads}")
         if (self.d_model // self.heads) % 2:
             # Rotary embeddings rotate pairs of channels within each head.
             raise ConfigError(f"model.heads={self.heads}: head size model.d_model/model.heads="
                               f"{self.d_model // self.heads} must be even for rotary embeddings")
+        return self
 
     @property
     def head_dim(self) -> int:
@@ -210,61 +126,61 @@ class ModelConfig(_Section):
         return self.kv_heads or self.heads
 
 
-@dataclasses.dataclass(frozen=True)
-class DataConfig(_Section):
+@_section
+class DataConfig:
     """Where tokens come from. ``batch_size`` is global: sequences per optimizer step."""
 
     section: ClassVar[str] = "data"
-    source: str = _field("markov", choices=("markov", "file", "tokens"))
+    source: Literal["markov", "file", "tokens"] = "markov"
     # file: any file, its bytes are the tokens; tokens: a token file from python -m train.prepare.
-    path: Optional[str] = _field(None)
+    path: Optional[Str] = None
     # Held-out data for the validation loss: a file of the same kind, or the last fraction of
     # data.path (then not trained on). The Markov source draws validation rows from its own stream.
-    val_path: Optional[str] = _field(None)
-    val_fraction: float = _field(0.0, ge=0, lt=1)
-    batch_size: int = _field(16, gt=0)
+    val_path: Optional[Str] = None
+    val_fraction: Fraction = 0.0
+    batch_size: Pos = 16
     # Size of the Markov chain's alphabet (tokens 0..states-1), see train.data.MarkovSource.
-    markov_states: int = _field(32, ge=2)
+    markov_states: Annotated[Int, Field(ge=2)] = 32
     # Below 2**31: the token files' shuffle takes a 31-bit seed, so larger ones would alias smaller.
-    seed: int = _field(0, ge=0, lt=2**31)
+    seed: Annotated[Int, Field(ge=0, lt=2**31)] = 0
 
-    def check(self) -> None:
-        if self.source in ("file", "tokens") and not self.path:
+    @pydantic.model_validator(mode="after")
+    def _check(self):
+        reads_file = self.source in ("file", "tokens")
+        if reads_file and not self.path:
             raise ConfigError(f"data.path: required when data.source={self.source!r}")
-        if self.source not in ("file", "tokens") and self.path:
+        if not reads_file and self.path:
             # The path would be ignored: the run would train on something else than asked.
             raise ConfigError(f"data.path={self.path!r}: data.source={self.source!r} does not read a file; "
                               "set data.source=file or tokens to train on it (or data.path=null)")
         if self.val_path and self.val_fraction:
             raise ConfigError("data.val_fraction: set either data.val_path or data.val_fraction, not both")
         if self.source == "markov" and (self.val_path or self.val_fraction):
-            # The Markov source draws its validation rows from a stream of its own.
             key = "data.val_path" if self.val_path else "data.val_fraction"
             raise ConfigError(f"{key}={self.val_path or self.val_fraction!r}: data.source='markov' draws validation "
                               "rows from its own stream and would ignore it; set data.source=file or tokens")
+        return self
 
 
-@dataclasses.dataclass(frozen=True)
-class MeshConfig(_Section):
+@_section
+class MeshConfig:
     """Device mesh ``(data, tensor)``; -1 on one axis means "all remaining devices"."""
 
     section: ClassVar[str] = "mesh"
-    data: int = _field(-1, ge=-1)
-    tensor: int = _field(1, ge=-1)
-    layout: str = _field("auto", choices=("auto", "gb200"),
-                         doc="gb200: a rack axis across NVLink domains, data inside one, "
-                             "tensor groups inside one")
-    nvl_domain: int = _field(72, gt=0)
-    racks: int = _field(0, ge=0, doc="with layout gb200: the expected number of racks "
-                                     "(NVLink domains); 0 = whatever the devices span")
-    sharding: str = _field("fsdp", choices=("fsdp", "hsdp"),
-                           doc="with layout gb200: fsdp shards the state over racks and the "
-                               "data axis; hsdp shards it inside a rack and replicates it across "
-                               "racks (weight gathers never leave a rack; R x the state)")
+    data: Annotated[Int, Field(ge=-1)] = -1
+    tensor: Annotated[Int, Field(ge=-1)] = 1
+    # gb200: a rack axis across NVLink domains, data inside one, tensor groups inside one.
+    layout: Literal["auto", "gb200"] = "auto"
+    nvl_domain: Pos = 72
+    racks: NonNeg = 0  # with layout gb200: the expected number of racks; 0 = whatever the devices span
+    # With layout gb200: fsdp shards the state over racks and the data axis; hsdp shards it inside
+    # a rack and replicates it across racks (weight gathers never leave a rack; R x the state).
+    sharding: Literal["fsdp", "hsdp"] = "fsdp"
     # CPU only: simulated host devices to request when XLA_FLAGS does not say (0 = don't).
-    simulate_devices: int = _field(8, ge=0)
+    simulate_devices: NonNeg = 8
 
-    def check(self) -> None:
+    @pydantic.model_validator(mode="after")
+    def _check(self):
         for name in ("data", "tensor"):
             if getattr(self, name) == 0:
                 raise ConfigError(f"mesh.{name}=0: must be a positive size or -1 (the rest)")
@@ -276,55 +192,56 @@ class MeshConfig(_Section):
                                       f"set mesh.layout=gb200 (or leave mesh.{name} at {default!r})")
         if self.data == -1 and self.tensor == -1:
             raise ConfigError("mesh.data=-1 and mesh.tensor=-1: at most one axis may be -1")
+        return self
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimConfig(_Section):
+@_section
+class OptimConfig:
     """The inner optax optimizer applied to the float32 master weights."""
 
     section: ClassVar[str] = "optim"
-    name: str = _field("adamw", choices=("adamw", "adam", "sgd", "lion"))
-    lr: float = _field(3e-3, gt=0)
-    schedule: str = _field("cosine", choices=("cosine", "constant", "linear"))
-    warmup_steps: int = _field(20, ge=0)
-    weight_decay: float = _field(0.01, ge=0)
-    b1: float = _field(0.9, ge=0, lt=1)
-    b2: float = _field(0.95, ge=0, lt=1)
-    clip_norm: float = _field(1.0, ge=0, doc="global-norm clipping; 0 = off")
-    grad_accum: int = _field(1, ge=1)
+    name: Literal["adamw", "adam", "sgd", "lion"] = "adamw"
+    lr: PosFloat = 3e-3
+    schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    warmup_steps: NonNeg = 20
+    weight_decay: NonNegFloat = 0.01
+    b1: Fraction = 0.9
+    b2: Fraction = 0.95
+    clip_norm: NonNegFloat = 1.0  # global-norm clipping; 0 = off
+    grad_accum: Annotated[Int, Field(ge=1)] = 1
     # Length of the learning-rate schedule; 0 = train.steps. Stored in checkpoints: to extend
     # a finished run, raise train.steps and set this to the checkpoint's length.
-    schedule_steps: int = _field(0, ge=0, doc="schedule length; 0 = train.steps")
+    schedule_steps: NonNeg = 0
 
 
-@dataclasses.dataclass(frozen=True)
-class NVFP4Config(_Section):
+@_section
+class NVFP4Config:
     """Which weights live in NVFP4 and how they move and compute."""
 
     section: ClassVar[str] = "nvfp4"
-    weights: str = _field("nvfp4", choices=("nvfp4", "bf16"))
-    param_gather: str = _field("packed", choices=("packed", "dequantized"))
-    compute: str = _field("dequant", choices=("dequant", "nvfp4"))
+    weights: Literal["nvfp4", "bf16"] = "nvfp4"
+    param_gather: Literal["packed", "dequantized"] = "packed"
+    compute: Literal["dequant", "nvfp4"] = "dequant"
     # Regexes searched in parameter paths; matching leaves stay bf16. Kept layers (these, and the
     # first/last blocks) also run their GEMMs in bf16 under compute: nvfp4, as the published
     # recipe keeps its last layers and output projection.
-    keep_bf16: Tuple[str, ...] = _field(("embed", "head", "norm"))
-    keep_first_blocks: int = _field(0, ge=0)
-    keep_last_blocks: int = _field(0, ge=0)
-    stochastic_rounding: bool = _field(False)
-    cast_master_bf16: bool = _field(False)
-    nonfinite: str = _field("skip", choices=("skip", "error"))
+    keep_bf16: Tuple[Str, ...] = ("embed", "head", "norm")
+    keep_first_blocks: NonNeg = 0
+    keep_last_blocks: NonNeg = 0
+    stochastic_rounding: Bool = False
+    cast_master_bf16: Bool = False
+    nonfinite: Literal["skip", "error"] = "skip"
     # With nonfinite=skip: stop (exit 3) once this many steps in a row were skipped: a run
     # that skips every step has diverged. 0 = never stop.
-    max_skipped_in_a_row: int = _field(10, ge=0, doc="0 = no limit")
-    grad_reduce_dtype: str = _field("grad", choices=("grad", "float32"))
-    block: str = _field("auto", choices=("auto", "1d", "2d"),
-                        doc="NVFP4 block of the stored weights: '1d' (one E4M3 scale per 16 consecutive inputs "
-                            "of each output; the lower error), '2d' (one per 16x16 tile, which the "
-                            "transposed weight of compute=nvfp4's backward GEMM needs); 'auto': 2d with "
-                            "compute=nvfp4, else 1d")
+    max_skipped_in_a_row: NonNeg = 10
+    grad_reduce_dtype: Literal["grad", "float32"] = "grad"
+    # The NVFP4 block of the stored weights: 1d (one E4M3 scale per 16 consecutive inputs of each
+    # output; the lower error), 2d (one per 16x16 tile, which the transposed weight of
+    # compute=nvfp4's backward GEMM needs); auto: 2d with compute=nvfp4, else 1d.
+    block: Literal["auto", "1d", "2d"] = "auto"
 
-    def check(self) -> None:
+    @pydantic.model_validator(mode="after")
+    def _check(self):
         for i, pattern in enumerate(self.keep_bf16):
             try:
                 re.compile(pattern)
@@ -333,6 +250,7 @@ class NVFP4Config(_Section):
         if self.block == "1d" and self.compute == "nvfp4" and self.weights == "nvfp4":
             raise ConfigError("nvfp4.block=1d with nvfp4.compute=nvfp4: the recipe's backward GEMM reads the "
                               "transposed weight, which needs 16x16 tiles; set nvfp4.block=2d (or auto)")
+        return self
 
     def resolved_block(self) -> str:
         """``"1d"`` or ``"2d"``: the block the stored weights use (``auto`` resolved)."""
@@ -341,62 +259,65 @@ class NVFP4Config(_Section):
         return "2d" if self.compute == "nvfp4" else "1d"
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig(_Section):
+@_section
+class TrainConfig:
     section: ClassVar[str] = "train"
-    steps: int = _field(300, gt=0)
-    log_every: int = _field(10, gt=0, doc="the host reads the step metrics every N steps (metrics.jsonl, "
-                                          "progress bar); steps in between run without waiting")
-    eval_every: int = _field(0, ge=0, doc="validation loss every N steps and at the end; 0 = none")
-    eval_batches: int = _field(4, gt=0, doc="validation batches (of data.batch_size rows) per evaluation")
-    out_dir: str = _field("runs/default")
+    steps: Pos = 300
+    # The host reads the step metrics every N steps (metrics.jsonl, progress bar); steps in
+    # between run without waiting.
+    log_every: Pos = 10
+    eval_every: NonNeg = 0  # validation loss every N steps and at the end; 0 = none
+    eval_batches: Pos = 4  # validation batches (of data.batch_size rows) per evaluation
+    out_dir: Str = "runs/default"
     # JAX keys take 32 bits and the run uses seed, seed + 1 and seed + 2: a larger seed would alias a smaller one.
-    seed: int = _field(0, ge=0, lt=2**32 - 2)
+    seed: Annotated[Int, Field(ge=0, lt=2**32 - 2)] = 0
     # A Hugging Face Llama checkpoint folder to start from instead of random weights
     # (train.hf_import; its config.json sets the model's shape).
-    init_from: Optional[str] = _field(None, doc="a Hugging Face Llama checkpoint folder to start from")
-    remat: str = _field("nothing", choices=("nothing", "dots"),
-                        doc="what a scanned layer keeps for its backward pass besides its input: "
-                            "'nothing' (recompute the layer; memory flat in depth) or 'dots' (its "
-                            "matmul outputs: less recompute, activation memory grows with depth); "
-                            "never its gathered weights")
-    gpu_xla_flags: bool = _field(True, doc="on a GPU, add the XLA flags that overlap the per-layer weight "
-                                           "gathers and gradient sums with compute (train/xla_flags.py); a "
-                                           "flag already in XLA_FLAGS keeps its value")
+    init_from: Optional[Str] = None
+    # What a scanned layer keeps for its backward pass besides its input: nothing (recompute the
+    # layer; memory flat in depth) or dots (its matmul outputs: less recompute, activation memory
+    # grows with depth); never its gathered weights.
+    remat: Literal["nothing", "dots"] = "nothing"
+    # On a GPU, add the XLA flags that overlap the per-layer weight gathers and gradient sums with
+    # compute (train/xla_flags.py); a flag already in XLA_FLAGS keeps its value.
+    gpu_xla_flags: Bool = True
 
 
-@dataclasses.dataclass(frozen=True)
-class CheckpointConfig(_Section):
+@_section
+class CheckpointConfig:
     section: ClassVar[str] = "checkpoint"
-    dir: Optional[str] = _field(None)
-    every: int = _field(0, ge=0, doc="0 = no periodic checkpoints")
-    keep: int = _field(3, gt=0)
-    async_save: bool = _field(False)
+    dir: Optional[Str] = None
+    every: NonNeg = 0  # 0 = no periodic checkpoints
+    keep: Pos = 3
+    async_save: Bool = False
     # A corrupt newest checkpoint (content hash mismatch) is refused; true restores the newest
     # intact one instead (the corrupt ones are moved aside, not deleted).
-    fallback: bool = _field(False)
+    fallback: Bool = False
     # Config keys (section.key) allowed to differ from a checkpoint's when resuming it; the
     # run then continues with the new values (see train.checkpoint.check_resume).
-    allow_change: Tuple[str, ...] = _field(())
+    allow_change: Tuple[Str, ...] = ()
 
-    def check(self) -> None:
+    @pydantic.model_validator(mode="after")
+    def _check(self):
         for key in self.allow_change:
             section, _, name = key.partition(".")
-            cls = SECTIONS.get(section)
-            if cls is None or name not in {f.name for f in dataclasses.fields(cls)}:
+            if section not in SECTIONS or name not in {f.name for f in dataclasses.fields(SECTIONS[section])}:
                 raise ConfigError(f"checkpoint.allow_change: {key!r} is not a config key (section.key)")
         if not self.dir:
             # Without a directory there are no checkpoints: a setting of them would be ignored.
             for f in dataclasses.fields(self):
                 value = getattr(self, f.name)
                 if f.name != "dir" and value != f.default:
-                    shown = str(value).lower() if isinstance(value, bool) else _short(list(value) if isinstance(value, tuple) else value)
+                    shown = str(value).lower() if isinstance(value, bool) else _short(
+                        list(value) if isinstance(value, tuple) else value)
                     raise ConfigError(f"checkpoint.{f.name}={shown}: no checkpoint.dir is set, so there are "
                                       "no checkpoints; set checkpoint.dir too")
+        return self
 
 
-@dataclasses.dataclass(frozen=True)
+@_section
 class Config:
+    section: ClassVar[str] = ""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -409,36 +330,37 @@ class Config:
         """The learning-rate schedule's length (``optim.schedule_steps`` or ``train.steps``)."""
         return self.optim.schedule_steps or self.train.steps
 
-    def __post_init__(self):
-        for name, cls in SECTIONS.items():
-            if not isinstance(getattr(self, name), cls):
-                raise ConfigError(f"{name}: expected a {cls.__name__}, got "
-                                  f"{type(getattr(self, name)).__name__}")
-        m, n = self.model, self.nvfp4
+    @pydantic.model_validator(mode="after")
+    def _check(self):
+        m, n, d = self.model, self.nvfp4, self.data
         if n.keep_first_blocks + n.keep_last_blocks > m.layers:
-            raise ConfigError(
-                f"nvfp4.keep_first_blocks={n.keep_first_blocks} + nvfp4.keep_last_blocks="
-                f"{n.keep_last_blocks}: exceeds model.layers={m.layers}")
-        if self.data.source == "markov" and self.data.markov_states > m.vocab:
-            raise ConfigError(f"data.markov_states={self.data.markov_states}: exceeds "
+            raise ConfigError(f"nvfp4.keep_first_blocks={n.keep_first_blocks} + nvfp4.keep_last_blocks="
+                              f"{n.keep_last_blocks}: exceeds model.layers={m.layers}")
+        if d.source == "markov" and d.markov_states > m.vocab:
+            raise ConfigError(f"data.markov_states={d.markov_states}: exceeds "
                               f"model.vocab={m.vocab} (Markov tokens are 0..states-1)")
-        if (self.train.eval_every and self.data.source != "markov" and not self.data.val_path
-                and not self.data.val_fraction):
+        if self.train.eval_every and d.source != "markov" and not d.val_path and not d.val_fraction:
             raise ConfigError(f"train.eval_every={self.train.eval_every}: needs a held-out split "
                               "(data.val_path or data.val_fraction)")
-        if self.data.source == "file" and m.vocab < 256:
+        if d.source == "file" and m.vocab < 256:
             raise ConfigError(f"model.vocab={m.vocab}: data.source='file' yields byte "
                               "tokens 0..255, needs model.vocab >= 256")
+        return self
 
 
-# Section name -> dataclass, in the order configs are printed.
-SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "data": DataConfig, "mesh": MeshConfig, "optim": OptimConfig,
-    "nvfp4": NVFP4Config, "train": TrainConfig, "checkpoint": CheckpointConfig,
-}
+# Section name -> class, in the order configs are printed.
+SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
 
 
-# -- dicts <-> configs --------------------------------------------------------------------------
+# -- pydantic's errors as one line naming the key -----------------------------------------------
+
+_UNKNOWN = ("unexpected_keyword_argument", "extra_forbidden")
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _suggest(name: str, options: Sequence[str]) -> str:
@@ -446,39 +368,73 @@ def _suggest(name: str, options: Sequence[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+def _type_name(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        return _type_name(args[0])
+    if origin is Literal:
+        return type(args[0]).__name__
+    if origin is tuple:
+        return f"list of {_type_name(args[0])}"
+    if origin is typing.Union:
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    return hint.__name__
+
+
+def _one_line(cls: type, err: pydantic.ValidationError) -> ConfigError:
+    """The first error pydantic found in constructing ``cls``, as a :class:`ConfigError`."""
+    errors = err.errors(include_url=False)
+    # An unknown key first: a misspelt key explains more than the errors it leads to.
+    e = next((e for e in errors if e["type"] in _UNKNOWN), errors[0])
+    kind, value, ctx = e["type"], e["input"], e.get("ctx") or {}
+    if isinstance(ctx.get("error"), ConfigError):  # a cross-field rule of a validator above
+        return ctx["error"]
+    loc = ([cls.section] if cls.section else []) + list(e["loc"])
+    if loc[0] not in SECTIONS:
+        return ConfigError(f"unknown section {loc[0]!r}{_suggest(str(loc[0]), list(SECTIONS))}; "
+                           f"sections are {', '.join(SECTIONS)}")
+    section, *rest = loc
+    if not rest:
+        return ConfigError(f"{section}: expected a mapping of keys, got {type(value).__name__} {_short(value)}")
+    name, *index = rest
+    hints = typing.get_type_hints(SECTIONS[section], include_extras=True)
+    if name not in hints or kind in _UNKNOWN:
+        options = [f"{section}.{k}" for k in hints if k != "section"]
+        return ConfigError(f"unknown key {section}.{name}{_suggest(f'{section}.{name}', options)}")
+    key, hint = f"{section}.{name}" + "".join(f"[{i}]" for i in index), hints[name]
+    if index:
+        hint = typing.get_args(typing.get_args(hint)[0])[0]  # Tuple[Str, ...] -> Str
+    base = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+    if isinstance(value, float) and not math.isfinite(value):
+        return ConfigError(f"{key}={value!r}: must be finite")
+    if base is float and type(value) is int:
+        value = float(value)  # as it would have been stored
+    if kind == "literal_error" and isinstance(value, str):
+        return ConfigError(f"{key}={value!r}: must be one of {', '.join(map(repr, typing.get_args(base)))}")
+    if kind in _BOUNDS:
+        return ConfigError(f"{key}={value!r}: must be {_BOUNDS[kind]} {next(iter(ctx.values()))}")
+    if kind.endswith("_type") or kind == "literal_error":
+        return ConfigError(f"{key}: expected {_type_name(hint)}, got {type(value).__name__} {_short(value)}")
+    return ConfigError(f"{key}={_short(value)}: {e['msg']}")
+
+
+# -- dicts <-> configs --------------------------------------------------------------------------
+
+
 def from_dict(raw: Mapping[str, Any] | None) -> Config:
     """A validated :class:`Config` from ``{section: {key: value}}``; missing keys take defaults."""
     raw = {} if raw is None else raw
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config: expected a mapping of sections, got {type(raw).__name__}")
-    sections = {}
-    for name, values in raw.items():
-        if name not in SECTIONS:
-            raise ConfigError(f"unknown section {name!r}{_suggest(str(name), list(SECTIONS))}; "
-                              f"sections are {', '.join(SECTIONS)}")
-        if values is None:
-            values = {}
-        if not isinstance(values, Mapping):
-            raise ConfigError(f"{name}: expected a mapping of keys, got "
-                              f"{type(values).__name__} {_short(values)}")
-        cls = SECTIONS[name]
-        known = [f.name for f in dataclasses.fields(cls)]
-        for key in values:
-            if key not in known:
-                options = [f"{name}.{k}" for k in known]
-                raise ConfigError(f"unknown key {name}.{key}{_suggest(f'{name}.{key}', options)}")
-        sections[name] = cls(**values)
-    return Config(**sections)
+    try:
+        return Config.__pydantic_validator__.validate_python({k: {} if v is None else v for k, v in raw.items()})
+    except pydantic.ValidationError as e:
+        raise _one_line(Config, e) from None
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     """Plain nested dict (tuples as lists), safe for YAML/JSON and for :func:`from_dict`."""
-    out = {}
-    for name in SECTIONS:
-        sec = getattr(cfg, name)
-        out[name] = {f.name: list(v) if isinstance(v := getattr(sec, f.name), tuple) else v
-                     for f in dataclasses.fields(sec)}
-    return out
+    return Config.__pydantic_serializer__.to_python(cfg, mode="json")
 
 
 def to_yaml(cfg: Config) -> str:

@@ -26,7 +26,6 @@ This module does not import jax: the CLI loads and checks the config before JAX 
 """
 
 import dataclasses
-import difflib
 import functools
 import math
 import os
@@ -38,17 +37,12 @@ import pydantic
 import yaml
 from pydantic import Field, Strict
 
+from train import config_sources
+from train.config_sources import ConfigError, override_keys, short, suggest
+
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "NVFP4Config",
            "OptimConfig", "SECTIONS", "TrainConfig", "apply_overrides", "from_dict", "load_config", "override_keys",
            "resolve_mesh_axes", "save_config", "to_dict", "to_yaml", "validate_for_devices"]
-
-
-class ConfigError(ValueError):
-    """A configuration error; the message is one line naming the key (``section.key``)."""
-
-    def __init__(self, message: str):
-        # One line, always: multi-line messages get interleaved in multi-process logs.
-        super().__init__(" ".join(str(message).split()))
 
 
 # -- field types: strict (`layers: true` is not 1, `1` is not true), an int widens to a float ---
@@ -308,7 +302,7 @@ class CheckpointConfig:
             for f in dataclasses.fields(self):
                 value = getattr(self, f.name)
                 if f.name != "dir" and value != f.default:
-                    shown = str(value).lower() if isinstance(value, bool) else _short(
+                    shown = str(value).lower() if isinstance(value, bool) else short(
                         list(value) if isinstance(value, tuple) else value)
                     raise ConfigError(f"checkpoint.{f.name}={shown}: no checkpoint.dir is set, so there are "
                                       "no checkpoints; set checkpoint.dir too")
@@ -350,22 +344,13 @@ class Config:
 
 # Section name -> class, in the order configs are printed.
 SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
+_GIN_SECTIONS = {cls.__name__: name for name, cls in SECTIONS.items()}  # gin: ModelConfig.layers = 2
 
 
 # -- pydantic's errors as one line naming the key -----------------------------------------------
 
 _UNKNOWN = ("unexpected_keyword_argument", "extra_forbidden")
 _BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _suggest(name: str, options: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _type_name(hint: Any) -> str:
@@ -391,16 +376,16 @@ def _one_line(cls: type, err: pydantic.ValidationError) -> ConfigError:
         return ctx["error"]
     loc = ([cls.section] if cls.section else []) + list(e["loc"])
     if loc[0] not in SECTIONS:
-        return ConfigError(f"unknown section {loc[0]!r}{_suggest(str(loc[0]), list(SECTIONS))}; "
+        return ConfigError(f"unknown section {loc[0]!r}{suggest(str(loc[0]), list(SECTIONS))}; "
                            f"sections are {', '.join(SECTIONS)}")
     section, *rest = loc
     if not rest:
-        return ConfigError(f"{section}: expected a mapping of keys, got {type(value).__name__} {_short(value)}")
+        return ConfigError(f"{section}: expected a mapping of keys, got {type(value).__name__} {short(value)}")
     name, *index = rest
     hints = typing.get_type_hints(SECTIONS[section], include_extras=True)
     if name not in hints or kind in _UNKNOWN:
         options = [f"{section}.{k}" for k in hints if k != "section"]
-        return ConfigError(f"unknown key {section}.{name}{_suggest(f'{section}.{name}', options)}")
+        return ConfigError(f"unknown key {section}.{name}{suggest(f'{section}.{name}', options)}")
     key, hint = f"{section}.{name}" + "".join(f"[{i}]" for i in index), hints[name]
     if index:
         hint = typing.get_args(typing.get_args(hint)[0])[0]  # Tuple[Str, ...] -> Str
@@ -414,8 +399,8 @@ def _one_line(cls: type, err: pydantic.ValidationError) -> ConfigError:
     if kind in _BOUNDS:
         return ConfigError(f"{key}={value!r}: must be {_BOUNDS[kind]} {next(iter(ctx.values()))}")
     if kind.endswith("_type") or kind == "literal_error":
-        return ConfigError(f"{key}: expected {_type_name(hint)}, got {type(value).__name__} {_short(value)}")
-    return ConfigError(f"{key}={_short(value)}: {e['msg']}")
+        return ConfigError(f"{key}: expected {_type_name(hint)}, got {type(value).__name__} {short(value)}")
+    return ConfigError(f"{key}={short(value)}: {e['msg']}")
 
 
 # -- dicts <-> configs --------------------------------------------------------------------------
@@ -448,194 +433,7 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
         f.write(to_yaml(cfg))
 
 
-# -- YAML ---------------------------------------------------------------------------------------
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads ``1e-3`` as a float.
-
-    PyYAML implements YAML 1.1, where a float needs a dot (``1.0e-3``), so ``lr: 1e-3`` would
-    arrive as the string "1e-3" and fail the type check. Same resolver as YAML 1.2 core.
-    A key given twice in one mapping is an error (YAML says keys are unique; PyYAML would
-    keep the last value silently).
-    """
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            try:
-                dup = key in seen
-            except TypeError:
-                continue  # an unhashable key: construct_mapping reports it
-            if not dup:
-                seen[key] = key_node.start_mark.line + 1
-            else:
-                first = seen[key]
-                raise ConfigError(f"{self.name}: duplicate key {key!r} on line {key_node.start_mark.line + 1} "
-                                  f"(first on line {first})")
-        return super().construct_mapping(node, deep=deep)
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                   |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                   |\.[0-9_]+(?:[eE][-+][0-9]+)?
-                   |[-+]?\.(?:inf|Inf|INF)
-                   |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
-
-
-def _yaml_load(text: str, where: str) -> Any:
-    loader = _Loader(text)
-    loader.name = where
-    try:
-        return loader.get_single_data()
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: invalid YAML: {e}") from None
-    finally:
-        loader.dispose()
-
-
-def _merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
-    """Section-wise merge: keys of ``top`` replace keys of ``base``; lists are replaced."""
-    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in base.items()}
-    for k, v in top.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = {**out[k], **v}
-        else:
-            out[k] = dict(v) if isinstance(v, Mapping) else v
-    return out
-
-
-def _read_text(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read config file {path}: {e}") from None
-
-
-def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
-    real = os.path.realpath(path)
-    if real in chain:
-        raise ConfigError(f"{path}: 'base' chain loops back to itself")
-    raw = _yaml_load(_read_text(path), path)
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
-    raw = dict(raw)
-    base = raw.pop("base", None)
-    if base is None:
-        return raw
-    if not isinstance(base, str):
-        raise ConfigError(f"{path}: base: expected a file name, got {_short(base)}")
-    base_path = os.path.join(os.path.dirname(path), base)
-    return _merge(_read_yaml(base_path, chain + (real,)), raw)
-
-
-# -- gin ----------------------------------------------------------------------------------------
-
-_GIN_COLLECTORS: dict[str, Any] = {}
-
-
-def _gin_collectors() -> dict[str, Any]:
-    """One gin configurable per section, named like the dataclass (``ModelConfig``).
-
-    Each collector takes ``**kwargs`` and returns them, so gin only parses and stores the
-    bindings while unknown keys get the same checks and did-you-mean hints as YAML keys.
-    Registered once per process: gin's registry is global and rejects duplicates.
-    """
-    import gin
-
-    if not _GIN_COLLECTORS:
-        for name, cls in SECTIONS.items():
-            def collect(**kwargs):
-                return kwargs
-            collect.__name__ = cls.__name__
-            _GIN_COLLECTORS[name] = gin.external_configurable(
-                collect, name=cls.__name__, module="train.config")
-    return _GIN_COLLECTORS
-
-
-def _gin_duplicates(path: str, text: str) -> None:
-    """Raise ConfigError for a key bound twice in the gin ``text`` (gin keeps the last binding
-    silently, as PyYAML would for a repeated YAML key)."""
-    import gin
-    from gin import config_parser
-
-    seen: dict[tuple, int] = {}
-    try:
-        statements = list(config_parser.ConfigParser(text, gin.config.ParserDelegate(skip_unknown=True)))
-    except Exception:  # noqa: BLE001 - a syntax error: gin.parse_config reports it with its line
-        return
-    for st in statements:
-        if not isinstance(st, config_parser.BindingStatement):
-            continue
-        # "train.config.ModelConfig" and "ModelConfig" name the same configurable.
-        key = (st.scope, st.selector.rsplit(".", 1)[-1], st.arg_name)
-        line = st.location.line_num
-        if key in seen:
-            name = ".".join(k for k in key if k)
-            raise ConfigError(f"{path}: {name} is bound twice, on line {seen[key]} and line {line}; "
-                              "keep one (gin would silently use the last)")
-        seen[key] = line
-
-
-def _read_gin(path: str) -> dict[str, Any]:
-    import gin
-
-    collectors = _gin_collectors()
-    text = _read_text(path)
-    _gin_duplicates(path, text)
-    # Bindings are global gin state: start clean and leave clean so loads do not leak.
-    gin.clear_config()
-    try:
-        gin.parse_config(text)
-        return {name: dict(fn()) for name, fn in collectors.items()}
-    except ConfigError:
-        raise
-    except Exception as e:  # gin raises ValueError / SyntaxError with multi-line messages
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        match = re.search(r"No configurable matching '([^']+)'", first)
-        if match:
-            names = [cls.__name__ for cls in SECTIONS.values()]
-            first = (f"unknown gin configurable {match.group(1)!r}"
-                     f"{_suggest(match.group(1), names)}; use one of {', '.join(names)}")
-        raise ConfigError(f"{path}: {first}") from None
-    finally:
-        gin.clear_config()
-
-
-# -- overrides and loading ----------------------------------------------------------------------
-
-
-def _parse_override(text: str) -> tuple[str, str, Any]:
-    key, sep, value = str(text).partition("=")
-    key = key.strip()
-    parts = key.split(".")
-    if not sep or len(parts) != 2 or not all(parts):
-        raise ConfigError(f"override {text!r}: expected section.key=value, e.g. model.layers=4")
-    return parts[0], parts[1], _yaml_load(value, f"override {key}")
-
-
-def _overrides_to_dict(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
-    if isinstance(overrides, str):
-        overrides = [overrides]  # a lone string would otherwise be split into characters
-    out: dict[str, dict[str, Any]] = {}
-    for text in overrides:
-        section, key, value = _parse_override(text)
-        out.setdefault(section, {})[key] = value
-    return out
-
-
-def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
-    """``cfg`` with ``section.key=value`` overrides applied, validated as a whole."""
-    return from_dict(_merge(to_dict(cfg), _overrides_to_dict(overrides)))
+# -- loading ------------------------------------------------------------------------------------
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
@@ -644,24 +442,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     Raises:
       ConfigError: one line naming the offending key, file or override.
     """
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = os.fspath(path)
-        ext = os.path.splitext(path)[1].lower()
-        if ext in (".yaml", ".yml"):
-            raw = _read_yaml(path)
-        elif ext == ".gin":
-            raw = _read_gin(path)
-        else:
-            raise ConfigError(f"config file {path}: unknown extension {ext!r}; "
-                              "use .yaml, .yml or .gin")
-    return from_dict(_merge(raw, _overrides_to_dict(overrides)))
+    return from_dict(config_sources.read(path, overrides, _GIN_SECTIONS))
 
 
-def override_keys(overrides: Sequence[str]) -> set[str]:
-    """The ``section.key`` names ``overrides`` set: on the command line, what a checkpoint's
-    own config must agree with (``train.init_from``) rather than replace."""
-    return {f"{section}.{key}" for section, values in _overrides_to_dict(overrides).items() for key in values}
+def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
+    """``cfg`` with ``section.key=value`` overrides applied, validated as a whole."""
+    return from_dict(config_sources.read(None, overrides, _GIN_SECTIONS, base=to_dict(cfg)))
 
 
 # -- device-dependent checks --------------------------------------------------------------------

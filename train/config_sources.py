@@ -6,38 +6,18 @@
 * overrides ``section.key=value``, each value parsed as YAML.
 
 What the keys mean and which values are valid is :mod:`train.config`'s business; this module
-only reads and merges. :class:`ConfigError` lives here, the first place a config can fail, and
-:mod:`train.config` re-exports it. No jax here either.
+only reads and merges. No jax here either.
 """
 
-import difflib
 import os
 import re
 from typing import Any, Mapping, Sequence
 
 import yaml
 
-__all__ = ["ConfigError", "merge", "override_keys", "read"]
+from train.config_errors import ConfigError, short, suggest
 
-
-class ConfigError(ValueError):
-    """A configuration error; the message is one line naming the key (``section.key``)."""
-
-    def __init__(self, message: str):
-        # One line, always: multi-line messages get interleaved in multi-process logs.
-        super().__init__(" ".join(str(message).split()))
-
-
-def short(value: Any) -> str:
-    """``repr(value)``, cut to 60 characters for a one-line message."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def suggest(name: str, options: Sequence[str]) -> str:
-    """`` (did you mean X?)`` for the option closest to a misspelt ``name``, or ``""``."""
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
+__all__ = ["merge", "override_keys", "read"]
 
 
 # -- YAML ---------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import yaml
 
 from train.config_errors import ConfigError, short, suggest
 
-__all__ = ["merge", "override_keys", "read"]
+__all__ = ["override_keys", "read"]
 
 
 # -- YAML ---------------------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def _yaml_load(text: str, where: str) -> Any:
         loader.dispose()
 
 
-def merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+def _merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     """Section-wise merge: keys of ``top`` replace keys of ``base``; lists are replaced."""
     out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in base.items()}
     for k, v in top.items():
@@ -107,7 +107,7 @@ def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
     if not isinstance(base, str):
         raise ConfigError(f"{path}: base: expected a file name, got {short(base)}")
     base_path = os.path.join(os.path.dirname(path), base)
-    return merge(_read_yaml(base_path, chain + (real,)), raw)
+    return _merge(_read_yaml(base_path, chain + (real,)), raw)
 
 
 # -- gin ----------------------------------------------------------------------------------------
@@ -217,9 +217,9 @@ def read(path: str | os.PathLike | None, overrides: Sequence[str], gin_sections:
         path = os.fspath(path)
         ext = os.path.splitext(path)[1].lower()
         if ext in (".yaml", ".yml"):
-            raw = merge(raw, _read_yaml(path))
+            raw = _merge(raw, _read_yaml(path))
         elif ext == ".gin":
-            raw = merge(raw, _read_gin(path, gin_sections))
+            raw = _merge(raw, _read_gin(path, gin_sections))
         else:
             raise ConfigError(f"config file {path}: unknown extension {ext!r}; use .yaml, .yml or .gin")
-    return merge(raw, _overrides_to_dict(overrides))
+    return _merge(raw, _overrides_to_dict(overrides))

@@ -1,14 +1,20 @@
 """Experiment configuration: frozen pydantic dataclasses, the one source of the defaults.
 
-``configs/default.yaml`` lists every key with what it means (``default.gin`` as gin; a test keeps
-both equal to the classes). pydantic checks each field (type, choice, range, unknown keys),
-``__post_init__`` the rules that tie fields together, :func:`validate_for_devices` those that
-need the device count; every failure is a :class:`ConfigError` of ONE line naming the key, so a
-typo in a 2000-GPU launch fails in the first second, in a line that fits a SLURM log. Dataclasses
-rather than ``BaseModel``: frozen, hashable (part of the compiled program's cache key), and
-``dataclasses.replace(cfg.optim, lr=...)`` is a validated copy. :func:`load_config` validates
-defaults < a YAML or gin file < ``section.key=value`` overrides, merged as plain dicts first
-(:mod:`train.config_sources`). No jax here: the CLI checks the config before JAX starts.
+``configs/default.yaml`` lists every key with what it means (``default.gin`` the same as gin; a
+test keeps both equal to the classes).
+
+pydantic checks each field (type, choice, range, unknown keys), each class's ``__post_init__``
+the rules that tie fields together, and :func:`validate_for_devices` those that need the device
+count. Every failure is a :class:`ConfigError` of ONE line naming the key, so a typo in a
+2000-GPU launch fails in the first second, in a line that fits a SLURM log.
+
+Pydantic dataclasses rather than ``BaseModel``: frozen and hashable (a config is part of the
+compiled program's cache key), and ``dataclasses.replace(cfg.optim, lr=...)``, used across the
+stack, builds a validated copy.
+
+:func:`load_config` validates defaults < a YAML or gin file < ``section.key=value`` overrides,
+merged as plain dicts first (:mod:`train.config_sources`), so an override may fix a file that is
+invalid on its own. No jax here: the CLI checks the config before JAX starts.
 """
 
 import dataclasses

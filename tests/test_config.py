@@ -66,6 +66,17 @@ def test_shipped_configs_load():
             small.model.seq_len, small.data.batch_size, small.data.markov_states) == (128, 4, 4, 352, 128, 32, 64)
 
 
+def test_default_yaml_lists_every_key_with_its_default():
+    # default.yaml is the documented reference of every key; the classes are the one source of
+    # the defaults. A key added to a class without its line there fails here.
+    with open(os.path.join(CONFIGS, "default.yaml")) as f:
+        listed = yaml.safe_load(f)
+    assert list(listed) == list(SECTIONS)
+    for name, cls in SECTIONS.items():
+        assert list(listed[name]) == [f.name for f in dataclasses.fields(cls)], name
+    assert from_dict(listed) == Config() and to_dict(Config()) == {k: dict(v) for k, v in listed.items()}
+
+
 def test_yaml_base_inheritance_and_floats(tmp_path):
     _write(tmp_path, "base.yaml", """
         model: {layers: 6, heads: 8, d_model: 256}

@@ -1,205 +1,97 @@
-"""Experiment configuration: nested frozen dataclasses, loaded from YAML or gin, validated on load.
+"""Experiment configuration: frozen pydantic dataclasses, the one source of the defaults.
 
-A config is plain data. Every section validates its own fields when constructed (types, choices,
-ranges), :class:`Config` validates the rules that tie sections together, and
-:func:`validate_for_devices` adds the rules that need the device count. Every failure is a
-:class:`ConfigError` whose message is ONE line naming the offending key, so a typo in a 2000-GPU
-launch fails in the first second with a message that fits in a SLURM log line.
+``configs/default.yaml`` lists every key with what it means (``default.gin`` the same as gin; a
+test keeps both equal to the classes).
 
-Sources, applied in order (later wins):
+pydantic checks each field (type, choice, range, unknown keys), each class's ``__post_init__``
+the rules that tie fields together, and :func:`validate_for_devices` those that need the device
+count. Every failure is a :class:`ConfigError` of ONE line naming the key, so a typo in a
+2000-GPU launch fails in the first second, in a line that fits a SLURM log.
 
-1. the defaults below (a small model that trains in minutes on 2 CPU cores);
-2. a file: ``.yaml``/``.yml`` (``{section: {key: value}}``; ``base: other.yaml`` inherits, relative
-   to the file) or ``.gin`` (bindings such as ``ModelConfig.layers = 2``);
-3. overrides ``section.key=value``, values parsed as YAML (``optim.lr=1e-3``,
-   ``nvfp4.keep_bf16=[embed,head]``, ``data.path=null``).
+Pydantic dataclasses rather than ``BaseModel``: frozen and hashable (a config is part of the
+compiled program's cache key), and ``dataclasses.replace(cfg.optim, lr=...)``, used across the
+stack, builds a validated copy.
 
-Merging happens on plain dicts before anything is constructed, so an override may fix a file
-that is invalid on its own (e.g. lower ``model.layers`` and ``nvfp4.keep_last_blocks`` together).
-
-This module does not import jax: the CLI loads and checks the config before JAX starts.
+:func:`load_config` validates defaults < a YAML or gin file < ``section.key=value`` overrides,
+merged as plain dicts first (:mod:`train.config_sources`), so an override may fix a file that is
+invalid on its own. No jax here: the CLI checks the config before JAX starts.
 """
 
-from __future__ import annotations
-
 import dataclasses
-import difflib
-import math
+import functools
 import os
 import re
-import typing
-from typing import Any, ClassVar, Mapping, Optional, Sequence, Tuple
+from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional, Sequence, Tuple
 
+import pydantic
 import yaml
+from pydantic import Field, Strict
 
-__all__ = [
-    "CheckpointConfig",
-    "Config",
-    "ConfigError",
-    "DataConfig",
-    "MeshConfig",
-    "ModelConfig",
-    "NVFP4Config",
-    "OptimConfig",
-    "SECTIONS",
-    "TrainConfig",
-    "apply_overrides",
-    "from_dict",
-    "load_config",
-    "override_keys",
-    "resolve_mesh_axes",
-    "save_config",
-    "to_dict",
-    "to_yaml",
-    "validate_for_devices",
-]
+from train import config_sources
+from train.config_errors import ConfigError, one_line, short
+from train.config_sources import override_keys
+
+__all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "NVFP4Config",
+           "OptimConfig", "SECTIONS", "TrainConfig", "apply_overrides", "from_dict", "load_config", "override_keys",
+           "resolve_mesh_axes", "save_config", "to_dict", "to_yaml", "validate_for_devices"]
 
 
-class ConfigError(ValueError):
-    """A configuration error; the message is one line naming the key (``section.key``)."""
-
-    def __init__(self, message: str):
-        # One line, always: multi-line messages get interleaved in multi-process logs.
-        super().__init__(" ".join(str(message).split()))
-
-
-# -- field helpers ------------------------------------------------------------------------------
-
-
-def _field(default: Any, *, choices: Sequence[Any] | None = None, ge: float | None = None,
-           gt: float | None = None, lt: float | None = None, doc: str = "") -> Any:
-    """A dataclass field whose constraints are data, checked by :func:`_check_section`."""
-    meta = {"choices": tuple(choices) if choices else None, "ge": ge, "gt": gt, "lt": lt,
-            "doc": doc}
-    if isinstance(default, (list, dict)):
-        raise TypeError("use tuples for sequence defaults: the config is frozen")
-    return dataclasses.field(default=default, metadata=meta)
+# Field types: strict (`layers: true` is not 1, `1` is not true); an int widens to a float.
+Int = Annotated[int, Strict()]
+Str = Annotated[str, Strict()]
+Bool = Annotated[bool, Strict()]
+Float = Annotated[float, pydantic.BeforeValidator(lambda v: float(v) if type(v) is int else v), Strict(),
+                  pydantic.AllowInfNan(False)]
+Pos, NonNeg = Annotated[Int, Field(gt=0)], Annotated[Int, Field(ge=0)]
+PosFloat, NonNegFloat = Annotated[Float, Field(gt=0)], Annotated[Float, Field(ge=0)]
+Fraction = Annotated[Float, Field(ge=0, lt=1)]
 
 
-def _type_name(hint: Any) -> str:
-    if hint is bool:
-        return "bool"
-    if hint is int:
-        return "int"
-    if hint is float:
-        return "float"
-    if hint is str:
-        return "str"
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is tuple:
-        return f"list of {_type_name(args[0])}"
-    if origin is typing.Union or (origin is not None and type(None) in args):
-        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
-    return getattr(hint, "__name__", str(hint))
+def _section(cls):
+    """``cls`` as a frozen pydantic dataclass refusing unknown keys, whose construction
+    (``cls(...)``, ``dataclasses.replace``) raises :class:`ConfigError` instead of pydantic's
+    multi-line report."""
+    cls = pydantic.dataclasses.dataclass(frozen=True, config=pydantic.ConfigDict(extra="forbid"))(cls)
+    init = cls.__init__
 
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    """``value`` checked against the type hint ``hint``; int -> float and list -> tuple widen."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is typing.Union or (origin is not None and type(None) in args):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
         try:
-            return _coerce(key, value, inner)
-        except ConfigError:
-            raise ConfigError(f"{key}: expected {_type_name(hint)}, got "
-                              f"{type(value).__name__} {_short(value)}") from None
-    ok = False
-    # bool is a subclass of int: `layers: true` must not pass for 1, nor `1` for true.
-    if hint is bool:
-        ok = isinstance(value, bool)
-    elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if ok:
-            value = float(value)
-    elif hint is str:
-        ok = isinstance(value, str)
-    elif origin is tuple:
-        if isinstance(value, (list, tuple)):
-            return tuple(_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value))
-    if not ok:
-        raise ConfigError(f"{key}: expected {_type_name(hint)}, got "
-                          f"{type(value).__name__} {_short(value)}")
-    return value
+            init(self, *args, **kwargs)
+        except pydantic.ValidationError as e:
+            raise one_line(e, SECTIONS, cls.section) from None
+
+    cls.__init__ = __init__
+    return cls
 
 
-def _check_section(obj: Any) -> None:
-    """Type-checks and range-checks every field of a section dataclass, in place."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        key = f"{obj.section}.{f.name}"
-        value = _coerce(key, getattr(obj, f.name), hints[f.name])
-        # Frozen: widening (int -> float, list -> tuple) is written once, here, at construction.
-        object.__setattr__(obj, f.name, value)
-        m = f.metadata
-        if m.get("choices") and value not in m["choices"]:
-            options = ", ".join(repr(c) for c in m["choices"])
-            raise ConfigError(f"{key}={value!r}: must be one of {options}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{key}={value!r}: must be finite")
-        if m.get("ge") is not None and value < m["ge"]:
-            raise ConfigError(f"{key}={value!r}: must be >= {m['ge']}")
-        if m.get("gt") is not None and value <= m["gt"]:
-            raise ConfigError(f"{key}={value!r}: must be > {m['gt']}")
-        if m.get("lt") is not None and value >= m["lt"]:
-            raise ConfigError(f"{key}={value!r}: must be < {m['lt']}")
-
-
-# -- sections -----------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class _Section:
-    """A config section: every field is type- and range-checked from its :func:`_field`
-    metadata at construction; :meth:`check` adds the rules that tie fields together."""
-
-    section: ClassVar[str] = ""
-
-    def __post_init__(self):
-        _check_section(self)
-        self.check()
-
-    def check(self) -> None:
-        """Cross-field rules (raise :class:`ConfigError`); none by default."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig(_Section):
+@_section
+class ModelConfig:
     """A decoder-only transformer with the Llama architecture (pre-norm RMSNorm, rotary
     positions, grouped-query attention, SwiGLU MLP)."""
 
     section: ClassVar[str] = "model"
-    vocab: int = _field(256, gt=0)
-    d_model: int = _field(64, gt=0)
-    layers: int = _field(2, gt=0)
-    heads: int = _field(2, gt=0)
-    kv_heads: int = _field(0, ge=0, doc="key/value heads (grouped-query attention); 0 = model.heads")
-    mlp_hidden: int = _field(192, gt=0)
-    seq_len: int = _field(64, gt=0)
-    rope_theta: float = _field(10000.0, gt=0)
-    norm_eps: float = _field(1e-5, gt=0)
-    tie_embeddings: bool = _field(False, doc="the head is the embedding matrix transposed")
-    # train.attention.attention: auto = cuDNN's fused kernel on a CUDA GPU, else blockwise
-    # (O(sequence) memory); xla = XLA's attention (O(sequence^2) scores).
-    attention: str = _field("auto", choices=("auto", "blockwise", "xla", "cudnn"))
-    init_std: float = _field(0.02, gt=0)
+    vocab: Pos = 256
+    d_model: Pos = 64
+    layers: Pos = 2
+    heads: Pos = 2
+    kv_heads: NonNeg = 0  # key/value heads (grouped-query attention); 0 = model.heads
+    mlp_hidden: Pos = 192
+    seq_len: Pos = 64
+    rope_theta: PosFloat = 10000.0
+    norm_eps: PosFloat = 1e-5
+    tie_embeddings: Bool = False  # the head is the embedding matrix transposed
+    attention: Literal["auto", "blockwise", "xla", "cudnn"] = "auto"
+    init_std: PosFloat = 0.02
 
-    def check(self) -> None:
+    def __post_init__(self):  # cross-field rules, run by pydantic after the fields validate
         if self.d_model % self.heads:
-            raise ConfigError(f"model.d_model={self.d_model}: must be divisible by "
-                              f"model.heads={self.heads}")
+            raise ConfigError(f"model.d_model={self.d_model}: must be divisible by model.heads={self.heads}")
         if self.heads % self.n_kv_heads:
             raise ConfigError(f"model.kv_heads={self.kv_heads}: must divide model.heads={self.heads}")
-        if (self.d_model // self.heads) % 2:
-            # Rotary embeddings rotate pairs of channels within each head.
-            raise ConfigError(f"model.heads={self.heads}: head size model.d_model/model.heads="
-                              f"{self.d_model // self.heads} must be even for rotary embeddings")
+        if self.head_dim % 2:  # rotary embeddings rotate pairs of channels within each head
+            raise ConfigError(f"model.heads={self.heads}: head size model.d_model/model.heads={self.head_dim} "
+                              "must be even for rotary embeddings")
 
     @property
     def head_dim(self) -> int:
@@ -210,121 +102,95 @@ class ModelConfig(_Section):
         return self.kv_heads or self.heads
 
 
-@dataclasses.dataclass(frozen=True)
-class DataConfig(_Section):
+@_section
+class DataConfig:
     """Where tokens come from. ``batch_size`` is global: sequences per optimizer step."""
 
     section: ClassVar[str] = "data"
-    source: str = _field("markov", choices=("markov", "file", "tokens"))
-    # file: any file, its bytes are the tokens; tokens: a token file from python -m train.prepare.
-    path: Optional[str] = _field(None)
-    # Held-out data for the validation loss: a file of the same kind, or the last fraction of
-    # data.path (then not trained on). The Markov source draws validation rows from its own stream.
-    val_path: Optional[str] = _field(None)
-    val_fraction: float = _field(0.0, ge=0, lt=1)
-    batch_size: int = _field(16, gt=0)
-    # Size of the Markov chain's alphabet (tokens 0..states-1), see train.data.MarkovSource.
-    markov_states: int = _field(32, ge=2)
-    # Below 2**31: the token files' shuffle takes a 31-bit seed, so larger ones would alias smaller.
-    seed: int = _field(0, ge=0, lt=2**31)
+    source: Literal["markov", "file", "tokens"] = "markov"
+    path: Optional[Str] = None
+    val_path: Optional[Str] = None
+    val_fraction: Fraction = 0.0
+    batch_size: Pos = 16
+    markov_states: Annotated[Int, Field(ge=2)] = 32
+    seed: Annotated[Int, Field(ge=0, lt=2**31)] = 0  # the token files' shuffle takes a 31-bit seed
 
-    def check(self) -> None:
-        if self.source in ("file", "tokens") and not self.path:
+    def __post_init__(self):
+        reads_file = self.source in ("file", "tokens")
+        if reads_file and not self.path:
             raise ConfigError(f"data.path: required when data.source={self.source!r}")
-        if self.source not in ("file", "tokens") and self.path:
-            # The path would be ignored: the run would train on something else than asked.
+        if not reads_file and self.path:  # ignored, the run would train on something else than asked
             raise ConfigError(f"data.path={self.path!r}: data.source={self.source!r} does not read a file; "
                               "set data.source=file or tokens to train on it (or data.path=null)")
         if self.val_path and self.val_fraction:
             raise ConfigError("data.val_fraction: set either data.val_path or data.val_fraction, not both")
         if self.source == "markov" and (self.val_path or self.val_fraction):
-            # The Markov source draws its validation rows from a stream of its own.
             key = "data.val_path" if self.val_path else "data.val_fraction"
             raise ConfigError(f"{key}={self.val_path or self.val_fraction!r}: data.source='markov' draws validation "
                               "rows from its own stream and would ignore it; set data.source=file or tokens")
 
 
-@dataclasses.dataclass(frozen=True)
-class MeshConfig(_Section):
+@_section
+class MeshConfig:
     """Device mesh ``(data, tensor)``; -1 on one axis means "all remaining devices"."""
 
     section: ClassVar[str] = "mesh"
-    data: int = _field(-1, ge=-1)
-    tensor: int = _field(1, ge=-1)
-    layout: str = _field("auto", choices=("auto", "gb200"),
-                         doc="gb200: a rack axis across NVLink domains, data inside one, "
-                             "tensor groups inside one")
-    nvl_domain: int = _field(72, gt=0)
-    racks: int = _field(0, ge=0, doc="with layout gb200: the expected number of racks "
-                                     "(NVLink domains); 0 = whatever the devices span")
-    sharding: str = _field("fsdp", choices=("fsdp", "hsdp"),
-                           doc="with layout gb200: fsdp shards the state over racks and the "
-                               "data axis; hsdp shards it inside a rack and replicates it across "
-                               "racks (weight gathers never leave a rack; R x the state)")
-    # CPU only: simulated host devices to request when XLA_FLAGS does not say (0 = don't).
-    simulate_devices: int = _field(8, ge=0)
+    data: Annotated[Int, Field(ge=-1)] = -1
+    tensor: Annotated[Int, Field(ge=-1)] = 1
+    layout: Literal["auto", "gb200"] = "auto"
+    nvl_domain: Pos = 72
+    racks: NonNeg = 0  # with layout gb200: the expected number of racks; 0 = whatever the devices span
+    sharding: Literal["fsdp", "hsdp"] = "fsdp"
+    simulate_devices: NonNeg = 8
 
-    def check(self) -> None:
+    def __post_init__(self):
         for name in ("data", "tensor"):
             if getattr(self, name) == 0:
                 raise ConfigError(f"mesh.{name}=0: must be a positive size or -1 (the rest)")
-        if self.layout != "gb200":
-            # Racks and the sharding across them exist only in the gb200 layout.
-            for name, default in (("racks", 0), ("sharding", "fsdp")):
-                if getattr(self, name) != default:
-                    raise ConfigError(f"mesh.{name}={getattr(self, name)!r}: only mesh.layout=gb200 has racks; "
-                                      f"set mesh.layout=gb200 (or leave mesh.{name} at {default!r})")
+        for name, default in (("racks", 0), ("sharding", "fsdp")):  # only the gb200 layout has racks
+            if self.layout != "gb200" and getattr(self, name) != default:
+                raise ConfigError(f"mesh.{name}={getattr(self, name)!r}: only mesh.layout=gb200 has racks; "
+                                  f"set mesh.layout=gb200 (or leave mesh.{name} at {default!r})")
         if self.data == -1 and self.tensor == -1:
             raise ConfigError("mesh.data=-1 and mesh.tensor=-1: at most one axis may be -1")
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimConfig(_Section):
+@_section
+class OptimConfig:
     """The inner optax optimizer applied to the float32 master weights."""
 
     section: ClassVar[str] = "optim"
-    name: str = _field("adamw", choices=("adamw", "adam", "sgd", "lion"))
-    lr: float = _field(3e-3, gt=0)
-    schedule: str = _field("cosine", choices=("cosine", "constant", "linear"))
-    warmup_steps: int = _field(20, ge=0)
-    weight_decay: float = _field(0.01, ge=0)
-    b1: float = _field(0.9, ge=0, lt=1)
-    b2: float = _field(0.95, ge=0, lt=1)
-    clip_norm: float = _field(1.0, ge=0, doc="global-norm clipping; 0 = off")
-    grad_accum: int = _field(1, ge=1)
-    # Length of the learning-rate schedule; 0 = train.steps. Stored in checkpoints: to extend
-    # a finished run, raise train.steps and set this to the checkpoint's length.
-    schedule_steps: int = _field(0, ge=0, doc="schedule length; 0 = train.steps")
+    name: Literal["adamw", "adam", "sgd", "lion"] = "adamw"
+    lr: PosFloat = 3e-3
+    schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    warmup_steps: NonNeg = 20
+    weight_decay: NonNegFloat = 0.01
+    b1: Fraction = 0.9
+    b2: Fraction = 0.95
+    clip_norm: NonNegFloat = 1.0  # global-norm clipping; 0 = off
+    grad_accum: Annotated[Int, Field(ge=1)] = 1
+    schedule_steps: NonNeg = 0
 
 
-@dataclasses.dataclass(frozen=True)
-class NVFP4Config(_Section):
+@_section
+class NVFP4Config:
     """Which weights live in NVFP4 and how they move and compute."""
 
     section: ClassVar[str] = "nvfp4"
-    weights: str = _field("nvfp4", choices=("nvfp4", "bf16"))
-    param_gather: str = _field("packed", choices=("packed", "dequantized"))
-    compute: str = _field("dequant", choices=("dequant", "nvfp4"))
-    # Regexes searched in parameter paths; matching leaves stay bf16. Kept layers (these, and the
-    # first/last blocks) also run their GEMMs in bf16 under compute: nvfp4, as the published
-    # recipe keeps its last layers and output projection.
-    keep_bf16: Tuple[str, ...] = _field(("embed", "head", "norm"))
-    keep_first_blocks: int = _field(0, ge=0)
-    keep_last_blocks: int = _field(0, ge=0)
-    stochastic_rounding: bool = _field(False)
-    cast_master_bf16: bool = _field(False)
-    nonfinite: str = _field("skip", choices=("skip", "error"))
-    # With nonfinite=skip: stop (exit 3) once this many steps in a row were skipped: a run
-    # that skips every step has diverged. 0 = never stop.
-    max_skipped_in_a_row: int = _field(10, ge=0, doc="0 = no limit")
-    grad_reduce_dtype: str = _field("grad", choices=("grad", "float32"))
-    block: str = _field("auto", choices=("auto", "1d", "2d"),
-                        doc="NVFP4 block of the stored weights: '1d' (one E4M3 scale per 16 consecutive inputs "
-                            "of each output; the lower error), '2d' (one per 16x16 tile, which the "
-                            "transposed weight of compute=nvfp4's backward GEMM needs); 'auto': 2d with "
-                            "compute=nvfp4, else 1d")
+    weights: Literal["nvfp4", "bf16"] = "nvfp4"
+    param_gather: Literal["packed", "dequantized"] = "packed"
+    compute: Literal["dequant", "nvfp4"] = "dequant"
+    keep_bf16: Tuple[Str, ...] = ("embed", "head", "norm")
+    keep_first_blocks: NonNeg = 0
+    keep_last_blocks: NonNeg = 0
+    stochastic_rounding: Bool = False
+    cast_master_bf16: Bool = False
+    nonfinite: Literal["skip", "error"] = "skip"
+    max_skipped_in_a_row: NonNeg = 10
+    grad_reduce_dtype: Literal["grad", "float32"] = "grad"
+    block: Literal["auto", "1d", "2d"] = "auto"
 
-    def check(self) -> None:
+    def __post_init__(self):
         for i, pattern in enumerate(self.keep_bf16):
             try:
                 re.compile(pattern)
@@ -341,62 +207,46 @@ class NVFP4Config(_Section):
         return "2d" if self.compute == "nvfp4" else "1d"
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig(_Section):
+@_section
+class TrainConfig:
     section: ClassVar[str] = "train"
-    steps: int = _field(300, gt=0)
-    log_every: int = _field(10, gt=0, doc="the host reads the step metrics every N steps (metrics.jsonl, "
-                                          "progress bar); steps in between run without waiting")
-    eval_every: int = _field(0, ge=0, doc="validation loss every N steps and at the end; 0 = none")
-    eval_batches: int = _field(4, gt=0, doc="validation batches (of data.batch_size rows) per evaluation")
-    out_dir: str = _field("runs/default")
-    # JAX keys take 32 bits and the run uses seed, seed + 1 and seed + 2: a larger seed would alias a smaller one.
-    seed: int = _field(0, ge=0, lt=2**32 - 2)
-    # A Hugging Face Llama checkpoint folder to start from instead of random weights
-    # (train.hf_import; its config.json sets the model's shape).
-    init_from: Optional[str] = _field(None, doc="a Hugging Face Llama checkpoint folder to start from")
-    remat: str = _field("nothing", choices=("nothing", "dots"),
-                        doc="what a scanned layer keeps for its backward pass besides its input: "
-                            "'nothing' (recompute the layer; memory flat in depth) or 'dots' (its "
-                            "matmul outputs: less recompute, activation memory grows with depth); "
-                            "never its gathered weights")
-    gpu_xla_flags: bool = _field(True, doc="on a GPU, add the XLA flags that overlap the per-layer weight "
-                                           "gathers and gradient sums with compute (train/xla_flags.py); a "
-                                           "flag already in XLA_FLAGS keeps its value")
+    steps: Pos = 300
+    log_every: Pos = 10
+    eval_every: NonNeg = 0  # validation loss every N steps and at the end; 0 = none
+    eval_batches: Pos = 4  # validation batches (of data.batch_size rows) per evaluation
+    out_dir: Str = "runs/default"
+    seed: Annotated[Int, Field(ge=0, lt=2**32 - 2)] = 0  # 32-bit JAX keys from seed, seed + 1, seed + 2
+    init_from: Optional[Str] = None
+    remat: Literal["nothing", "dots"] = "nothing"
+    gpu_xla_flags: Bool = True
 
 
-@dataclasses.dataclass(frozen=True)
-class CheckpointConfig(_Section):
+@_section
+class CheckpointConfig:
     section: ClassVar[str] = "checkpoint"
-    dir: Optional[str] = _field(None)
-    every: int = _field(0, ge=0, doc="0 = no periodic checkpoints")
-    keep: int = _field(3, gt=0)
-    async_save: bool = _field(False)
-    # A corrupt newest checkpoint (content hash mismatch) is refused; true restores the newest
-    # intact one instead (the corrupt ones are moved aside, not deleted).
-    fallback: bool = _field(False)
-    # Config keys (section.key) allowed to differ from a checkpoint's when resuming it; the
-    # run then continues with the new values (see train.checkpoint.check_resume).
-    allow_change: Tuple[str, ...] = _field(())
+    dir: Optional[Str] = None
+    every: NonNeg = 0  # 0 = no periodic checkpoints
+    keep: Pos = 3
+    async_save: Bool = False
+    fallback: Bool = False
+    allow_change: Tuple[Str, ...] = ()
 
-    def check(self) -> None:
+    def __post_init__(self):
         for key in self.allow_change:
             section, _, name = key.partition(".")
-            cls = SECTIONS.get(section)
-            if cls is None or name not in {f.name for f in dataclasses.fields(cls)}:
+            if section not in SECTIONS or name not in {f.name for f in dataclasses.fields(SECTIONS[section])}:
                 raise ConfigError(f"checkpoint.allow_change: {key!r} is not a config key (section.key)")
-        if not self.dir:
-            # Without a directory there are no checkpoints: a setting of them would be ignored.
-            for f in dataclasses.fields(self):
-                value = getattr(self, f.name)
-                if f.name != "dir" and value != f.default:
-                    shown = str(value).lower() if isinstance(value, bool) else _short(list(value) if isinstance(value, tuple) else value)
-                    raise ConfigError(f"checkpoint.{f.name}={shown}: no checkpoint.dir is set, so there are "
-                                      "no checkpoints; set checkpoint.dir too")
+        for f in dataclasses.fields(self):  # without a directory, a setting of checkpoints would be ignored
+            if not self.dir and f.name != "dir" and (value := getattr(self, f.name)) != f.default:
+                shown = str(value).lower() if isinstance(value, bool) else short(
+                    list(value) if isinstance(value, tuple) else value)
+                raise ConfigError(f"checkpoint.{f.name}={shown}: no checkpoint.dir is set, so there are "
+                                  "no checkpoints; set checkpoint.dir too")
 
 
-@dataclasses.dataclass(frozen=True)
+@_section
 class Config:
+    section: ClassVar[str] = ""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -410,75 +260,42 @@ class Config:
         return self.optim.schedule_steps or self.train.steps
 
     def __post_init__(self):
-        for name, cls in SECTIONS.items():
-            if not isinstance(getattr(self, name), cls):
-                raise ConfigError(f"{name}: expected a {cls.__name__}, got "
-                                  f"{type(getattr(self, name)).__name__}")
-        m, n = self.model, self.nvfp4
+        m, n, d = self.model, self.nvfp4, self.data
         if n.keep_first_blocks + n.keep_last_blocks > m.layers:
-            raise ConfigError(
-                f"nvfp4.keep_first_blocks={n.keep_first_blocks} + nvfp4.keep_last_blocks="
-                f"{n.keep_last_blocks}: exceeds model.layers={m.layers}")
-        if self.data.source == "markov" and self.data.markov_states > m.vocab:
-            raise ConfigError(f"data.markov_states={self.data.markov_states}: exceeds "
-                              f"model.vocab={m.vocab} (Markov tokens are 0..states-1)")
-        if (self.train.eval_every and self.data.source != "markov" and not self.data.val_path
-                and not self.data.val_fraction):
+            raise ConfigError(f"nvfp4.keep_first_blocks={n.keep_first_blocks} + nvfp4.keep_last_blocks="
+                              f"{n.keep_last_blocks}: exceeds model.layers={m.layers}")
+        if d.source == "markov" and d.markov_states > m.vocab:
+            raise ConfigError(f"data.markov_states={d.markov_states}: exceeds model.vocab={m.vocab} "
+                              "(Markov tokens are 0..states-1)")
+        if self.train.eval_every and d.source != "markov" and not d.val_path and not d.val_fraction:
             raise ConfigError(f"train.eval_every={self.train.eval_every}: needs a held-out split "
                               "(data.val_path or data.val_fraction)")
-        if self.data.source == "file" and m.vocab < 256:
-            raise ConfigError(f"model.vocab={m.vocab}: data.source='file' yields byte "
-                              "tokens 0..255, needs model.vocab >= 256")
+        if d.source == "file" and m.vocab < 256:
+            raise ConfigError(f"model.vocab={m.vocab}: data.source='file' yields byte tokens 0..255, "
+                              "needs model.vocab >= 256")
 
 
-# Section name -> dataclass, in the order configs are printed.
-SECTIONS: dict[str, type] = {
-    "model": ModelConfig, "data": DataConfig, "mesh": MeshConfig, "optim": OptimConfig,
-    "nvfp4": NVFP4Config, "train": TrainConfig, "checkpoint": CheckpointConfig,
-}
+# Section name -> class, in the order configs are printed.
+SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
+_GIN_SECTIONS = {cls.__name__: name for name, cls in SECTIONS.items()}  # gin: ModelConfig.layers = 2
 
 
-# -- dicts <-> configs --------------------------------------------------------------------------
-
-
-def _suggest(name: str, options: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
+# -- dicts, files and overrides <-> configs -----------------------------------------------------
 
 
 def from_dict(raw: Mapping[str, Any] | None) -> Config:
     """A validated :class:`Config` from ``{section: {key: value}}``; missing keys take defaults."""
-    raw = {} if raw is None else raw
-    if not isinstance(raw, Mapping):
+    if not isinstance(raw := {} if raw is None else raw, Mapping):
         raise ConfigError(f"config: expected a mapping of sections, got {type(raw).__name__}")
-    sections = {}
-    for name, values in raw.items():
-        if name not in SECTIONS:
-            raise ConfigError(f"unknown section {name!r}{_suggest(str(name), list(SECTIONS))}; "
-                              f"sections are {', '.join(SECTIONS)}")
-        if values is None:
-            values = {}
-        if not isinstance(values, Mapping):
-            raise ConfigError(f"{name}: expected a mapping of keys, got "
-                              f"{type(values).__name__} {_short(values)}")
-        cls = SECTIONS[name]
-        known = [f.name for f in dataclasses.fields(cls)]
-        for key in values:
-            if key not in known:
-                options = [f"{name}.{k}" for k in known]
-                raise ConfigError(f"unknown key {name}.{key}{_suggest(f'{name}.{key}', options)}")
-        sections[name] = cls(**values)
-    return Config(**sections)
+    try:
+        return Config.__pydantic_validator__.validate_python({k: {} if v is None else v for k, v in raw.items()})
+    except pydantic.ValidationError as e:
+        raise one_line(e, SECTIONS) from None
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     """Plain nested dict (tuples as lists), safe for YAML/JSON and for :func:`from_dict`."""
-    out = {}
-    for name in SECTIONS:
-        sec = getattr(cfg, name)
-        out[name] = {f.name: list(v) if isinstance(v := getattr(sec, f.name), tuple) else v
-                     for f in dataclasses.fields(sec)}
-    return out
+    return Config.__pydantic_serializer__.to_python(cfg, mode="json")
 
 
 def to_yaml(cfg: Config) -> str:
@@ -492,220 +309,15 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
         f.write(to_yaml(cfg))
 
 
-# -- YAML ---------------------------------------------------------------------------------------
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads ``1e-3`` as a float.
-
-    PyYAML implements YAML 1.1, where a float needs a dot (``1.0e-3``), so ``lr: 1e-3`` would
-    arrive as the string "1e-3" and fail the type check. Same resolver as YAML 1.2 core.
-    A key given twice in one mapping is an error (YAML says keys are unique; PyYAML would
-    keep the last value silently).
-    """
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            try:
-                dup = key in seen
-            except TypeError:
-                continue  # an unhashable key: construct_mapping reports it
-            if not dup:
-                seen[key] = key_node.start_mark.line + 1
-            else:
-                first = seen[key]
-                raise ConfigError(f"{self.name}: duplicate key {key!r} on line {key_node.start_mark.line + 1} "
-                                  f"(first on line {first})")
-        return super().construct_mapping(node, deep=deep)
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                   |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                   |\.[0-9_]+(?:[eE][-+][0-9]+)?
-                   |[-+]?\.(?:inf|Inf|INF)
-                   |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
-
-
-def _yaml_load(text: str, where: str) -> Any:
-    loader = _Loader(text)
-    loader.name = where
-    try:
-        return loader.get_single_data()
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: invalid YAML: {e}") from None
-    finally:
-        loader.dispose()
-
-
-def _merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
-    """Section-wise merge: keys of ``top`` replace keys of ``base``; lists are replaced."""
-    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in base.items()}
-    for k, v in top.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = {**out[k], **v}
-        else:
-            out[k] = dict(v) if isinstance(v, Mapping) else v
-    return out
-
-
-def _read_text(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read config file {path}: {e}") from None
-
-
-def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
-    real = os.path.realpath(path)
-    if real in chain:
-        raise ConfigError(f"{path}: 'base' chain loops back to itself")
-    raw = _yaml_load(_read_text(path), path)
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
-    raw = dict(raw)
-    base = raw.pop("base", None)
-    if base is None:
-        return raw
-    if not isinstance(base, str):
-        raise ConfigError(f"{path}: base: expected a file name, got {_short(base)}")
-    base_path = os.path.join(os.path.dirname(path), base)
-    return _merge(_read_yaml(base_path, chain + (real,)), raw)
-
-
-# -- gin ----------------------------------------------------------------------------------------
-
-_GIN_COLLECTORS: dict[str, Any] = {}
-
-
-def _gin_collectors() -> dict[str, Any]:
-    """One gin configurable per section, named like the dataclass (``ModelConfig``).
-
-    Each collector takes ``**kwargs`` and returns them, so gin only parses and stores the
-    bindings while unknown keys get the same checks and did-you-mean hints as YAML keys.
-    Registered once per process: gin's registry is global and rejects duplicates.
-    """
-    import gin
-
-    if not _GIN_COLLECTORS:
-        for name, cls in SECTIONS.items():
-            def collect(**kwargs):
-                return kwargs
-            collect.__name__ = cls.__name__
-            _GIN_COLLECTORS[name] = gin.external_configurable(
-                collect, name=cls.__name__, module="train.config")
-    return _GIN_COLLECTORS
-
-
-def _gin_duplicates(path: str, text: str) -> None:
-    """Raise ConfigError for a key bound twice in the gin ``text`` (gin keeps the last binding
-    silently, as PyYAML would for a repeated YAML key)."""
-    import gin
-    from gin import config_parser
-
-    seen: dict[tuple, int] = {}
-    try:
-        statements = list(config_parser.ConfigParser(text, gin.config.ParserDelegate(skip_unknown=True)))
-    except Exception:  # noqa: BLE001 - a syntax error: gin.parse_config reports it with its line
-        return
-    for st in statements:
-        if not isinstance(st, config_parser.BindingStatement):
-            continue
-        # "train.config.ModelConfig" and "ModelConfig" name the same configurable.
-        key = (st.scope, st.selector.rsplit(".", 1)[-1], st.arg_name)
-        line = st.location.line_num
-        if key in seen:
-            name = ".".join(k for k in key if k)
-            raise ConfigError(f"{path}: {name} is bound twice, on line {seen[key]} and line {line}; "
-                              "keep one (gin would silently use the last)")
-        seen[key] = line
-
-
-def _read_gin(path: str) -> dict[str, Any]:
-    import gin
-
-    collectors = _gin_collectors()
-    text = _read_text(path)
-    _gin_duplicates(path, text)
-    # Bindings are global gin state: start clean and leave clean so loads do not leak.
-    gin.clear_config()
-    try:
-        gin.parse_config(text)
-        return {name: dict(fn()) for name, fn in collectors.items()}
-    except ConfigError:
-        raise
-    except Exception as e:  # gin raises ValueError / SyntaxError with multi-line messages
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        match = re.search(r"No configurable matching '([^']+)'", first)
-        if match:
-            names = [cls.__name__ for cls in SECTIONS.values()]
-            first = (f"unknown gin configurable {match.group(1)!r}"
-                     f"{_suggest(match.group(1), names)}; use one of {', '.join(names)}")
-        raise ConfigError(f"{path}: {first}") from None
-    finally:
-        gin.clear_config()
-
-
-# -- overrides and loading ----------------------------------------------------------------------
-
-
-def _parse_override(text: str) -> tuple[str, str, Any]:
-    key, sep, value = str(text).partition("=")
-    key = key.strip()
-    parts = key.split(".")
-    if not sep or len(parts) != 2 or not all(parts):
-        raise ConfigError(f"override {text!r}: expected section.key=value, e.g. model.layers=4")
-    return parts[0], parts[1], _yaml_load(value, f"override {key}")
-
-
-def _overrides_to_dict(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
-    if isinstance(overrides, str):
-        overrides = [overrides]  # a lone string would otherwise be split into characters
-    out: dict[str, dict[str, Any]] = {}
-    for text in overrides:
-        section, key, value = _parse_override(text)
-        out.setdefault(section, {})[key] = value
-    return out
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
+    """The validated config from defaults, then ``path`` (YAML or gin), then ``overrides``; a
+    :class:`ConfigError` names the offending key, file or override."""
+    return from_dict(config_sources.read(path, overrides, _GIN_SECTIONS))
 
 
 def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
     """``cfg`` with ``section.key=value`` overrides applied, validated as a whole."""
-    return from_dict(_merge(to_dict(cfg), _overrides_to_dict(overrides)))
-
-
-def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
-    """The validated config from defaults, then ``path`` (YAML or gin), then ``overrides``.
-
-    Raises:
-      ConfigError: one line naming the offending key, file or override.
-    """
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = os.fspath(path)
-        ext = os.path.splitext(path)[1].lower()
-        if ext in (".yaml", ".yml"):
-            raw = _read_yaml(path)
-        elif ext == ".gin":
-            raw = _read_gin(path)
-        else:
-            raise ConfigError(f"config file {path}: unknown extension {ext!r}; "
-                              "use .yaml, .yml or .gin")
-    return from_dict(_merge(raw, _overrides_to_dict(overrides)))
-
-
-def override_keys(overrides: Sequence[str]) -> set[str]:
-    """The ``section.key`` names ``overrides`` set: on the command line, what a checkpoint's
-    own config must agree with (``train.init_from``) rather than replace."""
-    return {f"{section}.{key}" for section, values in _overrides_to_dict(overrides).items() for key in values}
+    return from_dict(config_sources.read(None, overrides, _GIN_SECTIONS, base=to_dict(cfg)))
 
 
 # -- device-dependent checks --------------------------------------------------------------------
@@ -716,55 +328,51 @@ def resolve_mesh_axes(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
     if n_devices < 1:
         raise ConfigError(f"mesh: need at least one device, got {n_devices}")
     data, tensor = mesh.data, mesh.tensor
-    if data == -1 or tensor == -1:
+    if -1 in (data, tensor):
         known_name, known = ("mesh.tensor", tensor) if data == -1 else ("mesh.data", data)
         if n_devices % known:
             raise ConfigError(f"{known_name}={known}: does not divide the {n_devices} devices")
-        rest = n_devices // known
-        data, tensor = (rest, tensor) if data == -1 else (data, rest)
+        data, tensor = (n_devices // known, tensor) if data == -1 else (data, n_devices // known)
     if data * tensor != n_devices:
         raise ConfigError(f"mesh.data={data} x mesh.tensor={tensor} = {data * tensor}: "
                           f"must equal the {n_devices} devices")
     dom = mesh.nvl_domain
-    if mesh.layout == "gb200":
-        if tensor > dom or dom % tensor:
-            raise ConfigError(f"mesh.tensor={tensor}: must divide mesh.nvl_domain={dom} so "
-                              "each tensor group stays inside one NVLink domain")
-        if n_devices > dom and n_devices % dom:
-            raise ConfigError(f"mesh.nvl_domain={dom}: {n_devices} devices span several "
-                              "domains but are not a whole number of them")
+    if mesh.layout == "gb200" and (tensor > dom or dom % tensor):
+        raise ConfigError(f"mesh.tensor={tensor}: must divide mesh.nvl_domain={dom} so each tensor group stays "
+                          "inside one NVLink domain")
+    if mesh.layout == "gb200" and n_devices > dom and n_devices % dom:
+        raise ConfigError(f"mesh.nvl_domain={dom}: {n_devices} devices span several domains but are not a whole "
+                          "number of them")
     return {"data": data, "tensor": tensor}
 
 
 def validate_for_devices(cfg: Config, n_devices: int) -> dict[str, int]:
     """Checks the rules that need the device count; returns the resolved mesh axes."""
     axes = resolve_mesh_axes(cfg.mesh, n_devices)
-    data, tensor = axes["data"], axes["tensor"]
+    data, tensor, m = axes["data"], axes["tensor"], cfg.model
     per = data * cfg.optim.grad_accum
     if cfg.data.batch_size % per:
-        raise ConfigError(
-            f"data.batch_size={cfg.data.batch_size}: must be divisible by mesh data axis "
-            f"({data}) x optim.grad_accum ({cfg.optim.grad_accum}) = {per}")
-    if tensor > 1:
-        m = cfg.model
-        # 16 = the NVFP4 block: each tensor shard must hold whole blocks.
-        widths = [("model.d_model", m.d_model), ("model.mlp_hidden", m.mlp_hidden)]
-        if m.n_kv_heads % tensor == 0:  # split key/value heads (else replicated)
-            widths.append(("model.kv_heads x head size", m.n_kv_heads * m.head_dim))
-        for name, size in widths:
-            if size % (16 * tensor):
-                raise ConfigError(f"{name}={size}: must be divisible by 16 x mesh tensor axis "
-                                  f"({tensor}) = {16 * tensor}")
-        if m.heads % tensor:
-            raise ConfigError(f"model.heads={m.heads}: must be divisible by the mesh tensor "
-                              f"axis ({tensor}) to shard attention heads")
-        if m.n_kv_heads % tensor and tensor % m.n_kv_heads:
-            raise ConfigError(f"model.kv_heads={m.n_kv_heads}: must be divisible by the mesh tensor axis "
-                              f"({tensor}) to split key/value heads, or divide it to replicate them")
-        if m.vocab % (16 * tensor):
-            raise ConfigError(f"model.vocab={m.vocab}: must be divisible by 16 x mesh tensor axis "
-                              f"({tensor}) = {16 * tensor} to split the embedding and head over it")
-        if m.seq_len % tensor:
-            raise ConfigError(f"model.seq_len={m.seq_len}: must be divisible by the mesh tensor "
-                              f"axis ({tensor}) to split the sequence between blocks")
+        raise ConfigError(f"data.batch_size={cfg.data.batch_size}: must be divisible by mesh data axis "
+                          f"({data}) x optim.grad_accum ({cfg.optim.grad_accum}) = {per}")
+    if tensor == 1:
+        return axes
+    # 16 = the NVFP4 block: each tensor shard must hold whole blocks.
+    widths = [("model.d_model", m.d_model), ("model.mlp_hidden", m.mlp_hidden)]
+    if m.n_kv_heads % tensor == 0:  # split key/value heads (else replicated)
+        widths.append(("model.kv_heads x head size", m.n_kv_heads * m.head_dim))
+    for name, size in widths:
+        if size % (16 * tensor):
+            raise ConfigError(f"{name}={size}: must be divisible by 16 x mesh tensor axis ({tensor}) = {16 * tensor}")
+    if m.heads % tensor:
+        raise ConfigError(f"model.heads={m.heads}: must be divisible by the mesh tensor axis ({tensor}) "
+                          "to shard attention heads")
+    if m.n_kv_heads % tensor and tensor % m.n_kv_heads:
+        raise ConfigError(f"model.kv_heads={m.n_kv_heads}: must be divisible by the mesh tensor axis "
+                          f"({tensor}) to split key/value heads, or divide it to replicate them")
+    if m.vocab % (16 * tensor):
+        raise ConfigError(f"model.vocab={m.vocab}: must be divisible by 16 x mesh tensor axis ({tensor}) = "
+                          f"{16 * tensor} to split the embedding and head over it")
+    if m.seq_len % tensor:
+        raise ConfigError(f"model.seq_len={m.seq_len}: must be divisible by the mesh tensor axis ({tensor}) "
+                          "to split the sequence between blocks")
     return axes

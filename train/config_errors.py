@@ -1,0 +1,91 @@
+"""What a config error says: :class:`ConfigError`, ONE line naming the key, and the translation
+of pydantic's validation errors (a multi-line report) into it.
+
+``model.layers: expected int, got str 'four'``, ``optim.lr=0.0: must be > 0``,
+``data.source='web': must be one of 'markov', 'file', 'tokens'``, ``unknown key model.layer
+(did you mean model.layers?)``: the key first, then what is wrong, in words a launch log keeps.
+"""
+
+import difflib
+import math
+import typing
+from typing import Annotated, Any, Literal, Mapping, Sequence
+
+import pydantic
+
+__all__ = ["ConfigError", "one_line", "short", "suggest"]
+
+_UNKNOWN = ("unexpected_keyword_argument", "extra_forbidden")
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+class ConfigError(ValueError):
+    """A configuration error; the message is one line naming the key (``section.key``)."""
+
+    def __init__(self, message: str):
+        # One line, always: multi-line messages get interleaved in multi-process logs.
+        super().__init__(" ".join(str(message).split()))
+
+
+def short(value: Any) -> str:
+    """``repr(value)``, cut to 60 characters for a one-line message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def suggest(name: str, options: Sequence[str]) -> str:
+    """`` (did you mean X?)`` for the option closest to a misspelt ``name``, or ``""``."""
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _type_name(hint: Any) -> str:
+    """``int``, ``list of str``, ``str or null``: a field's type hint in the words of YAML."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        return _type_name(args[0])
+    if origin is Literal:
+        return type(args[0]).__name__
+    if origin is tuple:
+        return f"list of {_type_name(args[0])}"
+    if origin is typing.Union:
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    return hint.__name__
+
+
+def one_line(err: pydantic.ValidationError, sections: Mapping[str, type], section: str = "") -> ConfigError:
+    """The first of pydantic's errors in validating a config (``section`` empty) or one section
+    of it, as a :class:`ConfigError`; ``sections`` maps section names to their classes."""
+    errors = err.errors(include_url=False)
+    # An unknown key first: a misspelt key explains more than the errors it leads to.
+    e = next((e for e in errors if e["type"] in _UNKNOWN), errors[0])
+    kind, value, ctx = e["type"], e["input"], e.get("ctx") or {}
+    if isinstance(ctx.get("error"), ConfigError):  # a cross-field rule, already one line
+        return ctx["error"]
+    loc = ([section] if section else []) + list(e["loc"])
+    if loc[0] not in sections:
+        return ConfigError(f"unknown section {loc[0]!r}{suggest(str(loc[0]), list(sections))}; "
+                           f"sections are {', '.join(sections)}")
+    section, *rest = loc
+    if not rest:
+        return ConfigError(f"{section}: expected a mapping of keys, got {type(value).__name__} {short(value)}")
+    name, *index = rest
+    hints = typing.get_type_hints(sections[section], include_extras=True)
+    if name not in hints or kind in _UNKNOWN:
+        options = [f"{section}.{k}" for k in hints if k != "section"]
+        return ConfigError(f"unknown key {section}.{name}{suggest(f'{section}.{name}', options)}")
+    key, hint = f"{section}.{name}" + "".join(f"[{i}]" for i in index), hints[name]
+    if index:
+        hint = typing.get_args(typing.get_args(hint)[0])[0]  # Tuple[Str, ...] -> Str
+    base = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+    if isinstance(value, float) and not math.isfinite(value):
+        return ConfigError(f"{key}={value!r}: must be finite")
+    if base is float and type(value) is int:
+        value = float(value)  # as it would have been stored
+    if kind == "literal_error" and isinstance(value, str):
+        return ConfigError(f"{key}={value!r}: must be one of {', '.join(map(repr, typing.get_args(base)))}")
+    if kind in _BOUNDS:
+        return ConfigError(f"{key}={value!r}: must be {_BOUNDS[kind]} {next(iter(ctx.values()))}")
+    if kind.endswith("_type") or kind == "literal_error":
+        return ConfigError(f"{key}: expected {_type_name(hint)}, got {type(value).__name__} {short(value)}")
+    return ConfigError(f"{key}={short(value)}: {e['msg']}")

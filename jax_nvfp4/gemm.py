@@ -335,9 +335,46 @@ def _quantize_1d(v: jax.Array, key: Optional[jax.Array]) -> NVFP4Array:
     return quantize(v, block=BLOCK_1D, rounding="stochastic", key=key)
 
 
+def _fprop_operand(x2d) -> NVFP4Array:
+    """fprop's activation operand: ``x [M, K]`` in 1D blocks along K, round to nearest."""
+    return quantize(x2d, block=BLOCK_1D)
+
+
+def _backward_keys(key):
+    """``(dgrad key, wgrad key)`` for stochastic rounding of the gradient; ``(None, None)``
+    (round to nearest) without a key."""
+    if key is None:
+        return None, None
+    k_dgrad, k_wgrad = jax.random.split(key)
+    return k_dgrad, k_wgrad
+
+
+def _dgrad_operand(g, key) -> NVFP4Array:
+    """dgrad's gradient operand: ``dy [M, N]`` in 1D blocks along N (the contraction),
+    stochastically rounded with ``key`` (round to nearest without)."""
+    return _quantize_1d(g, key)
+
+
+def _wgrad_operands(x2d, g, key, rht: bool) -> Tuple[NVFP4Array, NVFP4Array]:
+    """wgrad's operands ``(q1d(H xᵀ) [K, M'], q1d_sr(H dyᵀ) [N, M'])``: both transposed so the
+    tokens M (the contraction) are the last axis, optionally Hadamard-transformed along it
+    (tokens zero-padded to M' = a multiple of 16; zero tokens add nothing to the product),
+    then 1D-quantized along it; only the gradient is rounded stochastically (with ``key``)."""
+    xt = x2d.astype(jnp.float32).T
+    gt = g.astype(jnp.float32).T
+    if rht:
+        m = xt.shape[1]
+        mp = _ceil_to(m, nx.BLOCK)
+        if mp != m:
+            xt = jnp.pad(xt, ((0, 0), (0, mp - m)))
+            gt = jnp.pad(gt, ((0, 0), (0, mp - m)))
+        xt = nx.hadamard_transform(xt, axis=-1)
+        gt = nx.hadamard_transform(gt, axis=-1)
+    return quantize(xt, block=BLOCK_1D), _quantize_1d(gt, key)
+
+
 def _fprop(x2d, w_q, cfg: _Config):
-    xq = quantize(x2d, block=BLOCK_1D)
-    return _gemm(xq, w_q, 0, cfg.cuda_backend).astype(cfg.out_dtype)
+    return _gemm(_fprop_operand(x2d), w_q, 0, cfg.cuda_backend).astype(cfg.out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -353,30 +390,15 @@ def _dot_fwd(x2d, w_q, w, key, cfg: _Config):
 
 def _dot_bwd(cfg: _Config, res, g):
     x2d, w_q, key = res
-    if key is not None:
-        k_dgrad, k_wgrad = jax.random.split(key)
-    else:
-        k_dgrad = k_wgrad = None
-
+    k_dgrad, k_wgrad = _backward_keys(key)
     # dgrad: dx [M, K] = dy [M, N] @ Wᵀ; the stored tiles serve transposed as they are.
-    dyq = _quantize_1d(g, k_dgrad if cfg.stochastic_dgrad else None)
+    dyq = _dgrad_operand(g, k_dgrad if cfg.stochastic_dgrad else None)
     dx = _gemm(dyq, w_q, 1, cfg.cuda_backend).astype(x2d.dtype)
 
     dw = None
     if cfg.w_dtype is not None:
         # wgrad: dW [K, N] = xᵀ [K, M] @ dy [M, N], contracted over the tokens M.
-        xt = x2d.astype(jnp.float32).T
-        gt = g.astype(jnp.float32).T
-        if cfg.rht_wgrad:
-            m = xt.shape[1]
-            mp = _ceil_to(m, nx.BLOCK)
-            if mp != m:  # zero tokens add nothing to the product
-                xt = jnp.pad(xt, ((0, 0), (0, mp - m)))
-                gt = jnp.pad(gt, ((0, 0), (0, mp - m)))
-            xt = nx.hadamard_transform(xt, axis=-1)
-            gt = nx.hadamard_transform(gt, axis=-1)
-        xtq = quantize(xt, block=BLOCK_1D)
-        gtq = _quantize_1d(gt, k_wgrad)
+        xtq, gtq = _wgrad_operands(x2d, g, k_wgrad, cfg.rht_wgrad)
         dw = _gemm(xtq, gtq, 1, cfg.cuda_backend).astype(cfg.w_dtype)
     return dx, None, dw, None
 

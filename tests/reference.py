@@ -32,8 +32,55 @@ def _e2m1_code(x):
     return r
 
 
-def quantize_matrix(x, block=(16, 16), amax=None):
-    """Reference quantization of one 2D matrix: (data u8 [r, ceil(c/2)], scale u8, amax f32)."""
+E2M1_MAGNITUDES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+
+
+def _e2m1_code_stochastic(v, uniform):
+    """Stochastic rounding of clamped float32 values: the magnitude goes to its upper E2M1
+    neighbour when ``uniform < (|v| - lower) / (upper - lower)`` (float32), else to the lower."""
+    v = np.asarray(v, np.float32)
+    a = np.abs(v)
+    lo_idx = np.searchsorted(E2M1_MAGNITUDES, a, side="right") - 1  # largest magnitude <= |v|
+    hi_idx = np.minimum(lo_idx + 1, 7)
+    lo, hi = E2M1_MAGNITUDES[lo_idx], E2M1_MAGNITUDES[hi_idx]
+    gap = (hi - lo).astype(np.float32)
+    with np.errstate(all="ignore"):
+        p = np.where(gap > 0, ((a - lo).astype(np.float32) / np.where(gap > 0, gap, F32(1))).astype(np.float32), F32(0))
+    mag = np.where(np.asarray(uniform, np.float32) < p, hi_idx, lo_idx).astype(np.uint8)
+    return mag | ((v < 0).astype(np.uint8) << 3)
+
+
+def _hash32(x):
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+def uniform_from_index(seeds, index):
+    """The recipe's counter-based draw, transcribed in NumPy: uniform [0, 1) float32 from the
+    two uint32 ``seeds`` of a key (``jax.random.bits(key, (2,), uint32)``) and each element's
+    uint32 flat index in the logical tensor."""
+    s0, s1 = (np.uint32(v) for v in np.asarray(seeds, np.uint32))
+    with np.errstate(over="ignore"):
+        h = _hash32(np.asarray(index, np.uint32) * np.uint32(0x9E3779B9) + s0)
+        h = _hash32(h ^ s1)
+    return (h >> np.uint32(8)).astype(np.float32) * F32(2.0**-24)
+
+
+def stochastic_uniform(seeds, shape):
+    """The draws of a stochastically rounded ``[rows, cols]`` matrix: element (r, c) draws by
+    its flat index ``r * cols + c``."""
+    rows, cols = shape
+    index = (np.arange(rows, dtype=np.uint32)[:, None] * np.uint32(cols) + np.arange(cols, dtype=np.uint32)[None, :])
+    return uniform_from_index(seeds, index)
+
+
+def quantize_matrix(x, block=(16, 16), amax=None, uniform=None):
+    """Reference quantization of one 2D matrix: (data u8 [r, ceil(c/2)], scale u8, amax f32).
+
+    ``uniform``: ``[r, c]`` draws in [0, 1) for stochastic rounding (default: nearest-even)."""
     x = np.asarray(x).astype(np.float32)
     rows, cols = x.shape
     br, bc = block
@@ -54,7 +101,10 @@ def quantize_matrix(x, block=(16, 16), amax=None):
         s = np.clip(np.minimum(bam * mult, F32_MAX), -448, 448).astype(ml_dtypes.float8_e4m3fn)
         e = np.minimum(F32(1.0) / (s.astype(np.float32) * D), F32_MAX).astype(np.float32)
         v = np.clip(tiles * e[:, None, :, None], -6, 6).astype(np.float32).reshape(rp, cp)
-    codes = _e2m1_code(v)[:rows, :cols]
+    if uniform is None:
+        codes = _e2m1_code(v)[:rows, :cols]
+    else:
+        codes = _e2m1_code_stochastic(v[:rows, :cols], uniform)
     if cols % 2:  # the last byte's high nibble: code 0
         codes = np.pad(codes, ((0, 0), (0, 1)))
     data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)

@@ -108,8 +108,17 @@ def test_scaling_and_quantize(results):
     pts = _load(results, "scaling")["points"]
     assert [(p["size"], p["data"]) for p in pts] == [("tiny", 8)]
     q = _load(results, "quantize")["result"]
-    for k in ("quantize_16x16", "quantize_1x16", "dequantize_bf16"):
-        assert q[f"{k}_GBps"] > 0 and q[f"{k}_vs_same_bytes"] > 0
+    # Each figure is its bytes over its own time, and each ratio the baseline's time over it:
+    # the bytes counted are the op's real traffic (codes, a scale byte per block, the amax).
+    n = q["size"][0] * q["size"][1]
+    traffic = {"quantize_16x16": 4 * n + n // 2 + n // 256 + 4, "quantize_1x16": 4 * n + n // 2 + n // 16 + 4,
+               "dequantize_bf16": n // 2 + n // 256 + 4 + 2 * n}
+    for k, nbytes in traffic.items():
+        assert q[f"{k}_s"] > 0
+        assert q[f"{k}_GBps"] == pytest.approx(nbytes / q[f"{k}_s"] / 1e9)
+        same = q["same_bytes_dequantize_s" if k.startswith("de") else "same_bytes_quantize_s"]
+        assert q[f"{k}_vs_same_bytes"] == pytest.approx(same / q[f"{k}_s"])
+        assert q[f"{k}_vs_elementwise"] == pytest.approx(q["baseline_elementwise_s"] / q[f"{k}_s"])
     assert report.target_misses(report.load(str(results))) == []
 
 

@@ -44,7 +44,6 @@ def _error(overrides=(), path=None) -> str:
 
 def test_defaults():
     cfg = load_config(None, [])
-    assert cfg == Config()
     # The default job is sized to finish in 2 minutes on 2 CPU cores (README, set-up).
     assert (cfg.model.d_model, cfg.model.layers, cfg.model.mlp_hidden, cfg.model.seq_len) == (64, 2, 192, 64)
     assert cfg.nvfp4.keep_bf16 == ("embed", "head", "norm")

@@ -128,7 +128,8 @@ def test_bit_identical_to_unsharded_reference(n, reference, one_device):
     master, requantized = masters_and_requantized(state.master)
     for k in (*SHAPES, "bias"):
         got = np.asarray(master[k])
-        np.testing.assert_allclose(got, np.asarray(logical(one_device[1].master[k])), rtol=2.4e-7, atol=3e-8)
+        if n > 1:  # against the wrapper on one device (n == 1 is that run)
+            np.testing.assert_allclose(got, np.asarray(logical(one_device[1].master[k])), rtol=2.4e-7, atol=3e-8)
         np.testing.assert_allclose(got, np.asarray(ref_master[k]), rtol=2.4e-7, atol=3e-8)
     # The NVFP4 params are their own master re-quantized, bit for bit, whatever the sharding:
     # codes, scales and amax from the sharded update equal the whole-tensor quantization of

@@ -1,40 +1,34 @@
-"""Checkpoints of the whole training state, with orbax-checkpoint.
+"""Checkpoints of the whole training state, on orbax-checkpoint's standard handlers.
 
-What one checkpoint (``<dir>/<step>/``) holds:
+One checkpoint (``<dir>/<step>/``) holds:
 
-- ``state``: every array of the params (``TiledNVFP4`` leaves as their packed ``data``,
-  ``scale_bits`` and ``amax_bits``) and of the optimizer state, in the tile-major layout they
-  live in (:mod:`jax_nvfp4.layout`), each process writing its own shards. The layout depends
-  on the data-axis size only through the zero tiles that pad each matrix's tile list to a
-  multiple of it, so a checkpoint restores onto any data-axis size: orbax reads each target
-  shard straight from the files into its device, padding or truncating the tile axis (only
-  zero tiles are dropped or added); leaves saved with another tensor-axis split are read whole
-  and re-laid out on the devices. Typed PRNG keys
-  (the wrapper's stochastic rounding key) are saved as their key data.
-- ``meta`` (JSON): the step, the data iterator position, the loop's base PRNG key, and a
-  description of every saved leaf (kind, logical shape, dtype, block), checked on restore so
-  that a checkpoint of another model or optimizer is refused with a one-line error naming the
-  first leaf that differs.
-- ``meta["run"]``: the config values that define the training trajectory (model, data
-  source, seed and validation split, the data files' content fingerprints, optimizer, schedule
-  length, NVFP4 recipe); :func:`check_resume` compares them with the resuming run's config.
-- ``jax_nvfp4.sha256.json``: the sha256 of every file of the step directory, written by
-  process 0 once the save has committed (for asynchronous saves, from orbax's
-  post-finalization callback). Hashing the finished files rather than the arrays keeps it
-  independent of how the arrays are laid out and written (sharded, several processes), and
-  costs no device-to-host copy. :meth:`Checkpointer.verify` checks it before anything is
-  read; a checkpoint without it (a save killed between its commit and the record) is not
-  trusted either.
+- ``state`` (``StandardSave``): the params and the optimizer state as the training holds them:
+  ``TiledNVFP4`` and ``Tiled`` leaves are pytree nodes whose arrays orbax writes in the
+  tile-major layout (:mod:`jax_nvfp4.layout`), each process its own shards; typed PRNG keys
+  are orbax's to store. The layout depends on the data-axis size only through the zero tiles
+  that pad each matrix's tile list to a multiple of it, so a checkpoint restores onto any
+  data-axis size (``strict=False``: orbax pads or truncates the tile axis, only zero tiles
+  are dropped or added); leaves saved with another tensor-axis split are read whole and
+  re-laid out on the devices.
+- ``meta`` (``JsonSave``): the step, the data iterator position, the loop's base PRNG key, a
+  description of every leaf (:func:`describe`, checked on restore: a checkpoint of another
+  model or optimizer is refused in one line naming the first leaf that differs) and
+  ``run``, the trajectory-defining config that :func:`check_resume` compares.
+- ``jax_nvfp4.sha256.json`` and ``jax_nvfp4.sha256.process_<p>.json``: the sha256 and size
+  of the files each process wrote (orbax's ``ocdbt.process_<p>/`` and
+  ``array_metadatas/process_<p>``; process 0 also the shared metadata), written by that
+  process from its own files once the save has committed. No process reads another's files.
 
-Saves are atomic: orbax writes into a temporary directory and renames it to ``<step>`` once
-every process has written its shards; a save interrupted at any point leaves the previous
-checkpoints untouched, and a later :class:`Checkpointer` removes the leftover temporary
-directory. Restores refuse non-finite values (NaN/Inf) in params, masters or optimizer state,
-and files whose content hash does not match; :meth:`Checkpointer.restorable_step` with
-``fallback`` picks the newest intact checkpoint instead; :meth:`Checkpointer.set_aside` renames
-the damaged ones ``corrupt-<step>`` (never deleted) once the resume is accepted. Hidden files
-(``.DS_Store``) that were not saved are ignored by the verification; any other extra file fails
-it.
+Saves are atomic (orbax writes a temporary directory and renames it once every process has
+written); a later :class:`Checkpointer` removes a leftover temporary directory. A restore is
+preceded by :meth:`Checkpointer.verify`: every process checks the records and the listing
+(missing, extra or resized files), hashes the files of its share of the records (on the same
+process count: the files it wrote, which hold the shards it reads) and the processes agree on
+the first mismatch, so a corrupt file is refused everywhere in one line naming it. A
+checkpoint lacking a record (a save killed between its commit and the record) is not trusted.
+Non-finite values are refused too; :meth:`Checkpointer.restorable_step` with ``fallback``
+takes the newest intact checkpoint and :meth:`Checkpointer.set_aside` renames the damaged
+ones ``corrupt-<step>`` once the resume is accepted. Hidden files are ignored.
 """
 
 from __future__ import annotations
@@ -44,6 +38,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import sys
 import threading
 from typing import Any, Dict, List, Optional, Tuple
@@ -60,11 +55,10 @@ __all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "Restored"
            "host_arrays", "run_identity", "FORMAT", "FORMAT_VERSION", "HASHES"]
 
 FORMAT = "jax_nvfp4.train.checkpoint"
-# 1: masters saved by their logical values; 2: the tile layout, content hashes (HASHES) and
-# the trajectory-defining config (meta["run"]).
-FORMAT_VERSION = 2
-HASHES = "jax_nvfp4.sha256.json"
-_NVFP4_FIELDS = ("data", "scale_bits", "amax_bits")
+# 1: masters saved by their logical values; 2: the tile layout, content hashes and the
+# trajectory-defining config (meta["run"]); 3: orbax's standard handlers, hashes per process.
+FORMAT_VERSION = 3
+HASHES = "jax_nvfp4.sha256.json"  # process 0's record; process p's: _record_name(p)
 
 
 class CheckpointError(ConfigError):
@@ -85,7 +79,7 @@ class Restored:
     data_state: Dict[str, int]
 
 
-# ----------------------------------------------------------------------------- tree <-> names
+# ----------------------------------------------------------------------------- the state's leaves
 def _is_node(x) -> bool:
     return nv.is_nvfp4(x) or nv.is_tiled(x)
 
@@ -95,126 +89,61 @@ def _is_key(x) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def _leaves(tree, prefix: str) -> List[Tuple[str, Any]]:
-    """``[(name, leaf)]`` with ``TiledNVFP4`` and ``Tiled`` nodes as leaves; names are
-    ``prefix/a/b/0/c`` (see :func:`jax_nvfp4.path_str`)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_node)
-    out = []
-    for path, leaf in flat:
-        name = "/".join(p for p in (prefix, nv.path_str(path)) if p)
-        for part in name.split("/"):
-            if not part or "." in part:
-                raise ValueError(f"cannot checkpoint the leaf {name!r}: path components must be non-empty and without '.'")
-        out.append((name, leaf))
-    return out
+def _named(tree, is_leaf=None) -> List[Tuple[str, Any]]:
+    """``[(name, leaf)]`` of ``{"params": ..., "opt_state": ...}``, names ``params/a/0/b``."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return [(nv.path_str(path), leaf) for path, leaf in flat]
 
 
 def describe(params, opt_state) -> Dict[str, Dict[str, Any]]:
-    """``{leaf name: {kind, shape, dtype[, block, nvfp4]}}`` of what a checkpoint of this state
-    holds, independent of the mesh (logical shapes). Works on arrays and on
+    """``{leaf name: {kind, shape, dtype[, block, tensor_split]}}`` of what a checkpoint of
+    this state holds, independent of the mesh (logical shapes). Works on arrays and on
     ``jax.ShapeDtypeStruct`` trees (``jax.eval_shape``)."""
     out = {}
-    for name, leaf in _leaves(params, "params") + _leaves(opt_state, "opt_state"):
+    for name, leaf in _named({"params": params, "opt_state": opt_state}, _is_node):
         if nv.is_nvfp4(leaf) or isinstance(leaf, nv.TiledNVFP4):
             out[name] = {"kind": "nvfp4", "shape": list(leaf.shape), "block": list(leaf.block)}
-            if isinstance(leaf, nv.TiledNVFP4):
-                out[name]["tensor_split"] = [leaf.layout.n_tensor, leaf.layout.tensor_dim]
         elif isinstance(leaf, nv.Tiled):
-            out[name] = {"kind": "tiled", "shape": list(leaf.shape), "dtype": str(jnp.dtype(leaf.value.dtype)),
-                         "tensor_split": [leaf.layout.n_tensor, leaf.layout.tensor_dim]}
+            out[name] = {"kind": "tiled", "shape": list(leaf.shape), "dtype": str(jnp.dtype(leaf.value.dtype))}
         elif _is_key(leaf):
-            out[name] = {"kind": "key", "shape": list(leaf.shape), "impl": _key_impl_name(leaf.dtype)}
+            out[name] = {"kind": "key", "shape": list(leaf.shape), "impl": str(getattr(leaf.dtype, "_impl", leaf.dtype))}
         else:
             out[name] = {"kind": "array", "shape": list(np.shape(leaf)), "dtype": str(jnp.dtype(leaf.dtype))}
+        if isinstance(leaf, (nv.Tiled, nv.TiledNVFP4)):
+            out[name]["tensor_split"] = [leaf.layout.n_tensor, leaf.layout.tensor_dim]
     return out
-
-
-def _key_impl_name(dtype) -> str:
-    """The PRNG implementation name (``"threefry2x32"``) of a typed key dtype; works for
-    abstract keys too, where ``jax.random.key_impl`` does not."""
-    impl = getattr(dtype, "_impl", None)
-    return str(getattr(impl, "name", None) or dtype)
 
 
 def host_arrays(params, opt_state) -> Dict[str, np.ndarray]:
-    """``{name: host array}`` of a state's logical values (NVFP4 leaves as their logical
-    packed bytes, masters and moments unpadded, key data), for comparing states bit for bit
-    across meshes; names as in :func:`describe` (NVFP4 leaves split into ``name/data``,
-    ``name/scale_bits``, ``name/amax_bits``). Single-process."""
-    out = {}
+    """``{name: host array}`` of a state's logical values (NVFP4 leaves as their packed
+    ``data``, ``scale_bits``, ``amax_bits``, masters and moments unpadded, keys as their key
+    data), for comparing states bit for bit across meshes. Single-process."""
     # Every relayout in one program (op by op, each would compile its own for each mesh).
-    params, opt_state = jax.jit(nv.logical)((params, opt_state))
-    for name, leaf in _leaves(params, "params") + _leaves(opt_state, "opt_state"):
-        if nv.is_nvfp4(leaf):
-            for f in _NVFP4_FIELDS:
-                out[f"{name}/{f}"] = np.asarray(getattr(leaf, f))
-        elif _is_key(leaf):
-            out[name] = np.asarray(jax.random.key_data(leaf))
-        else:
-            out[name] = np.asarray(leaf)
-    return out
-
-
-def _nest(flat: Dict[str, Any]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for name, value in flat.items():
-        *parents, last = name.split("/")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return out
-
-
-def _flatten_nested(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
-    out = {}
-    for k, v in tree.items():
-        name = f"{prefix}/{k}" if prefix else str(k)
-        if isinstance(v, dict):
-            out.update(_flatten_nested(v, name))
-        else:
-            out[name] = v
-    return out
-
-
-# ----------------------------------------------------------------------------- save form
-def _arrays(params, opt_state) -> Dict[str, Any]:
-    """``{name: array}``: what a checkpoint stores, as the state holds it (sharded; no copy)."""
-    out = {}
-    for name, leaf in _leaves(params, "params") + _leaves(opt_state, "opt_state"):
-        if isinstance(leaf, nv.TiledNVFP4):
-            for f in _NVFP4_FIELDS:
-                out[f"{name}/{f}"] = getattr(leaf, f)
-        elif isinstance(leaf, nv.Tiled):
-            out[name] = leaf.value
-        elif _is_key(leaf):
-            out[name] = jax.random.key_data(leaf)
-        else:
-            out[name] = leaf
-    return out
+    tree = jax.jit(nv.logical)({"params": params, "opt_state": opt_state})
+    return {name: np.asarray(jax.random.key_data(x) if _is_key(x) else x) for name, x in _named(tree)}
 
 
 @jax.jit
-def _finite(flat: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
-    """``{name: all values finite}`` for the float leaves of a flat state (amaxes, stored as
-    their float32 bits, included), in one program per state structure (a check per leaf
-    would compile one program per leaf shape)."""
+def _finite(tree) -> Dict[str, jax.Array]:
+    """``{name: all values finite}`` of the float leaves (amaxes, stored as their float32 bits,
+    included), in one program per state structure."""
     out = {}
-    for name, x in flat.items():
+    for name, x in _named(tree):
         if name.endswith("/amax_bits"):
             x = jax.lax.bitcast_convert_type(x, jnp.float32)
-        if jnp.issubdtype(x.dtype, jnp.floating):
+        if not _is_key(x) and jnp.issubdtype(x.dtype, jnp.floating):
             out[name] = jnp.all(jnp.isfinite(x.astype(jnp.float32)))
     return out
 
 
 # ----------------------------------------------------------------------------- the manager
 class Checkpointer:
-    """Saves and restores training states under ``directory`` (one ``orbax`` step directory
-    per checkpoint; the ``keep`` most recent are kept).
+    """Saves and restores training states under ``directory`` (one orbax step directory per
+    checkpoint; the ``keep`` most recent are kept).
 
-    Every process of a multi-process run must create it and call :meth:`save` /
-    :meth:`restore` together (orbax synchronises them); the directory must be shared.
+    Every process of a multi-process run must create it and call :meth:`save`,
+    :meth:`restorable_step`, :meth:`verify` and :meth:`restore` together (orbax and the
+    verification synchronise them); the directory must be shared.
     """
 
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = False):
@@ -235,34 +164,25 @@ class Checkpointer:
         self._verified: set = set()  # steps verified by this object (restore need not re-hash)
         self._hash_lock = threading.Lock()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            create=True,
-            enable_async_checkpointing=async_save,
-            # A save killed before its atomic rename leaves a temporary directory: remove it.
-            cleanup_tmp_directories=True,
-            # Record the content hashes as soon as an asynchronous save has committed. The step's
-            # temporary directory is created before save() returns: a directory that cannot be
-            # written fails the save there, where the caller sees it, instead of leaving orbax's
-            # background threads waiting for a creation signal that never comes (they held the
-            # process at its exit for orbax's 5-minute coordination timeout).
+            max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,  # a save killed before its atomic rename left it
+            # Each process records its hashes as soon as an asynchronous save has committed. The
+            # step's temporary directory is created before save() returns: a directory that cannot
+            # be written fails the save there, instead of leaving orbax's background threads
+            # waiting (for its 5-minute coordination timeout) for a creation signal.
             async_options=ocp.AsyncOptions(post_finalization_callback=self._record_hashes,
-                                           create_directories_asynchronously=False) if async_save else None,
-        )
+                                           create_directories_asynchronously=False) if async_save else None)
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options)
         except Exception as e:  # noqa: BLE001 - an unusable directory is a user error
             raise CheckpointError(f"checkpoint.dir={directory!r}: cannot use it: {_first_line(e)}") from None
-        # orbax removes leftovers in the background; finish now so the directory is tidy
-        # (best effort: a leftover never hides or damages a committed checkpoint).
-        try:
+        try:  # orbax removes leftovers in the background: finish now (best effort)
             getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
         except OSError:
             pass
 
-    # -- queries
     def latest_step(self) -> Optional[int]:
-        """The newest committed step, or None (temporary directories of unfinished saves
-        are not steps)."""
+        """The newest committed step, or None (unfinished saves are not steps)."""
         try:
             return self.manager.latest_step()
         except Exception as e:  # noqa: BLE001
@@ -284,31 +204,20 @@ class Checkpointer:
           CheckpointWriteError: the directory cannot be written (this save or, asynchronous,
             the previous one); the checkpoints before are intact.
         """
-        ocp = self._ocp  # (the layouts travel with the state's Tiled / TiledNVFP4 nodes)
-        flat = _arrays(params, opt_state)
-        meta = {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "step": int(step),
-            "data_state": {k: int(v) for k, v in (data_state or {}).items()},
-            "base_key": None if base_key is None else {
-                "impl": str(jax.random.key_impl(base_key)),
-                "data": np.asarray(jax.random.key_data(base_key)).tolist(),
-            },
-            "leaves": describe(params, opt_state),
-            "mesh": {str(k): int(v) for k, v in mesh.shape.items()},
-            "process_count": jax.process_count(),
-            "run": run,
-        }
+        ocp = self._ocp
+        meta = {"format": FORMAT, "version": FORMAT_VERSION, "step": int(step),
+                "data_state": {k: int(v) for k, v in (data_state or {}).items()},
+                "base_key": None if base_key is None else {"impl": str(jax.random.key_impl(base_key)),
+                                                           "data": np.asarray(jax.random.key_data(base_key)).tolist()},
+                "leaves": describe(params, opt_state), "mesh": {str(k): int(v) for k, v in mesh.shape.items()},
+                "process_count": jax.process_count(), "run": run}
         if self.async_save and self._unhashed:
-            # orbax waits for the previous save before it starts this one: wait here, so that
-            # a failure of that save is reported under its own step.
-            self.wait()
+            self.wait()  # orbax waits for the previous save: report its failure under its own step
         with self._hash_lock:
             self._unhashed.append(int(step))
         with self._writing(step):
             self.manager.save(int(step), args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(_nest(flat)), meta=ocp.args.JsonSave(meta)))
+                state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), meta=ocp.args.JsonSave(meta)))
         if not self.async_save:
             self._record_hashes()
 
@@ -328,7 +237,6 @@ class Checkpointer:
         finally:
             self.manager.close()
 
-    # -- content hashes
     @contextlib.contextmanager
     def _writing(self, step: Optional[int]):
         """Any failure of orbax's writing becomes one :class:`CheckpointWriteError`."""
@@ -341,9 +249,12 @@ class Checkpointer:
             raise CheckpointWriteError(f"cannot write {what} to {self.directory}: {_first_line(e)}; "
                                        "the checkpoints before it are intact") from None
 
+    # -- content hashes
     def _record_hashes(self) -> None:
-        """Write the hash record of every step this object saved that has committed (process
-        0; others only forget them). Idempotent; called from orbax's thread too."""
+        """Write this process's hash record of every step it saved that has committed: the
+        sha256 of the files it wrote (:func:`_owner`), read back once, nobody else's.
+        Idempotent; called from orbax's thread too."""
+        me = jax.process_index()
         with self._hash_lock:
             left = []
             for i, step in enumerate(self._unhashed):
@@ -351,43 +262,62 @@ class Checkpointer:
                 if not os.path.isdir(d):
                     left.append(step)  # not committed yet
                     continue
-                if jax.process_index() == 0:
-                    try:
-                        _write_record(d, _hash_files(d))
-                    except OSError as e:
-                        self._unhashed = left + self._unhashed[i + 1:]
-                        raise CheckpointWriteError(f"cannot write the content hashes of checkpoint {d}: "
-                                                   f"{e.strerror or e}") from None
+                try:
+                    files = {rel: _hash_file(os.path.join(d, rel)) for rel in _listing(d) if _owner(rel) == me}
+                    _write_record(d, me, files)
+                except OSError as e:
+                    self._unhashed = left + self._unhashed[i + 1:]
+                    raise CheckpointWriteError(f"cannot write the content hashes of checkpoint {d}: "
+                                               f"{e.strerror or e}") from None
             self._unhashed = left
 
     def verify(self, step: int) -> None:
-        """Raise :class:`CheckpointError` (one line naming the file) unless every file of
-        checkpoint ``step`` matches the sha256 recorded when it was saved."""
+        """Raise :class:`CheckpointError` (one line naming the file) unless checkpoint ``step``
+        is whole: every process's record present and intact, the files those records list and
+        no others, of their recorded sizes, and each process's share of the records (record
+        ``r`` for process ``r % process_count``) matching its sha256; the processes agree on
+        the first file that does not."""
         d = os.path.join(self.directory, str(step))
         where = f"checkpoint {d}"
-        rec = os.path.join(d, HASHES)
+        records = [self._read_record(d, 0)]
+        for p in range(1, int(records[0].get("process_count", 1))):
+            records.append(self._read_record(d, p))
+        files = {rel: entry for r in records for rel, entry in r["files"].items()}
+        names = sorted(files)
+        actual = set(_listing(d))
+        for rel in sorted(set(names) | actual):
+            if rel not in actual:
+                raise CheckpointError(f"{where}: corrupt: file {rel} is missing")
+            if rel not in files and not _hidden(rel):
+                raise CheckpointError(f"{where}: corrupt: file {rel} was not part of the saved checkpoint")
+            if rel in files and os.path.getsize(os.path.join(d, rel)) != files[rel]["bytes"]:
+                raise CheckpointError(f"{where}: corrupt: file {rel} does not match its sha256 (its size changed)")
+        me, count = jax.process_index(), jax.process_count()
+        mine = sorted(rel for p, r in enumerate(records) if p % count == me for rel in r["files"])
+        bad = next((names.index(rel) for rel in mine if _hash_file(os.path.join(d, rel))["sha256"] != files[rel]["sha256"]),
+                   len(names))
+        if count > 1:
+            from jax.experimental import multihost_utils
+
+            bad = int(np.min(multihost_utils.process_allgather(np.int64(bad))))
+        if bad < len(names):
+            raise CheckpointError(f"{where}: corrupt: file {names[bad]} does not match its sha256 (altered or damaged)")
+
+    def _read_record(self, d: str, p: int) -> Dict[str, Any]:
+        where, name = f"checkpoint {d}", _record_name(p)
         try:
-            with open(rec, "rb") as f:
+            with open(os.path.join(d, name), "rb") as f:
                 record = json.loads(f.read().decode("utf-8"))
         except FileNotFoundError:
-            self.read_meta(step)  # a checkpoint of an older format is refused as such, in one line
-            raise CheckpointError(f"{where}: no content hashes ({HASHES}): its save did not finish recording "
+            self.read_meta(int(os.path.basename(d)))  # a checkpoint of an older format is refused as such
+            raise CheckpointError(f"{where}: no content hashes ({name}): its save did not finish recording "
                                   "them, so it cannot be verified") from None
         except (OSError, ValueError) as e:
-            raise CheckpointError(f"{where}: corrupt: its {HASHES} cannot be read ({type(e).__name__})") from None
+            raise CheckpointError(f"{where}: corrupt: its {name} cannot be read ({type(e).__name__})") from None
         files = record.get("files") if isinstance(record, dict) else None
-        if not isinstance(files, dict) or record.get("sha256") != _digest_of(files):
-            raise CheckpointError(f"{where}: corrupt: its {HASHES} does not match its own hash")
-        actual = _hash_files(d)
-        for name in sorted(set(files) | set(actual)):
-            if name not in actual:
-                raise CheckpointError(f"{where}: corrupt: file {name} is missing")
-            if name not in files and _hidden(name):
-                continue  # e.g. a .DS_Store a file browser left: not part of the checkpoint, not read
-            if name not in files:
-                raise CheckpointError(f"{where}: corrupt: file {name} was not part of the saved checkpoint")
-            if files[name] != actual[name]:
-                raise CheckpointError(f"{where}: corrupt: file {name} does not match its sha256 (altered or damaged)")
+        if not isinstance(files, dict) or record.get("sha256") != _digest_of(files, record.get("process_count")):
+            raise CheckpointError(f"{where}: corrupt: its {name} does not match its own hash")
+        return record
 
     def restorable_step(self, fallback: bool = False) -> Tuple[Optional[int], List[Tuple[int, str]]]:
         """``(step, corrupt)``: the step to resume from, the newest one that verifies
@@ -395,16 +325,11 @@ class Checkpointer:
         verify (only with ``fallback``). Nothing is moved: :meth:`set_aside` does that once
         the resume is accepted.
 
-        Args:
-          fallback: if the newest is corrupt, take the newest intact one instead.
-
         Raises:
           CheckpointError: the newest is corrupt and not ``fallback``, or none is intact.
         """
-        steps = sorted(self.all_steps(), reverse=True)
-        bad = []
-        chosen = None
-        for step in steps:
+        bad, chosen = [], None
+        for step in sorted(self.all_steps(), reverse=True):
             try:
                 self.verify(step)
                 self._verified.add(step)
@@ -423,8 +348,8 @@ class Checkpointer:
 
     def set_aside(self, corrupt: List[Tuple[int, str]], chosen: int, log=None) -> None:
         """Rename the ``corrupt`` steps of :meth:`restorable_step` ``corrupt-<step>`` (kept,
-        out of orbax's way: their steps will be saved again) and say so; ``log``: where
-        (default: stderr of process 0). Call it on every process."""
+        out of orbax's way) and say so; ``log``: where (default: stderr of process 0). Call it
+        on every process."""
         if not corrupt:
             return
         say = log or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -441,10 +366,9 @@ class Checkpointer:
 
     # -- restore
     def read_meta(self, step: int) -> Dict[str, Any]:
-        ocp = self._ocp
         where = os.path.join(self.directory, str(step))
         try:
-            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            meta = self.manager.restore(step, args=self._ocp.args.Composite(meta=self._ocp.args.JsonRestore())).meta
         except Exception as e:  # noqa: BLE001 - any read failure is a bad checkpoint
             raise CheckpointError(f"checkpoint {where}: cannot read its metadata: {_first_line(e)}") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -458,8 +382,8 @@ class Checkpointer:
         return meta
 
     def restore(self, step: int, abstract_params, abstract_state, param_shardings, state_shardings) -> Restored:
-        """Restore checkpoint ``step`` into the layout of ``abstract_params`` /
-        ``abstract_state`` (``jax.eval_shape`` trees for the current mesh) with the given
+        """Restore checkpoint ``step`` (verified first) into the layout of ``abstract_params``
+        / ``abstract_state`` (``jax.eval_shape`` trees for the current mesh) with the given
         shardings (``jax_nvfp4.shardings``): masters are re-padded for this mesh.
 
         Raises:
@@ -470,128 +394,79 @@ class Checkpointer:
         if step not in self._verified:
             self.verify(step)
         meta = self.read_meta(step)
-        saved_leaves = meta.get("leaves", {})
+        saved = meta.get("leaves", {})
         expected = describe(abstract_params, abstract_state)
-        strip = lambda d: {k: {f: v for f, v in e.items() if f != "tensor_split"} if isinstance(e, dict) else e
-                           for k, e in d.items()}
-        _check_compatible(where, strip(saved_leaves), strip(expected))
+        strip = lambda d: {k: {f: v for f, v in e.items() if f != "tensor_split"} for k, e in d.items()}
+        _check_compatible(where, strip(saved), strip(expected))
         # Leaves saved with another tensor split: read whole (one shard, no padding tiles),
         # then re-laid out for this mesh on the devices.
-        resplit = {k: e["tensor_split"] for k, e in saved_leaves.items()
-                   if isinstance(e, dict) and "tensor_split" in e and e["tensor_split"] != expected[k].get("tensor_split")}
-        targets = _targets(abstract_params, param_shardings, "params", resplit)
-        targets.update(_targets(abstract_state, state_shardings, "opt_state", resplit))
-        restore_args = _nest({k: ocp.ArrayRestoreArgs(sharding=sh, global_shape=shape, dtype=dtype, strict=False)
-                              for k, (shape, dtype, sh) in targets.items()})
+        resplit = {k: e["tensor_split"] for k, e in saved.items() if e.get("tensor_split") != expected[k].get("tensor_split")}
+        abstract = {"params": abstract_params, "opt_state": abstract_state}
+        names = [name for name, _ in _named(abstract, _is_node)]
+        leaves, treedef = jax.tree.flatten(abstract, is_leaf=_is_node)
+        shardings = treedef.flatten_up_to({"params": param_shardings, "opt_state": state_shardings})
+        target = treedef.unflatten([_target(x, sh, resplit.get(n)) for n, x, sh in zip(names, leaves, shardings)])
         try:
             state = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(restore_args=restore_args))).state
+                state=ocp.args.StandardRestore(target, strict=False))).state
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"checkpoint {where}: cannot read its arrays: {_first_line(e)}") from None
-        flat = _flatten_nested(state)
-        missing = sorted(set(targets) - set(flat))
-        if missing:
-            raise CheckpointError(f"checkpoint {where}: arrays missing: {missing[0]}"
-                                  + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-        finite = jax.device_get(_finite({name: flat[name] for name in targets}))
-        bad = [name for name in targets if not finite.get(name, True)]
+        finite = jax.device_get(_finite(state))
+        bad = [name for name, ok in finite.items() if not ok]
         if bad:
             raise CheckpointError(f"checkpoint {where}: non-finite values (NaN or Inf) in {bad[0]}"
                                   + (f" (and {len(bad) - 1} more leaves)" if len(bad) > 1 else "")
                                   + "; refusing to restore it")
+        out = jax.tree.leaves(state, is_leaf=_is_node)
+        moved = [i for i, n in enumerate(names) if n in resplit]
+        if moved:  # every re-split leaf into this run's tiles, in one program
+            layouts = [leaves[i].layout for i in moved]
 
-        params = _assemble(abstract_params, param_shardings, flat, "params", resplit)
-        opt_state = _assemble(abstract_state, state_shardings, flat, "opt_state", resplit)
+            def relayout(xs):
+                return [nv.TiledNVFP4.from_array(x.to_array(), lay) if isinstance(x, nv.TiledNVFP4)
+                        else nv.Tiled.from_logical(x.logical(), lay) for x, lay in zip(xs, layouts)]
+
+            done = jax.jit(relayout, out_shardings=[shardings[i] for i in moved])([out[i] for i in moved])
+            for i, x in zip(moved, done):
+                out[i] = x
+        state = treedef.unflatten(out)
         base_key = None
         if meta.get("base_key"):
             k = meta["base_key"]
             base_key = jax.random.wrap_key_data(np.asarray(k["data"], np.uint32), impl=k["impl"])
-        return Restored(int(meta["step"]), params, opt_state, base_key, dict(meta.get("data_state") or {}))
+        return Restored(int(meta["step"]), state["params"], state["opt_state"], base_key,
+                        dict(meta.get("data_state") or {}))
 
 
-def _saved_layout(leaf, split) -> "nv.Layout":
+def _target(leaf, sh, split):
+    """The restore target of one leaf (``jax.ShapeDtypeStruct`` with its sharding); a tiled
+    leaf saved with the tensor ``split`` as that layout's arrays, whole on every device."""
+    sds = lambda shape, dtype, s: jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=s)
+    if split is None or not isinstance(leaf, (nv.Tiled, nv.TiledNVFP4)):
+        return jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), leaf, sh)
     nt, tdim = split
     lay = leaf.layout
-    return nv.Layout(lay.matrix, 1, nt, tdim if nt > 1 else None, lay.data_axis, lay.tensor_axis if nt > 1 else None)
-
-
-def _targets(abstract, shardings, prefix: str, resplit) -> Dict[str, tuple]:
-    """``{name: (global shape, dtype, sharding)}`` of every array to restore."""
-    leaves, treedef = jax.tree.flatten(abstract, is_leaf=_is_node)
-    shard_leaves = treedef.flatten_up_to(shardings)
-    names = [name for name, _ in _leaves(abstract, prefix)]
-    out = {}
-    for name, leaf, sh in zip(names, leaves, shard_leaves):
-        if isinstance(leaf, (nv.Tiled, nv.TiledNVFP4)) and name in resplit:
-            lay = _saved_layout(leaf, resplit[name])
-            whole = NamedSharding(jax.tree.leaves(sh)[0].mesh, P())
-            batch = tuple(leaf.shape[:-2])
-            if isinstance(leaf, nv.TiledNVFP4):
-                out[f"{name}/data"] = (lay.shape(batch, (16, 8)), jnp.uint8, whole)
-                out[f"{name}/scale_bits"] = (lay.shape(batch, leaf.scale_bits.shape[len(batch) + 2:]), jnp.uint8, whole)
-                out[f"{name}/amax_bits"] = (tuple(leaf.amax_bits.shape), jnp.uint32, whole)
-            else:
-                out[name] = (lay.shape(batch), leaf.value.dtype, whole)
-        elif isinstance(leaf, nv.TiledNVFP4):
-            for f in _NVFP4_FIELDS:
-                a = getattr(leaf, f)
-                out[f"{name}/{f}"] = (tuple(a.shape), a.dtype, getattr(sh, f))
-        elif isinstance(leaf, nv.Tiled):
-            out[name] = (tuple(leaf.value.shape), leaf.value.dtype, sh.value)
-        elif _is_key(leaf):
-            out[name] = (tuple(leaf.shape) + (2,), jnp.uint32, NamedSharding(sh.mesh, P()))
-        else:
-            out[name] = (tuple(leaf.shape), leaf.dtype, sh)
-    return out
-
-
-def _assemble(abstract, shardings, flat: Dict[str, Any], prefix: str, resplit):
-    leaves, treedef = jax.tree.flatten(abstract, is_leaf=_is_node)
-    shard_leaves = treedef.flatten_up_to(shardings)
-    names = [name for name, _ in _leaves(abstract, prefix)]
-    out, moved = [], []  # moved: (index in out, this run's layout, sharding) of the re-split leaves
-    for name, leaf, sh in zip(names, leaves, shard_leaves):
-        if isinstance(leaf, nv.TiledNVFP4):
-            out.append(nv.TiledNVFP4(*(flat[f"{name}/{f}"] for f in _NVFP4_FIELDS),
-                                     _saved_layout(leaf, resplit[name]) if name in resplit else leaf.layout, leaf.block))
-        elif isinstance(leaf, nv.Tiled):
-            out.append(nv.Tiled(flat[name], _saved_layout(leaf, resplit[name]) if name in resplit else leaf.layout))
-        elif _is_key(leaf):
-            impl = _key_impl_name(leaf.dtype)
-            out.append(jax.random.wrap_key_data(flat[name], impl=impl))
-        else:
-            out.append(flat[name])
-        if name in resplit and isinstance(leaf, (nv.Tiled, nv.TiledNVFP4)):
-            moved.append((len(out) - 1, leaf.layout, sh))
-    if moved:
-        # Saved with another tensor split: every such leaf into this run's tiles, in one program.
-        layouts = [lay for _, lay, _ in moved]
-
-        def relayout(xs):
-            return [nv.TiledNVFP4.from_array(x.to_array(), lay) if isinstance(x, nv.TiledNVFP4)
-                    else nv.Tiled.from_logical(x.logical(), lay) for x, lay in zip(xs, layouts)]
-
-        done = jax.jit(relayout, out_shardings=[sh for _, _, sh in moved])([out[i] for i, _, _ in moved])
-        for (i, _, _), x in zip(moved, done):
-            out[i] = x
-    return treedef.unflatten(out)
+    lay = nv.Layout(lay.matrix, 1, nt, tdim if nt > 1 else None, lay.data_axis, lay.tensor_axis if nt > 1 else None)
+    whole = NamedSharding(jax.tree.leaves(sh)[0].mesh, P())
+    batch = tuple(leaf.shape[:-2])
+    if isinstance(leaf, nv.Tiled):
+        return nv.Tiled(sds(lay.shape(batch), leaf.value.dtype, whole), lay)
+    return nv.TiledNVFP4(sds(lay.shape(batch, (16, 8)), jnp.uint8, whole),
+                         sds(lay.shape(batch, leaf.scale_bits.shape[len(batch) + 2:]), jnp.uint8, whole),
+                         sds(leaf.amax_bits.shape, jnp.uint32, whole), lay, leaf.block)
 
 
 def _check_compatible(where: str, saved: Dict[str, Any], expected: Dict[str, Any]) -> None:
-    missing = [k for k in expected if k not in saved]
-    extra = [k for k in saved if k not in expected]
     for name in expected:
         if name in saved and saved[name] != expected[name]:
             s, e = saved[name], expected[name]
             what = ", ".join(f"{k} {s.get(k)} in the checkpoint but {e.get(k)} here"
                              for k in sorted(set(s) | set(e)) if s.get(k) != e.get(k))
             raise CheckpointError(f"checkpoint {where} does not match this model/optimizer: {name}: {what}")
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} leaves of this run are not in it (e.g. {missing[0]})")
-        if extra:
-            parts.append(f"{len(extra)} of its leaves are not in this run (e.g. {extra[0]})")
+    missing, extra = [k for k in expected if k not in saved], [k for k in saved if k not in expected]
+    parts = ([f"{len(missing)} leaves of this run are not in it (e.g. {missing[0]})"] if missing else []) + \
+            ([f"{len(extra)} of its leaves are not in this run (e.g. {extra[0]})"] if extra else [])
+    if parts:
         raise CheckpointError(f"checkpoint {where} does not match this model/optimizer: " + "; ".join(parts))
 
 
@@ -600,23 +475,38 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
-# ----------------------------------------------------------------------------- content hashes
-def _hash_files(d: str) -> Dict[str, str]:
-    """``{relative path: sha256}`` of every file under ``d`` but the hash record."""
-    out = {}
+# ----------------------------------------------------------------------------- hash records
+_PROCESS_DIR = re.compile(r"(?:^|/)(?:ocdbt\.)?process_(\d+)(?:/|$)")
+
+
+def _owner(rel: str) -> int:
+    """The process that writes the file ``rel`` of a step directory: orbax's per-process files
+    (``state/ocdbt.process_<p>/...``, ``state/array_metadatas/process_<p>``) are process p's,
+    the shared metadata process 0's."""
+    m = _PROCESS_DIR.search(rel.replace(os.sep, "/"))
+    return int(m.group(1)) if m else 0
+
+
+def _record_name(p: int) -> str:
+    return HASHES if p == 0 else HASHES.replace(".json", f".process_{p}.json")
+
+
+def _listing(d: str) -> List[str]:
+    """The relative paths of the files under ``d`` but the hash records (a listing; nothing read)."""
+    out = []
     for root, dirs, files in os.walk(d):
-        dirs.sort()
-        for name in sorted(files):
-            path = os.path.join(root, name)
-            rel = os.path.relpath(path, d)
-            if rel == HASHES:
-                continue
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-            out[rel] = h.hexdigest()
-    return out
+        out += [os.path.relpath(os.path.join(root, f), d) for f in files]
+    records = re.compile(re.escape(HASHES[:-5]) + r"(\.process_\d+)?\.json$")
+    return sorted(rel for rel in out if not records.fullmatch(rel))
+
+
+def _hash_file(path: str) -> Dict[str, Any]:
+    h, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+            n += len(chunk)
+    return {"sha256": h.hexdigest(), "bytes": n}
 
 
 def _hidden(rel: str) -> bool:
@@ -624,17 +514,19 @@ def _hidden(rel: str) -> bool:
     return any(part.startswith(".") for part in rel.split(os.sep))
 
 
-def _digest_of(files: Dict[str, str]) -> str:
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+def _digest_of(files: Dict[str, Any], process_count) -> str:
+    return hashlib.sha256(json.dumps([files, process_count], sort_keys=True).encode()).hexdigest()
 
 
-def _write_record(d: str, files: Dict[str, str]) -> None:
-    tmp = os.path.join(d, f".{HASHES}.tmp")
+def _write_record(d: str, p: int, files: Dict[str, Any]) -> None:
+    tmp = os.path.join(d, f".{_record_name(p)}.tmp")
     with open(tmp, "w") as f:
-        json.dump({"files": files, "sha256": _digest_of(files)}, f, indent=1, sort_keys=True)
+        count = jax.process_count()
+        json.dump({"files": files, "process_count": count, "sha256": _digest_of(files, count)}, f, indent=1,
+                  sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(d, HASHES))
+    os.replace(tmp, os.path.join(d, _record_name(p)))
 
 
 def _free_name(directory: str, base: str) -> str:

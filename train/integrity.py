@@ -113,10 +113,15 @@ def verify(d: str) -> None:
             raise IntegrityError(f"corrupt: file {rel} does not match its sha256 (its size changed)")
     me, count = jax.process_index(), jax.process_count()
     mine = sorted(rel for p, r in enumerate(records) if p % count == me for rel in r["files"])
-    bad = next((names.index(rel) for rel in mine if hash_file(os.path.join(d, rel)) != files[rel]), len(names))
-    if count > 1:
-        from jax.experimental import multihost_utils
-
-        bad = int(np.min(multihost_utils.process_allgather(np.int64(bad))))
+    bad = _first(next((names.index(rel) for rel in mine if hash_file(os.path.join(d, rel)) != files[rel]), len(names)))
     if bad < len(names):
         raise IntegrityError(f"corrupt: file {names[bad]} does not match its sha256 (altered or damaged)")
+
+
+def _first(index: int) -> int:
+    """The smallest ``index`` of every process (a collective when there are several)."""
+    if jax.process_count() == 1:
+        return index
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.int64(index))))

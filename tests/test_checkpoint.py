@@ -623,3 +623,50 @@ def test_checkpoint_of_the_previous_format_is_refused_in_one_line(tmp_path):
         ck.restore(1, params, state, nv.shardings(params, mesh), nv.shardings(state, mesh))
     ck.close()
     assert "\n" not in str(e.value) and "before the tile layout" in str(e.value)
+
+
+def test_each_process_hashes_only_the_files_it_wrote_and_its_share_at_resume(tmp_path, monkeypatch):
+    """Process p records the files orbax has it write (``ocdbt.process_<p>``,
+    ``array_metadatas/process_<p>``; process 0 the shared ones) and, verifying, hashes only its
+    share of the records; a bad file another process found is refused here too, named."""
+    import types
+
+    from train import integrity
+
+    d = tmp_path / "7"
+    owners = {"_CHECKPOINT_METADATA": 0, "meta/metadata": 0, "state/_METADATA": 0, "state/manifest.ocdbt": 0,
+              "state/ocdbt.process_0/d/a0": 0, "state/array_metadatas/process_0": 0,
+              "state/ocdbt.process_1/d/b1": 1, "state/ocdbt.process_1/manifest.ocdbt": 1,
+              "state/array_metadatas/process_1": 1}
+    for rel in owners:
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_bytes(rel.encode() * 3)
+    hashed, real = [], integrity.hash_file
+    monkeypatch.setattr(integrity, "hash_file", lambda path: hashed.append(os.path.relpath(path, d)) or real(path))
+    gathered = {}  # what the other process found: the index of its first bad file (none: len)
+    monkeypatch.setattr(integrity, "_first", lambda i: min(i, gathered.get("other", i)))
+    for p in (0, 1):
+        monkeypatch.setattr(integrity, "jax", types.SimpleNamespace(process_index=lambda p=p: p, process_count=lambda: 2))
+        hashed.clear()
+        integrity.record(str(d))
+        assert sorted(hashed) == sorted(rel for rel, o in owners.items() if o == p)
+    assert (d / ckpt_lib.HASHES).exists() and (d / "jax_nvfp4.sha256.process_1.json").exists()
+    hashed.clear()
+    integrity.verify(str(d))  # as process 1 of 2
+    assert sorted(hashed) == sorted(rel for rel, o in owners.items() if o == 1)
+    # A flipped byte in process 0's file: process 1 does not read it, process 0's verdict names it.
+    victim = "state/ocdbt.process_0/d/a0"
+    raw = bytearray((d / victim).read_bytes())
+    raw[1] ^= 4
+    (d / victim).write_bytes(bytes(raw))
+    integrity.verify(str(d))
+    gathered["other"] = sorted(owners).index(victim)
+    with pytest.raises(integrity.IntegrityError, match=f"corrupt: file {victim} does not match its sha256"):
+        integrity.verify(str(d))
+    # One process resuming a two-process checkpoint hashes both shares, and finds it itself.
+    monkeypatch.setattr(integrity, "jax", types.SimpleNamespace(process_index=lambda: 0, process_count=lambda: 1))
+    gathered.clear()
+    hashed.clear()
+    with pytest.raises(integrity.IntegrityError, match=f"file {victim} does not match"):
+        integrity.verify(str(d))
+    assert victim in hashed

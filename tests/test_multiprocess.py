@@ -179,6 +179,13 @@ def test_restart_continues_and_two_processes_match_one(sequence, reference):
     host = ckpt_lib.host_arrays(got.params, got.opt_state)
     bad = [k for k in reference["host"] if host[k].tobytes() != reference["host"][k].tobytes()]
     assert not bad, bad[:5]
+    # Each process recorded the hashes of the files it wrote, and only those.
+    from train import integrity
+
+    recs = [json.loads((sequence["ck"] / "6" / n).read_text()) for n in (ckpt_lib.HASHES, "jax_nvfp4.sha256.process_1.json")]
+    assert [r["process_count"] for r in recs] == [2, 2]
+    assert all(integrity.owner(f) == p for p, r in enumerate(recs) for f in r["files"])
+    assert any("ocdbt.process_1/" in f for f in recs[1]["files"]) and not set(recs[0]["files"]) & set(recs[1]["files"])
     # --export from two processes: process 0 writes the gathered weights.
     loaded = nv.load_nvfp4(str(sequence["export"]))
     want = nv.logical(jax.device_get(reference["params"]))

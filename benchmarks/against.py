@@ -8,7 +8,7 @@ median of all its timed steps. Used for the FSDP step's cost on CPU: the per-lay
 the rematerialised backward pass recompute what the old step kept.
 
 Both trees must have ``train.config.load_config``, ``train.mesh.build_mesh`` and
-``train.loop.build`` or ``train.step.build`` (every commit since the training stack landed has one).
+``train.loop.build`` or ``train.programs.build`` (every commit since the training stack landed has one).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import jax
 from train.config import load_config
 from train import mesh as mesh_lib
 try:
-    from train.step import build  # this tree
+    from train.programs import build  # this tree
 except ImportError:
     from train.loop import build  # older trees
 import train

@@ -364,12 +364,13 @@ def unsharded_large_leaves(params, specs, rules, n_data: int) -> List[str]:
 
 
 def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps: float = IB_GBPS) -> Dict[str, Any]:
-    """Lower and compile the training step a run of ``cfg`` uses (``train.step.build``) on
+    """Lower and compile the training step a run of ``cfg`` uses (``train.programs.build``) on
     ``spec``'s simulated mesh."""
     import jax
 
     import jax_nvfp4 as nv
-    from train import step as step_lib
+    from train import programs
+    from train import accounting as accounting_lib
     from train import mesh as mesh_lib
     from train.config import validate_for_devices
 
@@ -377,17 +378,17 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
     mesh = mesh_lib.build_mesh(cfg.mesh, jax.devices()[: spec.devices])
 
     t0 = time.perf_counter()
-    # The run's own programs (train.step.build), planned only: eval_shape of the init, then the
+    # The run's own programs (train.programs.build), planned only: eval_shape of the init, then the
     # library's shardings; nothing is allocated.
-    trainer = step_lib.build(cfg, mesh, init=False)[0]
+    trainer = programs.build(cfg, mesh, init=False)[0]
     rules, policy, a_params = trainer.rules, trainer.policy, trainer.abstract_params
-    args = step_lib.abstract_step_args(trainer)
+    args = accounting_lib.abstract_step_args(trainer)
     params, state, batch = args[:3]
     t_abstract = time.perf_counter() - t0
     t0 = time.perf_counter()
     # The program the training loop runs and the CLI accounts (a float32 loss scale), lowered,
     # compiled and read once.
-    step = step_lib.compiled_step(trainer)
+    step = accounting_lib.compiled_step(trainer)
     t_compile = time.perf_counter() - t0
     mem = step["memory"]
     # Evaluation: its own program, the same per-layer gathers, forward only.

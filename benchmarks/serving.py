@@ -98,7 +98,8 @@ def ptq_one(spec: Dict[str, Any], corpus, cache: str, log=print) -> Dict[str, An
     from train import data as data_lib
     from train import hf_import
     from train import mesh as mesh_lib
-    from train.step import build, global_batch, validation_loss
+    from train.programs import build, global_batch
+    from train.step import validation_loss
 
     t0 = time.perf_counter()
     cfg, overrides = ct.run_config(spec["size"], spec["steps"], spec["seed"], "nvfp4", corpus,

@@ -28,7 +28,9 @@ import numpy as np
 
 import jax_nvfp4 as nv
 from train import data as data_lib
-from train import step as step_lib
+from train import programs
+from train import accounting as accounting_lib
+from train import plan as plan_lib
 from train import mesh as mesh_lib
 from train.config import Config, load_config
 
@@ -51,7 +53,7 @@ SIZES: Dict[str, Dict[str, Any]] = {
 }
 # The physical limit of a packed gather with the default config's NVFP4 block: 4 bits per
 # value plus the E4M3 scale bytes of each 16x16 tile, over 16 bits per bf16 value.
-DEFAULT_BLOCK = step_lib.policy_for(load_config(os.path.join(CONFIGS, "default.yaml"))).block
+DEFAULT_BLOCK = plan_lib.policy_for(load_config(os.path.join(CONFIGS, "default.yaml"))).block
 LEAF_LIMIT = nv.layout.packed_gather_ratio(DEFAULT_BLOCK)
 LEAF_LIMIT_TEXT = nv.layout.packed_gather_text(DEFAULT_BLOCK)
 
@@ -121,14 +123,14 @@ def measure(cfg: Config, devices: Sequence[Any], *, time_steps: int = 3) -> Dict
     """Figures 1-3 of ``cfg``'s compiled step on a data-parallel mesh of ``devices``."""
     t0 = time.perf_counter()
     mesh = mesh_lib.build_mesh(cfg.mesh, list(devices))
-    trainer, params, opt_state = step_lib.build(cfg, mesh)
+    trainer, params, opt_state = programs.build(cfg, mesh)
     source = data_lib.make_source(cfg.data, cfg.model)
     it = data_lib.make_data_iterator(cfg, process_index=jax.process_index(),
                                      process_count=jax.process_count(), source=source)
-    batch = step_lib.global_batch(trainer, it.batch_at(0))
-    # The compiled step the CLI reads its accounting from (train.step.compiled_step): the same
+    batch = programs.global_batch(trainer, it.batch_at(0))
+    # The compiled step the CLI reads its accounting from (train.accounting.compiled_step): the same
     # program, parsed once.
-    step = step_lib.compiled_step(trainer)
+    step = accounting_lib.compiled_step(trainer)
     build_s = time.perf_counter() - t0
     program = step["program"]
     gathers = program.weight_gathers()

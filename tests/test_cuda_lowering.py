@@ -1,6 +1,6 @@
 """What a GPU would run, checked on a host without one: the training stack's step and
 evaluation lowered for CUDA (``trace(...).lower(lowering_platforms=("cuda",))``) from their
-public entry points (``train.step.build``, ``abstract_step_args``, ``step_fn``, ``eval_fn``).
+public entry points (``train.programs.build``, ``abstract_step_args``, ``step_fn``, ``eval_fn``).
 
 - The recipe's GEMMs (``nvfp4.compute=nvfp4``) are block-scaled dots of E2M1 codes with E4M3
   scales in every NVFP4 layer (fprop, dgrad and wgrad in the step; fprop in evaluation), and
@@ -63,11 +63,12 @@ def test_step_and_evaluation_lowered_for_cuda(compute, tensor, monkeypatch):
     if jax.default_backend() == "gpu":
         pytest.skip("lowers for CUDA from a host without a GPU")
     monkeypatch.delenv(gemm.CUDA_CAPABILITY_ENV, raising=False)  # the CUDA target: a Blackwell
-    from train import step as step_lib
+    from train import programs
+    from train import accounting as accounting_lib
 
     cfg = job(f"nvfp4.compute={compute}", f"mesh.tensor={tensor}")
-    trainer, _, _ = step_lib.build(cfg, mesh_of(cfg, 2 * tensor), init=False)
-    args = step_lib.abstract_step_args(trainer)
+    trainer, _, _ = programs.build(cfg, mesh_of(cfg, 2 * tensor), init=False)
+    args = accounting_lib.abstract_step_args(trainer)
     layers = nvfp4_layers(trainer)
     assert len(layers) == 7  # q, k, v, out, gate, up, down (the embeddings and head stay bf16)
     step = lower_for_cuda(trainer.step_fn, *args, np.float32(1))

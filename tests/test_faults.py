@@ -20,7 +20,7 @@ import pytest
 
 from train import checkpoint as ckpt_lib
 from train import loop
-from train import step as step_lib
+from train import programs
 
 from conftest import JOB, ROOT, TINY, job, job_worker, main_here, mesh_of, sets
 
@@ -77,7 +77,7 @@ def test_nonfinite_error_stops_the_cli_and_keeps_the_last_checkpoint(tmp_path, c
     assert [x["step"] for x in recs] == [1, 2]
     # Only the checkpoint before the bad step exists, and it restores (finite, step 2).
     cfg = job()
-    trainer, _, _ = step_lib.build(cfg, mesh_of(cfg, 8), init=False)
+    trainer, _, _ = programs.build(cfg, mesh_of(cfg, 8), init=False)
     c = ckpt_lib.Checkpointer(str(ck))
     assert c.all_steps() == [2]
     r = c.restore(2, trainer.abstract_params, trainer.abstract_state, trainer.param_shardings, trainer.state_shardings)
@@ -259,7 +259,7 @@ def test_sigterm_saves_the_step_and_the_resume_is_bitwise_equal(tmp_path, capfd,
     # Bit for bit the uninterrupted run: every loss and the final state.
     assert [x["loss"] for x in strict_json_lines(out / "metrics.jsonl")] == job_run["history"]
     cfg = job()
-    trainer = step_lib.build(cfg, mesh_of(cfg, 8), init=False)[0]
+    trainer = programs.build(cfg, mesh_of(cfg, 8), init=False)[0]
     c = ckpt_lib.Checkpointer(str(ck))
     r = c.restore(6, trainer.abstract_params, trainer.abstract_state, trainer.param_shardings, trainer.state_shardings)
     c.close()

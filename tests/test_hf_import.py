@@ -22,7 +22,8 @@ import jax_nvfp4 as nv
 from jax_nvfp4.export import export_hf
 from train import hf_import
 from train.model import HF_NAMES
-from train.step import build, validation_loss
+from train.programs import build
+from train.step import validation_loss
 
 from conftest import JOB, TINY, job, job_worker, main_here, mesh_of, sets
 

@@ -31,7 +31,7 @@ import pytest
 import jax_nvfp4 as nv
 from train import checkpoint as ckpt_lib
 from train import loop
-from train import step as step_lib
+from train import programs
 
 import conftest
 from conftest import ROOT, TINY, mesh_of, sets, xla_flags
@@ -129,7 +129,7 @@ def reference(tmp_path_factory):
     r = loop.run(cfg, mesh, str(out), progress=False)
     r["out_dir"] = str(out)
     r["host"] = ckpt_lib.host_arrays(r["params"], r["opt_state"])
-    r["trainer"] = step_lib.build(cfg, mesh, init=False)[0]
+    r["trainer"] = programs.build(cfg, mesh, init=False)[0]
     return r
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from train import loop
 from train import summary as summary_lib
-from train import step as step_lib
+from train import programs
+from train import accounting as accounting_lib
 
 from conftest import TINY, job, job_worker, main_here, mesh_of, sets, tiny, tiny_worker
 
@@ -34,16 +35,15 @@ def tiny_compare(tmp_path_factory):
     from train.__main__ import main
 
     base = tmp_path_factory.mktemp("tiny")
-    out, hf, reads, real = base / "run", base / "hf", [], jax.device_get
+    out, hf, reads, real = base / "run", base / "hf", [], loop.fetch_metrics
 
     def counting(x):
-        if isinstance(x, list) and x and isinstance(x[0], dict) and "loss" in x[0]:
-            reads.append(len(x))
+        reads.append(len(x))
         return real(x)
 
     stdout = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout):
-        mp.setattr(jax, "device_get", counting)
+        mp.setattr(loop, "fetch_metrics", counting)
         rc = main(["--config", TINY, "--out", str(out), "--no-progress", "--compare", "bf16", "--export-hf", str(hf),
                    *sets((*TEXT, "train.eval_every=25", "train.eval_batches=1", "train.log_every=3"))])
     summary = json.loads((out / "summary.json").read_text())
@@ -116,21 +116,21 @@ def test_runs_with_the_same_programs_share_them(tmp_path):
     the host loop reads reuses them; one that changes a program gets its own."""
     cfg = job()
     mesh = mesh_of(cfg, 8)
-    a = step_lib.build(cfg, mesh, init=False)[0]
+    a = programs.build(cfg, mesh, init=False)[0]
     host = job(f"checkpoint.dir={tmp_path}", "checkpoint.every=2", "train.log_every=1", "train.eval_every=3",
                "data.source=file", f"data.path={TINY}", "data.val_fraction=0.5", "nvfp4.nonfinite=error",
                "nvfp4.max_skipped_in_a_row=2")
-    b = step_lib.build(host, mesh, init=False)[0]
+    b = programs.build(host, mesh, init=False)[0]
     assert b.cfg is host and (b.step_fn, b.init_fn, b.eval_fn) == (a.step_fn, a.init_fn, a.eval_fn)
     # A run extended on its stored schedule (more steps, the same schedule length) too.
-    longer = step_lib.build(job("train.steps=8", "optim.schedule_steps=6"), mesh, init=False)[0]
+    longer = programs.build(job("train.steps=8", "optim.schedule_steps=6"), mesh, init=False)[0]
     assert longer.step_fn is a.step_fn
     for other, other_mesh in ((job("optim.lr=1e-3"), mesh), (job("train.steps=7"), mesh), (job("train.seed=1"), mesh),
                               (cfg, mesh_of(job("mesh.data=4", "mesh.tensor=2"), 8))):
-        assert step_lib.build(other, other_mesh, init=False)[0].step_fn is not a.step_fn
+        assert programs.build(other, other_mesh, init=False)[0].step_fn is not a.step_fn
     # Any valid config has a key (a vocabulary smaller than the Markov corpus's default states).
     small = job("model.vocab=16", "data.source=tokens", f"data.path={TINY}")
-    assert step_lib.build(small, mesh, init=False)[0].cfg is small
+    assert programs.build(small, mesh, init=False)[0].cfg is small
 
 
 @job_worker  # its packed program is also the checkpoint tests' step on 6 devices
@@ -234,13 +234,13 @@ def test_tensor_axis_splits_the_weights_and_trains_like_the_data_axis(tmp_path, 
     assert not flat.select(purpose="tensor parallel")
 
     # Evaluation of the flat run's final weights, laid out for each mesh.
-    flat_trainer = step_lib.build(job(), mesh_of(job(), 8), init=False)[0]
-    trainer = step_lib.build(cfg, mesh, init=False)[0]
+    flat_trainer = programs.build(job(), mesh_of(job(), 8), init=False)[0]
+    trainer = programs.build(cfg, mesh, init=False)[0]
     rows = np.random.default_rng(0).integers(0, cfg.model.vocab, (cfg.data.batch_size, cfg.model.seq_len + 1))
     logical = nv.logical(jax.device_get(job_run["params"]))
     relaid = jax.jit(lambda p: nv.shard_params(p, mesh, trainer.rules), out_shardings=trainer.param_shardings)(logical)
-    ref = np.asarray(flat_trainer.eval_fn(job_run["params"], step_lib.global_batch(flat_trainer, rows)))
-    got = np.asarray(trainer.eval_fn(relaid, step_lib.global_batch(trainer, rows)))
+    ref = np.asarray(flat_trainer.eval_fn(job_run["params"], programs.global_batch(flat_trainer, rows)))
+    got = np.asarray(trainer.eval_fn(relaid, programs.global_batch(trainer, rows)))
     assert got.shape == (cfg.data.batch_size,)
     np.testing.assert_allclose(got, ref, rtol=2e-3)
 
@@ -259,9 +259,9 @@ def test_key_value_heads_fewer_than_tensor_ranks_are_replicated():
     for name, extra in (("flat", ()), ("tensor", ("mesh.data=4", "mesh.tensor=2"))):
         # Plain SGD from the first step: the update is the gradient itself.
         cfg = job("model.kv_heads=1", "optim.name=sgd", "optim.warmup_steps=0", "optim.lr=1", *extra)
-        trainer, params, opt_state = step_lib.build(cfg, mesh_of(cfg, 8))
+        trainer, params, opt_state = programs.build(cfg, mesh_of(cfg, 8))
         before = attn(opt_state)
-        params, opt_state, metrics = trainer.step_fn(params, opt_state, step_lib.global_batch(trainer, rows),
+        params, opt_state, metrics = trainer.step_fn(params, opt_state, programs.global_batch(trainer, rows),
                                                      jax.random.key(0), np.float32(1))
         after = attn(opt_state)
         grads = {k: before[k]["kernel"] - after[k]["kernel"] for k in ("q", "k", "v")}
@@ -282,11 +282,11 @@ def test_a_nonfinite_loss_is_a_skipped_step():
     import jax_nvfp4 as nv
 
     cfg = job()
-    trainer, params, opt_state = step_lib.build(cfg, mesh_of(cfg, 8))
+    trainer, params, opt_state = programs.build(cfg, mesh_of(cfg, 8))
     before = jax.device_get((params, nv.find_state(opt_state).master))
     rows = np.random.default_rng(0).integers(0, cfg.model.vocab, (cfg.data.batch_size, cfg.model.seq_len + 1))
     rows[3, -1] = cfg.model.vocab + 44
-    params, opt_state, metrics = trainer.step_fn(params, opt_state, step_lib.global_batch(trainer, rows),
+    params, opt_state, metrics = trainer.step_fn(params, opt_state, programs.global_batch(trainer, rows),
                                                  jax.random.key(0), np.float32(1))
     assert not np.isfinite(float(metrics["loss"])) and int(metrics["skipped"]) == 1
     after = jax.device_get((params, nv.find_state(opt_state).master))
@@ -299,8 +299,8 @@ def test_evaluation_gathers_one_layer_at_a_time(job_run):
     """The evaluation program gathers each layer's packed bytes inside the scan, as the step
     does (it used to gather the whole model first)."""
     cfg = job()
-    trainer = step_lib.build(cfg, mesh_of(cfg, 8), init=False)[0]
-    params = step_lib.abstract_step_args(trainer)[0]
+    trainer = programs.build(cfg, mesh_of(cfg, 8), init=False)[0]
+    params = accounting_lib.abstract_step_args(trainer)[0]
     batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), np.int32,
                                  sharding=trainer.batch_sharding)
     import jax_nvfp4 as nv
@@ -343,9 +343,9 @@ def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path, job_run):
 @pytest.fixture(scope="module")
 def job_step():
     """The compiled step of the job (``job_run``'s program, the checkpoint tests' too):
-    ``(config, train.step.compiled_step of it)``."""
+    ``(config, train.accounting.compiled_step of it)``."""
     cfg = job()
-    return cfg, step_lib.compiled_step(step_lib.build(cfg, mesh_of(cfg, 8), init=False)[0])
+    return cfg, accounting_lib.compiled_step(programs.build(cfg, mesh_of(cfg, 8), init=False)[0])
 
 
 @job_worker
@@ -387,7 +387,7 @@ def test_step_never_holds_every_layers_weights_or_full_gradients(job_step):
     import jax_nvfp4 as nv
 
     cfg, step = job_step
-    trainer = step_lib.build(cfg, mesh_of(cfg, 8), init=False)[0]
+    trainer = programs.build(cfg, mesh_of(cfg, 8), init=False)[0]
     layers = cfg.model.layers
     whole = set()
     for leaf in jax.tree.leaves(trainer.abstract_params, is_leaf=nv.is_tiled):

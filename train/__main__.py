@@ -376,7 +376,7 @@ def hf_check(cfg, mesh) -> None:
     from jax_nvfp4 import export as export_lib
     from train.config import ConfigError
     from train.model import HF_NAMES
-    from train.step import build
+    from train.programs import build
 
     params = jax.eval_shape(nv.logical, build(cfg, mesh, init=False)[0].abstract_params)
     for fmt in ("bf16", "nvfp4"):
@@ -605,7 +605,7 @@ def print_summary(summary, out_dir: str) -> None:
 def gather_floor(block: str) -> str:
     """The packed gather's floor for ``nvfp4.block`` ``"1d"``/``"2d"``, in words."""
     import jax_nvfp4 as nv
-    from train.step import BLOCKS
+    from train.plan import BLOCKS
 
     return nv.layout.packed_gather_text(BLOCKS[block]) + " of bf16"
 

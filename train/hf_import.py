@@ -13,7 +13,7 @@ What it reads (``DIR``):
   the Hugging Face export writes with.
 
 What it builds (:func:`load`): the run's stored params and optimizer state, as
-``train.step.build(cfg, mesh, init=False)`` plans them, straight into their shardings:
+``train.programs.build(cfg, mesh, init=False)`` plans them, straight into their shardings:
 
 - NVFP4 Linear weights into NVFP4 params losslessly: the codes and scale bytes as they are
   (1x16 groups of inputs are ``nvfp4.block: 1d``; with ``nvfp4.block: 2d`` the checkpoint's
@@ -624,7 +624,7 @@ def _device_array(t: _Target, ckpt: Checkpoint):
 
 
 def load(directory: str, trainer, *, checkpoint: Optional[Checkpoint] = None) -> Tuple[Any, Any]:
-    """``(params, opt_state)`` of ``trainer`` (``train.step.build(cfg, mesh, init=False)``)
+    """``(params, opt_state)`` of ``trainer`` (``train.programs.build(cfg, mesh, init=False)``)
     from the Hugging Face checkpoint in ``directory``, in the trainer's shardings (module
     docstring). Call it on every process. ``checkpoint``: a :class:`Checkpoint` of
     ``directory`` to read through (its ``reads`` then list what this process read).

@@ -1,6 +1,6 @@
 """The training loop: build (or restore) the state, then step, log, evaluate and checkpoint.
 
-``run`` reads like a training script: the step and the state come from :mod:`train.step`,
+``run`` reads like a training script: the step and the state come from :mod:`train.programs`,
 data from :mod:`train.data`, checkpoints from :mod:`train.checkpoint`; what a run leaves
 behind is written by :mod:`train.summary`. Checkpoints make a stopped run resume
 bit-identically.
@@ -21,9 +21,11 @@ import numpy as np
 import jax_nvfp4 as nv
 from train import checkpoint as checkpoint_lib
 from train import data as data_lib
+from train.accounting import gather_accounting
 from train.config import Config
 from train.preemption import Preemption, Stopped
-from train.step import build, gather_accounting, global_batch, validation_loss
+from train.programs import build, global_batch
+from train.step import validation_loss
 from train.summary import json_record
 
 
@@ -56,6 +58,13 @@ def _resume_metrics(path: str, step: int) -> list:
         f.writelines(json_record(r) + "\n" for r in recs)
     os.replace(tmp, path)
     return recs
+
+
+
+def fetch_metrics(metrics: list) -> list:
+    """The host copies of the steps' metrics: the loop's one read of device values per
+    ``train.log_every`` steps (and wherever a step must be looked at)."""
+    return jax.device_get(metrics)
 
 
 def run(
@@ -197,7 +206,7 @@ def run(
             if not (last or ckpt_due or eval_due or on_step is not None or step == start or stop
                     or cfg.nvfp4.nonfinite == "error" or (step + 1) % cfg.train.log_every == 0):
                 continue
-            fetched = jax.device_get([pm for _, pm in pending])  # waits for the steps in flight
+            fetched = fetch_metrics([pm for _, pm in pending])  # waits for the steps in flight
             now = time.perf_counter()
             dt = (now - t_mark) / len(pending)  # the mean step time since the last read
             t_mark = now

@@ -53,7 +53,7 @@ def tensor_rules(kv_heads: int, tensor: int) -> tuple:
         return TENSOR_RULES
     return ((r"attn/q/kernel", -1),) + tuple(r for r in TENSOR_RULES if not r[0].startswith("attn/(q|k|v)"))
 SEGMENTS = ("blocks_first", "blocks", "blocks_last")
-# The segments of the blocks kept in bf16: stored in bf16 (train.step.policy_for) and, under
+# The segments of the blocks kept in bf16: stored in bf16 (train.plan.policy_for) and, under
 # compute="nvfp4", run with bf16 GEMMs.
 KEPT_SEGMENTS = ("blocks_first", "blocks_last")
 

@@ -1,0 +1,46 @@
+"""Which params are NVFP4 and where the run's state lives, from its config: the policy and the
+sharding rules the library applies, and the mesh axes the batch is split over."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+import jax_nvfp4 as nv
+from train.config import Config
+from train.model import KEPT_SEGMENTS, tensor_rules
+
+
+# nvfp4.block: one scale per 16x16 tile, or per 16 consecutive inputs of an [in, out] kernel.
+BLOCKS = {"2d": nv.BLOCK_2D, "1d": nv.BLOCK_COLUMN}
+
+
+def policy_for(cfg: Config) -> nv.Policy:
+    """Which params are NVFP4: everything the default policy takes, except the kept parts."""
+    if cfg.nvfp4.weights == "bf16":
+        return nv.Policy(keep=(".*",), keep_dtype=jnp.bfloat16)
+    keep = tuple(cfg.nvfp4.keep_bf16) + tuple(f"^{seg}/" for seg in KEPT_SEGMENTS)
+    return nv.Policy(keep=keep, keep_dtype=jnp.bfloat16, block=BLOCKS[cfg.nvfp4.resolved_block()])
+
+
+def rules_for(cfg: Config, tensor: int = 1) -> nv.Rules:
+    """Where the state lives. Scanned segments stack layers on axis 0. Large bf16 leaves
+    (embeddings, head, the bf16 baseline's weights) are stored sharded and gathered like the
+    NVFP4 ones, so the two weight formats are compared like for like.
+
+    With ``mesh.layout: gb200`` (axes rack, data, tensor): ``mesh.sharding: fsdp`` shards the
+    state over ``("data", "rack")``, racks minor, so a weight gather crosses racks first on
+    1/I of the bytes and a gradient is summed inside the rack first; ``hsdp`` shards it over
+    ``data`` (inside the rack) and replicates it across racks. ``tensor``: the tensor axis's
+    size (which kernels it splits: :func:`train.model.tensor_rules`)."""
+    common = dict(tensor_axis="tensor", tensor=tensor_rules(cfg.model.n_kv_heads, tensor), stacked=(r"^blocks",))
+    if cfg.mesh.layout != "gb200":
+        return nv.Rules(data_axis="data", **common)
+    if cfg.mesh.sharding == "hsdp":
+        return nv.Rules(data_axis="data", replica_axis="rack", **common)
+    return nv.Rules(data_axis=("data", "rack"), **common)
+
+
+def batch_axes(mesh, rules: nv.Rules) -> tuple:
+    """The mesh axes the batch rows are split over, in mesh order (racks first: each
+    process's devices hold consecutive rows)."""
+    return tuple(a for a in mesh.axis_names if a in rules.batch_axes)

@@ -449,7 +449,7 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
     domains = np.array(mesh_lib.device_domains(list(mesh.devices.flat), spec.nvl_domain)).reshape(mesh.devices.shape)
     t_dim = mesh.axis_names.index("tensor")
     k_data = max(len(set(np.take(domains, j, axis=t_dim).ravel().tolist())) for j in range(domains.shape[t_dim]))
-    n_store = nv.layout.axis_size(mesh, rules.data_axis)
+    n_store = nv.rules.axis_size(mesh, rules.data_axis)
     axes = dict(axes, storage=n_store, racks=k_data)
     ana = analytic(a_params, rules, policy, n_store, axes["tensor"], k_data, nvlink_gbps, ib_gbps,
                    hsdp=rules.replica_axis is not None, tokens=batch.shape[0] // axes["data"] * cfg.model.seq_len,

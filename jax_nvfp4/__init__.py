@@ -29,7 +29,7 @@ from jax_nvfp4.numerics import hadamard_matrix, hadamard_transform
 from jax_nvfp4.collectives import all_gather_bits, ordered_mean, ordered_reduce_scatter, ordered_sum, ordered_sum_scatter
 from jax_nvfp4.fetch import GatherConfig, ParamShard, gather_weight
 from jax_nvfp4.tensor_parallel import TensorParallel
-from jax_nvfp4.layout import Layout, Rules, Tiled, TiledNVFP4, is_tiled, layout_for
+from jax_nvfp4.layout import Layout, Tiled, TiledNVFP4, is_tiled
 from jax_nvfp4.optim import (
     MasterWeightsState,
     apply_updates,
@@ -38,6 +38,7 @@ from jax_nvfp4.optim import (
     master_weights,
     raise_if_skipped,
 )
+from jax_nvfp4.rules import Rules, layout_for
 from jax_nvfp4.params import DEFAULT_POLICY, Policy, dequantize_params, path_str, quantize_params
 from jax_nvfp4.sharding import (
     gather,

@@ -34,8 +34,9 @@ from jax.sharding import NamedSharding
 
 from jax_nvfp4.array import NVFP4Array, is_nvfp4
 from jax_nvfp4.collectives import OPTIMIZER_SCOPE
-from jax_nvfp4.layout import DEFAULT_RULES, Rules, Tiled, TiledNVFP4, is_tiled, layout_for
+from jax_nvfp4.layout import Tiled, TiledNVFP4, is_tiled
 from jax_nvfp4.params import DEFAULT_POLICY, Policy, path_str
+from jax_nvfp4.rules import DEFAULT_RULES, Rules, layout_for
 from jax_nvfp4.sharding import constrain, context_mesh, global_norm, requantize, scatter_replicated
 
 

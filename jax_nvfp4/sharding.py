@@ -33,8 +33,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_nvfp4.array import BLOCK_2D, is_nvfp4
 from jax_nvfp4.collectives import (GATHER_SCOPE, NORM_SCOPE, REQUANTIZE_SCOPE, all_gather_bits, fold_sum, from_bits,
                                    to_bits)
-from jax_nvfp4.layout import (DEFAULT_RULES, Layout, Rules, Tiled, TiledNVFP4, is_tiled, layout_for, quantize_tiles,
-                              tile_scales)
+from jax_nvfp4.layout import Layout, Tiled, TiledNVFP4, is_tiled, quantize_tiles, tile_scales
+from jax_nvfp4.rules import DEFAULT_RULES, Rules, layout_for
 from jax_nvfp4.params import Policy, path_str
 
 __all__ = ["Rules", "context_mesh", "shard_params", "logical", "partition_specs", "shardings", "gather",

@@ -96,7 +96,7 @@ def _plan(cfg: Config, mesh) -> Trainer:
         _PLANS.move_to_end(key)
         return _PLANS[key]
     model = from_config(cfg.model, cfg.nvfp4)
-    policy, rules = policy_for(cfg), rules_for(cfg, nv.layout.axis_size(mesh, "tensor"))
+    policy, rules = policy_for(cfg), rules_for(cfg, nv.rules.axis_size(mesh, "tensor"))
     tx = make_optimizer(cfg, rules, policy, mesh)
     create = _state_fn(cfg, model, policy, rules, tx, mesh)
     (a_params, a_state), (p_sh, s_sh) = abstract_state(create, mesh)

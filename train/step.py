@@ -25,7 +25,7 @@ from train.plan import batch_axes
 
 def _tensor(mesh, rules: nv.Rules) -> nv.TensorParallel:
     """The mesh's tensor axis as the model sees it inside the step's ``shard_map``."""
-    size = nv.layout.axis_size(mesh, rules.tensor_axis)
+    size = nv.rules.axis_size(mesh, rules.tensor_axis)
     return nv.TensorParallel(rules.tensor_axis if size > 1 else None, size)
 
 

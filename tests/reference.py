@@ -134,3 +134,14 @@ def dequantize_matrix(data, scale_u8, amax, shape, block=(16, 16)):
     S = np.minimum(F32(2688.0) / F32(amax), F32_MAX)
     S = F32(1.0) if S == 0 else S
     return (vals * s) * (F32(1.0) / S)
+
+
+def rht(a, signs):
+    """The random Hadamard transform of NVFP4.md: rows of ``a`` [rows, cols] times
+    ``diag(signs) @ H16 / 4`` in groups of 16 columns, in float64 (H16 the Sylvester matrix)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < 16:
+        h = np.block([[h, h], [h, -h]])
+    m = np.asarray(signs, np.float64)[:, None] * h / 4.0
+    r, c = a.shape
+    return (np.asarray(a, np.float64).reshape(r, c // 16, 16) @ m).reshape(r, c)

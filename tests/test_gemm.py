@@ -41,13 +41,8 @@ def ref_clamped(a):
 
 
 def ref_rht(a):
-    """Rows of ``a`` times diag(signs) @ H16 / 4 in groups of 16 columns (float64 math)."""
-    h = np.ones((1, 1))
-    while h.shape[0] < 16:
-        h = np.block([[h, h], [h, -h]])
-    m = nx.RHT_SIGNS.astype(np.float64)[:, None] * h / 4.0
-    r, c = a.shape
-    return (np.asarray(a, np.float64).reshape(r, c // 16, 16) @ m).reshape(r, c).astype(F32)
+    """:func:`reference.rht` with the recipe's signs, rounded to float32."""
+    return ref.rht(a, nx.RHT_SIGNS).astype(F32)
 
 
 def pad_tokens(a, to=16):

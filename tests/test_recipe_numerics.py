@@ -66,13 +66,8 @@ def assert_bytes(q, expect, what, amax_ulps=0):
 
 
 def ref_rht(a):
-    """Rows of ``a`` times diag(signs) @ H16 / 4 in groups of 16 columns, in float64."""
-    h = np.ones((1, 1))
-    while h.shape[0] < 16:
-        h = np.block([[h, h], [h, -h]])
-    m = nx.RHT_SIGNS.astype(np.float64)[:, None] * h / 4.0
-    r, c = a.shape
-    return (np.asarray(a, np.float64).reshape(r, c // 16, 16) @ m).reshape(r, c)
+    """:func:`reference.rht` with the recipe's signs, in float64."""
+    return ref.rht(a, nx.RHT_SIGNS)
 
 
 def pad_tokens(a):

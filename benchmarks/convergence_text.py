@@ -76,9 +76,21 @@ SIZES: Dict[str, Dict[str, Any]] = {
     "wider": {"config": "default.yaml",
               "overrides": ["model.d_model=256", "model.heads=8", "model.mlp_hidden=704"]},
 }
+# The full recipe's width sweep (``--recipe``): the default model at 4 layers (so a bf16 last
+# block is a quarter of the blocks' linear layers, the nearest 4 layers come to the published
+# ~16%), widened as above with 32-wide heads; 2000 steps.
+RECIPE_SIZES: Dict[str, Dict[str, Any]] = {
+    f"l4-d{d}": {"config": "default.yaml",
+                 "overrides": [f"model.d_model={d}", f"model.heads={d // 32}", f"model.mlp_hidden={h}", "model.layers=4"]}
+    for d, h in ((64, 192), (128, 352), (256, 704), (512, 1408))
+}
+SIZES.update(RECIPE_SIZES)
+RECIPE_STEPS = 2000
 # Training lengths per size, shortest first; the longest of the smallest model >= 2000 steps.
 LENGTHS: Dict[str, List[int]] = {"tiny": [500, 2000], "default": [500, 2000], "wide": [150, 600, 2000],
                                  "wider": [2000]}
+LENGTHS.update({size: [RECIPE_STEPS] for size in RECIPE_SIZES})
+WEIGHTS_SIZES = ("tiny", "default", "wide", "wider")
 LEVER_SIZE = "default"
 
 VARIANTS: Dict[str, List[str]] = {
@@ -95,6 +107,26 @@ VARIANTS: Dict[str, List[str]] = {
     # keep_last_blocks splits the scanned blocks into two segments, whose params are drawn
     # from other init keys: its bf16 baseline has the same split (the same init).
     "bf16_keep_last_blocks_1": ["nvfp4.weights=bf16", "nvfp4.keep_last_blocks=1"],
+}
+# The recipe sweep: the full recipe against bf16, with and without the bf16 last block (each
+# against bf16 with the same split), in the order a seed's runs are trained.
+RECIPE_VARIANTS = ("bf16_keep_last_blocks_1", "compute_nvfp4_keep_last_blocks_1", "bf16", "compute_nvfp4")
+RECIPE_PAIRS = {"compute_nvfp4": "bf16", "compute_nvfp4_keep_last_blocks_1": "bf16_keep_last_blocks_1"}
+# The ablation at the sweep's widest width: the full recipe with its last block in bf16, one
+# element switched off at a time.
+_RECIPE_KL = ["nvfp4.weights=nvfp4", "nvfp4.compute=nvfp4", "nvfp4.keep_last_blocks=1"]
+ABLATIONS: Dict[str, List[str]] = {
+    "recipe_1d_weights": [*_RECIPE_KL, "nvfp4.block=1d"],
+    "recipe_nearest_grads": [*_RECIPE_KL, "nvfp4.grad_rounding=nearest"],
+    "recipe_no_hadamard": [*_RECIPE_KL, "nvfp4.wgrad_hadamard=false"],
+    "recipe_bf16_activations": [*_RECIPE_KL, "nvfp4.activations=bf16"],
+}
+VARIANTS.update(ABLATIONS)
+ABLATION_NAMES = {
+    "recipe_1d_weights": "2D weights -> 1D (`nvfp4.block=1d`)",
+    "recipe_nearest_grads": "no stochastic rounding (`nvfp4.grad_rounding=nearest`)",
+    "recipe_no_hadamard": "no Hadamard transform (`nvfp4.wgrad_hadamard=false`)",
+    "recipe_bf16_activations": "activations in bf16 (`nvfp4.activations=bf16`)",
 }
 # The bf16 run a lever is compared with: the same model, init and batches.
 LEVER_BASE = {"keep_last_blocks_1": "bf16_keep_last_blocks_1",
@@ -166,7 +198,7 @@ def headline_seeds(seeds: Sequence[int], n: int = HEADLINE_SEEDS) -> List[int]:
     return sorted(set(seeds) | set(range(n)))
 
 
-def grid(sizes: Sequence[str] = tuple(SIZES), seeds: Sequence[int] = SEEDS,
+def grid(sizes: Sequence[str] = WEIGHTS_SIZES, seeds: Sequence[int] = SEEDS,
          lengths: Optional[Dict[str, List[int]]] = None, levers: bool = True, plain: bool = True,
          headline: Sequence[int] = ()) -> List[Dict[str, Any]]:
     """The runs, most important first: the default model's longest pairs, the plain baseline,
@@ -202,6 +234,19 @@ def grid(sizes: Sequence[str] = tuple(SIZES), seeds: Sequence[int] = SEEDS,
                     for v in ("nvfp4", "bf16"):
                         if (size, steps) != (lever_size, top):
                             add(size, steps, seed, v)
+    return specs
+
+
+def recipe_grid(sizes: Sequence[str], seeds: Sequence[int] = SEEDS, ablation: bool = True) -> List[Dict[str, Any]]:
+    """The recipe sweep's runs: per size (narrowest first) and seed, :data:`RECIPE_VARIANTS`;
+    then, at the widest size, the :data:`ABLATIONS` seed by seed."""
+    order = sorted(sizes, key=lambda s: list(RECIPE_SIZES).index(s))
+    specs = [{"size": size, "steps": RECIPE_STEPS, "seed": seed, "variant": v,
+              "name": run_name(size, RECIPE_STEPS, seed, v)}
+             for size in order for seed in seeds for v in RECIPE_VARIANTS]
+    if ablation and order:
+        specs += [{"size": order[-1], "steps": RECIPE_STEPS, "seed": seed, "variant": v,
+                   "name": run_name(order[-1], RECIPE_STEPS, seed, v)} for seed in seeds for v in ABLATIONS]
     return specs
 
 
@@ -774,7 +819,11 @@ def parse_args(argv: Sequence[str]):
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("--out", default=DEFAULT_OUT, help=f"report folder (default {DEFAULT_OUT})")
     p.add_argument("--cache", default=DEFAULT_CACHE, help=f"corpus, per-run results and compile cache (default {DEFAULT_CACHE})")
-    p.add_argument("--sizes", default=",".join(SIZES), help=f"model sizes (default {','.join(SIZES)})")
+    p.add_argument("--sizes", help=f"model sizes (default {','.join(WEIGHTS_SIZES)}; with --recipe "
+                                   f"{','.join(RECIPE_SIZES)})")
+    p.add_argument("--recipe", action="store_true",
+                   help="the full recipe's width sweep and ablation instead (CONVERGENCE_RECIPE.md)")
+    p.add_argument("--no-ablation", action="store_true", help="--recipe: skip the ablation")
     p.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="seeds (default 0,1,2)")
     p.add_argument("--headline-seeds", type=int, default=HEADLINE_SEEDS,
                    help=f"the default model's longest cell (NVFP4, bf16, 2d tiles) also runs seeds 0..N-1 "
@@ -787,10 +836,11 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("--max-bytes", type=int, help=argparse.SUPPRESS)  # cap the corpus (tests)
     p.add_argument("--report-only", action="store_true", help="aggregate the finished runs, train nothing")
     args = p.parse_args(list(argv))
-    args.sizes = [s for s in args.sizes.split(",") if s]
+    allowed = RECIPE_SIZES if args.recipe else WEIGHTS_SIZES
+    args.sizes = [s for s in (args.sizes or ",".join(allowed)).split(",") if s]
     for s in args.sizes:
-        if s not in SIZES:
-            p.error(f"unknown size {s!r}; sizes are {', '.join(SIZES)}")
+        if s not in allowed:
+            p.error(f"unknown size {s!r}; sizes are {', '.join(allowed)}")
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     args.headline = headline_seeds(args.seeds, args.headline_seeds)
     lengths = {k: list(v) for k, v in LENGTHS.items()}
@@ -824,8 +874,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     t_start = time.perf_counter()
-    specs = grid(args.sizes, args.seeds, args.lengths_map, levers=not args.no_levers, plain=not args.no_plain,
-                 headline=args.headline)
+    if args.recipe:
+        specs = recipe_grid(args.sizes, args.seeds, ablation=not args.no_ablation)
+    else:
+        specs = grid(args.sizes, args.seeds, args.lengths_map, levers=not args.no_levers, plain=not args.no_plain,
+                     headline=args.headline)
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.0f}s] {msg}", flush=True)
     corpus_path = os.path.join(args.cache, "corpus.json")
     if args.shard:

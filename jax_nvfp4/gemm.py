@@ -9,6 +9,13 @@ For ``y = x @ W`` with the weight stored as a 2D-tiled :class:`~jax_nvfp4.NVFP4A
   ``H`` along the token axis (the contraction), then 1D quantization along tokens; it
   cancels in the product and spreads outliers before quantization.
 
+Each element can be switched off, to measure what it buys (:func:`dot`): ``key=None`` rounds
+the gradient to nearest, ``rht_wgrad=False`` drops the transform, ``quantize_x=False`` keeps the
+activations (fprop's and wgrad's ``x`` operand) in their float dtype, and a weight stored in 1D
+blocks of 16 along K (``(16, 1)``, the weights-only layout) serves fprop as stored while dgrad,
+which contracts over N, re-quantizes its dequantized values in 1D blocks along N: the backward
+pass then sees a different weight from the forward pass, what the 16x16 tiles avoid.
+
 Each quantized operand has its own global amax. The emulated GEMMs dequantize to float32 and
 multiply at ``Precision.HIGHEST``, so the product carries both global decode scales; native
 GEMMs multiply the E2M1 x E4M3 operands and apply ``alpha = D_a * D_b`` afterwards.
@@ -46,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_nvfp4 import numerics as nx
-from jax_nvfp4.array import BLOCK_1D, BLOCK_2D, NVFP4Array, _ceil_to, dequantize, quantize, transpose
+from jax_nvfp4.array import BLOCK_1D, BLOCK_2D, BLOCK_COLUMN, NVFP4Array, _ceil_to, dequantize, quantize, transpose
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "CudaTarget", "cuda_target", "default_platform", "dot",
            "last_backend", "resolve_backend"]
@@ -301,8 +308,8 @@ def _gemm(a: NVFP4Array, b: NVFP4Array, b_contract: int, backend: str) -> jax.Ar
     """``dequantize(a) [R, K] @ dequantize(b)`` contracted over K, float32 ``[R, C]``: the
     emulation, and on CUDA the ``backend`` GEMM.
 
-    ``b`` is ``[C, K]`` (``b_contract=1``) or, for a 2D-tiled weight, ``[K, C]``
-    (``b_contract=0``; native paths transpose its codes, exact for 16x16 tiles).
+    ``b`` is ``[C, K]`` (``b_contract=1``) or, for a weight with 16x16 tiles or ``(16, 1)``
+    blocks, ``[K, C]`` (``b_contract=0``; native paths transpose its codes and scales, exact).
     """
 
     def emulated(a, b):
@@ -327,6 +334,7 @@ class _Config:
     w_dtype: Optional[np.dtype]
     stochastic_dgrad: bool
     rht_wgrad: bool
+    quantize_x: bool
 
 
 def _quantize_1d(v: jax.Array, key: Optional[jax.Array]) -> NVFP4Array:
@@ -355,11 +363,21 @@ def _dgrad_operand(g, key) -> NVFP4Array:
     return _quantize_1d(g, key)
 
 
-def _wgrad_operands(x2d, g, key, rht: bool) -> Tuple[NVFP4Array, NVFP4Array]:
+def _dgrad_weight(w_q: NVFP4Array) -> Tuple[NVFP4Array, int]:
+    """dgrad's weight operand and the axis of it that dgrad contracts (N): the stored 2D tiles
+    as they are (``[K, N]``, axis 1), or, for a weight in ``(16, 1)`` blocks along K, its
+    dequantized values re-quantized in 1D blocks along N (round to nearest)."""
+    if w_q.block == BLOCK_2D:
+        return w_q, 1
+    return quantize(dequantize(w_q, jnp.float32), block=BLOCK_1D), 1
+
+
+def _wgrad_operands(x2d, g, key, rht: bool, quantize_x: bool = True):
     """wgrad's operands ``(q1d(H xᵀ) [K, M'], q1d_sr(H dyᵀ) [N, M'])``: both transposed so the
     tokens M (the contraction) are the last axis, optionally Hadamard-transformed along it
     (tokens zero-padded to M' = a multiple of 16; zero tokens add nothing to the product),
-    then 1D-quantized along it; only the gradient is rounded stochastically (with ``key``)."""
+    then 1D-quantized along it; only the gradient is rounded stochastically (with ``key``).
+    ``quantize_x=False``: the first operand is ``H xᵀ`` in float32, not quantized."""
     xt = x2d.astype(jnp.float32).T
     gt = g.astype(jnp.float32).T
     if rht:
@@ -370,10 +388,19 @@ def _wgrad_operands(x2d, g, key, rht: bool) -> Tuple[NVFP4Array, NVFP4Array]:
             gt = jnp.pad(gt, ((0, 0), (0, mp - m)))
         xt = nx.hadamard_transform(xt, axis=-1)
         gt = nx.hadamard_transform(gt, axis=-1)
-    return quantize(xt, block=BLOCK_1D), _quantize_1d(gt, key)
+    return (quantize(xt, block=BLOCK_1D) if quantize_x else xt), _quantize_1d(gt, key)
+
+
+def _float_gemm(a: jax.Array, b: NVFP4Array, b_contract: int) -> jax.Array:
+    """``a [R, K] @ dequantize(b)`` contracted over K in float32, for an operand left in float
+    (``quantize_x=False``): not a block-scaled GEMM on any platform."""
+    return jax.lax.dot_general(a.astype(jnp.float32), dequantize(b, jnp.float32), (((1,), (b_contract,)), ((), ())),
+                               precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
 def _fprop(x2d, w_q, cfg: _Config):
+    if not cfg.quantize_x:
+        return _float_gemm(x2d, w_q, 0).astype(cfg.out_dtype)
     return _gemm(_fprop_operand(x2d), w_q, 0, cfg.cuda_backend).astype(cfg.out_dtype)
 
 
@@ -393,13 +420,14 @@ def _dot_bwd(cfg: _Config, res, g):
     k_dgrad, k_wgrad = _backward_keys(key)
     # dgrad: dx [M, K] = dy [M, N] @ Wᵀ; the stored tiles serve transposed as they are.
     dyq = _dgrad_operand(g, k_dgrad if cfg.stochastic_dgrad else None)
-    dx = _gemm(dyq, w_q, 1, cfg.cuda_backend).astype(x2d.dtype)
+    dx = _gemm(dyq, *_dgrad_weight(w_q), cfg.cuda_backend).astype(x2d.dtype)
 
     dw = None
     if cfg.w_dtype is not None:
         # wgrad: dW [K, N] = xᵀ [K, M] @ dy [M, N], contracted over the tokens M.
-        xtq, gtq = _wgrad_operands(x2d, g, k_wgrad, cfg.rht_wgrad)
-        dw = _gemm(xtq, gtq, 1, cfg.cuda_backend).astype(cfg.w_dtype)
+        xtq, gtq = _wgrad_operands(x2d, g, k_wgrad, cfg.rht_wgrad, cfg.quantize_x)
+        dw = (_gemm(xtq, gtq, 1, cfg.cuda_backend) if cfg.quantize_x else _float_gemm(xtq, gtq, 1))
+        dw = dw.astype(cfg.w_dtype)
     return dx, None, dw, None
 
 
@@ -416,12 +444,14 @@ def dot(
     out_dtype=None,
     stochastic_dgrad: bool = True,
     rht_wgrad: bool = True,
+    quantize_x: bool = True,
 ) -> jax.Array:
     """``y [..., N] = x [..., K] @ W [K, N]`` with the NVFP4 training recipe.
 
     Args:
       x: activations ``[..., K]`` (float); leading axes are tokens (flattened to M).
-      w_q: the stored weight, an :class:`NVFP4Array` ``[K, N]`` with 2D ``(16, 16)`` tiles.
+      w_q: the stored weight, an :class:`NVFP4Array` ``[K, N]`` with 2D ``(16, 16)`` tiles (the
+        recipe), or ``(16, 1)`` blocks along K (1D weights: dgrad re-quantizes it along N).
       w: optional float ``[K, N]`` that only receives the weight gradient; its values are
         never read (pass the dequantized or master weight). Without it no wgrad is computed.
       key: PRNG key for stochastic rounding of the gradient in dgrad and wgrad (split
@@ -433,6 +463,8 @@ def dot(
       stochastic_dgrad: stochastic rounding of dy in dgrad (with a key); wgrad always rounds
         dy stochastically when a key is given.
       rht_wgrad: apply the random Hadamard transform along tokens in wgrad.
+      quantize_x: quantize the activations (fprop's and wgrad's ``x`` operand); False keeps
+        them in float, those GEMMs then multiply float by the dequantized other operand.
 
     Returns:
       ``y [..., N]``. Gradients: ``x`` gets dgrad (dtype of ``x``), ``w`` gets wgrad (dtype of
@@ -440,10 +472,10 @@ def dot(
     """
     if not isinstance(w_q, NVFP4Array):
         raise TypeError(f"w_q must be an NVFP4Array, got {type(w_q).__name__}")
-    if w_q.block != BLOCK_2D or w_q.ndim != 2:
+    if w_q.block not in (BLOCK_2D, BLOCK_COLUMN) or w_q.ndim != 2:
         raise ValueError(
-            f"w_q must be one [K, N] matrix with 2D (16, 16) tiles, got shape {w_q.shape}, "
-            f"block {w_q.block} (map batched weights with vmap or scan)")
+            f"w_q must be one [K, N] matrix with 2D (16, 16) tiles or (16, 1) blocks along K, got shape "
+            f"{w_q.shape}, block {w_q.block} (map batched weights with vmap or scan)")
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"x must be floating point, got dtype {x.dtype}")
@@ -460,6 +492,7 @@ def dot(
         w_dtype=None if w is None else np.dtype(w.dtype),
         stochastic_dgrad=bool(stochastic_dgrad),
         rht_wgrad=bool(rht_wgrad),
+        quantize_x=bool(quantize_x),
     )
     lead = x.shape[:-1]
     y = _dot(x.reshape(-1, k), w_q, w, key, cfg)

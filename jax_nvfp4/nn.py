@@ -9,6 +9,7 @@ gather's VJP. Passed ordinary arrays, :func:`param` is ``module.param``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
@@ -19,7 +20,7 @@ from jax_nvfp4 import gemm
 from jax_nvfp4.array import BLOCK_2D, NVFP4Array, quantize
 from jax_nvfp4.fetch import ParamShard
 
-__all__ = ["NVFP4Dense", "NVFP4_COLLECTION", "ROUNDING_RNG", "param"]
+__all__ = ["NVFP4Dense", "NVFP4_COLLECTION", "ROUNDING_RNG", "Recipe", "param"]
 
 
 def _shard(module: nn.Module, name: str) -> Optional[ParamShard]:
@@ -48,6 +49,22 @@ ROUNDING_RNG = "rounding"
 _COMPUTE_MODES = ("dequant", "nvfp4")
 
 
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """The elements of the NVFP4 training recipe a ``compute="nvfp4"`` layer applies, each on
+    by default (:mod:`jax_nvfp4.gemm`); switching one off measures what it buys.
+
+    ``stochastic_grads``: the gradient operands of dgrad and wgrad are rounded stochastically
+    (with the ``"rounding"`` key), else to nearest. ``hadamard_wgrad``: wgrad's operands get
+    the random Hadamard transform along the tokens. ``quantize_activations``: fprop's and
+    wgrad's activation operand is quantized, else left in float. The weight's block (16x16
+    tiles or 1D) is the stored weight's own."""
+
+    stochastic_grads: bool = True
+    hadamard_wgrad: bool = True
+    quantize_activations: bool = True
+
+
 class NVFP4Dense(nn.Module):
     """``y = x @ kernel (+ bias)`` over the last axis of ``x``.
 
@@ -69,7 +86,8 @@ class NVFP4Dense(nn.Module):
 
     Stochastic rounding of gradients uses ``key`` when given, else the ``"rounding"`` RNG stream
     when the module has one (``apply(..., rngs={"rounding": k})``; under ``nn.scan`` split it
-    per layer), else rounds to nearest.
+    per layer), else rounds to nearest; ``recipe`` (:class:`Recipe`) switches elements of the
+    recipe off.
     """
 
     features: int
@@ -80,6 +98,7 @@ class NVFP4Dense(nn.Module):
     kernel_init: Callable = nn.initializers.lecun_normal()
     bias_init: Callable = nn.initializers.zeros_init()
     backend: str = "auto"
+    recipe: Recipe = Recipe()
 
     @nn.compact
     def __call__(self, x: jax.Array, key: Optional[jax.Array] = None) -> jax.Array:
@@ -97,9 +116,7 @@ class NVFP4Dense(nn.Module):
 
         if self.compute == "nvfp4" and shard is not None and shard.is_nvfp4:
             w_q, sink = shard.get_nvfp4()
-            if key is None and self.has_rng(ROUNDING_RNG):
-                key = self.make_rng(ROUNDING_RNG)
-            return add_bias(gemm.dot(x, w_q, sink, key=key, backend=self.backend, out_dtype=self.dtype))
+            return add_bias(self._dot(x, w_q, sink, key))
         kernel = param(self, "kernel", self.kernel_init, shape, self.param_dtype)
         if self.compute == "dequant":
             y = jnp.dot(x, kernel.astype(self.dtype))
@@ -114,7 +131,14 @@ class NVFP4Dense(nn.Module):
                         f"stored NVFP4 kernel has shape {w_q.shape}, the kernel param {kernel.shape}")
             else:
                 w_q = quantize(jax.lax.stop_gradient(kernel), block=BLOCK_2D)
-            if key is None and self.has_rng(ROUNDING_RNG):
-                key = self.make_rng(ROUNDING_RNG)
-            y = gemm.dot(x, w_q, kernel, key=key, backend=self.backend, out_dtype=self.dtype)
+            y = self._dot(x, w_q, kernel, key)
         return add_bias(y)
+
+    def _dot(self, x, w_q, sink, key):
+        r = self.recipe
+        if not r.stochastic_grads:
+            key = None
+        elif key is None and self.has_rng(ROUNDING_RNG):
+            key = self.make_rng(ROUNDING_RNG)
+        return gemm.dot(x, w_q, sink, key=key, backend=self.backend, out_dtype=self.dtype,
+                        rht_wgrad=r.hadamard_wgrad, quantize_x=r.quantize_activations)

@@ -194,7 +194,8 @@ def test_round_trip(tmp_path):
     (["nvfp4.grad_reduce_dtype=bf16"], "nvfp4.grad_reduce_dtype='bf16'"),
     (["nvfp4.keep_bf16=['(']"], "nvfp4.keep_bf16[0]='(': not a regex"),
     (["nvfp4.block=16x16"], "nvfp4.block='16x16': must be one of 'auto', '1d', '2d'"),
-    (["nvfp4.block=1d", "nvfp4.compute=nvfp4"], "nvfp4.block=1d with nvfp4.compute=nvfp4"),
+    (["nvfp4.grad_rounding=up"], "nvfp4.grad_rounding='up': must be one of 'stochastic', 'nearest'"),
+    (["nvfp4.activations=fp8"], "nvfp4.activations='fp8': must be one of 'nvfp4', 'bf16'"),
     # ranges
     (["model.vocab=0"], "model.vocab=0: must be > 0"),
     (["model.layers=0"], "model.layers=0: must be > 0"),
@@ -255,8 +256,8 @@ def test_nvfp4_block_auto_is_1d_unless_the_gemm_needs_tiles():
     assert load_config(None, []).nvfp4.resolved_block() == "1d"
     assert load_config(None, ["nvfp4.compute=nvfp4"]).nvfp4.resolved_block() == "2d"
     assert load_config(None, ["nvfp4.block=2d"]).nvfp4.resolved_block() == "2d"
-    # bf16 weights store no blocks: any block is accepted with any compute.
-    assert load_config(None, ["nvfp4.weights=bf16", "nvfp4.block=1d", "nvfp4.compute=nvfp4"]).nvfp4.block == "1d"
+    # 1D weights under the recipe (an ablation: dgrad re-quantizes the weight along its outputs).
+    assert load_config(None, ["nvfp4.block=1d", "nvfp4.compute=nvfp4"]).nvfp4.resolved_block() == "1d"
 
 
 def test_schedule_length_defaults_to_the_steps():

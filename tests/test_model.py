@@ -157,3 +157,35 @@ def test_layers_kept_in_bf16_run_bf16_gemms_under_the_recipe():
     cfg = load_config(None, [])
     assert from_config(cfg.model, cfg.nvfp4).keep_head
     assert not from_config(cfg.model, load_config(None, ["nvfp4.keep_bf16=[embed]"]).nvfp4).keep_head
+
+
+def test_recipe_switches_reach_every_nvfp4_layer():
+    """nvfp4.grad_rounding / wgrad_hadamard / activations become the model's Recipe, and each
+    switch changes what it should: nearest rounding makes the gradients key-independent, the
+    Hadamard switch moves only the gradients, float activations move the logits too."""
+    from jax_nvfp4.nn import Recipe
+
+    cfg = load_config(None, ["nvfp4.compute=nvfp4", "nvfp4.grad_rounding=nearest", "nvfp4.wgrad_hadamard=false",
+                             "nvfp4.activations=bf16"])
+    assert from_config(cfg.model, cfg.nvfp4).recipe == Recipe(False, False, False)
+    assert from_config(cfg.model, load_config(None, []).nvfp4).recipe == Recipe()
+    kw = dict(vocab=256, d_model=64, layers=1, heads=2, hidden=64, compute="nvfp4", keep_head=False)
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
+    params = jax.jit(Llama(**kw).init)(jax.random.key(0), tokens)["params"]
+
+    def run(recipe, key):
+        def loss(p):
+            return jnp.mean(Llama(**kw, recipe=recipe).apply({"params": p}, tokens, rngs={"rounding": key}) ** 2)
+        return jax.value_and_grad(loss)(params)
+
+    run = jax.jit(run, static_argnums=0)
+    flat = lambda g: np.concatenate([np.ravel(a) for a in jax.tree.leaves(g)])
+    k1, k2 = jax.random.key(2), jax.random.key(3)
+    (l_a, g_a), (l_b, g_b) = run(Recipe(), k1), run(Recipe(), k2)
+    assert l_a == l_b and not np.array_equal(flat(g_a), flat(g_b))  # stochastic gradients only
+    (_, g_a), (_, g_b) = run(Recipe(stochastic_grads=False), k1), run(Recipe(stochastic_grads=False), k2)
+    np.testing.assert_array_equal(flat(g_a), flat(g_b))
+    l_h, g_h = run(Recipe(stochastic_grads=False, hadamard_wgrad=False), k1)
+    assert l_h == l_a and not np.array_equal(flat(g_h), flat(g_a))
+    l_x, _ = run(Recipe(quantize_activations=False), k1)
+    assert l_x != l_a

@@ -20,6 +20,8 @@ against the reference quantization of both the transformed values the recipe qua
 reference's own float64 transform.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -178,3 +180,54 @@ def test_stochastic_draws_are_uniform_and_independent():
     hist = np.bincount((u * 16).astype(int), minlength=16)
     chi2 = ((hist - n / 16) ** 2 / (n / 16)).sum()
     assert chi2 < 45  # 15 degrees of freedom: p < 1e-4
+
+
+def test_ablations_quantize_what_they_say():
+    """The recipe's elements switched off one at a time, against the reference: 1D weights
+    (``(16, 1)`` blocks along K: fprop reads them as stored, dgrad re-quantizes the dequantized
+    weight in 1x16 blocks along N), activations left in float (fprop and wgrad multiply the
+    float activations by the other operand dequantized), and no Hadamard transform."""
+    m, k, n = 24, 40, 24
+    x, w, dy = data((m, k), 6), data((k, n), 7, 0.05), data((m, n), 8, 1e-3)
+    key = jax.random.key(5)
+    kd, kw = jax.random.split(key)
+    xj, wj, dyj = (jax.device_put(a) for a in (x, w, dy))
+
+    def grads(wq, **kw_):
+        y, vjp = jax.vjp(lambda a, b: gemm.dot(a, wq, b, key=key, backend="emulate", **kw_), xj, wj)
+        return (y, *vjp(dyj))
+
+    close = lambda got, e, what: np.testing.assert_allclose(
+        np.asarray(got, np.float64), e, rtol=1e-6, atol=1e-6 * np.abs(e).max(), err_msg=what)
+    x_deq = ref_deq(ref_q(x, (1, 16)), (m, k), (1, 16))
+    dy_deq = ref_deq(ref_q(dy, (1, 16), kd), (m, n), (1, 16))
+
+    # 1D weights: the stored (16, 1) blocks along K serve fprop; dgrad's weight is their
+    # dequantized values quantized again, 1x16 along N (round to nearest).
+    wq1 = nv.quantize(wj, block=(16, 1))
+    assert_bytes(wq1, ref_q(w, (16, 1)), "stored W, 1D along K")
+    w1 = ref_deq(ref_q(w, (16, 1)), (k, n), (16, 1))
+    w1_again = ref_q(w1.astype(F32), (1, 16))
+    assert_bytes(gemm._dgrad_weight(wq1)[0], w1_again, "dgrad W, re-quantized along N")
+    assert not np.array_equal(ref_deq(w1_again, (k, n), (1, 16)), w1)  # the backward sees another weight
+    y, dx, _ = jax.jit(grads)(wq1)
+    close(y, x_deq @ w1, "fprop, 1D weights")
+    close(dx, dy_deq @ ref_deq(w1_again, (k, n), (1, 16)).T, "dgrad, 1D weights")
+
+    # Activations in float: fprop is x @ W_q; wgrad is (H xᵀ) in float against q1d_sr(H dyᵀ).
+    wq = nv.quantize(wj)
+    w_deq = ref_deq(ref_q(w, (16, 16)), (k, n), (16, 16))
+    y, dx, dw = jax.jit(functools.partial(grads, quantize_x=False))(wq)
+    h_x = np.asarray(nx.hadamard_transform(jax.device_put(pad_tokens(x.T)), axis=-1), np.float64)
+    h_dy = np.asarray(nx.hadamard_transform(jax.device_put(pad_tokens(dy.T)), axis=-1))
+    close(y, x.astype(np.float64) @ w_deq, "fprop, float activations")
+    close(dx, dy_deq @ w_deq.T, "dgrad, float activations")
+    close(dw, h_x @ ref_deq(ref_q(h_dy, (1, 16), kw), (n, 32), (1, 16)).T, "wgrad, float activations")
+
+    # No Hadamard transform: wgrad's operands are the plain transposes, quantized.
+    _, _, dw = jax.jit(functools.partial(grads, rht_wgrad=False))(wq)
+    close(dw, ref_deq(ref_q(x.T, (1, 16)), (k, m), (1, 16)) @ ref_deq(ref_q(dy.T, (1, 16), kw), (n, m), (1, 16)).T,
+          "wgrad, no transform")
+
+    with pytest.raises(ValueError, match=r"\(16, 16\) tiles or \(16, 1\) blocks"):
+        gemm.dot(xj, nv.quantize(wj, block=(1, 16)))

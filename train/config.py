@@ -189,6 +189,10 @@ class NVFP4Config:
     max_skipped_in_a_row: NonNeg = 10
     grad_reduce_dtype: Literal["grad", "float32"] = "grad"
     block: Literal["auto", "1d", "2d"] = "auto"
+    # compute=nvfp4: the recipe's elements (jax_nvfp4.nn.Recipe), each on by default.
+    grad_rounding: Literal["stochastic", "nearest"] = "stochastic"
+    wgrad_hadamard: Bool = True
+    activations: Literal["nvfp4", "bf16"] = "nvfp4"
 
     def __post_init__(self):
         for i, pattern in enumerate(self.keep_bf16):
@@ -196,9 +200,6 @@ class NVFP4Config:
                 re.compile(pattern)
             except re.error as e:
                 raise ConfigError(f"nvfp4.keep_bf16[{i}]={pattern!r}: not a regex ({e})") from None
-        if self.block == "1d" and self.compute == "nvfp4" and self.weights == "nvfp4":
-            raise ConfigError("nvfp4.block=1d with nvfp4.compute=nvfp4: the recipe's backward GEMM reads the "
-                              "transposed weight, which needs 16x16 tiles; set nvfp4.block=2d (or auto)")
 
     def resolved_block(self) -> str:
         """``"1d"`` or ``"2d"``: the block the stored weights use (``auto`` resolved)."""

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_nvfp4.export import HFNames
-from jax_nvfp4.nn import NVFP4_COLLECTION, ROUNDING_RNG, NVFP4Dense, param
+from jax_nvfp4.nn import NVFP4_COLLECTION, ROUNDING_RNG, NVFP4Dense, Recipe, param
 from jax_nvfp4.params import Policy
 from jax_nvfp4.tensor_parallel import TensorParallel, vocab_embed, vocab_token_losses
 from train.attention import attention
@@ -123,10 +123,10 @@ def rotary(x, theta: float):
     return x * cos + rotated * sin
 
 
-def linear(features: int, name: str, compute: str, dtype, init_std: float) -> NVFP4Dense:
+def linear(features: int, name: str, compute: str, dtype, init_std: float, recipe: Recipe = Recipe()) -> NVFP4Dense:
     """A bias-free linear layer whose GEMM follows ``compute`` (dequant or the NVFP4 recipe)."""
     return NVFP4Dense(features, compute=compute, dtype=dtype, name=name,
-                      kernel_init=nn.initializers.normal(init_std))
+                      kernel_init=nn.initializers.normal(init_std), recipe=recipe)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,9 +144,10 @@ class Dims:
     dtype: Any = jnp.bfloat16
     attention: str = "auto"  # see train.attention.attention
     tensor: TensorParallel = TensorParallel()
+    recipe: Recipe = Recipe()
 
     def dense(self, name: str, features: int) -> NVFP4Dense:
-        return linear(features, name, self.compute, self.dtype, self.init_std)
+        return linear(features, name, self.compute, self.dtype, self.init_std, self.recipe)
 
 
 class Attention(nn.Module):
@@ -243,6 +244,7 @@ class Llama(nn.Module):
     keep_last: int = 0
     keep_head: bool = True
     compute: str = "dequant"
+    recipe: Recipe = Recipe()  # with compute="nvfp4": the recipe's elements (jax_nvfp4.nn.Recipe)
     dtype: Any = jnp.bfloat16
     remat: Optional[str] = None
     tensor: TensorParallel = TensorParallel()
@@ -259,7 +261,7 @@ class Llama(nn.Module):
                 continue
             compute = "dequant" if name in KEPT_SEGMENTS else self.compute
             dims = Dims(self.d_model, self.heads, self.kv_heads or self.heads, self.hidden, self.rope_theta,
-                        self.norm_eps, compute, self.init_std, self.dtype, self.attention, tp)
+                        self.norm_eps, compute, self.init_std, self.dtype, self.attention, tp, self.recipe)
             stack = nn.scan(
                 _remat(Block, self.remat),
                 variable_axes={"params": 0, NVFP4_COLLECTION: 0},
@@ -271,7 +273,8 @@ class Llama(nn.Module):
         if self.tie_embeddings:
             # Logits in the activation dtype, like the untied head (and HF's lm_head).
             return jnp.einsum("btd,vd->btv", x, embed.astype(self.dtype)).astype(jnp.float32)
-        head = linear(vocab, "head", "dequant" if self.keep_head else self.compute, self.dtype, self.init_std)
+        head = linear(vocab, "head", "dequant" if self.keep_head else self.compute, self.dtype, self.init_std,
+                      self.recipe)
         return head(x).astype(jnp.float32)
 
 
@@ -303,6 +306,9 @@ def from_config(model_cfg, nvfp4_cfg) -> Llama:
         keep_last=nvfp4_cfg.keep_last_blocks,
         keep_head=Policy(keep=tuple(nvfp4_cfg.keep_bf16)).kept("head/kernel"),
         compute=nvfp4_cfg.compute if nvfp4_cfg.weights == "nvfp4" else "dequant",
+        recipe=Recipe(stochastic_grads=nvfp4_cfg.grad_rounding == "stochastic",
+                      hadamard_wgrad=nvfp4_cfg.wgrad_hadamard,
+                      quantize_activations=nvfp4_cfg.activations == "nvfp4"),
     )
 
 

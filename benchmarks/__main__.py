@@ -9,7 +9,8 @@ Sections (default ``all`` = every one but ``scale``)::
     convergence  5. final loss after a fixed budget: NVFP4, bf16, nvfp4.compute=nvfp4
                  (embedded Markov corpus; ``convergence --text``: the validation gap on
                  held-out Python stdlib modules over sizes, lengths, seeds and levers,
-                 ``benchmarks.convergence_text``, its own arguments: ``--text --help``)
+                 ``benchmarks.convergence_text``, its own arguments: ``--text --help``;
+                 ``--text --recipe``: the full recipe's gap against width and its ablation)
     scaling      6. figures 1-3 over model sizes x data-axis sizes 1, 2, 4, 8
     scale        compile-only large models on simulated racks (``benchmarks.scale``; takes its
                  own arguments: ``python -m benchmarks scale --help``)
@@ -27,6 +28,7 @@ Examples::
     python -m benchmarks traffic memory        # two sections; the report keeps the others' results
     python -m benchmarks --quick               # smoke run into runs/benchmarks-quick/
     python -m benchmarks convergence --text --workers 2   # real-text grid -> CONVERGENCE_TEXT.md
+    python -m benchmarks convergence --text --recipe --workers 2   # -> CONVERGENCE_RECIPE.md
 
 Results: one JSON per section, REPORT.md (with PNG plots) and HEADLINE.md in ``--out``. On CPU the
 run asks for 8 simulated devices (unless XLA_FLAGS sets a count); on GPU/TPU it uses

@@ -26,6 +26,12 @@ Grid (:func:`grid`):
   bf16, as the published recipe keeps its last layers);
 - once, the bf16 baseline re-implemented without the library (:func:`plain_bf16_run`).
 
+``--recipe`` runs the full recipe's grid instead (:func:`recipe_grid`, reported by
+:mod:`benchmarks.convergence_recipe` in ``CONVERGENCE_RECIPE.md``): 4-layer models of d_model
+64 to 512, the recipe against bf16 with and without its last block in bf16, and at the widest
+width swept the ablation, one element of the recipe off at a time. ``--rerun NAME`` trains one
+finished run again and compares its losses with the recorded ones bit for bit.
+
 Each finished run writes ``<cache>/runs/<name>.json``; a rerun skips those, so an interrupted
 grid resumes. ``--workers N`` splits the runs over N processes. A run records the code it was
 trained by (:func:`source_state`: a hash of the sources as its process loaded them, the commit,
@@ -365,7 +371,7 @@ def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=pri
            "median_step_time_s": r["median_step_time_s"], "skipped_steps": r["skipped_steps"],
            "wall_s": round(wall, 1), "data_order_sha256": data_order_sha256(cfg),
            "corpus_sha256": [corpus["train"]["sha256"], corpus["val"]["sha256"]], "finished_unix": time.time(),
-           "source": source}
+           "source": source, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -824,6 +830,10 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("--recipe", action="store_true",
                    help="the full recipe's width sweep and ablation instead (CONVERGENCE_RECIPE.md)")
     p.add_argument("--no-ablation", action="store_true", help="--recipe: skip the ablation")
+    p.add_argument("--rerun", metavar="NAME",
+                   help="train the finished run NAME of this grid again (in <cache>/reruns) and compare its "
+                        "losses with the recorded ones bit for bit")
+    p.add_argument("--only", help=argparse.SUPPRESS)  # train only these runs (comma-separated names)
     p.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="seeds (default 0,1,2)")
     p.add_argument("--headline-seeds", type=int, default=HEADLINE_SEEDS,
                    help=f"the default model's longest cell (NVFP4, bf16, 2d tiles) also runs seeds 0..N-1 "
@@ -879,6 +889,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         specs = grid(args.sizes, args.seeds, args.lengths_map, levers=not args.no_levers, plain=not args.no_plain,
                      headline=args.headline)
+    if args.only:
+        specs = [s for s in specs if s["name"] in args.only.split(",")]
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.0f}s] {msg}", flush=True)
     corpus_path = os.path.join(args.cache, "corpus.json")
     if args.shard:
@@ -893,15 +905,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         json.dump(corpus, f, indent=1)
     log(f"corpus: {corpus['train']['files']} train modules ({corpus['train']['bytes']:,} bytes), "
         f"{corpus['val']['files']} held out ({corpus['val']['bytes']:,} bytes); {len(specs)} runs")
+    if args.rerun:
+        return rerun(args, argv, specs, corpus, log)
     if not args.report_only:
         if args.workers > 1:
-            base = _without(argv, "--workers")
-            env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") +
-                                               " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()}
-            procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.convergence_text", *base,
-                                       f"--shard={i}/{args.workers}"], cwd=os.getcwd(), env=env)
-                     for i in range(args.workers)]
-            codes = [p.wait() for p in procs]
+            codes = _spawn(_without(argv, "--workers"), args.workers)
             if any(codes):
                 log(f"workers exited with {codes}; the finished runs are kept, rerun to resume")
         else:
@@ -915,6 +923,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results[spec["name"]] = json.load(f)
             results[spec["name"]].setdefault("finished_unix", os.path.getmtime(path))
     wall = time.perf_counter() - t_start
+    if args.recipe:
+        from benchmarks import convergence_recipe as cr
+
+        path = cr.write(args.out, cr.assemble(results, specs, corpus, args, argv, wall, args.cache))
+        log(f"wrote {path}, convergence_recipe.json and convergence_recipe.png ({len(results)}/{len(specs)} runs)")
+        return 0 if len(results) == len(specs) else 1
     payload = assemble(results, specs, corpus, args, argv, wall)
     os.makedirs(args.out, exist_ok=True)
     plot(payload["aggregate"], args.sizes, os.path.join(args.out, "convergence_text.png"))
@@ -925,6 +939,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"{g['size']:>8} {g['steps']:>5} steps: gap {_pct(g['gap_pct'])}")
     log(f"wrote {path}, convergence_text.json and convergence_text.png ({len(results)}/{len(specs)} runs)")
     return 0 if len(results) == len(specs) else 1
+
+
+# The worker processes' XLA flags: one thread each (runs in parallel share the cores).
+WORKER_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def _spawn(argv: Sequence[str], n: int) -> List[int]:
+    """Run ``n`` worker processes (``--shard=i/n``) of this grid; their exit codes."""
+    env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + WORKER_XLA_FLAGS).strip()}
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.convergence_text", *argv, f"--shard={i}/{n}"],
+                              cwd=os.getcwd(), env=env) for i in range(n)]
+    return [p.wait() for p in procs]
+
+
+def rerun(args, argv, specs, corpus, log) -> int:
+    """``--rerun NAME``: train run NAME again in a worker process (the grid's own flags) into
+    ``<cache>/reruns/cache``, compare its losses with the recorded run's and write the verdict
+    to ``<cache>/reruns/NAME.json`` (the report lists it). Exit 0 when bit for bit identical."""
+    from benchmarks import convergence_recipe as cr
+
+    name = args.rerun
+    if name not in {s["name"] for s in specs}:
+        log(f"--rerun {name}: not a run of this grid")
+        return 2
+    recorded_path = os.path.join(args.cache, "runs", name + ".json")
+    if not os.path.exists(recorded_path):
+        log(f"--rerun {name}: not finished yet ({recorded_path} does not exist)")
+        return 2
+    with open(recorded_path) as f:
+        recorded = json.load(f)
+    scratch = os.path.join(cr.rerun_dir(args.cache), "cache")
+    fresh = os.path.join(scratch, "runs", name + ".json")
+    for p in (fresh, os.path.join(scratch, "claims", name)):
+        if os.path.exists(p):
+            os.remove(p)
+    os.makedirs(scratch, exist_ok=True)
+    with open(os.path.join(scratch, "corpus.json"), "w") as f:
+        json.dump(corpus, f, indent=1)
+    base = _without(_without(_without(argv, "--rerun"), "--cache"), "--workers")
+    codes = _spawn([*base, f"--cache={scratch}", f"--only={name}"], 1)
+    if codes != [0] or not os.path.exists(fresh):
+        log(f"--rerun {name}: the worker exited with {codes}")
+        return 1
+    with open(fresh) as f:
+        again = json.load(f)
+    verdict = cr.compare(name, recorded, again)
+    with open(os.path.join(cr.rerun_dir(args.cache), name + ".json"), "w") as f:
+        json.dump(verdict, f, indent=1)
+    log(f"{name}: recorded val {recorded['final_val_loss']!r}, retrained {again['final_val_loss']!r}: "
+        + ("bit for bit identical" if verdict["identical"] else f"DIFFERENT ({verdict['fields']})"))
+    return 0 if verdict["identical"] else 1
 
 
 def assemble(results, specs, corpus, args, argv, wall: float) -> Dict[str, Any]:

@@ -47,7 +47,7 @@ def test_grid_covers_sizes_lengths_seeds_and_levers():
     names = [s["name"] for s in specs]
     assert len(names) == len(set(names))
     assert max(ct.LENGTHS["tiny"]) >= 2000
-    for size in ct.SIZES:
+    for size in ct.WEIGHTS_SIZES:
         for steps in ct.LENGTHS[size]:
             for seed in ct.SEEDS:
                 for v in ("nvfp4", "bf16"):
@@ -219,3 +219,85 @@ def test_grid_wall_clock_counts_only_time_with_runs_in_progress():
             "c": {"finished_unix": 3800.0, "wall_s": 50.0}}
     assert ct._busy(runs) == 200.0
     assert ct._workers(runs) == 2
+
+
+def test_recipe_grid_sweeps_widths_and_ablates_the_widest():
+    specs = ct.recipe_grid(["l4-d128", "l4-d64"], [0, 1, 2])
+    names = [s["name"] for s in specs]
+    assert len(names) == len(set(names)) == 2 * 3 * len(ct.RECIPE_VARIANTS) + 3 * len(ct.ABLATIONS)
+    assert names[0] == "l4-d64-2000-s0-bf16_keep_last_blocks_1"  # narrowest first
+    assert {s["size"] for s in specs if s["variant"] in ct.ABLATIONS} == {"l4-d128"}
+    assert ct.recipe_grid(["l4-d64"], [0], ablation=False) == [s for s in specs if s["name"].startswith("l4-d64-2000-s0-")]
+    # Every ablation is the full recipe with its last block bf16 and one element off.
+    for v, over in ct.ABLATIONS.items():
+        assert over[:3] == ["nvfp4.weights=nvfp4", "nvfp4.compute=nvfp4", "nvfp4.keep_last_blocks=1"] and len(over) == 4
+    assert ct.parse_args(["--recipe"]).sizes == list(ct.RECIPE_SIZES)
+    with pytest.raises(SystemExit):
+        ct.parse_args(["--recipe", "--sizes", "tiny"])
+
+
+def test_recipe_report_arithmetic(tmp_path):
+    from benchmarks import convergence_recipe as cr
+
+    # Two widths, 3 seeds. d64: recipe +4%, +3%, +5% over bf16; with the last block bf16 +2% each.
+    # d128 (widest): with the last block bf16 +2%, +1%, +3%; nearest rounding takes 1 point off
+    # in every seed, 1D weights adds 0.5, the others change nothing.
+    res = {}
+
+    def put(size, seed, v, val):
+        r = _res(size, 2000, seed, v, val)
+        r["size"] = size
+        res[r["name"]] = r
+
+    for seed in range(3):
+        for size, full, keep in (("l4-d64", (4, 3, 5)[seed], 2), ("l4-d128", 3, (2, 1, 3)[seed])):
+            put(size, seed, "bf16", 2.0)
+            put(size, seed, "compute_nvfp4", 2.0 * (1 + full / 100))
+            put(size, seed, "bf16_keep_last_blocks_1", 2.0)
+            put(size, seed, "compute_nvfp4_keep_last_blocks_1", 2.0 * (1 + keep / 100))
+        k = (2, 1, 3)[seed]
+        for v, gap in (("recipe_nearest_grads", k - 1), ("recipe_1d_weights", k + 0.5),
+                       ("recipe_no_hadamard", k), ("recipe_bf16_activations", k)):
+            put("l4-d128", seed, v, 2.0 * (1 + gap / 100))
+    agg = cr.aggregate(res, ["l4-d64", "l4-d128"], [0, 1, 2])
+    assert agg["widest"] == "l4-d128" and [r["size"] for r in agg["sweep"]] == ["l4-d64", "l4-d128"]
+    assert agg["sweep"][0]["compute_nvfp4"]["gap_pct"]["mean"] == pytest.approx(4.0)
+    assert agg["sweep"][1]["compute_nvfp4_keep_last_blocks_1"]["gap_pct"]["mean"] == pytest.approx(2.0)
+    # 2% > 1.5% with every seed positive: not met; the full-NVFP4 row: 3% everywhere.
+    assert agg["acceptance"]["full_recipe_keep_last"]["met"] is False
+    assert agg["acceptance"]["full_recipe"]["met"] is False
+    first = agg["attribution"][0]
+    assert first["variant"] == "recipe_nearest_grads"
+    # Paired differences of -1 point on a 2.0x(1 + k%) base: about -1% of the loss in every seed.
+    assert first["minus_full_pct"]["max"] < 0 and first["effect"].startswith("helps (lower in every seed")
+    assert first["met"]["met"] is True  # gap then +1% <= 1.5%
+    assert agg["attribution"][-1]["variant"] == "recipe_1d_weights"
+    models = {s: {"d_model": d, "mlp_hidden": h, "params": 1e6, "layers": 4, "seq_len": 64, "batch_size": 16}
+              for s, d, h in (("l4-d64", 64, 192), ("l4-d128", 128, 352))}
+    meta = {"command": "python -m benchmarks convergence --text --recipe", "grid_wall_h": "1 h", "runs_done": 42,
+            "runs_total": 42, "where": "cpu", "missing": [], "seeds": [0, 1, 2], "same_data_order": True,
+            "models": models, "sources": ct.source_summary(res)}
+    corpus = {"train": {"sha256": "a" * 64}, "val": {"sha256": "b" * 64}}
+    path = cr.write(str(tmp_path), {"meta": meta, "corpus": corpus, "aggregate": agg, "reruns": []})
+    text = open(path).read()
+    assert "| l4-d128 | 128 | 352 |" in text and "**NOT MET** (mean gap +2.000% > 1.5%" in text
+    assert "- no stochastic rounding (`nvfp4.grad_rounding=nearest`): -0.9" in text
+    assert (tmp_path / "convergence_recipe.png").stat().st_size > 10_000
+
+
+def test_rerun_compares_every_loss_bit_for_bit(tmp_path, corpus):
+    from benchmarks import convergence_recipe as cr
+
+    rec = {"final_val_loss": 1.5, "val_history": [[10, 2.0], [20, 1.5]], "final_train_loss": 1.4,
+           "train_loss_every_10": [2.1, 1.4], "source": {"sha256": "x"}}
+    assert cr.compare("r", rec, dict(rec))["identical"]
+    off = cr.compare("r", rec, {**rec, "val_history": [[10, 2.0], [20, 1.5000000000000002]]})
+    assert not off["identical"] and off["fields"]["val_history"] is False and off["fields"]["final_val_loss"]
+    # Only finished runs of the grid can be retrained.
+    cache = str(tmp_path)
+    json.dump(corpus, open(tmp_path / "corpus.json", "w"))
+    args = ct.parse_args(["--recipe", "--cache", cache, "--rerun", "nope"])
+    specs = ct.recipe_grid(args.sizes, args.seeds)
+    assert ct.rerun(args, [], specs, corpus, lambda _: None) == 2
+    args.rerun = specs[0]["name"]
+    assert ct.rerun(args, [], specs, corpus, lambda _: None) == 2

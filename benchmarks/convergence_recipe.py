@@ -1,0 +1,322 @@
+"""``python -m benchmarks convergence --text --recipe``: the full NVFP4 recipe's gap against width,
+and the ablation that attributes it.
+
+The runs are :mod:`benchmarks.convergence_text`'s (same corpus, same one-device runs, same
+cache, paired by seed): :data:`~benchmarks.convergence_text.RECIPE_SIZES` (the default model at
+4 layers, d_model 64 to 512) for :data:`~benchmarks.convergence_text.RECIPE_STEPS` steps, the
+full recipe (``nvfp4.compute=nvfp4``) against bf16, and the full recipe with its last block in
+bf16 (``nvfp4.keep_last_blocks=1``, a quarter of the blocks' linear layers; the head is always
+bf16) against bf16 with the same split (the split draws other init keys). At the widest width
+swept, :data:`~benchmarks.convergence_text.ABLATIONS` switch the recipe's elements off one at a
+time (the last block still bf16), each compared with the full recipe of the same seed.
+
+This module aggregates the runs and writes ``CONVERGENCE_RECIPE.md``, ``convergence_recipe.json``
+and ``convergence_recipe.png``; ``--rerun NAME`` trains one finished run again from the code of
+the working tree and says whether its losses are the recorded ones, bit for bit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+from typing import Any, Dict, List, Optional, Sequence
+
+from benchmarks import convergence_text as ct
+
+REPORT = "CONVERGENCE_RECIPE.md"
+FULL = "compute_nvfp4"
+FULL_KEEP = "compute_nvfp4_keep_last_blocks_1"
+BASE_KEEP = "bf16_keep_last_blocks_1"
+RECIPE_NAMES = {
+    FULL: "full recipe, every block NVFP4",
+    FULL_KEEP: "full recipe, last block bf16",
+}
+
+
+def widest(sizes: Sequence[str]) -> str:
+    return max(sizes, key=lambda s: list(ct.RECIPE_SIZES).index(s))
+
+
+def aggregate(results: Dict[str, Dict[str, Any]], sizes: Sequence[str], seeds: Sequence[int]) -> Dict[str, Any]:
+    """Per size, the recipe's gap with and without the bf16 last block; at the widest size,
+    each ablation's gap against bf16 (same split) and its difference from the full recipe
+    (``vs_default_pct``, paired by seed); the acceptance at the widest size."""
+    steps = ct.RECIPE_STEPS
+    sweep = []
+    for size in sorted(sizes, key=lambda s: list(ct.RECIPE_SIZES).index(s)):
+        row = {"size": size}
+        for v, base in ct.RECIPE_PAIRS.items():
+            g = ct._gaps(results, size, steps, seeds, v, base=base)
+            if g:
+                g["curve"] = _curve(results, size, steps, seeds, v, base)
+            row[v] = g
+        sweep.append(row)
+    top = widest(sizes) if sizes else None
+    ablation: Dict[str, Any] = {}
+    if top:
+        ref = ct._gaps(results, top, steps, seeds, FULL_KEEP, base=BASE_KEEP)
+        if ref:
+            ablation[FULL_KEEP] = ref
+        for v in ct.ABLATIONS:
+            g = ct._gaps(results, top, steps, seeds, v, base=BASE_KEEP)
+            if g:
+                d = ct._gaps(results, top, steps, seeds, v, base=FULL_KEEP)
+                g["vs_default_pct"] = d["gap_pct"] if d else None
+                ablation[v] = g
+    at_top = next((r for r in sweep if r["size"] == top), {})
+    accept = {"size": top, "full_recipe_keep_last": ct.verdict(at_top.get(FULL_KEEP), ct.RECIPE_TARGET),
+              "full_recipe": ct.verdict(at_top.get(FULL), ct.RECIPE_TARGET)}
+    return {"steps": steps, "sweep": sweep, "widest": top, "ablation": ablation, "acceptance": accept,
+            "attribution": attribution(ablation)}
+
+
+def _curve(results, size, steps, seeds, variant, base):
+    """``[(step, [gap % per seed])]`` over the evaluations the pairs share."""
+    curves = []
+    for seed in seeds:
+        a, b = results.get(ct.run_name(size, steps, seed, variant)), results.get(ct.run_name(size, steps, seed, base))
+        if a and b:
+            vb = {int(s): v for s, v in b["val_history"]}
+            curves.append({int(s): 100 * (v - vb[int(s)]) / vb[int(s)] for s, v in a["val_history"] if int(s) in vb})
+    if not curves:
+        return []
+    common = sorted(set.intersection(*(set(c) for c in curves)))
+    return [(s, [c[s] for c in curves]) for s in common]
+
+
+def attribution(ablation: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The ablations ordered by how much switching the element off lowers the gap (mean of the
+    paired differences from the full recipe), each with its 95% interval and verdict."""
+    out = []
+    for v, g in ablation.items():
+        d = g.get("vs_default_pct")
+        if v == FULL_KEEP or not d:
+            continue
+        lo, hi = ct.mean_interval(d) if d["n"] > 1 else (float("-inf"), float("inf"))
+        out.append({"variant": v, "name": ct.ABLATION_NAMES[v], "gap_pct": g["gap_pct"], "minus_full_pct": d,
+                    "interval": [lo, hi], "effect": ct.lever_effect(g), "met": ct.verdict(g, ct.RECIPE_TARGET)})
+    return sorted(out, key=lambda a: a["minus_full_pct"]["mean"])
+
+
+# ----------------------------------------------------------------------------- report
+def plot(agg: Dict[str, Any], models: Dict[str, Dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for v, c, dx in ((FULL, "tab:red", -0.04), (FULL_KEEP, "tab:blue", 0.04)):
+        rows = [(models[r["size"]]["d_model"], r[v]["gap_pct"]) for r in agg["sweep"] if r.get(v)]
+        if not rows:
+            continue
+        x = [d * 2 ** dx for d, _ in rows]
+        mean = [s["mean"] for _, s in rows]
+        err = _spread([s for _, s in rows])
+        a.errorbar(x, mean, yerr=err, fmt="o-", color=c, capsize=3, label=f"{RECIPE_NAMES[v]} (seed min-max)")
+    a.set_xscale("log", base=2)
+    a.axhline(0, color="k", lw=0.8)
+    a.axhline(ct.RECIPE_TARGET, color="k", ls=":", lw=0.8, label=f"{ct.RECIPE_TARGET}% (published level)")
+    a.set_xlabel("d_model (4 layers)")
+    a.set_ylabel("val loss gap, % of bf16")
+    a.set_title(f"full recipe vs bf16, {agg['steps']} steps")
+    a.grid(alpha=0.3)
+    a.legend(fontsize=7)
+    names = [(FULL_KEEP, "full recipe")] + [(v, ct.ABLATION_NAMES[v].split(" (")[0]) for v in ct.ABLATIONS]
+    bars = [(label, agg["ablation"][v]["gap_pct"]) for v, label in names if v in agg["ablation"]]
+    if bars:
+        y = range(len(bars))
+        b.barh(list(y), [s["mean"] for _, s in bars], color=["tab:blue"] + ["tab:gray"] * (len(bars) - 1),
+               xerr=_spread([s for _, s in bars]), capsize=3)
+        b.set_yticks(list(y), [label for label, _ in bars], fontsize=8)
+        b.invert_yaxis()
+        b.axvline(0, color="k", lw=0.8)
+        b.axvline(ct.RECIPE_TARGET, color="k", ls=":", lw=0.8)
+        b.set_xlabel("val loss gap, % of bf16 with the same split")
+        b.set_title(f"one element off at a time ({agg['widest']}, last block bf16)", fontsize=9)
+        b.grid(alpha=0.3, axis="x")
+    else:
+        b.text(0.5, 0.5, "ablation not run", transform=b.transAxes, ha="center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _spread(stats) -> List[List[float]]:
+    """Error bars from the mean to the seeds' min and max (never negative: equal seeds)."""
+    return [[max(0.0, s["mean"] - s["min"]) for s in stats], [max(0.0, s["max"] - s["mean"]) for s in stats]]
+
+
+def _cell(g: Optional[Dict[str, Any]]) -> str:
+    return ct._pct(g["gap_pct"]) if g else "not run"
+
+
+def write_report(out: str, payload: Dict[str, Any]) -> str:
+    agg, meta, corpus = payload["aggregate"], payload["meta"], payload["corpus"]
+    models = meta["models"]
+    L = ["# The full NVFP4 recipe against bf16: gap against width, and an ablation", "",
+         f"Reproduce (corpus, runs, this report, the JSON and the plot): `{meta['command']}`.",
+         f"Run time: {meta['grid_wall_h']}, {meta['runs_done']} of {meta['runs_total']} runs ({meta['where']}).",
+         f"Retrain one finished run and compare its losses bit for bit: `{meta['command']} --rerun NAME`.", ""]
+    if meta["missing"]:
+        L += [f"**Not run ({len(meta['missing'])} of {meta['runs_total']}):** "
+              + ", ".join(f"`{m}`" for m in meta["missing"]) + ".", ""]
+    L += ["## Setup", "",
+          f"The corpus, splits and run protocol of [CONVERGENCE_TEXT.md](CONVERGENCE_TEXT.md) (train sha256 "
+          f"`{corpus['train']['sha256'][:16]}...`, held-out `{corpus['val']['sha256'][:16]}...`): byte tokens, one "
+          f"device per run, `train.seed = data.seed = seed` for seeds {meta['seeds']}, every pair reads the same "
+          f"batches (sha256 of every training batch, equal in every pair: **{meta['same_data_order']}**), final "
+          f"validation loss on {ct.EVAL_BATCHES} held-out batches. Gap = (recipe - bf16) / bf16 in % of the bf16 "
+          "loss, paired by seed: mean [min, max] (std).", "",
+          "The models: the default model at 4 layers, widened with 32-wide heads, 16 x 64 tokens per step, "
+          f"{agg['steps']} steps ({agg['steps'] * 16 * 64:,} tokens). The full recipe (`nvfp4.compute=nvfp4`): "
+          "weights stored in 16x16 tiles; activations (fprop, and wgrad's x) and gradients quantized in 1x16 "
+          "blocks along the contraction; gradients rounded stochastically; a random Hadamard transform on both "
+          "wgrad operands; embedding, head and norms bf16. With the last block bf16 (`nvfp4.keep_last_blocks=1`): "
+          "7 of the 28 block linear layers (25%, the nearest 4 layers come to the published ~16%), against bf16 "
+          "with the same split (the split draws the last block's params from other init keys).", ""]
+    L += ct.source_lines(meta, {"table": [g for r in agg["sweep"] for g in (r.get(FULL), r.get(FULL_KEEP)) if g],
+                                "levers": {k: g for k, g in agg["ablation"].items()}})
+    L += [f"## Gap against width ({agg['steps']} steps)", "",
+          "| size | d_model | MLP | params | bf16 val loss | full recipe | bf16 val loss, split | "
+          "full recipe, last block bf16 |", "|---|---:|---:|---:|---:|---|---:|---|"]
+    for r in agg["sweep"]:
+        m = models[r["size"]]
+        base = lambda g: f"{g['base_val']['mean']:.4f}" if g else "-"
+        L.append(f"| {r['size']} | {m['d_model']} | {m['mlp_hidden']} | {m['params'] / 1e6:.2f} M | {base(r.get(FULL))} | "
+                 f"{_cell(r.get(FULL))} | {base(r.get(FULL_KEEP))} | {_cell(r.get(FULL_KEEP))} |")
+    L += ["", "![gap against width; ablation](convergence_recipe.png)", ""]
+    ab = agg["ablation"]
+    if ab:
+        L += [f"## Ablation ({agg['widest']}, last block bf16, {agg['steps']} steps)", "",
+              "Each row switches one element of the recipe off. Gap: against bf16 with the same split. "
+              "Minus the full recipe: the paired difference from the full recipe's run of the same seed "
+              "(negative: the element costs that much).", "",
+              "| setting | val loss (mean) | gap % of bf16 | minus the full recipe, % | effect of switching it off |",
+              "|---|---:|---|---|---|"]
+        for v, g in ab.items():
+            name = RECIPE_NAMES.get(v) or ct.ABLATION_NAMES[v]
+            d = g.get("vs_default_pct")
+            L.append(f"| {name} | {g['val']['mean']:.4f} | {ct._pct(g['gap_pct'])} | {ct._pct(d) if d else '-'} | "
+                     f"{ct.lever_effect(g) if d else '-'} |")
+        L += ["", "1D weights: the weights-only layout (one scale per 16 consecutive inputs) serves the forward "
+              "GEMM as stored; the backward GEMM contracts over the outputs, so it re-quantizes the dequantized "
+              "weight in 1x16 blocks along them, and sees another weight than the forward pass (the 16x16 tiles "
+              "serve both as they are). Activations in bf16: the forward and weight-gradient GEMMs multiply the "
+              "bf16 activations by the other operand dequantized (not an FP4 GEMM).", ""]
+    a = agg["acceptance"]
+    L += ["## Acceptance", "",
+          "Rule: mean gap <= target, or zero inside the seeds' spread of the gap.", "",
+          f"- Full recipe with the last block bf16 at the widest width ({a['size']}): target {ct.RECIPE_TARGET}% -> "
+          f"**{ct._met(a['full_recipe_keep_last'])}** ({a['full_recipe_keep_last']['why']}).",
+          f"- Full recipe, every block NVFP4 ({a['size']}): target {ct.RECIPE_TARGET}% -> "
+          f"**{ct._met(a['full_recipe'])}** ({a['full_recipe']['why']}).", ""]
+    if agg["attribution"]:
+        L += ["Attribution (the elements ordered by what switching each off takes off the gap):", ""]
+        for x in agg["attribution"]:
+            lo, hi = x["interval"]
+            L.append(f"- {x['name']}: {x['minus_full_pct']['mean']:+.2f}% of the loss (95% interval "
+                     f"[{lo:+.2f}%, {hi:+.2f}%]); gap then {x['gap_pct']['mean']:+.2f}% ({ct._met(x['met'])} at "
+                     f"{ct.RECIPE_TARGET}%).")
+        L.append("")
+    reruns = payload.get("reruns") or []
+    if reruns:
+        L += ["## Reproduction", "", "| run | recorded val loss | retrained | bit for bit | code of the retraining |",
+              "|---|---:|---:|---|---|"]
+        for x in reruns:
+            L.append(f"| `{x['name']}` | {x['recorded']['final_val_loss']!r} | {x['rerun']['final_val_loss']!r} | "
+                     f"{'yes' if x['identical'] else 'NO'} | `{x['rerun_source']['sha256'][:12]}` (commit "
+                     f"`{(x['rerun_source'].get('git_commit') or '?')[:10]}`) |")
+        L.append("")
+    text = "\n".join(L) + "\n"
+    path = os.path.join(out, REPORT)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def assemble(results, specs, corpus, args, argv, wall: float, cache: str) -> Dict[str, Any]:
+    import jax
+
+    from benchmarks.train_step import model_summary
+
+    agg = aggregate(results, args.sizes, args.seeds)
+    models = {}
+    for size in args.sizes:
+        cfg, _ = ct.run_config(size, 10, 0, "bf16", corpus)
+        models[size] = {**model_summary(cfg), "params": n_params(cfg)}
+    run_wall = sum(r["wall_s"] for r in results.values())
+    span = ct._busy(results)
+    same = [results[ct.run_name(s["size"], s["steps"], s["seed"], v)]["data_order_sha256"]
+            == results[ct.run_name(s["size"], s["steps"], s["seed"], "bf16")]["data_order_sha256"]
+            for s in specs for v in (s["variant"],)
+            if s["name"] in results and ct.run_name(s["size"], s["steps"], s["seed"], "bf16") in results]
+    meta = {
+        "command": ct._command(ct._without(argv, "--rerun")),
+        "seeds": list(args.seeds), "sizes": list(args.sizes),
+        "runs_done": len(results), "runs_total": len(specs), "missing": [s["name"] for s in specs if s["name"] not in results],
+        "run_wall_s_sum": round(run_wall, 1), "this_invocation_wall_s": round(wall, 1), "grid_wall_s": round(span, 1),
+        "grid_wall_h": f"{span / 3600:.2f} h wall clock with runs in progress ({run_wall / 3600:.2f} h of run time "
+                       f"summed over the runs, at most {ct._workers(results)} at once)" if results else "no runs",
+        "run_wall_s": {size: round(statistics.fmean([r["wall_s"] for r in results.values() if r["size"] == size]), 1)
+                       for size in args.sizes if any(r["size"] == size for r in results.values())},
+        "where": f"{jax.default_backend()}, {os.cpu_count()} CPU cores, jax {jax.__version__}, "
+                 f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        "same_data_order": bool(same) and all(same), "models": models, "sources": ct.source_summary(results),
+        "git_commit": ct.git_commit(),
+    }
+    return {"meta": meta, "corpus": corpus, "aggregate": agg, "reruns": read_reruns(cache),
+            "runs": {k: {kk: vv for kk, vv in v.items() if kk != "train_loss_every_10"} for k, v in results.items()}}
+
+
+def n_params(cfg) -> int:
+    """The model's parameter count (embedding and head included)."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+
+    from train.model import from_config
+
+    model = from_config(cfg.model, cfg.nvfp4)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, cfg.model.seq_len), jnp.int32)))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["params"]))
+
+
+def write(out: str, payload: Dict[str, Any]) -> str:
+    os.makedirs(out, exist_ok=True)
+    plot(payload["aggregate"], payload["meta"]["models"], os.path.join(out, "convergence_recipe.png"))
+    with open(os.path.join(out, "convergence_recipe.json"), "w") as f:
+        json.dump(payload, f, indent=1)
+    return write_report(out, payload)
+
+
+# ----------------------------------------------------------------------------- reproduction
+def rerun_dir(cache: str) -> str:
+    return os.path.join(cache, "reruns")
+
+
+def compare(name: str, recorded: Dict[str, Any], rerun: Dict[str, Any]) -> Dict[str, Any]:
+    """Whether a retrained run's losses are the recorded ones bit for bit (the final validation
+    loss, every validation point and the training losses every 10 steps)."""
+    keys = ("final_val_loss", "val_history", "final_train_loss", "train_loss_every_10")
+    same = {k: recorded.get(k) == rerun.get(k) for k in keys}
+    return {"name": name, "identical": all(same.values()), "fields": same,
+            "recorded": {k: recorded.get(k) for k in ("final_val_loss", "final_train_loss")},
+            "rerun": {k: rerun.get(k) for k in ("final_val_loss", "final_train_loss")},
+            "recorded_source": recorded.get("source"), "rerun_source": rerun.get("source"),
+            "checked_unix": rerun.get("finished_unix")}
+
+
+def read_reruns(cache: str) -> List[Dict[str, Any]]:
+    d = rerun_dir(cache)
+    if not os.path.isdir(d):
+        return []
+    out = []
+    for f in sorted(os.listdir(d)):
+        if f.endswith(".json"):
+            with open(os.path.join(d, f)) as fh:
+                out.append(json.load(fh))
+    return out

@@ -17,7 +17,6 @@ the working tree and says whether its losses are the recorded ones, bit for bit.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import statistics
@@ -50,7 +49,7 @@ def aggregate(results: Dict[str, Dict[str, Any]], sizes: Sequence[str], seeds: S
         for v, base in ct.RECIPE_PAIRS.items():
             g = ct._gaps(results, size, steps, seeds, v, base=base)
             if g:
-                g["curve"] = _curve(results, size, steps, seeds, v, base)
+                g["curve"] = ct._gap_curve(results, size, steps, seeds, v, base)
             row[v] = g
         sweep.append(row)
     top = widest(sizes) if sizes else None
@@ -70,20 +69,6 @@ def aggregate(results: Dict[str, Dict[str, Any]], sizes: Sequence[str], seeds: S
               "full_recipe": ct.verdict(at_top.get(FULL), ct.RECIPE_TARGET)}
     return {"steps": steps, "sweep": sweep, "widest": top, "ablation": ablation, "acceptance": accept,
             "attribution": attribution(ablation)}
-
-
-def _curve(results, size, steps, seeds, variant, base):
-    """``[(step, [gap % per seed])]`` over the evaluations the pairs share."""
-    curves = []
-    for seed in seeds:
-        a, b = results.get(ct.run_name(size, steps, seed, variant)), results.get(ct.run_name(size, steps, seed, base))
-        if a and b:
-            vb = {int(s): v for s, v in b["val_history"]}
-            curves.append({int(s): 100 * (v - vb[int(s)]) / vb[int(s)] for s, v in a["val_history"] if int(s) in vb})
-    if not curves:
-        return []
-    common = sorted(set.intersection(*(set(c) for c in curves)))
-    return [(s, [c[s] for c in curves]) for s in common]
 
 
 def attribution(ablation: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -238,37 +223,18 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
 
 
 def assemble(results, specs, corpus, args, argv, wall: float, cache: str) -> Dict[str, Any]:
-    import jax
-
     from benchmarks.train_step import model_summary
 
-    agg = aggregate(results, args.sizes, args.seeds)
     models = {}
     for size in args.sizes:
         cfg, _ = ct.run_config(size, 10, 0, "bf16", corpus)
         models[size] = {**model_summary(cfg), "params": n_params(cfg)}
-    run_wall = sum(r["wall_s"] for r in results.values())
-    span = ct._busy(results)
-    same = [results[ct.run_name(s["size"], s["steps"], s["seed"], v)]["data_order_sha256"]
-            == results[ct.run_name(s["size"], s["steps"], s["seed"], "bf16")]["data_order_sha256"]
-            for s in specs for v in (s["variant"],)
-            if s["name"] in results and ct.run_name(s["size"], s["steps"], s["seed"], "bf16") in results]
-    meta = {
-        "command": ct._command(ct._without(argv, "--rerun")),
-        "seeds": list(args.seeds), "sizes": list(args.sizes),
-        "runs_done": len(results), "runs_total": len(specs), "missing": [s["name"] for s in specs if s["name"] not in results],
-        "run_wall_s_sum": round(run_wall, 1), "this_invocation_wall_s": round(wall, 1), "grid_wall_s": round(span, 1),
-        "grid_wall_h": f"{span / 3600:.2f} h wall clock with runs in progress ({run_wall / 3600:.2f} h of run time "
-                       f"summed over the runs, at most {ct._workers(results)} at once)" if results else "no runs",
-        "run_wall_s": {size: round(statistics.fmean([r["wall_s"] for r in results.values() if r["size"] == size]), 1)
-                       for size in args.sizes if any(r["size"] == size for r in results.values())},
-        "where": f"{jax.default_backend()}, {os.cpu_count()} CPU cores, jax {jax.__version__}, "
-                 f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        "same_data_order": bool(same) and all(same), "models": models, "sources": ct.source_summary(results),
-        "git_commit": ct.git_commit(),
-    }
-    return {"meta": meta, "corpus": corpus, "aggregate": agg, "reruns": read_reruns(cache),
-            "runs": {k: {kk: vv for kk, vv in v.items() if kk != "train_loss_every_10"} for k, v in results.items()}}
+    meta = {"seeds": list(args.seeds), "sizes": list(args.sizes), "models": models,
+            "run_wall_s": {size: round(statistics.fmean([r["wall_s"] for r in results.values() if r["size"] == size]), 1)
+                           for size in args.sizes if any(r["size"] == size for r in results.values())},
+            **ct.run_meta(results, specs, argv, wall)}
+    return {"meta": meta, "corpus": corpus, "aggregate": aggregate(results, args.sizes, args.seeds),
+            "reruns": read_reruns(cache), "runs": ct.stored_runs(results)}
 
 
 def n_params(cfg) -> int:

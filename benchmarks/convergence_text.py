@@ -509,11 +509,11 @@ def source_summary(results: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
             "unrecorded": sorted(k for k, r in results.items() if "source" not in r)}
 
 
-def _gap_curve(results, size, steps, seeds, variant="nvfp4"):
+def _gap_curve(results, size, steps, seeds, variant="nvfp4", base="bf16"):
     """``[(step, [gap % per seed])]`` over the evaluations the runs share."""
     curves = []
     for seed in seeds:
-        a, b = results.get(run_name(size, steps, seed, variant)), results.get(run_name(size, steps, seed, "bf16"))
+        a, b = results.get(run_name(size, steps, seed, variant)), results.get(run_name(size, steps, seed, base))
         if a and b:
             vb = dict((int(s), v) for s, v in b["val_history"])
             curves.append({int(s): 100 * (v - vb[int(s)]) / vb[int(s)] for s, v in a["val_history"] if int(s) in vb})
@@ -993,8 +993,6 @@ def rerun(args, argv, specs, corpus, log) -> int:
 
 
 def assemble(results, specs, corpus, args, argv, wall: float) -> Dict[str, Any]:
-    import jax
-
     from benchmarks.train_step import model_summary
 
     agg = aggregate(results, args.seeds, args.sizes, args.lengths_map, args.headline)
@@ -1002,6 +1000,16 @@ def assemble(results, specs, corpus, args, argv, wall: float) -> Dict[str, Any]:
     for size in args.sizes:
         cfg, _ = run_config(size, 10, 0, "nvfp4", corpus)
         models[size] = model_summary(cfg)
+    meta = {"seeds": list(args.seeds), "headline_seeds": list(args.headline), "sizes": list(args.sizes),
+            "lengths": args.lengths_map, "models": models, **run_meta(results, specs, argv, wall)}
+    return {"meta": meta, "corpus": corpus, "aggregate": agg, "runs": stored_runs(results)}
+
+
+def run_meta(results, specs, argv, wall: float) -> Dict[str, Any]:
+    """What a report says of its runs: the command, which runs are done, their time, where,
+    whether every pair read the same batches, and the code they were trained by."""
+    import jax
+
     run_wall = sum(r["wall_s"] for r in results.values())
     # Wall clock of the grid: the time during which at least one run was in progress, over every
     # invocation and worker process that contributed (a grid resumed later does not count the
@@ -1009,10 +1017,8 @@ def assemble(results, specs, corpus, args, argv, wall: float) -> Dict[str, Any]:
     span = _busy(results)
     same = [r["data_order_sha256"] == results[r["name"].rsplit("-", 1)[0] + "-bf16"]["data_order_sha256"]
             for r in results.values() if r["name"].rsplit("-", 1)[0] + "-bf16" in results]
-    meta = {
-        "command": _command(argv), "seeds": list(args.seeds), "headline_seeds": list(args.headline),
-        "sizes": list(args.sizes), "lengths": args.lengths_map,
-        "runs_done": len(results), "runs_total": len(specs),
+    return {
+        "command": _command(argv), "runs_done": len(results), "runs_total": len(specs),
         "missing": [s["name"] for s in specs if s["name"] not in results],
         "run_wall_s_sum": round(run_wall, 1), "this_invocation_wall_s": round(wall, 1),
         "grid_wall_s": round(span, 1),
@@ -1020,11 +1026,13 @@ def assemble(results, specs, corpus, args, argv, wall: float) -> Dict[str, Any]:
                        f"time summed over the runs, at most {_workers(results)} at once)",
         "where": f"{jax.default_backend()}, {os.cpu_count()} CPU cores, jax {jax.__version__}, "
                  f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        "same_data_order": bool(same) and all(same), "models": models, "sources": source_summary(results),
-        "git_commit": git_commit(),
+        "same_data_order": bool(same) and all(same), "sources": source_summary(results), "git_commit": git_commit(),
     }
-    return {"meta": meta, "corpus": corpus, "aggregate": agg,
-            "runs": {k: {kk: vv for kk, vv in v.items() if kk != "train_loss_every_10"} for k, v in results.items()}}
+
+
+def stored_runs(results) -> Dict[str, Any]:
+    """The runs as the results JSON keeps them (without the training-loss trace)."""
+    return {k: {kk: vv for kk, vv in v.items() if kk != "train_loss_every_10"} for k, v in results.items()}
 
 
 def _busy(results) -> float:

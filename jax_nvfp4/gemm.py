@@ -304,6 +304,13 @@ def _per_platform(*args, cuda, default):
     return jax.lax.platform_dependent(*args, cuda=cuda, default=default)
 
 
+def _product(a: jax.Array, b: jax.Array, b_contract: int) -> jax.Array:
+    """The emulation's GEMM: float32 ``a [R, K]`` times ``b`` contracted over its axis
+    ``b_contract``, at ``Precision.HIGHEST``."""
+    return jax.lax.dot_general(a, b, (((1,), (b_contract,)), ((), ())),
+                               precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
 def _gemm(a: NVFP4Array, b: NVFP4Array, b_contract: int, backend: str) -> jax.Array:
     """``dequantize(a) [R, K] @ dequantize(b)`` contracted over K, float32 ``[R, C]``: the
     emulation, and on CUDA the ``backend`` GEMM.
@@ -313,10 +320,7 @@ def _gemm(a: NVFP4Array, b: NVFP4Array, b_contract: int, backend: str) -> jax.Ar
     """
 
     def emulated(a, b):
-        return jax.lax.dot_general(
-            dequantize(a, jnp.float32), dequantize(b, jnp.float32),
-            (((1,), (b_contract,)), ((), ())),
-            precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        return _product(dequantize(a, jnp.float32), dequantize(b, jnp.float32), b_contract)
 
     def native(a, b):
         return _gemm_nt_native(a, transpose(b) if b_contract == 0 else b, backend)
@@ -363,13 +367,13 @@ def _dgrad_operand(g, key) -> NVFP4Array:
     return _quantize_1d(g, key)
 
 
-def _dgrad_weight(w_q: NVFP4Array) -> Tuple[NVFP4Array, int]:
-    """dgrad's weight operand and the axis of it that dgrad contracts (N): the stored 2D tiles
-    as they are (``[K, N]``, axis 1), or, for a weight in ``(16, 1)`` blocks along K, its
-    dequantized values re-quantized in 1D blocks along N (round to nearest)."""
+def _dgrad_weight(w_q: NVFP4Array) -> NVFP4Array:
+    """dgrad's weight operand ``[K, N]``, contracted over N: the stored 2D tiles as they are,
+    or, for a weight in ``(16, 1)`` blocks along K, its dequantized values re-quantized in 1D
+    blocks along N (round to nearest)."""
     if w_q.block == BLOCK_2D:
-        return w_q, 1
-    return quantize(dequantize(w_q, jnp.float32), block=BLOCK_1D), 1
+        return w_q
+    return quantize(dequantize(w_q, jnp.float32), block=BLOCK_1D)
 
 
 def _wgrad_operands(x2d, g, key, rht: bool, quantize_x: bool = True):
@@ -394,8 +398,7 @@ def _wgrad_operands(x2d, g, key, rht: bool, quantize_x: bool = True):
 def _float_gemm(a: jax.Array, b: NVFP4Array, b_contract: int) -> jax.Array:
     """``a [R, K] @ dequantize(b)`` contracted over K in float32, for an operand left in float
     (``quantize_x=False``): not a block-scaled GEMM on any platform."""
-    return jax.lax.dot_general(a.astype(jnp.float32), dequantize(b, jnp.float32), (((1,), (b_contract,)), ((), ())),
-                               precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return _product(a.astype(jnp.float32), dequantize(b, jnp.float32), b_contract)
 
 
 def _fprop(x2d, w_q, cfg: _Config):
@@ -420,7 +423,7 @@ def _dot_bwd(cfg: _Config, res, g):
     k_dgrad, k_wgrad = _backward_keys(key)
     # dgrad: dx [M, K] = dy [M, N] @ Wᵀ; the stored tiles serve transposed as they are.
     dyq = _dgrad_operand(g, k_dgrad if cfg.stochastic_dgrad else None)
-    dx = _gemm(dyq, *_dgrad_weight(w_q), cfg.cuda_backend).astype(x2d.dtype)
+    dx = _gemm(dyq, _dgrad_weight(w_q), 1, cfg.cuda_backend).astype(x2d.dtype)
 
     dw = None
     if cfg.w_dtype is not None:

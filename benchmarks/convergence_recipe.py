@@ -7,8 +7,9 @@ cache, paired by seed): :data:`~benchmarks.convergence_text.RECIPE_SIZES` (the d
 full recipe (``nvfp4.compute=nvfp4``) against bf16, and the full recipe with its last block in
 bf16 (``nvfp4.keep_last_blocks=1``, a quarter of the blocks' linear layers; the head is always
 bf16) against bf16 with the same split (the split draws other init keys). At the widest width
-swept, :data:`~benchmarks.convergence_text.ABLATIONS` switch the recipe's elements off one at a
-time (the last block still bf16), each compared with the full recipe of the same seed.
+swept (or at each size ``--ablation-at`` names), :data:`~benchmarks.convergence_text.ABLATIONS`
+switch the recipe's elements off one at a time (the last block still bf16), each compared with
+the full recipe of the same seed.
 
 This module aggregates the runs and writes ``CONVERGENCE_RECIPE.md``, ``convergence_recipe.json``
 and ``convergence_recipe.png``; ``--rerun NAME`` trains one finished run again from the code of
@@ -38,13 +39,16 @@ def widest(sizes: Sequence[str]) -> str:
     return max(sizes, key=lambda s: list(ct.RECIPE_SIZES).index(s))
 
 
-def aggregate(results: Dict[str, Dict[str, Any]], sizes: Sequence[str], seeds: Sequence[int]) -> Dict[str, Any]:
-    """Per size, the recipe's gap with and without the bf16 last block; at the widest size,
-    each ablation's gap against bf16 (same split) and its difference from the full recipe
-    (``vs_default_pct``, paired by seed); the acceptance at the widest size."""
+def aggregate(results: Dict[str, Dict[str, Any]], sizes: Sequence[str], seeds: Sequence[int],
+              ablation_sizes: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """Per size, the recipe's gap with and without the bf16 last block; at each ablation size
+    (default: the widest), each ablation's gap against bf16 (same split) and its difference
+    from the full recipe (``vs_default_pct``, paired by seed), and the attribution; the
+    acceptance at the widest size."""
     steps = ct.RECIPE_STEPS
+    order = lambda xs: sorted(xs, key=lambda s: list(ct.RECIPE_SIZES).index(s))
     sweep = []
-    for size in sorted(sizes, key=lambda s: list(ct.RECIPE_SIZES).index(s)):
+    for size in order(sizes):
         row = {"size": size}
         for v, base in ct.RECIPE_PAIRS.items():
             g = ct._gaps(results, size, steps, seeds, v, base=base)
@@ -53,22 +57,23 @@ def aggregate(results: Dict[str, Dict[str, Any]], sizes: Sequence[str], seeds: S
             row[v] = g
         sweep.append(row)
     top = widest(sizes) if sizes else None
-    ablation: Dict[str, Any] = {}
-    if top:
-        ref = ct._gaps(results, top, steps, seeds, FULL_KEEP, base=BASE_KEEP)
+    ablations = []
+    for size in order([top] if ablation_sizes is None and top else ablation_sizes or []):
+        rows: Dict[str, Any] = {}
+        ref = ct._gaps(results, size, steps, seeds, FULL_KEEP, base=BASE_KEEP)
         if ref:
-            ablation[FULL_KEEP] = ref
+            rows[FULL_KEEP] = ref
         for v in ct.ABLATIONS:
-            g = ct._gaps(results, top, steps, seeds, v, base=BASE_KEEP)
+            g = ct._gaps(results, size, steps, seeds, v, base=BASE_KEEP)
             if g:
-                d = ct._gaps(results, top, steps, seeds, v, base=FULL_KEEP)
+                d = ct._gaps(results, size, steps, seeds, v, base=FULL_KEEP)
                 g["vs_default_pct"] = d["gap_pct"] if d else None
-                ablation[v] = g
+                rows[v] = g
+        ablations.append({"size": size, "rows": rows, "attribution": attribution(rows)})
     at_top = next((r for r in sweep if r["size"] == top), {})
     accept = {"size": top, "full_recipe_keep_last": ct.verdict(at_top.get(FULL_KEEP), ct.RECIPE_TARGET),
               "full_recipe": ct.verdict(at_top.get(FULL), ct.RECIPE_TARGET)}
-    return {"steps": steps, "sweep": sweep, "widest": top, "ablation": ablation, "acceptance": accept,
-            "attribution": attribution(ablation)}
+    return {"steps": steps, "sweep": sweep, "widest": top, "ablations": ablations, "acceptance": accept}
 
 
 def attribution(ablation: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -110,18 +115,22 @@ def plot(agg: Dict[str, Any], models: Dict[str, Dict[str, Any]], path: str) -> N
     a.grid(alpha=0.3)
     a.legend(fontsize=7)
     names = [(FULL_KEEP, "full recipe")] + [(v, ct.ABLATION_NAMES[v].split(" (")[0]) for v in ct.ABLATIONS]
-    bars = [(label, agg["ablation"][v]["gap_pct"]) for v, label in names if v in agg["ablation"]]
-    if bars:
-        y = range(len(bars))
-        b.barh(list(y), [s["mean"] for _, s in bars], color=["tab:blue"] + ["tab:gray"] * (len(bars) - 1),
-               xerr=_spread([s for _, s in bars]), capsize=3)
-        b.set_yticks(list(y), [label for label, _ in bars], fontsize=8)
+    done = [ab for ab in agg["ablations"] if ab["rows"]]
+    if done:
+        h = 0.8 / len(done)
+        for i, ab in enumerate(done):  # one bar per ablated size and setting, narrowest first
+            bars = [(k, ab["rows"][v]["gap_pct"]) for k, (v, _) in enumerate(names) if v in ab["rows"]]
+            b.barh([k - 0.4 + h * (i + 0.5) for k, _ in bars], [g["mean"] for _, g in bars], height=h,
+                   xerr=_spread([g for _, g in bars]), capsize=2, color=f"C{i}",
+                   label=f"d_model {models[ab['size']]['d_model']}")
+        b.set_yticks(list(range(len(names))), [label for _, label in names], fontsize=8)
         b.invert_yaxis()
         b.axvline(0, color="k", lw=0.8)
         b.axvline(ct.RECIPE_TARGET, color="k", ls=":", lw=0.8)
         b.set_xlabel("val loss gap, % of bf16 with the same split")
-        b.set_title(f"one element off at a time ({agg['widest']}, last block bf16)", fontsize=9)
+        b.set_title("one element off at a time (last block bf16)", fontsize=9)
         b.grid(alpha=0.3, axis="x")
+        b.legend(fontsize=7)
     else:
         b.text(0.5, 0.5, "ablation not run", transform=b.transAxes, ha="center")
     fig.tight_layout()
@@ -163,7 +172,7 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
           "7 of the 28 block linear layers (25%, the nearest 4 layers come to the published ~16%), against bf16 "
           "with the same split (the split draws the last block's params from other init keys).", ""]
     L += ct.source_lines(meta, {"table": [g for r in agg["sweep"] for g in (r.get(FULL), r.get(FULL_KEEP)) if g],
-                                "levers": {k: g for k, g in agg["ablation"].items()}})
+                                "levers": {f"{ab['size']}/{k}": g for ab in agg["ablations"] for k, g in ab["rows"].items()}})
     L += [f"## Gap against width ({agg['steps']} steps)", "",
           "| size | d_model | MLP | params | bf16 val loss | full recipe | bf16 val loss, split | "
           "full recipe, last block bf16 |", "|---|---:|---:|---:|---:|---|---:|---|"]
@@ -173,20 +182,31 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
         L.append(f"| {r['size']} | {m['d_model']} | {m['mlp_hidden']} | {m['params'] / 1e6:.2f} M | {base(r.get(FULL))} | "
                  f"{_cell(r.get(FULL))} | {base(r.get(FULL_KEEP))} | {_cell(r.get(FULL_KEEP))} |")
     L += ["", "![gap against width; ablation](convergence_recipe.png)", ""]
-    ab = agg["ablation"]
-    if ab:
-        L += [f"## Ablation ({agg['widest']}, last block bf16, {agg['steps']} steps)", "",
+    for ab in agg["ablations"]:
+        if not ab["rows"]:
+            continue
+        L += [f"## Ablation ({ab['size']}, last block bf16, {agg['steps']} steps)", "",
               "Each row switches one element of the recipe off. Gap: against bf16 with the same split. "
               "Minus the full recipe: the paired difference from the full recipe's run of the same seed "
               "(negative: the element costs that much).", "",
               "| setting | val loss (mean) | gap % of bf16 | minus the full recipe, % | effect of switching it off |",
               "|---|---:|---|---|---|"]
-        for v, g in ab.items():
+        for v, g in ab["rows"].items():
             name = RECIPE_NAMES.get(v) or ct.ABLATION_NAMES[v]
             d = g.get("vs_default_pct")
             L.append(f"| {name} | {g['val']['mean']:.4f} | {ct._pct(g['gap_pct'])} | {ct._pct(d) if d else '-'} | "
                      f"{ct.lever_effect(g) if d else '-'} |")
-        L += ["", "1D weights: the weights-only layout (one scale per 16 consecutive inputs) serves the forward "
+        L.append("")
+        if ab["attribution"]:
+            L += ["Attribution (the elements ordered by what switching each off takes off the gap):", ""]
+            for x in ab["attribution"]:
+                lo, hi = x["interval"]
+                L.append(f"- {x['name']}: {x['minus_full_pct']['mean']:+.2f}% of the loss (95% interval "
+                         f"[{lo:+.2f}%, {hi:+.2f}%]); gap then {x['gap_pct']['mean']:+.2f}% ({ct._met(x['met'])} at "
+                         f"{ct.RECIPE_TARGET}%).")
+            L.append("")
+    if any(ab["rows"] for ab in agg["ablations"]):
+        L += ["1D weights: the weights-only layout (one scale per 16 consecutive inputs) serves the forward "
               "GEMM as stored; the backward GEMM contracts over the outputs, so it re-quantizes the dequantized "
               "weight in 1x16 blocks along them, and sees another weight than the forward pass (the 16x16 tiles "
               "serve both as they are). Activations in bf16: the forward and weight-gradient GEMMs multiply the "
@@ -198,14 +218,6 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
           f"**{ct._met(a['full_recipe_keep_last'])}** ({a['full_recipe_keep_last']['why']}).",
           f"- Full recipe, every block NVFP4 ({a['size']}): target {ct.RECIPE_TARGET}% -> "
           f"**{ct._met(a['full_recipe'])}** ({a['full_recipe']['why']}).", ""]
-    if agg["attribution"]:
-        L += ["Attribution (the elements ordered by what switching each off takes off the gap):", ""]
-        for x in agg["attribution"]:
-            lo, hi = x["interval"]
-            L.append(f"- {x['name']}: {x['minus_full_pct']['mean']:+.2f}% of the loss (95% interval "
-                     f"[{lo:+.2f}%, {hi:+.2f}%]); gap then {x['gap_pct']['mean']:+.2f}% ({ct._met(x['met'])} at "
-                     f"{ct.RECIPE_TARGET}%).")
-        L.append("")
     reruns = payload.get("reruns") or []
     if reruns:
         L += ["## Reproduction", "", "| run | recorded val loss | retrained | bit for bit | code of the retraining |",
@@ -233,7 +245,7 @@ def assemble(results, specs, corpus, args, argv, wall: float, cache: str) -> Dic
             "run_wall_s": {size: round(statistics.fmean([r["wall_s"] for r in results.values() if r["size"] == size]), 1)
                            for size in args.sizes if any(r["size"] == size for r in results.values())},
             **ct.run_meta(results, specs, argv, wall)}
-    return {"meta": meta, "corpus": corpus, "aggregate": aggregate(results, args.sizes, args.seeds),
+    return {"meta": meta, "corpus": corpus, "aggregate": aggregate(results, args.sizes, args.seeds, args.ablation_at),
             "reruns": read_reruns(cache), "runs": ct.stored_runs(results)}
 
 

@@ -28,8 +28,9 @@ Grid (:func:`grid`):
 
 ``--recipe`` runs the full recipe's grid instead (:func:`recipe_grid`, reported by
 :mod:`benchmarks.convergence_recipe` in ``CONVERGENCE_RECIPE.md``): 4-layer models of d_model
-64 to 512, the recipe against bf16 with and without its last block in bf16, and at the widest
-width swept the ablation, one element of the recipe off at a time. ``--rerun NAME`` trains one
+64 to 512, the recipe against bf16 with and without its last block in bf16, and the ablation,
+one element of the recipe off at a time, at the widest width swept (``--ablation-at`` names
+others). ``--rerun NAME`` trains one
 finished run again and compares its losses with the recorded ones bit for bit.
 
 Each finished run writes ``<cache>/runs/<name>.json``; a rerun skips those, so an interrupted
@@ -118,7 +119,7 @@ VARIANTS: Dict[str, List[str]] = {
 # against bf16 with the same split), in the order a seed's runs are trained.
 RECIPE_VARIANTS = ("bf16_keep_last_blocks_1", "compute_nvfp4_keep_last_blocks_1", "bf16", "compute_nvfp4")
 RECIPE_PAIRS = {"compute_nvfp4": "bf16", "compute_nvfp4_keep_last_blocks_1": "bf16_keep_last_blocks_1"}
-# The ablation at the sweep's widest width: the full recipe with its last block in bf16, one
+# The ablation (at the sweep's widest width unless --ablation-at says otherwise): the full recipe with its last block in bf16, one
 # element switched off at a time.
 _RECIPE_KL = ["nvfp4.weights=nvfp4", "nvfp4.compute=nvfp4", "nvfp4.keep_last_blocks=1"]
 ABLATIONS: Dict[str, List[str]] = {
@@ -243,16 +244,19 @@ def grid(sizes: Sequence[str] = WEIGHTS_SIZES, seeds: Sequence[int] = SEEDS,
     return specs
 
 
-def recipe_grid(sizes: Sequence[str], seeds: Sequence[int] = SEEDS, ablation: bool = True) -> List[Dict[str, Any]]:
+def recipe_grid(sizes: Sequence[str], seeds: Sequence[int] = SEEDS,
+                ablation_sizes: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     """The recipe sweep's runs: per size (narrowest first) and seed, :data:`RECIPE_VARIANTS`;
-    then, at the widest size, the :data:`ABLATIONS` seed by seed."""
-    order = sorted(sizes, key=lambda s: list(RECIPE_SIZES).index(s))
+    then, at each of ``ablation_sizes`` (default: the widest size; ``()``: none), narrowest
+    first, the :data:`ABLATIONS` seed by seed."""
+    by_width = lambda xs: sorted(xs, key=lambda s: list(RECIPE_SIZES).index(s))
+    order = by_width(sizes)
+    at = by_width(order[-1:] if ablation_sizes is None else ablation_sizes)
     specs = [{"size": size, "steps": RECIPE_STEPS, "seed": seed, "variant": v,
               "name": run_name(size, RECIPE_STEPS, seed, v)}
              for size in order for seed in seeds for v in RECIPE_VARIANTS]
-    if ablation and order:
-        specs += [{"size": order[-1], "steps": RECIPE_STEPS, "seed": seed, "variant": v,
-                   "name": run_name(order[-1], RECIPE_STEPS, seed, v)} for seed in seeds for v in ABLATIONS]
+    specs += [{"size": size, "steps": RECIPE_STEPS, "seed": seed, "variant": v,
+               "name": run_name(size, RECIPE_STEPS, seed, v)} for size in at for seed in seeds for v in ABLATIONS]
     return specs
 
 
@@ -829,7 +833,9 @@ def parse_args(argv: Sequence[str]):
                                    f"{','.join(RECIPE_SIZES)})")
     p.add_argument("--recipe", action="store_true",
                    help="the full recipe's width sweep and ablation instead (CONVERGENCE_RECIPE.md)")
-    p.add_argument("--no-ablation", action="store_true", help="--recipe: skip the ablation")
+    p.add_argument("--ablation-at", metavar="SIZES",
+                   help="--recipe: the sizes (of --sizes) the ablation runs at (default: the widest; "
+                        "'none': no ablation)")
     p.add_argument("--rerun", metavar="NAME",
                    help="train the finished run NAME of this grid again (in <cache>/reruns) and compare its "
                         "losses with the recorded ones bit for bit")
@@ -851,6 +857,11 @@ def parse_args(argv: Sequence[str]):
     for s in args.sizes:
         if s not in allowed:
             p.error(f"unknown size {s!r}; sizes are {', '.join(allowed)}")
+    if args.ablation_at is not None:
+        args.ablation_at = [] if args.ablation_at == "none" else [s for s in args.ablation_at.split(",") if s]
+        for s in args.ablation_at:
+            if not args.recipe or s not in args.sizes:
+                p.error(f"--ablation-at {s!r}: the ablation runs at sizes of --recipe --sizes ({', '.join(args.sizes)})")
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     args.headline = headline_seeds(args.seeds, args.headline_seeds)
     lengths = {k: list(v) for k, v in LENGTHS.items()}
@@ -885,7 +896,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
     if args.recipe:
-        specs = recipe_grid(args.sizes, args.seeds, ablation=not args.no_ablation)
+        specs = recipe_grid(args.sizes, args.seeds, args.ablation_at)
     else:
         specs = grid(args.sizes, args.seeds, args.lengths_map, levers=not args.no_levers, plain=not args.no_plain,
                      headline=args.headline)

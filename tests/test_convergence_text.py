@@ -227,7 +227,16 @@ def test_recipe_grid_sweeps_widths_and_ablates_the_widest():
     assert len(names) == len(set(names)) == 2 * 3 * len(ct.RECIPE_VARIANTS) + 3 * len(ct.ABLATIONS)
     assert names[0] == "l4-d64-2000-s0-bf16_keep_last_blocks_1"  # narrowest first
     assert {s["size"] for s in specs if s["variant"] in ct.ABLATIONS} == {"l4-d128"}
-    assert ct.recipe_grid(["l4-d64"], [0], ablation=False) == [s for s in specs if s["name"].startswith("l4-d64-2000-s0-")]
+    assert ct.recipe_grid(["l4-d64"], [0], ()) == [s for s in specs if s["name"].startswith("l4-d64-2000-s0-")]
+    # --ablation-at: the ablation at each size named, narrowest first, after the sweep.
+    both = ct.recipe_grid(["l4-d64", "l4-d128", "l4-d256"], [0], ["l4-d256", "l4-d128"])
+    assert [s["size"] for s in both if s["variant"] in ct.ABLATIONS] == ["l4-d128"] * 4 + ["l4-d256"] * 4
+    assert both[:12] == ct.recipe_grid(["l4-d64", "l4-d128", "l4-d256"], [0], ())
+    args = ct.parse_args(["--recipe", "--sizes", "l4-d64,l4-d128", "--ablation-at", "l4-d64,l4-d128"])
+    assert args.ablation_at == ["l4-d64", "l4-d128"]
+    assert ct.parse_args(["--recipe", "--ablation-at", "none"]).ablation_at == []
+    with pytest.raises(SystemExit):  # only at a size of the sweep
+        ct.parse_args(["--recipe", "--sizes", "l4-d64", "--ablation-at", "l4-d128"])
     # Every ablation is the full recipe with its last block bf16 and one element off.
     for v, over in ct.ABLATIONS.items():
         assert over[:3] == ["nvfp4.weights=nvfp4", "nvfp4.compute=nvfp4", "nvfp4.keep_last_blocks=1"] and len(over) == 4
@@ -241,7 +250,8 @@ def test_recipe_report_arithmetic(tmp_path):
 
     # Two widths, 3 seeds. d64: recipe +4%, +3%, +5% over bf16; with the last block bf16 +2% each.
     # d128 (widest): with the last block bf16 +2%, +1%, +3%; nearest rounding takes 1 point off
-    # in every seed, 1D weights adds 0.5, the others change nothing.
+    # in every seed, 1D weights adds 0.5, the others change nothing. At d64 (ablated too), the
+    # activations in bf16 take 2 points off, the others nothing.
     res = {}
 
     def put(size, seed, v, val):
@@ -259,19 +269,27 @@ def test_recipe_report_arithmetic(tmp_path):
         for v, gap in (("recipe_nearest_grads", k - 1), ("recipe_1d_weights", k + 0.5),
                        ("recipe_no_hadamard", k), ("recipe_bf16_activations", k)):
             put("l4-d128", seed, v, 2.0 * (1 + gap / 100))
-    agg = cr.aggregate(res, ["l4-d64", "l4-d128"], [0, 1, 2])
+            put("l4-d64", seed, v, 2.0 * (1 + (0 if v == "recipe_bf16_activations" else 2) / 100))
+    agg = cr.aggregate(res, ["l4-d64", "l4-d128"], [0, 1, 2], ["l4-d128", "l4-d64"])
     assert agg["widest"] == "l4-d128" and [r["size"] for r in agg["sweep"]] == ["l4-d64", "l4-d128"]
     assert agg["sweep"][0]["compute_nvfp4"]["gap_pct"]["mean"] == pytest.approx(4.0)
     assert agg["sweep"][1]["compute_nvfp4_keep_last_blocks_1"]["gap_pct"]["mean"] == pytest.approx(2.0)
     # 2% > 1.5% with every seed positive: not met; the full-NVFP4 row: 3% everywhere.
     assert agg["acceptance"]["full_recipe_keep_last"]["met"] is False
     assert agg["acceptance"]["full_recipe"]["met"] is False
-    first = agg["attribution"][0]
+    assert [ab["size"] for ab in agg["ablations"]] == ["l4-d64", "l4-d128"]
+    # The default: the ablation at the widest size only.
+    assert [ab["size"] for ab in cr.aggregate(res, ["l4-d64", "l4-d128"], [0, 1, 2])["ablations"]] == ["l4-d128"]
+    narrow = agg["ablations"][0]["attribution"]
+    assert narrow[0]["variant"] == "recipe_bf16_activations" and narrow[0]["gap_pct"]["mean"] == pytest.approx(0.0)
+    assert all(x["minus_full_pct"]["mean"] == pytest.approx(0.0) for x in narrow[1:])
+    attribution = agg["ablations"][1]["attribution"]
+    first = attribution[0]
     assert first["variant"] == "recipe_nearest_grads"
     # Paired differences of -1 point on a 2.0x(1 + k%) base: about -1% of the loss in every seed.
     assert first["minus_full_pct"]["max"] < 0 and first["effect"].startswith("helps (lower in every seed")
     assert first["met"]["met"] is True  # gap then +1% <= 1.5%
-    assert agg["attribution"][-1]["variant"] == "recipe_1d_weights"
+    assert attribution[-1]["variant"] == "recipe_1d_weights"
     models = {s: {"d_model": d, "mlp_hidden": h, "params": 1e6, "layers": 4, "seq_len": 64, "batch_size": 16}
               for s, d, h in (("l4-d64", 64, 192), ("l4-d128", 128, 352))}
     meta = {"command": "python -m benchmarks convergence --text --recipe", "grid_wall_h": "1 h", "runs_done": 42,
@@ -282,6 +300,8 @@ def test_recipe_report_arithmetic(tmp_path):
     text = open(path).read()
     assert "| l4-d128 | 128 | 352 |" in text and "**NOT MET** (mean gap +2.000% > 1.5%" in text
     assert "- no stochastic rounding (`nvfp4.grad_rounding=nearest`): -0.9" in text
+    assert text.index("## Ablation (l4-d64,") < text.index("## Ablation (l4-d128,")
+    assert "- activations in bf16 (`nvfp4.activations=bf16`): -1.96% of the loss" in text
     assert (tmp_path / "convergence_recipe.png").stat().st_size > 10_000
 
 

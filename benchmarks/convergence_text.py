@@ -129,6 +129,14 @@ ABLATIONS: Dict[str, List[str]] = {
     "recipe_bf16_activations": [*_RECIPE_KL, "nvfp4.activations=bf16"],
 }
 VARIANTS.update(ABLATIONS)
+# The learning-rate check at the widest size: the last-block-bf16 pair again at half the
+# default model's learning rate (optim.lr 3e-3 -> 1.5e-3): whether the gap there is measured
+# against a bf16 baseline the learning rate holds back (a wider model wants a smaller one).
+LR_HALF = 1.5e-3
+LR_CHECK: Dict[str, List[str]] = {
+    f"{v}_lr_half": [*VARIANTS[v], f"optim.lr={LR_HALF}"]
+    for v in ("bf16_keep_last_blocks_1", "compute_nvfp4_keep_last_blocks_1")}
+VARIANTS.update(LR_CHECK)
 ABLATION_NAMES = {
     "recipe_1d_weights": "2D weights -> 1D (`nvfp4.block=1d`)",
     "recipe_nearest_grads": "no stochastic rounding (`nvfp4.grad_rounding=nearest`)",
@@ -245,16 +253,19 @@ def grid(sizes: Sequence[str] = WEIGHTS_SIZES, seeds: Sequence[int] = SEEDS,
 
 
 def recipe_grid(sizes: Sequence[str], seeds: Sequence[int] = SEEDS,
-                ablation_sizes: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
+                ablation_sizes: Optional[Sequence[str]] = None, lr_seeds: Sequence[int] = ()) -> List[Dict[str, Any]]:
     """The recipe sweep's runs: per size (narrowest first) and seed, :data:`RECIPE_VARIANTS`;
-    then, at each of ``ablation_sizes`` (default: the widest size; ``()``: none), narrowest
-    first, the :data:`ABLATIONS` seed by seed."""
+    at the widest size, :data:`LR_CHECK` for each of ``lr_seeds``; then, at each of
+    ``ablation_sizes`` (default: the widest size; ``()``: none), narrowest first, the
+    :data:`ABLATIONS` seed by seed."""
     by_width = lambda xs: sorted(xs, key=lambda s: list(RECIPE_SIZES).index(s))
     order = by_width(sizes)
     at = by_width(order[-1:] if ablation_sizes is None else ablation_sizes)
     specs = [{"size": size, "steps": RECIPE_STEPS, "seed": seed, "variant": v,
               "name": run_name(size, RECIPE_STEPS, seed, v)}
              for size in order for seed in seeds for v in RECIPE_VARIANTS]
+    specs += [{"size": order[-1], "steps": RECIPE_STEPS, "seed": seed, "variant": v,
+               "name": run_name(order[-1], RECIPE_STEPS, seed, v)} for seed in lr_seeds for v in LR_CHECK]
     specs += [{"size": size, "steps": RECIPE_STEPS, "seed": seed, "variant": v,
                "name": run_name(size, RECIPE_STEPS, seed, v)} for size in at for seed in seeds for v in ABLATIONS]
     return specs
@@ -836,6 +847,9 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("--ablation-at", metavar="SIZES",
                    help="--recipe: the sizes (of --sizes) the ablation runs at (default: the widest; "
                         "'none': no ablation)")
+    p.add_argument("--lr-check", metavar="SEEDS", default="",
+                   help=f"--recipe: at the widest size, the last-block-bf16 pair again at optim.lr={LR_HALF} "
+                        "for these seeds (default none)")
     p.add_argument("--rerun", metavar="NAME",
                    help="train the finished run NAME of this grid again (in <cache>/reruns) and compare its "
                         "losses with the recorded ones bit for bit")
@@ -863,6 +877,9 @@ def parse_args(argv: Sequence[str]):
             if not args.recipe or s not in args.sizes:
                 p.error(f"--ablation-at {s!r}: the ablation runs at sizes of --recipe --sizes ({', '.join(args.sizes)})")
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    args.lr_check = [int(s) for s in args.lr_check.split(",") if s]
+    if args.lr_check and not args.recipe:
+        p.error("--lr-check belongs to --recipe")
     args.headline = headline_seeds(args.seeds, args.headline_seeds)
     lengths = {k: list(v) for k, v in LENGTHS.items()}
     if args.lengths:
@@ -896,7 +913,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
     if args.recipe:
-        specs = recipe_grid(args.sizes, args.seeds, args.ablation_at)
+        specs = recipe_grid(args.sizes, args.seeds, args.ablation_at, args.lr_check)
     else:
         specs = grid(args.sizes, args.seeds, args.lengths_map, levers=not args.no_levers, plain=not args.no_plain,
                      headline=args.headline)

@@ -235,6 +235,12 @@ def test_recipe_grid_sweeps_widths_and_ablates_the_widest():
     args = ct.parse_args(["--recipe", "--sizes", "l4-d64,l4-d128", "--ablation-at", "l4-d64,l4-d128"])
     assert args.ablation_at == ["l4-d64", "l4-d128"]
     assert ct.parse_args(["--recipe", "--ablation-at", "none"]).ablation_at == []
+    # --lr-check SEEDS: the last-block-bf16 pair at half the learning rate, widest size, before the ablation.
+    lr = ct.recipe_grid(["l4-d64", "l4-d128"], [0, 1], None, ct.parse_args(["--recipe", "--lr-check", "1"]).lr_check)
+    assert [s["name"] for s in lr if "lr_half" in s["variant"]] == [
+        "l4-d128-2000-s1-bf16_keep_last_blocks_1_lr_half", "l4-d128-2000-s1-compute_nvfp4_keep_last_blocks_1_lr_half"]
+    assert lr.index(next(s for s in lr if "lr_half" in s["variant"])) == 2 * 2 * len(ct.RECIPE_VARIANTS)
+    assert ct.VARIANTS["compute_nvfp4_keep_last_blocks_1_lr_half"][-1] == f"optim.lr={ct.LR_HALF}"
     with pytest.raises(SystemExit):  # only at a size of the sweep
         ct.parse_args(["--recipe", "--sizes", "l4-d64", "--ablation-at", "l4-d128"])
     # Every ablation is the full recipe with its last block bf16 and one element off.
@@ -270,7 +276,14 @@ def test_recipe_report_arithmetic(tmp_path):
                        ("recipe_no_hadamard", k), ("recipe_bf16_activations", k)):
             put("l4-d128", seed, v, 2.0 * (1 + gap / 100))
             put("l4-d64", seed, v, 2.0 * (1 + (0 if v == "recipe_bf16_activations" else 2) / 100))
+    # The learning-rate check at d128, seed 0: half the rate takes 5% off bf16, recipe +1% over it.
+    put("l4-d128", 0, "bf16_keep_last_blocks_1_lr_half", 1.9)
+    put("l4-d128", 0, "compute_nvfp4_keep_last_blocks_1_lr_half", 1.9 * 1.01)
     agg = cr.aggregate(res, ["l4-d64", "l4-d128"], [0, 1, 2], ["l4-d128", "l4-d64"])
+    lr = agg["lr_check"]
+    assert lr["seeds"] == [0] and lr["half"]["gap_pct"]["mean"] == pytest.approx(1.0)
+    assert lr["default"]["gap_pct"]["mean"] == pytest.approx(2.0)  # seed 0 only, at the default rate
+    assert lr["bf16_half_vs_default"]["gap_pct"]["mean"] == pytest.approx(-5.0)
     assert agg["widest"] == "l4-d128" and [r["size"] for r in agg["sweep"]] == ["l4-d64", "l4-d128"]
     assert agg["sweep"][0]["compute_nvfp4"]["gap_pct"]["mean"] == pytest.approx(4.0)
     assert agg["sweep"][1]["compute_nvfp4_keep_last_blocks_1"]["gap_pct"]["mean"] == pytest.approx(2.0)
@@ -294,13 +307,15 @@ def test_recipe_report_arithmetic(tmp_path):
               for s, d, h in (("l4-d64", 64, 192), ("l4-d128", 128, 352))}
     meta = {"command": "python -m benchmarks convergence --text --recipe", "grid_wall_h": "1 h", "runs_done": 42,
             "runs_total": 42, "where": "cpu", "missing": [], "seeds": [0, 1, 2], "same_data_order": True,
-            "models": models, "sources": ct.source_summary(res)}
+            "models": models, "sources": ct.source_summary(res), "lr": 3e-3}
     corpus = {"train": {"sha256": "a" * 64}, "val": {"sha256": "b" * 64}}
     path = cr.write(str(tmp_path), {"meta": meta, "corpus": corpus, "aggregate": agg, "reruns": []})
     text = open(path).read()
     assert "| l4-d128 | 128 | 352 |" in text and "**NOT MET** (mean gap +2.000% > 1.5%" in text
     assert "- no stochastic rounding (`nvfp4.grad_rounding=nearest`): -0.9" in text
     assert text.index("## Ablation (l4-d64,") < text.index("## Ablation (l4-d128,")
+    assert "| 0.0015 | 1.9000 | 1.9190 | +1.00% [+1.00, +1.00] (std 0.00, 1 seeds) |" in text
+    assert "Halving the learning rate moves bf16's validation loss by -5.00%" in text
     assert "- activations in bf16 (`nvfp4.activations=bf16`): -1.96% of the loss" in text
     assert (tmp_path / "convergence_recipe.png").stat().st_size > 10_000
 

@@ -70,14 +70,15 @@ def aggregate(results: Dict[str, Dict[str, Any]], sizes: Sequence[str], seeds: S
                 g["vs_default_pct"] = d["gap_pct"] if d else None
                 rows[v] = g
         ablations.append({"size": size, "rows": rows, "attribution": attribution(rows)})
-    lr: Dict[str, Any] = {}
-    half = ct._gaps(results, top, steps, seeds, FULL_KEEP + "_lr_half", base=BASE_KEEP + "_lr_half") if top else None
-    if half:  # the learning-rate check: the same seeds at the default rate and at half of it
-        at = sorted(half["per_seed"])
-        lr = {"size": top, "lr_half": ct.LR_HALF, "seeds": at, "half": half,
-              "default": ct._gaps(results, top, steps, at, FULL_KEEP, base=BASE_KEEP),
-              "bf16_half_vs_default": ct._gaps(results, top, steps, at, BASE_KEEP + "_lr_half", base=BASE_KEEP),
-              "recipe_half_vs_default": ct._gaps(results, top, steps, at, FULL_KEEP + "_lr_half", base=FULL_KEEP)}
+    lr = []  # the learning-rate check, per size: the same seeds at the default rate and at half of it
+    for size in order(sizes):
+        half = ct._gaps(results, size, steps, seeds, FULL_KEEP + "_lr_half", base=BASE_KEEP + "_lr_half")
+        if half:
+            at = sorted(half["per_seed"])
+            lr.append({"size": size, "lr_half": ct.LR_HALF, "seeds": at, "half": half,
+                       "default": ct._gaps(results, size, steps, at, FULL_KEEP, base=BASE_KEEP),
+                       "bf16_half_vs_default": ct._gaps(results, size, steps, at, BASE_KEEP + "_lr_half", base=BASE_KEEP),
+                       "recipe_half_vs_default": ct._gaps(results, size, steps, at, FULL_KEEP + "_lr_half", base=FULL_KEEP)})
     at_top = next((r for r in sweep if r["size"] == top), {})
     accept = {"size": top, "full_recipe_keep_last": ct.verdict(at_top.get(FULL_KEEP), ct.RECIPE_TARGET),
               "full_recipe": ct.verdict(at_top.get(FULL), ct.RECIPE_TARGET)}
@@ -214,19 +215,21 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
                          f"[{lo:+.2f}%, {hi:+.2f}%]); gap then {x['gap_pct']['mean']:+.2f}% ({ct._met(x['met'])} at "
                          f"{ct.RECIPE_TARGET}%).")
             L.append("")
-    lr = agg.get("lr_check")
-    if lr:
-        seeds = ", ".join(map(str, lr["seeds"]))
-        L += [f"## Learning rate ({lr['size']}, last block bf16, seeds {seeds})", "",
+    if agg.get("lr_check"):
+        L += ["## Learning rate (last block bf16)", "",
               f"The sweep trains every width at the default model's learning rate (`optim.lr={meta['lr']:g}`). "
-              f"The same pair again at `optim.lr={lr['lr_half']:g}`, same seeds and batches:", "",
-              "| optim.lr | bf16 val loss, split | full recipe, last block bf16 | gap % of bf16 |", "|---:|---:|---:|---|"]
-        for rate, g in ((meta["lr"], lr["default"]), (lr["lr_half"], lr["half"])):
-            if g:
-                L.append(f"| {rate:g} | {g['base_val']['mean']:.4f} | {g['val']['mean']:.4f} | {ct._pct(g['gap_pct'])} |")
-        for what, g in (("bf16", lr["bf16_half_vs_default"]), ("the full recipe", lr["recipe_half_vs_default"])):
-            if g:
-                L += ["", f"Halving the learning rate moves {what}'s validation loss by {ct._pct(g['gap_pct'])}."]
+              f"The same pairs again at `optim.lr={ct.LR_HALF:g}`, same seeds and batches; each row's seeds are the "
+              "ones run at both rates. Halving: the paired change of each side's validation loss.", "",
+              "| size | seeds | optim.lr | bf16 val loss, split | full recipe, last block bf16 | gap % of bf16 | "
+              "halving moves bf16 | halving moves the recipe |", "|---|---|---:|---:|---:|---|---|---|"]
+        for x in agg["lr_check"]:
+            seeds = ",".join(map(str, x["seeds"]))
+            for rate, g, moves in ((meta["lr"], x["default"], (None, None)),
+                                   (x["lr_half"], x["half"], (x["bf16_half_vs_default"], x["recipe_half_vs_default"]))):
+                if g:
+                    m = [f"{d['gap_pct']['mean']:+.2f}%" if d else "" for d in moves]
+                    L.append(f"| {x['size']} | {seeds} | {rate:g} | {g['base_val']['mean']:.4f} | {g['val']['mean']:.4f} | "
+                             f"{ct._pct(g['gap_pct'])} | {m[0]} | {m[1]} |")
         L.append("")
     if any(ab["rows"] for ab in agg["ablations"]):
         L += ["1D weights: the weights-only layout (one scale per 16 consecutive inputs) serves the forward "

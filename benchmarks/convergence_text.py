@@ -129,9 +129,9 @@ ABLATIONS: Dict[str, List[str]] = {
     "recipe_bf16_activations": [*_RECIPE_KL, "nvfp4.activations=bf16"],
 }
 VARIANTS.update(ABLATIONS)
-# The learning-rate check at the widest size: the last-block-bf16 pair again at half the
-# default model's learning rate (optim.lr 3e-3 -> 1.5e-3): whether the gap there is measured
-# against a bf16 baseline the learning rate holds back (a wider model wants a smaller one).
+# The learning-rate check: the last-block-bf16 pair again at half the default model's
+# learning rate (optim.lr 3e-3 -> 1.5e-3), at every width: whether a gap is measured against a
+# bf16 baseline the learning rate holds back (a wider model wants a smaller one).
 LR_HALF = 1.5e-3
 LR_CHECK: Dict[str, List[str]] = {
     f"{v}_lr_half": [*VARIANTS[v], f"optim.lr={LR_HALF}"]
@@ -255,7 +255,7 @@ def grid(sizes: Sequence[str] = WEIGHTS_SIZES, seeds: Sequence[int] = SEEDS,
 def recipe_grid(sizes: Sequence[str], seeds: Sequence[int] = SEEDS,
                 ablation_sizes: Optional[Sequence[str]] = None, lr_seeds: Sequence[int] = ()) -> List[Dict[str, Any]]:
     """The recipe sweep's runs: per size (narrowest first) and seed, :data:`RECIPE_VARIANTS`;
-    at the widest size, :data:`LR_CHECK` for each of ``lr_seeds``; then, at each of
+    per size, :data:`LR_CHECK` for each of ``lr_seeds``; then, at each of
     ``ablation_sizes`` (default: the widest size; ``()``: none), narrowest first, the
     :data:`ABLATIONS` seed by seed."""
     by_width = lambda xs: sorted(xs, key=lambda s: list(RECIPE_SIZES).index(s))
@@ -264,8 +264,8 @@ def recipe_grid(sizes: Sequence[str], seeds: Sequence[int] = SEEDS,
     specs = [{"size": size, "steps": RECIPE_STEPS, "seed": seed, "variant": v,
               "name": run_name(size, RECIPE_STEPS, seed, v)}
              for size in order for seed in seeds for v in RECIPE_VARIANTS]
-    specs += [{"size": order[-1], "steps": RECIPE_STEPS, "seed": seed, "variant": v,
-               "name": run_name(order[-1], RECIPE_STEPS, seed, v)} for seed in lr_seeds for v in LR_CHECK]
+    specs += [{"size": size, "steps": RECIPE_STEPS, "seed": seed, "variant": v,
+               "name": run_name(size, RECIPE_STEPS, seed, v)} for size in order for seed in lr_seeds for v in LR_CHECK]
     specs += [{"size": size, "steps": RECIPE_STEPS, "seed": seed, "variant": v,
                "name": run_name(size, RECIPE_STEPS, seed, v)} for size in at for seed in seeds for v in ABLATIONS]
     return specs
@@ -848,7 +848,7 @@ def parse_args(argv: Sequence[str]):
                    help="--recipe: the sizes (of --sizes) the ablation runs at (default: the widest; "
                         "'none': no ablation)")
     p.add_argument("--lr-check", metavar="SEEDS", default="",
-                   help=f"--recipe: at the widest size, the last-block-bf16 pair again at optim.lr={LR_HALF} "
+                   help=f"--recipe: at every size, the last-block-bf16 pair again at optim.lr={LR_HALF} "
                         "for these seeds (default none)")
     p.add_argument("--rerun", metavar="NAME",
                    help="train the finished run NAME of this grid again (in <cache>/reruns) and compare its "

@@ -235,10 +235,10 @@ def test_recipe_grid_sweeps_widths_and_ablates_the_widest():
     args = ct.parse_args(["--recipe", "--sizes", "l4-d64,l4-d128", "--ablation-at", "l4-d64,l4-d128"])
     assert args.ablation_at == ["l4-d64", "l4-d128"]
     assert ct.parse_args(["--recipe", "--ablation-at", "none"]).ablation_at == []
-    # --lr-check SEEDS: the last-block-bf16 pair at half the learning rate, widest size, before the ablation.
+    # --lr-check SEEDS: the last-block-bf16 pair at half the learning rate, every size, before the ablation.
     lr = ct.recipe_grid(["l4-d64", "l4-d128"], [0, 1], None, ct.parse_args(["--recipe", "--lr-check", "1"]).lr_check)
     assert [s["name"] for s in lr if "lr_half" in s["variant"]] == [
-        "l4-d128-2000-s1-bf16_keep_last_blocks_1_lr_half", "l4-d128-2000-s1-compute_nvfp4_keep_last_blocks_1_lr_half"]
+        f"l4-d{d}-2000-s1-{v}_keep_last_blocks_1_lr_half" for d in (64, 128) for v in ("bf16", "compute_nvfp4")]
     assert lr.index(next(s for s in lr if "lr_half" in s["variant"])) == 2 * 2 * len(ct.RECIPE_VARIANTS)
     assert ct.VARIANTS["compute_nvfp4_keep_last_blocks_1_lr_half"][-1] == f"optim.lr={ct.LR_HALF}"
     with pytest.raises(SystemExit):  # only at a size of the sweep
@@ -280,7 +280,8 @@ def test_recipe_report_arithmetic(tmp_path):
     put("l4-d128", 0, "bf16_keep_last_blocks_1_lr_half", 1.9)
     put("l4-d128", 0, "compute_nvfp4_keep_last_blocks_1_lr_half", 1.9 * 1.01)
     agg = cr.aggregate(res, ["l4-d64", "l4-d128"], [0, 1, 2], ["l4-d128", "l4-d64"])
-    lr = agg["lr_check"]
+    assert [x["size"] for x in agg["lr_check"]] == ["l4-d128"]  # run at d128 only
+    lr = agg["lr_check"][0]
     assert lr["seeds"] == [0] and lr["half"]["gap_pct"]["mean"] == pytest.approx(1.0)
     assert lr["default"]["gap_pct"]["mean"] == pytest.approx(2.0)  # seed 0 only, at the default rate
     assert lr["bf16_half_vs_default"]["gap_pct"]["mean"] == pytest.approx(-5.0)
@@ -314,8 +315,8 @@ def test_recipe_report_arithmetic(tmp_path):
     assert "| l4-d128 | 128 | 352 |" in text and "**NOT MET** (mean gap +2.000% > 1.5%" in text
     assert "- no stochastic rounding (`nvfp4.grad_rounding=nearest`): -0.9" in text
     assert text.index("## Ablation (l4-d64,") < text.index("## Ablation (l4-d128,")
-    assert "| 0.0015 | 1.9000 | 1.9190 | +1.00% [+1.00, +1.00] (std 0.00, 1 seeds) |" in text
-    assert "Halving the learning rate moves bf16's validation loss by -5.00%" in text
+    assert ("| l4-d128 | 0 | 0.0015 | 1.9000 | 1.9190 | +1.00% [+1.00, +1.00] (std 0.00, 1 seeds) | -5.00% | "
+            "-5.93% |") in text
     assert "- activations in bf16 (`nvfp4.activations=bf16`): -1.96% of the loss" in text
     assert (tmp_path / "convergence_recipe.png").stat().st_size > 10_000
 

@@ -116,6 +116,11 @@ def plot(agg: Dict[str, Any], models: Dict[str, Dict[str, Any]], path: str) -> N
         mean = [s["mean"] for _, s in rows]
         err = _spread([s for _, s in rows])
         a.errorbar(x, mean, yerr=err, fmt="o-", color=c, capsize=3, label=f"{RECIPE_NAMES[v]} (seed min-max)")
+    half = [(models[x["size"]]["d_model"], x["half"]["gap_pct"]["mean"], x["seeds"]) for x in agg.get("lr_check", [])]
+    if half:
+        seeds = sorted({s for *_, ss in half for s in ss})
+        a.plot([d * 2 ** 0.04 for d, _, _ in half], [g for _, g, _ in half], "s--", color="tab:green",
+               label=f"last block bf16, optim.lr={ct.LR_HALF:g} (mean of seeds {','.join(map(str, seeds))})")
     a.set_xscale("log", base=2)
     a.axhline(0, color="k", lw=0.8)
     a.axhline(ct.RECIPE_TARGET, color="k", ls=":", lw=0.8, label=f"{ct.RECIPE_TARGET}% (published level)")
@@ -243,7 +248,13 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
           f"- Full recipe with the last block bf16 at the widest width ({a['size']}): target {ct.RECIPE_TARGET}% -> "
           f"**{ct._met(a['full_recipe_keep_last'])}** ({a['full_recipe_keep_last']['why']}).",
           f"- Full recipe, every block NVFP4 ({a['size']}): target {ct.RECIPE_TARGET}% -> "
-          f"**{ct._met(a['full_recipe'])}** ({a['full_recipe']['why']}).", ""]
+          f"**{ct._met(a['full_recipe'])}** ({a['full_recipe']['why']})."]
+    top_lr = next((x for x in agg.get("lr_check", []) if x["size"] == a["size"]), None)
+    if top_lr:
+        L.append(f"- The same at `optim.lr={ct.LR_HALF:g}` (seeds {','.join(map(str, top_lr['seeds']))}; the "
+                 f"learning-rate table above): gap {ct._pct(top_lr['half']['gap_pct'])} -> "
+                 f"**{ct._met(ct.verdict(top_lr['half'], ct.RECIPE_TARGET))}**.")
+    L.append("")
     reruns = payload.get("reruns") or []
     if reruns:
         L += ["## Reproduction", "", "| run | recorded val loss | retrained | bit for bit | code of the retraining |",

@@ -36,7 +36,7 @@ RECIPE_NAMES = {
 
 
 def widest(sizes: Sequence[str]) -> str:
-    return max(sizes, key=lambda s: list(ct.RECIPE_SIZES).index(s))
+    return ct.by_width(sizes)[-1]
 
 
 def aggregate(results: Dict[str, Dict[str, Any]], sizes: Sequence[str], seeds: Sequence[int],
@@ -46,9 +46,8 @@ def aggregate(results: Dict[str, Dict[str, Any]], sizes: Sequence[str], seeds: S
     from the full recipe (``vs_default_pct``, paired by seed), and the attribution; the
     acceptance at the widest size."""
     steps = ct.RECIPE_STEPS
-    order = lambda xs: sorted(xs, key=lambda s: list(ct.RECIPE_SIZES).index(s))
     sweep = []
-    for size in order(sizes):
+    for size in ct.by_width(sizes):
         row = {"size": size}
         for v, base in ct.RECIPE_PAIRS.items():
             g = ct._gaps(results, size, steps, seeds, v, base=base)
@@ -58,7 +57,7 @@ def aggregate(results: Dict[str, Dict[str, Any]], sizes: Sequence[str], seeds: S
         sweep.append(row)
     top = widest(sizes) if sizes else None
     ablations = []
-    for size in order([top] if ablation_sizes is None and top else ablation_sizes or []):
+    for size in ct.by_width([top] if ablation_sizes is None and top else ablation_sizes or []):
         rows: Dict[str, Any] = {}
         ref = ct._gaps(results, size, steps, seeds, FULL_KEEP, base=BASE_KEEP)
         if ref:
@@ -71,7 +70,7 @@ def aggregate(results: Dict[str, Dict[str, Any]], sizes: Sequence[str], seeds: S
                 rows[v] = g
         ablations.append({"size": size, "rows": rows, "attribution": attribution(rows)})
     lr = []  # the learning-rate check, per size: the same seeds at the default rate and at half of it
-    for size in order(sizes):
+    for size in ct.by_width(sizes):
         half = ct._gaps(results, size, steps, seeds, FULL_KEEP + "_lr_half", base=BASE_KEEP + "_lr_half")
         if half:
             at = sorted(half["per_seed"])

@@ -252,13 +252,17 @@ def grid(sizes: Sequence[str] = WEIGHTS_SIZES, seeds: Sequence[int] = SEEDS,
     return specs
 
 
+def by_width(sizes: Sequence[str]) -> List[str]:
+    """Recipe sizes, narrowest first."""
+    return sorted(sizes, key=lambda s: list(RECIPE_SIZES).index(s))
+
+
 def recipe_grid(sizes: Sequence[str], seeds: Sequence[int] = SEEDS,
                 ablation_sizes: Optional[Sequence[str]] = None, lr_seeds: Sequence[int] = ()) -> List[Dict[str, Any]]:
     """The recipe sweep's runs: per size (narrowest first) and seed, :data:`RECIPE_VARIANTS`;
     per size, :data:`LR_CHECK` for each of ``lr_seeds``; then, at each of
     ``ablation_sizes`` (default: the widest size; ``()``: none), narrowest first, the
     :data:`ABLATIONS` seed by seed."""
-    by_width = lambda xs: sorted(xs, key=lambda s: list(RECIPE_SIZES).index(s))
     order = by_width(sizes)
     at = by_width(order[-1:] if ablation_sizes is None else ablation_sizes)
     specs = [{"size": size, "steps": RECIPE_STEPS, "seed": seed, "variant": v,

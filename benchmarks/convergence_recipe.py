@@ -95,7 +95,7 @@ def attribution(ablation: Dict[str, Any]) -> List[Dict[str, Any]]:
             continue
         lo, hi = ct.mean_interval(d) if d["n"] > 1 else (float("-inf"), float("inf"))
         out.append({"variant": v, "name": ct.ABLATION_NAMES[v], "gap_pct": g["gap_pct"], "minus_full_pct": d,
-                    "interval": [lo, hi], "effect": ct.lever_effect(g), "met": ct.verdict(g, ct.RECIPE_TARGET)})
+                    "interval": [lo, hi], "effect": ct.lever_effect(g, interval=True), "met": ct.verdict(g, ct.RECIPE_TARGET)})
     return sorted(out, key=lambda a: a["minus_full_pct"]["mean"])
 
 
@@ -209,7 +209,7 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
             name = RECIPE_NAMES.get(v) or ct.ABLATION_NAMES[v]
             d = g.get("vs_default_pct")
             L.append(f"| {name} | {g['val']['mean']:.4f} | {ct._pct(g['gap_pct'])} | {ct._pct(d) if d else '-'} | "
-                     f"{ct.lever_effect(g) if d else '-'} |")
+                     f"{ct.lever_effect(g, interval=True) if d else '-'} |")
         L.append("")
         if ab["attribution"]:
             L += ["Attribution (the elements ordered by what switching each off takes off the gap):", ""]

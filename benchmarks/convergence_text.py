@@ -753,15 +753,27 @@ def source_lines(meta: Dict[str, Any], agg: Dict[str, Any]) -> List[str]:
     return [line, ""]
 
 
-def lever_effect(g: Dict[str, Any], noise: float = 0.0) -> str:
+def lever_effect(g: Dict[str, Any], noise: float = 0.0, interval: bool = False) -> str:
     """``helps`` / ``hurts`` when the lever moves the validation loss the same way against
     the default NVFP4 run in every seed by more than ``noise`` % (the difference between two
-    runs that should agree: the stack's bf16 baseline and plain optax), else ``no clear effect``."""
+    runs that should agree: the stack's bf16 baseline and plain optax), else ``no clear effect``.
+    ``interval``: where no such noise reference exists (the recipe's ablation), the same sign in
+    every seed is not enough (three seeds agree by chance one time in four): the 95% interval of
+    the mean difference must exclude 0 as well."""
     vs = g.get("vs_default_pct")
     if not vs:
         return "not run"
     if vs["n"] < 2:
         return f"one seed only ({vs['mean']:+.2f}%)"
+    if interval and (vs["max"] < 0 or vs["min"] > 0):
+        lo, hi = mean_interval(vs)
+        word, side = ("helps", "lower") if vs["max"] < 0 else ("hurts", "higher")
+        span = sorted((abs(vs["min"]), abs(vs["max"])))
+        if hi < 0 or lo > 0:
+            return (f"{word} ({side} in every seed, by {span[0]:.2f}% to {span[1]:.2f}%; 95% interval of the "
+                    f"mean [{lo:+.2f}%, {hi:+.2f}%])")
+        return (f"not clear: {side} in every seed ({vs['n']} of {vs['n']}, by {span[0]:.2f}% to {span[1]:.2f}%), "
+                f"but the 95% interval of the mean, [{lo:+.2f}%, {hi:+.2f}%], contains 0")
     if vs["max"] < -noise:
         return f"helps (lower in every seed, by more than {noise:.2f}%)"
     if vs["min"] > noise:

@@ -337,3 +337,20 @@ def test_rerun_compares_every_loss_bit_for_bit(tmp_path, corpus):
     assert ct.rerun(args, [], specs, corpus, lambda _: None) == 2
     args.rerun = specs[0]["name"]
     assert ct.rerun(args, [], specs, corpus, lambda _: None) == 2
+
+
+def test_ablation_effect_needs_the_interval_not_only_the_sign():
+    # Three seeds lower by 1.68%, 0.01% and 0.65%: the same sign in every seed (one time in four
+    # by chance), but the t-interval of the mean contains 0. With a reference noise (weights-only
+    # levers) the sign rule stands; the recipe's ablation has none and asks for the interval.
+    g = {"vs_default_pct": ct._stats([-1.68, -0.01, -0.65])}
+    lo, hi = ct.mean_interval(g["vs_default_pct"])
+    assert lo < 0 < hi
+    assert ct.lever_effect(g).startswith("helps (lower in every seed")
+    effect = ct.lever_effect(g, interval=True)
+    assert effect == (f"not clear: lower in every seed (3 of 3, by 0.01% to 1.68%), but the 95% interval of the "
+                      f"mean, [{lo:+.2f}%, {hi:+.2f}%], contains 0")
+    tight = {"vs_default_pct": ct._stats([-1.0, -1.1, -0.9])}
+    assert ct.lever_effect(tight, interval=True).startswith("helps (lower in every seed, by 0.90% to 1.10%; 95% interval")
+    spread = {"vs_default_pct": ct._stats([0.5, -0.2, 0.1])}
+    assert ct.lever_effect(spread, interval=True).startswith("no clear effect (the sign changes")

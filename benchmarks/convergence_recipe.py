@@ -117,9 +117,11 @@ def plot(agg: Dict[str, Any], models: Dict[str, Dict[str, Any]], path: str) -> N
         a.errorbar(x, mean, yerr=err, fmt="o-", color=c, capsize=3, label=f"{RECIPE_NAMES[v]} (seed min-max)")
     half = [(models[x["size"]]["d_model"], x["half"]["gap_pct"]["mean"], x["seeds"]) for x in agg.get("lr_check", [])]
     if half:
-        seeds = sorted({s for *_, ss in half for s in ss})
+        most = max((ss for *_, ss in half), key=len)
+        fewer = ", ".join(f"d_model {d}: {','.join(map(str, ss))}" for d, _, ss in half if ss != most)
         a.plot([d * 2 ** 0.04 for d, _, _ in half], [g for _, g, _ in half], "s--", color="tab:green",
-               label=f"last block bf16, optim.lr={ct.LR_HALF:g} (mean of seeds {','.join(map(str, seeds))})")
+               label=f"last block bf16, optim.lr={ct.LR_HALF:g} (mean of seeds {','.join(map(str, most))})"
+                     + (f"\n(seeds at {fewer})" if fewer else ""))
     a.set_xscale("log", base=2)
     a.axhline(0, color="k", lw=0.8)
     a.axhline(ct.RECIPE_TARGET, color="k", ls=":", lw=0.8, label=f"{ct.RECIPE_TARGET}% (published level)")

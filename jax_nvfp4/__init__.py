@@ -27,7 +27,8 @@ from jax_nvfp4.gemm import BackendUnavailableError, cuda_target, dot, last_backe
 from jax_nvfp4.nn import NVFP4Dense
 from jax_nvfp4.numerics import hadamard_matrix, hadamard_transform
 from jax_nvfp4.collectives import all_gather_bits, ordered_mean, ordered_reduce_scatter, ordered_sum, ordered_sum_scatter
-from jax_nvfp4.fetch import GatherConfig, ParamShard, gather_weight
+from jax_nvfp4.fetch import GatherConfig, Shard, gather_weight
+from jax_nvfp4.step import make_eval, make_step, tensor_parallel, tensor_rules_from_logical
 from jax_nvfp4.tensor_parallel import TensorParallel
 from jax_nvfp4.layout import Layout, Tiled, TiledNVFP4, is_tiled
 from jax_nvfp4.optim import (
@@ -69,7 +70,11 @@ __all__ = [
     "resolve_backend",
     "DEFAULT_POLICY",
     "GatherConfig",
-    "ParamShard",
+    "Shard",
+    "make_eval",
+    "make_step",
+    "tensor_parallel",
+    "tensor_rules_from_logical",
     "Layout",
     "Tiled",
     "TiledNVFP4",

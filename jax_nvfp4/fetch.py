@@ -1,7 +1,8 @@
 """The per-layer parameter fetch of FSDP x tensor parallelism (inside ``shard_map``).
 
-A training step passes each parameter to the model as a :class:`ParamShard` (this device's
-stored shard and master shard). The layer that uses it calls :func:`gather_weight` right
+A training step passes each parameter to the model as a :class:`Shard` (this device's
+stored shard and master shard, boxed the way Flax boxes partitioned params). The layer that
+reads it (``self.param`` in Linen, ``variable[...]`` in NNX) calls :func:`gather_weight` right
 there, inside the scan over layers: it all-gathers the layer's packed bytes and scale bytes (or
 a plain weight's bits) over the data axes and dequantizes; its VJP reduce-scatters the weight
 gradient straight into this device's master shard in a fixed order
@@ -19,12 +20,15 @@ from typing import Any, Optional, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
+from flax.core import meta
+from jax.sharding import PartitionSpec as P
 
 from jax_nvfp4.collectives import (GATHER_SCOPE, REDUCE_SCOPE, _levels, _size, all_gather_bits, all_gather_levels,
                                    ordered_mean, ordered_reduce_scatter, ordered_sum)
 from jax_nvfp4.layout import Tiled, TiledNVFP4, is_tiled
 
-__all__ = ["GatherConfig", "ParamShard", "gather_weight"]
+__all__ = ["GatherConfig", "Shard", "gather_weight", "shard_tree"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +47,9 @@ class GatherConfig:
     (:meth:`Layout.local`): its gather crosses the data axes only, and its gradient is
     complete on this tensor rank. Every other weight is the same on each tensor rank and
     gets a partial gradient there, summed over the tensor axis in a fixed order.
+    ``tensor_gspmd``: the tensor axis when the ``shard_map`` leaves it to GSPMD (stock layers
+    that compute with the logical weight): a weight split over it is fetched by a nested
+    ``shard_map`` manual over that axis, each rank gathering its own sub-matrix.
     """
 
     axis: Any = "data"
@@ -51,6 +58,7 @@ class GatherConfig:
     nvfp4: bool = False
     replica_axis: Optional[str] = None
     tensor_axis: Optional[str] = None
+    tensor_gspmd: Optional[str] = None
 
     @property
     def batch_axes(self) -> Tuple[str, ...]:
@@ -163,29 +171,102 @@ def gather_weight(stored, master, cfg: GatherConfig = GatherConfig()):
     return _gather_fn(cfg)(stored, master)
 
 
-@dataclasses.dataclass(frozen=True)
-class ParamShard:
-    """A parameter as one device holds it inside the step's ``shard_map``: ``stored`` (its
-    shard of the stored param) and ``master`` (its shard of the float32 master, which receives
-    the gradient; None in evaluation). ``nn.scan`` slices both per layer; a layer reads it
-    through :func:`jax_nvfp4.nn.param`."""
+def _manual_specs(spec: P, keep) -> P:
+    """``spec`` with only the mesh axes in ``keep`` (the others are GSPMD's)."""
+    out = []
+    for e in spec:
+        if isinstance(e, tuple):
+            e = tuple(a for a in e if a in keep) or None
+        elif e is not None and e not in keep:
+            e = None
+        out.append(e)
+    return P(*out)
+
+
+def _fetch_tensor_split(stored, master, cfg: GatherConfig):
+    """:func:`gather_weight` of a weight split over ``cfg.tensor_gspmd``, an axis the step's
+    ``shard_map`` leaves to GSPMD: a nested ``shard_map`` manual over that axis gathers this
+    rank's tile-major sub-matrix over the data axes only and returns it as its block of the
+    logical weight (sharded over the tensor axis), so no byte of it crosses the tensor axis."""
+    lay = stored.layout
+    keep = {cfg.tensor_gspmd}
+    local_cfg = dataclasses.replace(cfg, tensor_axis=cfg.tensor_gspmd, tensor_gspmd=None)
+    k = stored.data.ndim - 4
+    s_specs = jax.tree.map(lambda sp: _manual_specs(sp, keep), stored.specs(), is_leaf=lambda x: isinstance(x, P))
+    out = [None] * (k + 2)
+    out[lay.tensor_dim] = cfg.tensor_gspmd
+    if master is None:
+        return jax.shard_map(lambda s: gather_weight(s, None, local_cfg), in_specs=(s_specs,), out_specs=P(*out),
+                             axis_names=keep, check_vma=False)(stored)
+    m_specs = Tiled(_manual_specs(master.spec(), keep), master.layout)
+    return jax.shard_map(lambda s, m: gather_weight(s, m, local_cfg), in_specs=(s_specs, m_specs), out_specs=P(*out),
+                         axis_names=keep, check_vma=False)(stored, master)
+
+
+class Shard(struct.PyTreeNode, meta.AxisMetadata):
+    """A parameter as one device holds it inside the sharded step (:func:`jax_nvfp4.make_step`):
+    ``stored`` (its shard of the stored param) and ``master`` (its shard of the float32 master,
+    which receives the gradient; None in evaluation).
+
+    It is a Flax boxed value (``flax.core.meta.AxisMetadata``, the hook ``nn.Partitioned``
+    uses): a Linen module reading it with ``self.param`` (``nn.Dense``, ``nn.DenseGeneral``,
+    ``nn.Einsum``, ``nn.Embed``, norms...) unboxes it, which gathers the weight right there,
+    inside the user's scan or loop over blocks; an NNX variable holding it reads it with
+    ``variable[...]``. ``nn.scan`` / ``nnx.scan`` slice its leaves per layer. Every read
+    gathers: a weight read twice is gathered twice and its gradient is the sum."""
 
     stored: Any
     master: Any
-    config: GatherConfig = dataclasses.field(default=GatherConfig(), metadata=dict(static=True))
+    config: GatherConfig = struct.field(pytree_node=False, default=GatherConfig())
 
     @property
     def is_nvfp4(self) -> bool:
         return isinstance(self.stored, TiledNVFP4)
 
-    def get(self) -> jax.Array:
-        """The logical weight (gathered and dequantized to ``config.dtype``)."""
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        """The logical shape of the weight this device computes with."""
+        s = self.stored
+        if not is_tiled(s):
+            return tuple(s.shape)
+        lead = tuple((s.data if isinstance(s, TiledNVFP4) else s.value).shape[:-4])
+        split = self.config.tensor_axis is not None and _split_over_tensor(s)
+        return lead + tuple(s.layout.sub if split else s.layout.matrix)
+
+    def unbox(self) -> jax.Array:
+        """The logical weight in ``config.dtype``, gathered here (its gradient goes to ``master``)."""
+        if self.config.tensor_gspmd is not None and _split_over_tensor(self.stored):
+            return _fetch_tensor_split(self.stored, self.master, self.config)
         return gather_weight(self.stored, self.master, self.config)
 
-    def get_nvfp4(self):
+    def nvfp4(self):
         """``(NVFP4Array, sink)``: the gathered stored weight for the recipe GEMM and a float
         array that only carries the weight gradient (its values are never read)."""
+        if self.config.tensor_gspmd is not None and _split_over_tensor(self.stored):
+            raise NotImplementedError("the recipe GEMM under GSPMD tensor parallelism: use tensor='manual'")
         return gather_weight(self.stored, self.master, dataclasses.replace(self.config, nvfp4=True))
 
+    def __getitem__(self, index):
+        # NNX: ``nnx.Variable[...]`` indexes its raw value.
+        return self.unbox()[index]
 
-jax.tree_util.register_dataclass(ParamShard, data_fields=["stored", "master"], meta_fields=["config"])
+    def replace_boxed(self, val):
+        return val
+
+    def add_axis(self, index: int, params: dict) -> "Shard":
+        return self
+
+    def remove_axis(self, index: int, params: dict) -> "Shard":
+        return self
+
+
+def shard_tree(params, masters, config: GatherConfig):
+    """The stored params tree with each leaf (and its master) boxed as a :class:`Shard`;
+    ``masters=None`` for evaluation."""
+    if masters is None:
+        masters = jax.tree.map(lambda _: None, params, is_leaf=is_tiled)
+    return jax.tree.map(lambda s, m: Shard(s, m, config), params, masters, is_leaf=is_tiled)
+
+
+def is_shard(x) -> bool:
+    return isinstance(x, Shard)

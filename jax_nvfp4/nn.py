@@ -1,10 +1,10 @@
-"""Flax linen layers that take their weights at the point of use; NVFP4 recipe matmuls.
+"""The NVFP4 recipe's Flax layer: :class:`NVFP4Dense`, a dense layer whose GEMMs quantize
+their operands (:func:`jax_nvfp4.gemm.dot`) and read the stored NVFP4 weight itself.
 
-A training step that shards its parameters (FSDP) passes each parameter to ``apply`` as a
-:class:`~jax_nvfp4.fetch.ParamShard` (this device's stored shard and master shard). A layer
-reads it through :func:`param`, which all-gathers the packed bytes right there (inside the
-scanned layer) and dequantizes; the gradient flows back to the master shard through the
-gather's VJP. Passed ordinary arrays, :func:`param` is ``module.param``.
+Inside the sharded step (:func:`jax_nvfp4.make_step`) every parameter reaches the model as a
+:class:`~jax_nvfp4.fetch.Shard` box: stock layers read it with ``self.param`` (which gathers
+and dequantizes it); this layer, with ``compute="nvfp4"``, takes the gathered packed weight
+itself, so the recipe GEMM runs on the stored bits.
 """
 
 from __future__ import annotations
@@ -18,29 +18,17 @@ import jax.numpy as jnp
 
 from jax_nvfp4 import gemm
 from jax_nvfp4.array import BLOCK_2D, NVFP4Array, quantize
-from jax_nvfp4.fetch import ParamShard
+from jax_nvfp4.fetch import Shard
 
-__all__ = ["NVFP4Dense", "NVFP4_COLLECTION", "ROUNDING_RNG", "Recipe", "param"]
+__all__ = ["NVFP4Dense", "NVFP4_COLLECTION", "ROUNDING_RNG", "Recipe"]
 
 
-def _shard(module: nn.Module, name: str) -> Optional[ParamShard]:
+def _shard(module: nn.Module, name: str) -> Optional[Shard]:
     if module.has_variable("params", name):
         v = module.get_variable("params", name)
-        if isinstance(v, ParamShard):
+        if isinstance(v, Shard):
             return v
     return None
-
-
-def param(module: nn.Module, name: str, init_fn: Callable, shape, dtype=jnp.float32) -> jax.Array:
-    """``module.param(name, init_fn, shape, dtype)``, or, when the variable is a
-    :class:`ParamShard`, the weight gathered at this point of use."""
-    shard = _shard(module, name)
-    if shard is not None:
-        w = shard.get()
-        if tuple(w.shape) != tuple(shape):
-            raise ValueError(f"{module.name}/{name}: sharded parameter of logical shape {w.shape}, expected {tuple(shape)}")
-        return w
-    return module.param(name, init_fn, shape, dtype)
 
 # Variable collection holding the stored (quantized) kernels, under the params' names.
 NVFP4_COLLECTION = "nvfp4"
@@ -112,12 +100,12 @@ class NVFP4Dense(nn.Module):
         def add_bias(y):
             if not self.use_bias:
                 return y
-            return y + param(self, "bias", self.bias_init, (self.features,), self.param_dtype).astype(self.dtype)
+            return y + self.param("bias", self.bias_init, (self.features,), self.param_dtype).astype(self.dtype)
 
         if self.compute == "nvfp4" and shard is not None and shard.is_nvfp4:
-            w_q, sink = shard.get_nvfp4()
+            w_q, sink = shard.nvfp4()
             return add_bias(self._dot(x, w_q, sink, key))
-        kernel = param(self, "kernel", self.kernel_init, shape, self.param_dtype)
+        kernel = self.param("kernel", self.kernel_init, shape, self.param_dtype)
         if self.compute == "dequant":
             y = jnp.dot(x, kernel.astype(self.dtype))
         else:

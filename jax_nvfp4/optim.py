@@ -101,10 +101,12 @@ def master_weights(
             p = path_str(path)
             if isinstance(leaf, TiledNVFP4):
                 return Tiled(leaf.dequantize_tiles(jnp.float32), leaf.layout)
+            # A float32 param's master is a copy, never the param's own buffer: the step
+            # donates both.
             if isinstance(leaf, Tiled):
-                return Tiled(leaf.value.astype(jnp.float32), leaf.layout)
-            nvfp4 = is_nvfp4(leaf) or policy.wants(p, leaf)
-            value = leaf.dequantize(jnp.float32) if is_nvfp4(leaf) else jnp.asarray(leaf, jnp.float32)
+                return Tiled(jnp.array(leaf.value, jnp.float32, copy=True), leaf.layout)
+            nvfp4 = is_nvfp4(leaf) or policy.wants(p, leaf, rules.stacked_axes(p))
+            value = leaf.dequantize(jnp.float32) if is_nvfp4(leaf) else jnp.array(leaf, jnp.float32, copy=True)
             lay = layout_for(p, value.shape, nvfp4, m, rules)
             return Tiled.from_logical(value, lay) if lay is not None else value
 

@@ -60,13 +60,14 @@ class Policy:
     def kept(self, path: str) -> bool:
         return any(re.search(p, path) for p in self.keep)
 
-    def wants(self, path: str, leaf) -> bool:
-        """Whether the leaf at ``path`` becomes NVFP4."""
+    def wants(self, path: str, leaf, stacked: int = 0) -> bool:
+        """Whether the leaf at ``path`` becomes NVFP4; ``stacked``: how many of its leading
+        axes stack layers (``nn.scan``), which do not count as matrix axes."""
         shape = jnp.shape(leaf)
         dtype = getattr(leaf, "dtype", None)
         if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
             return False
-        if len(shape) < self.min_ndim or min(shape[-2:]) < self.min_size:
+        if len(shape) - stacked < self.min_ndim or min(shape[-2:]) < self.min_size:
             return False
         if self.include and not any(re.search(p, path) for p in self.include):
             return False

@@ -33,6 +33,7 @@ class Rules:
         batch axis, so a stacked ``[L, d]`` vector is a vector per layer, not a matrix.
       min_shard_size: plain (non-NVFP4) leaves with fewer elements than this, or fewer than two
         matrix axes, are replicated (norm scales, biases): their update needs no collective.
+        A leaf a tensor rule splits is laid out and split whatever its size.
     """
 
     data_axis: object = "data"
@@ -89,15 +90,20 @@ def layout_for(path: str, shape: Sequence[int], nvfp4: bool, mesh, rules: Rules 
     shape = tuple(int(d) for d in shape)
     n_data = axis_size(mesh, rules.data_axis)
     n_tensor = axis_size(mesh, rules.tensor_axis)
-    if not nvfp4:
-        if len(shape) - rules.stacked_axes(path) < 2 or math.prod(shape) < rules.min_shard_size:
-            return None
-    tdim = rules.tensor_dim(path) if n_tensor > 1 else None
+    matrix = len(shape) - rules.stacked_axes(path) >= 2
+    tdim = rules.tensor_dim(path) if n_tensor > 1 and matrix else None
     if tdim is not None and shape[tdim] % (TILE * n_tensor):
         if nvfp4:
             raise ValueError(
                 f"{path}: axis {tdim} of shape {shape} is split over {n_tensor} tensor shards and must "
                 f"be a multiple of {TILE} x {n_tensor} so that no 16x16 tile is cut")
-        tdim = None
+        raise ValueError(
+            f"{path}: axis {tdim} of shape {shape} is split over {n_tensor} tensor shards (a tensor rule "
+            f"matches it) and must be a multiple of {TILE} x {n_tensor}")
+    # A plain leaf split over the tensor axis is laid out like an NVFP4 one whatever its size
+    # (every tensor rank computes with its own sub-matrix); other small plain leaves are
+    # replicated.
+    if not nvfp4 and tdim is None and (not matrix or math.prod(shape) < rules.min_shard_size):
+        return None
     return Layout(shape[-2:], n_data, n_tensor if tdim is not None else 1, tdim, rules.data_axis,
                   rules.tensor_axis if tdim is not None else None)

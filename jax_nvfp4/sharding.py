@@ -144,7 +144,7 @@ def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optiona
         if is_tiled(leaf):
             return leaf
         p = path_str(path)
-        if not is_nvfp4(leaf) and policy is not None and policy.wants(p, leaf):
+        if not is_nvfp4(leaf) and policy is not None and policy.wants(p, leaf, rules.stacked_axes(p)):
             leaf = quantize(leaf, block=policy.block)
         lay = layout_for(p, leaf.shape, is_nvfp4(leaf), mesh, rules)
         if is_nvfp4(leaf):

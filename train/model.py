@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_nvfp4.export import HFNames
-from jax_nvfp4.nn import NVFP4_COLLECTION, ROUNDING_RNG, NVFP4Dense, Recipe, param
+from jax_nvfp4.nn import NVFP4_COLLECTION, ROUNDING_RNG, NVFP4Dense, Recipe
 from jax_nvfp4.params import Policy
 from jax_nvfp4.tensor_parallel import TensorParallel, vocab_embed, vocab_token_losses
 from train.attention import attention
@@ -99,7 +99,7 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        scale = param(self, "scale", nn.initializers.ones_init(), (x.shape[-1],), jnp.float32)
+        scale = self.param("scale", nn.initializers.ones_init(), (x.shape[-1],), jnp.float32)
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return y.astype(self.dtype) * scale.astype(self.dtype)
@@ -216,7 +216,7 @@ class Llama(nn.Module):
 
     ``compute``: ``"dequant"`` (weights dequantized by the caller, GEMMs in ``dtype``) or
     ``"nvfp4"`` (the recipe's quantized GEMMs; stored NVFP4 kernels come in as
-    :class:`jax_nvfp4.nn.ParamShard` leaves or through the ``"nvfp4"`` collection). It
+    :class:`jax_nvfp4.fetch.Shard` boxes or through the ``"nvfp4"`` collection). It
     applies to the layers stored in NVFP4: the blocks kept in bf16 (``keep_first``/``keep_last``) and the head when
     ``keep_head`` run their GEMMs in ``dtype``, as the published recipe keeps its last layers
     and output projection in high precision.
@@ -253,7 +253,7 @@ class Llama(nn.Module):
     def __call__(self, tokens):
         tp = self.tensor
         vocab = tp.split(self.vocab, "model.vocab")
-        embed = param(self, "embed", nn.initializers.normal(self.init_std), (vocab, self.d_model), jnp.float32)
+        embed = self.param("embed", nn.initializers.normal(self.init_std), (vocab, self.d_model), jnp.float32)
         x = vocab_embed(embed.astype(self.dtype), tokens, tp)
         counts = (self.keep_first, self.layers - self.keep_first - self.keep_last, self.keep_last)
         for name, n in zip(SEGMENTS, counts):

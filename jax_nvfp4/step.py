@@ -1,0 +1,236 @@
+"""The sharded train step and evaluation for any Flax model: FSDP one layer at a time, times
+tensor parallelism.
+
+:func:`make_step` takes the user's loss function, the ``master_weights`` optimizer and the
+mesh, and returns the step. Inside one ``shard_map`` each parameter reaches the loss function
+as a :class:`~jax_nvfp4.fetch.Shard` box in the params tree: the Flax layer that reads it
+(``self.param`` in Linen: ``nn.Dense``, ``nn.DenseGeneral``, ``nn.Einsum``, ``nn.Embed``...;
+``variable[...]`` in NNX: ``nnx.Linear``, ``nnx.Einsum``...) all-gathers its packed bytes
+over the data axes right there, inside the model's scan or loop over blocks, and dequantizes.
+The gather's VJP reduce-scatters the weight gradient straight into this device's float32
+master tiles, summed in a fixed order (bitwise the same for any process layout). The model's
+code is unchanged; rematerialise its blocks (``nn.remat`` / ``nnx.remat``, as any FSDP model
+does) and no device holds more than one block's weights.
+
+Tensor parallelism, two ways (``tensor=``):
+
+- ``"gspmd"`` (stock layers): the rules (:class:`~jax_nvfp4.Rules`, e.g. from the kernels'
+  logical axis names with :func:`tensor_rules_from_logical`) say which kernels split along
+  their outputs (-1) or inputs (-2). The ``shard_map`` is manual over the data axes only; each
+  split weight is gathered by a nested ``shard_map`` over the tensor axis, so every rank
+  gathers its own sub-matrix (1/t of the bytes, over the data axes only) and the model sees
+  the logical weight sharded over the tensor axis. XLA's SPMD partitioner then runs the
+  layers (activation collectives over the tensor axis are XLA's; mark sequence-parallel
+  regions with ``nn.with_logical_constraint`` / sharding constraints). The tensor axis must
+  be an Auto mesh axis.
+- ``"manual"`` (a model written for it, e.g. with :class:`~jax_nvfp4.TensorParallel`): the
+  ``shard_map`` is manual over every axis, a split weight reaches the model as this rank's
+  sub-matrix, and the model writes its own tensor collectives (Megatron style).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_nvfp4.collectives import LOSS_SCOPE, all_gather_bits, ordered_mean
+from jax_nvfp4.fetch import GatherConfig, _manual_specs, shard_tree
+from jax_nvfp4.optim import find_state
+from jax_nvfp4.rules import DEFAULT_RULES, Rules, axis_size
+from jax_nvfp4.sharding import partition_specs
+from jax_nvfp4.tensor_parallel import TensorParallel
+
+__all__ = ["make_step", "make_eval", "tensor_parallel", "tensor_rules_from_logical"]
+
+TENSOR_MODES = ("gspmd", "manual")
+
+
+def _batch_axes(mesh, rules: Rules) -> Tuple[str, ...]:
+    """The mesh axes the batch rows are split over, in mesh order."""
+    axes = tuple(a for a in mesh.axis_names if a in rules.batch_axes)
+    if not axes:
+        raise ValueError(f"the mesh {dict(mesh.shape)} has none of the rules' batch axes {rules.batch_axes}: "
+                         "nothing would be sharded (name the data axis in nv.Rules(data_axis=...))")
+    return axes
+
+
+def tensor_parallel(mesh, rules: Rules = DEFAULT_RULES) -> TensorParallel:
+    """The mesh's tensor axis as a ``tensor="manual"`` model sees it inside the step."""
+    size = axis_size(mesh, rules.tensor_axis)
+    return TensorParallel(rules.tensor_axis if size > 1 else None, size)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Where the step's ``shard_map`` is manual, and how the boxes gather."""
+
+    mesh: Any
+    batch: Tuple[str, ...]
+    manual: Tuple[str, ...]
+    gather: GatherConfig
+    tensor: TensorParallel
+
+    def specs(self, tree):
+        return jax.tree.map(lambda s: _manual_specs(s, self.manual), partition_specs(tree),
+                            is_leaf=lambda x: isinstance(x, P))
+
+    def shard_map(self, fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=set(self.manual), check_vma=False)
+
+
+def _plan(mesh, rules: Rules, dtype, packed: bool, tensor: str) -> _Plan:
+    if tensor not in TENSOR_MODES:
+        raise ValueError(f"tensor must be one of {TENSOR_MODES}, got {tensor!r}")
+    rules = rules or DEFAULT_RULES
+    batch = _batch_axes(mesh, rules)
+    t_on = axis_size(mesh, rules.tensor_axis) > 1
+    gspmd = t_on and tensor == "gspmd"
+    if gspmd:
+        kind = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()))).get(rules.tensor_axis)
+        if kind is not None and not str(kind).endswith("Auto"):
+            raise ValueError(f"tensor='gspmd' needs the tensor axis {rules.tensor_axis!r} to be an Auto mesh axis "
+                             f"(jax.make_mesh(..., axis_types=...)), got {kind}")
+    manual = tuple(a for a in mesh.axis_names if not (gspmd and a == rules.tensor_axis))
+    cfg = GatherConfig(rules.data_axis, dtype, packed=packed, replica_axis=rules.replica_axis,
+                       tensor_axis=rules.tensor_axis if t_on and not gspmd else None,
+                       tensor_gspmd=rules.tensor_axis if gspmd else None)
+    tp = tensor_parallel(mesh, rules) if t_on and not gspmd else TensorParallel()
+    return _Plan(mesh, batch, manual, cfg, tp)
+
+
+def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: Optional[Rules] = None, *,
+              dtype=jnp.bfloat16, packed: bool = True, grad_accum: int = 1, tensor: str = "gspmd"):
+    """The sharded train step ``step(params, opt_state, batch, key=None, *args)`` ->
+    ``(params, opt_state, {"loss", "skipped"})``. Call it under ``jax.jit`` (donate the
+    params and state).
+
+    Args:
+      loss_fn: ``loss_fn(params, rows, key, *args) -> scalar``: the mean loss of this
+        device's ``rows`` of the batch, ``params`` the stored tree with every leaf boxed as a
+        :class:`~jax_nvfp4.fetch.Shard` (pass it to ``model.apply({"params": params}, ...)``,
+        or merge it into an NNX graph); ``key`` this device's key (``key`` folded with its
+        batch index, and tensor index with ``tensor="manual"``) or None; ``args`` the step's
+        extra arguments (replicated), e.g. a schedule value.
+      tx: a :func:`~jax_nvfp4.master_weights` optimizer (any optax transform inside).
+      mesh: the mesh; its axes named in ``rules`` (data, replica, tensor).
+      rules: the :class:`~jax_nvfp4.Rules` the params were sharded with.
+      dtype: the dtype the weights are dequantized to (their gradients arrive in it).
+      packed: gather the packed NVFP4 bytes (False: gather dequantized values, the bf16-gather
+        reference; bit-identical results).
+      grad_accum: split each device's rows into this many micro-batches, summing gradients.
+      tensor: ``"gspmd"`` or ``"manual"`` (see the module docstring).
+
+    The loss is averaged over the batch axes in a fixed order; every gradient lands in its
+    master's layout (this device's tiles) through the gathers' VJPs; ``tx`` updates and
+    re-quantizes each shard. A step whose loss or gradients are not all finite changes nothing
+    and is counted in ``metrics["skipped"]``.
+    """
+    plan = _plan(mesh, rules, dtype, packed, tensor)
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+
+    def local(params, masters, rows, key, *args):
+        if key is not None:
+            key = jax.random.fold_in(key, jax.lax.axis_index(plan.batch))
+            if plan.tensor.on:
+                key = jax.random.fold_in(key, plan.tensor.index())
+
+        def value(masters, r, k):
+            return loss_fn(shard_tree(params, masters, plan.gather), r, k, *args)
+
+        grad_fn = jax.value_and_grad(value)
+        if grad_accum == 1:
+            loss, grads = grad_fn(masters, rows, key)
+        else:
+            b = rows.shape[0] // grad_accum
+            if b * grad_accum != rows.shape[0]:
+                raise ValueError(f"{rows.shape[0]} rows per device are not divisible by grad_accum={grad_accum}")
+
+            def body(carry, xs):
+                i, r = xs
+                l, g = grad_fn(masters, r, None if key is None else jax.random.fold_in(key, i))
+                return jax.tree.map(jnp.add, carry, (l, g)), None
+
+            zero = jax.tree.map(jnp.zeros_like, (jnp.zeros([], jnp.float32), masters))
+            micro = rows.reshape(grad_accum, b, *rows.shape[1:])
+            (loss, grads), _ = jax.lax.scan(body, zero, (jnp.arange(grad_accum), micro))
+            loss, grads = loss / grad_accum, jax.tree.map(lambda g: g / np.float32(grad_accum), grads)
+        with jax.named_scope(LOSS_SCOPE):
+            return ordered_mean(jnp.asarray(loss, jnp.float32), plan.batch), grads
+
+    def step(params, opt_state, batch, key=None, *args):
+        masters = find_state(opt_state).master
+        m_specs = plan.specs(masters)
+        arg_specs = tuple(P() for _ in args)
+        if key is None:
+            fn = lambda p, m, r, *a: local(p, m, r, None, *a)
+            specs = (plan.specs(params), m_specs, P(plan.batch), *arg_specs)
+            loss, grads = plan.shard_map(fn, specs, (P(), m_specs))(params, masters, batch, *args)
+        else:
+            specs = (plan.specs(params), m_specs, P(plan.batch), P(), *arg_specs)
+            loss, grads = plan.shard_map(local, specs, (P(), m_specs))(params, masters, batch, key, *args)
+        # A non-finite loss is a non-finite step even where its gradients are finite (e.g. a
+        # target id past the vocabulary): master_weights skips a step whose gradients are not
+        # all finite, so the loss's verdict is folded into them.
+        grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(loss), g, jnp.nan), grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"loss": loss, "skipped": find_state(opt_state).skipped}
+
+    return step
+
+
+def make_eval(fn: Callable, mesh, rules: Optional[Rules] = None, *, dtype=jnp.bfloat16, packed: bool = True,
+              tensor: str = "gspmd"):
+    """``evaluate(params, batch)``: ``fn(params, rows)`` on each device's rows with the step's
+    per-layer gathers (forward only: no device ever holds the whole model), its per-row
+    results (``[rows, ...]`` float32, e.g. each row's loss) gathered as bits in row order and
+    returned replicated, so a host-side mean does not depend on how devices sum. Call it
+    under ``jax.jit``. Arguments as :func:`make_step`."""
+    plan = _plan(mesh, rules, dtype, packed, tensor)
+
+    def local(params, rows):
+        out = fn(shard_tree(params, None, plan.gather), rows)
+        with jax.named_scope(LOSS_SCOPE):
+            return all_gather_bits(out, plan.batch, tiled=True)
+
+    def evaluate(params, batch):
+        return plan.shard_map(local, (plan.specs(params), P(plan.batch)), P())(params, batch)
+
+    return evaluate
+
+
+def tensor_rules_from_logical(params, axes: Sequence[str] = ("mlp", "heads", "kv", "vocab", "q_heads", "kv_heads"),
+                              ) -> Tuple[Tuple[str, int], ...]:
+    """Tensor rules (:attr:`Rules.tensor`) from the logical axis names on a model's params
+    (``nn.with_logical_partitioning`` / ``nn.LogicallyPartitioned``, ``nnx.Param(...,
+    sharding=...)`` metadata): a kernel whose last axis is named in ``axes`` is split along
+    its outputs (-1), one whose second-to-last axis is, along its inputs (-2). ``params``: the
+    boxed params (e.g. ``jax.eval_shape(model.init, ...)["params"]``, before
+    ``nn.unbox``)."""
+    from flax.core import meta
+
+    from jax_nvfp4.params import path_str
+
+    rules = []
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))[0]
+    for path, leaf in leaves:
+        names = getattr(leaf, "names", None)
+        if names is None:
+            names = getattr(leaf, "sharding_names", None) or getattr(leaf, "sharding", None)
+        if not isinstance(names, (tuple, list)) or len(names) < 2:
+            continue
+        p = path_str(path)
+        p = p[: -len("/value")] if p.endswith("/value") else p
+        if names[-1] in axes:
+            rules.append((f"^{p}$", -1))
+        elif names[-2] in axes:
+            rules.append((f"^{p}$", -2))
+    return tuple(rules)

@@ -247,8 +247,12 @@ class Shard(struct.PyTreeNode, meta.AxisMetadata):
         return gather_weight(self.stored, self.master, dataclasses.replace(self.config, nvfp4=True))
 
     def __getitem__(self, index):
-        # NNX: ``nnx.Variable[...]`` indexes its raw value.
+        # NNX: ``variable[...]`` indexes the variable's raw value, this box.
         return self.unbox()[index]
+
+    def __len__(self) -> int:
+        # NNX layers test an optional variable's truth (``if self.scale``), i.e. its length.
+        return self.shape[0]
 
     def replace_boxed(self, val):
         return val

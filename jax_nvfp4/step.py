@@ -43,7 +43,7 @@ from jax_nvfp4.collectives import LOSS_SCOPE, all_gather_bits, ordered_mean
 from jax_nvfp4.fetch import GatherConfig, _manual_specs, shard_tree
 from jax_nvfp4.optim import find_state
 from jax_nvfp4.rules import DEFAULT_RULES, Rules, axis_size
-from jax_nvfp4.sharding import partition_specs
+from jax_nvfp4.sharding import constrain, partition_specs
 from jax_nvfp4.tensor_parallel import TensorParallel
 
 __all__ = ["make_step", "make_eval", "tensor_parallel", "tensor_rules_from_logical"]
@@ -83,6 +83,16 @@ class _Plan:
     def shard_map(self, fn, in_specs, out_specs):
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                              axis_names=set(self.manual), check_vma=False)
+
+
+def _split_rows(batch, plan: _Plan):
+    """The batch placed with its rows split over the batch axes (a clear error if they do not divide)."""
+    n = int(np.prod([plan.mesh.shape[a] for a in plan.batch]))
+    rows = jnp.shape(batch)[0] if jnp.ndim(batch) else 0
+    if rows % n:
+        raise ValueError(f"the batch's {rows} rows do not split evenly over the batch axes {plan.batch} "
+                         f"({n} devices): use a multiple of {n}")
+    return constrain(batch, NamedSharding(plan.mesh, P(plan.batch)))
 
 
 def _plan(mesh, rules: Rules, dtype, packed: bool, tensor: str) -> _Plan:
@@ -166,6 +176,7 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: 
             return ordered_mean(jnp.asarray(loss, jnp.float32), plan.batch), grads
 
     def step(params, opt_state, batch, key=None, *args):
+        batch = _split_rows(batch, plan)
         masters = find_state(opt_state).master
         m_specs = plan.specs(masters)
         arg_specs = tuple(P() for _ in args)
@@ -202,6 +213,7 @@ def make_eval(fn: Callable, mesh, rules: Optional[Rules] = None, *, dtype=jnp.bf
             return all_gather_bits(out, plan.batch, tiled=True)
 
     def evaluate(params, batch):
+        batch = _split_rows(batch, plan)
         return plan.shard_map(local, (plan.specs(params), P(plan.batch)), P())(params, batch)
 
     return evaluate

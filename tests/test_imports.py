@@ -81,3 +81,44 @@ def test_the_library_never_imports_the_training_stack():
     graph = import_graph()
     bad = {m: sorted(d for d in deps if d.startswith("train")) for m, deps in graph.items() if m.startswith("jax_nvfp4")}
     assert not any(bad.values()), bad
+
+
+def private_library_names(path: str) -> list:
+    """Private names of jax_nvfp4 a file uses: ``from jax_nvfp4... import _x`` and attribute
+    chains through the library's import alias (``nv._x``, ``nv.fetch._x``)."""
+    with open(path) as fh:
+        tree = ast.parse(fh.read())
+    aliases, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update(a.asname or a.name for a in node.names if a.name.split(".")[0] == "jax_nvfp4")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "jax_nvfp4":
+            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+            found += [node.module] if any(p.startswith("_") and p != "__main__" for p in node.module.split(".")) else []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            chain, base = [node.attr], node.value
+            while isinstance(base, ast.Attribute):
+                chain.append(base.attr)
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in aliases:
+                found.append(".".join([base.id, *reversed(chain)]))
+    return found
+
+
+def test_the_training_stack_uses_public_library_names_only():
+    """train/ is a user of the library: its step, evaluation and model go through the public
+    API, so anything a user's model needs is there for them too."""
+    bad = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, "train")):
+        for f in files:
+            if f.endswith(".py") and private_library_names(os.path.join(folder, f)):
+                bad[os.path.relpath(os.path.join(folder, f), ROOT)] = private_library_names(os.path.join(folder, f))
+    assert not bad, bad
+
+
+def test_private_names_are_found(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import jax_nvfp4 as nv\nfrom jax_nvfp4.fetch import _manual_specs, Shard\n"
+                   "x = nv.fetch._gather_fn\ny = nv.make_step\n")
+    assert private_library_names(str(src)) == ["jax_nvfp4.fetch._manual_specs", "nv.fetch._gather_fn"]

@@ -74,7 +74,7 @@ def check_quantize(size: int) -> dict:
     cases = {
         "16x16": dict(block=nv.BLOCK_2D),
         "1x16": dict(block=nv.BLOCK_1D),
-        "16x1": dict(block=nv.BLOCK_COLUMN),
+        "16x1": dict(block=nv.array.BLOCK_COLUMN),
         "16x16 stochastic": dict(block=nv.BLOCK_2D, rounding="stochastic"),
     }
 

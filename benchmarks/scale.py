@@ -270,8 +270,8 @@ def analytic(params, rules, policy, n_data: int, n_tensor: int, racks: int,
 
     out = dict(params=0.0, master=0.0, master_unpadded=0.0, opt_state=0.0, gather_packed=0.0, gather_plain=0.0,
                grad_reduce_scatter=0.0, grad_all_reduce=0.0, numel=0, numel_nvfp4=0)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=nv.is_tiled)[0]:
-        p = nv.path_str(path)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=nv.layout.is_tiled)[0]:
+        p = nv.params.path_str(path)
         nvfp4 = isinstance(leaf, nv.TiledNVFP4)
         shape = tuple(leaf.shape)
         numel = math.prod(shape)
@@ -349,10 +349,10 @@ def unsharded_large_leaves(params, specs, rules, n_data: int) -> List[str]:
     out = []
     if n_data == 1:
         return out
-    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=nv.is_tiled)[0]
-    for (path, leaf), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=nv.is_tiled)):
-        p = nv.path_str(path)
-        big = (isinstance(leaf, nv.TiledNVFP4) or nv.is_nvfp4(leaf)
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=nv.layout.is_tiled)[0]
+    for (path, leaf), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=nv.layout.is_tiled)):
+        p = nv.params.path_str(path)
+        big = (isinstance(leaf, nv.TiledNVFP4) or nv.array.is_nvfp4(leaf)
                or (len(leaf.shape) - rules.stacked_axes(p) >= 2 and math.prod(leaf.shape) >= rules.min_shard_size))
         s = spec.data if isinstance(spec, nv.TiledNVFP4) else (spec.value if isinstance(spec, nv.Tiled) else spec)
         used = set()
@@ -397,7 +397,7 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
     t_eval = time.perf_counter() - t0
 
     mw = nv.find_state(state)
-    nvfp4_params = [x for x in jax.tree.leaves(params, is_leaf=nv.is_tiled) if isinstance(x, nv.TiledNVFP4)]
+    nvfp4_params = [x for x in jax.tree.leaves(params, is_leaf=nv.layout.is_tiled) if isinstance(x, nv.TiledNVFP4)]
     measured = {
         "params": _tree_bytes(params),
         "params_nvfp4": _tree_bytes(nvfp4_params),
@@ -455,7 +455,7 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
                    hsdp=rules.replica_axis is not None, tokens=batch.shape[0] // axes["data"] * cfg.model.seq_len,
                    d_model=cfg.model.d_model, layers=cfg.model.layers)
     measured["ib_bytes"] = sum(r["ib"] for r in colls)
-    specs = nv.partition_specs(a_params)
+    specs = nv.sharding.partition_specs(a_params)
     return {
         "weights": cfg.nvfp4.weights,
         "mesh": mesh_lib.describe_mesh(mesh, spec.nvl_domain),

@@ -136,8 +136,8 @@ def measure(cfg: Config, devices: Sequence[Any], *, time_steps: int = 3) -> Dict
     gathers = program.weight_gathers()
     memory = state_memory(trainer, params, opt_state)
     memory.update({f"compiled_{k}": v for k, v in step["memory"].items()})
-    n_params = sum(math.prod(l.shape) for l in jax.tree.leaves(params, is_leaf=nv.is_tiled))
-    n_nvfp4 = sum(math.prod(l.shape) for l in jax.tree.leaves(params, is_leaf=nv.is_tiled) if isinstance(l, nv.TiledNVFP4))
+    n_params = sum(math.prod(l.shape) for l in jax.tree.leaves(params, is_leaf=nv.layout.is_tiled))
+    n_nvfp4 = sum(math.prod(l.shape) for l in jax.tree.leaves(params, is_leaf=nv.layout.is_tiled) if isinstance(l, nv.TiledNVFP4))
 
     times: List[float] = []
     loss = None

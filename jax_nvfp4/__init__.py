@@ -1,122 +1,93 @@
 """jax_nvfp4: model weights that live in NVFP4 during data-parallel training in JAX.
 
-Core format (``quantize``, ``dequantize``, ``NVFP4Array``), parameter policies
-(``quantize_params``, ``dequantize_params``), the one sharded layout (``Layout``,
-``TiledNVFP4``, ``Tiled``, ``shard_params``, ``shardings``), per-layer gathers and ordered
-reductions (``gather_weight``, ``ordered_reduce_scatter``), the master-weight optimizer wrapper
-(``master_weights``) and HLO accounting (``collective_bytes``).
+The core API, by kind (everything else lives in the submodule that owns it):
+
+The array format
+  :class:`NVFP4Array` (packed E2M1 codes, E4M3 block scales, a float32 global amax),
+  :func:`quantize`, :func:`dequantize`, the block shapes :data:`BLOCK_1D` (1x16) and
+  :data:`BLOCK_2D` (16x16 tiles).
+Policies and rules
+  :class:`Policy` (which leaves are NVFP4), :class:`Rules` (where state lives on the mesh:
+  data, replica and tensor axes, stacked layers), :func:`quantize_params`,
+  :func:`dequantize_params`.
+The sharded layout
+  :class:`Layout` (the one tile-major layout of a param and its master), :class:`TiledNVFP4`,
+  :class:`Tiled`, :func:`shard_params`, :func:`shardings`, :func:`gather` (the whole-model
+  gather, packed bytes only).
+The optimizer wrapper
+  :func:`master_weights` (float32 masters sharded like the params, any optax transform
+  inside), its state :class:`MasterWeightsState`, :func:`find_state`.
+The sharded step
+  :func:`make_step`, :func:`make_eval` (FSDP one layer at a time, times tensor parallelism,
+  for any Flax model), :class:`Shard` (a parameter as a layer reads it inside the step),
+  :class:`TensorParallel`, :func:`tensor_rules_from_logical`.
+The GEMM
+  :func:`dot` (the NVFP4 recipe's quantized GEMMs), :class:`Recipe`,
+  :func:`intercept_dense` (the recipe on stock ``nn.Dense`` layers), :class:`NVFP4Dense`.
+
+Submodules outside the core: :mod:`jax_nvfp4.comm` (collective accounting of compiled HLO)
+and :mod:`jax_nvfp4.export` (native and Hugging Face / compressed-tensors files); they are
+imported on first use (``nv.comm``, ``nv.export``).
 """
 
-from jax_nvfp4.array import (
-    BLOCK_1D,
-    BLOCK_COLUMN,
-    BLOCK_2D,
-    NVFP4Array,
-    codes,
-    dequantize,
-    from_codes,
-    is_nvfp4,
-    isfinite,
-    packed_shapes,
-    quantize,
-    transpose,
-)
-from jax_nvfp4.comm import collective_bytes, total_bytes
-from jax_nvfp4.export import ExportError, export_hf, export_nvfp4, load_nvfp4
-from jax_nvfp4.gemm import BackendUnavailableError, cuda_target, dot, last_backend, resolve_backend
-from jax_nvfp4.nn import NVFP4Dense
-from jax_nvfp4.numerics import hadamard_matrix, hadamard_transform
-from jax_nvfp4.collectives import all_gather_bits, ordered_mean, ordered_reduce_scatter, ordered_sum, ordered_sum_scatter
-from jax_nvfp4.fetch import GatherConfig, Shard, gather_weight
-from jax_nvfp4.step import make_eval, make_step, tensor_parallel, tensor_rules_from_logical
+import importlib
+
+from jax_nvfp4.array import BLOCK_1D, BLOCK_2D, NVFP4Array, dequantize, quantize
+from jax_nvfp4.gemm import dot
+from jax_nvfp4.layout import Layout, Tiled, TiledNVFP4
+from jax_nvfp4.nn import NVFP4Dense, Recipe, intercept_dense
+from jax_nvfp4.optim import MasterWeightsState, find_state, master_weights
+from jax_nvfp4.params import Policy, dequantize_params, quantize_params
+from jax_nvfp4.rules import Rules
+from jax_nvfp4.sharding import gather, shard_params, shardings
+from jax_nvfp4.fetch import Shard
+from jax_nvfp4.step import make_eval, make_step, tensor_rules_from_logical
 from jax_nvfp4.tensor_parallel import TensorParallel
-from jax_nvfp4.layout import Layout, Tiled, TiledNVFP4, is_tiled
-from jax_nvfp4.optim import (
-    MasterWeightsState,
-    apply_updates,
-    clip_by_global_norm,
-    find_state,
-    master_weights,
-    raise_if_skipped,
-)
-from jax_nvfp4.rules import Rules, layout_for
-from jax_nvfp4.params import DEFAULT_POLICY, Policy, dequantize_params, path_str, quantize_params
-from jax_nvfp4.sharding import (
-    gather,
-    gather_dequantized,
-    global_norm,
-    logical,
-    partition_specs,
-    requantize,
-    shard_params,
-    shardings,
-)
+
+# The core's own submodules are loaded by the imports above; these two are loaded on first use.
+_LAZY = ("comm", "export")
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return importlib.import_module(f"jax_nvfp4.{name}")
+    raise AttributeError(f"module 'jax_nvfp4' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # the array format
     "BLOCK_1D",
-    "BLOCK_COLUMN",
     "BLOCK_2D",
-    "BackendUnavailableError",
-    "NVFP4Dense",
-    "dot",
-    "ExportError",
-    "export_hf",
-    "export_nvfp4",
-    "load_nvfp4",
-    "cuda_target",
-    "last_backend",
-    "resolve_backend",
-    "DEFAULT_POLICY",
-    "GatherConfig",
-    "Shard",
-    "make_eval",
-    "make_step",
-    "tensor_parallel",
-    "tensor_rules_from_logical",
+    "NVFP4Array",
+    "dequantize",
+    "quantize",
+    # policies and rules
+    "Policy",
+    "Rules",
+    "dequantize_params",
+    "quantize_params",
+    # the sharded layout
     "Layout",
     "Tiled",
     "TiledNVFP4",
-    "clip_by_global_norm",
-    "gather_weight",
-    "global_norm",
-    "is_tiled",
-    "layout_for",
-    "logical",
-    "ordered_mean",
-    "ordered_reduce_scatter",
-    "ordered_sum",
-    "ordered_sum_scatter",
-    "all_gather_bits",
-    "TensorParallel",
-    "shard_params",
-    "MasterWeightsState",
-    "NVFP4Array",
-    "Policy",
-    "Rules",
-    "apply_updates",
-    "codes",
-    "collective_bytes",
-    "dequantize",
-    "dequantize_params",
-    "from_codes",
     "gather",
-    "gather_dequantized",
-    "hadamard_matrix",
-    "hadamard_transform",
-    "is_nvfp4",
-    "isfinite",
-    "master_weights",
-    "raise_if_skipped",
-    "find_state",
-    "packed_shapes",
-    "partition_specs",
-    "path_str",
-    "quantize",
-    "quantize_params",
-    "requantize",
+    "shard_params",
     "shardings",
-    "total_bytes",
-    "transpose",
+    # the optimizer wrapper
+    "MasterWeightsState",
+    "find_state",
+    "master_weights",
+    # the sharded step
+    "Shard",
+    "TensorParallel",
+    "make_eval",
+    "make_step",
+    "tensor_rules_from_logical",
+    # the GEMM
+    "NVFP4Dense",
+    "Recipe",
+    "dot",
+    "intercept_dense",
 ]

@@ -1,16 +1,19 @@
-"""The NVFP4 recipe's Flax layer: :class:`NVFP4Dense`, a dense layer whose GEMMs quantize
-their operands (:func:`jax_nvfp4.gemm.dot`) and read the stored NVFP4 weight itself.
+"""The NVFP4 recipe's GEMMs in Flax layers: on stock ``nn.Dense`` layers through Flax's
+method interceptors (:func:`intercept_dense`), and :class:`NVFP4Dense`, a dense layer with the
+recipe built in. Both quantize their operands (:func:`jax_nvfp4.gemm.dot`) and read the
+stored NVFP4 weight itself.
 
 Inside the sharded step (:func:`jax_nvfp4.make_step`) every parameter reaches the model as a
 :class:`~jax_nvfp4.fetch.Shard` box: stock layers read it with ``self.param`` (which gathers
-and dequantizes it); this layer, with ``compute="nvfp4"``, takes the gathered packed weight
-itself, so the recipe GEMM runs on the stored bits.
+and dequantizes it); the recipe takes the gathered packed weight itself
+(:meth:`Shard.nvfp4`), so its GEMM runs on the stored bits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import flax.linen as nn
 import jax
@@ -20,7 +23,7 @@ from jax_nvfp4 import gemm
 from jax_nvfp4.array import BLOCK_2D, NVFP4Array, quantize
 from jax_nvfp4.fetch import Shard
 
-__all__ = ["NVFP4Dense", "NVFP4_COLLECTION", "ROUNDING_RNG", "Recipe"]
+__all__ = ["NVFP4Dense", "NVFP4_COLLECTION", "ROUNDING_RNG", "Recipe", "intercept_dense"]
 
 
 def _shard(module: nn.Module, name: str) -> Optional[Shard]:
@@ -123,10 +126,53 @@ class NVFP4Dense(nn.Module):
         return add_bias(y)
 
     def _dot(self, x, w_q, sink, key):
-        r = self.recipe
-        if not r.stochastic_grads:
-            key = None
-        elif key is None and self.has_rng(ROUNDING_RNG):
-            key = self.make_rng(ROUNDING_RNG)
-        return gemm.dot(x, w_q, sink, key=key, backend=self.backend, out_dtype=self.dtype,
-                        rht_wgrad=r.hadamard_wgrad, quantize_x=r.quantize_activations)
+        return _recipe_dot(self, x, w_q, sink, key, self.recipe, self.backend, self.dtype)
+
+
+def _recipe_dot(module: nn.Module, x, w_q, sink, key, recipe: "Recipe", backend: str, dtype):
+    """The recipe GEMM of one layer call; the rounding key is ``key``, else the module's
+    ``"rounding"`` stream when it has one, else none (round to nearest)."""
+    if not recipe.stochastic_grads:
+        key = None
+    elif key is None and module.has_rng(ROUNDING_RNG):
+        key = module.make_rng(ROUNDING_RNG)
+    return gemm.dot(x, w_q, sink, key=key, backend=backend, out_dtype=dtype,
+                    rht_wgrad=recipe.hadamard_wgrad, quantize_x=recipe.quantize_activations)
+
+
+@contextlib.contextmanager
+def intercept_dense(recipe: Recipe = Recipe(), *, backend: str = "auto") -> Iterator[None]:
+    """Run every stock ``flax.linen.Dense`` whose kernel is an NVFP4 :class:`Shard` (inside
+    :func:`jax_nvfp4.make_step` / :func:`jax_nvfp4.make_eval`) with the recipe GEMM on the
+    gathered stored bits, within this context (``flax.linen.intercept_methods``)::
+
+        def loss_fn(params, rows, key):
+            with nv.intercept_dense():
+                logits = model.apply({"params": params}, rows[:, :-1], rngs={"rounding": key})
+
+    The layer's code is unchanged: ``y = x @ kernel (+ bias)`` in its ``dtype`` (else the
+    promoted dtype of ``x`` and the gathered weight). Stochastic rounding of the gradients
+    draws from the ``"rounding"`` RNG stream when the model has one (under ``nn.scan`` split
+    it per layer, as ``"params"``), else rounds to nearest. A Dense whose kernel is not an
+    NVFP4 ``Shard`` (kept in bf16 by the :class:`~jax_nvfp4.Policy`, or outside the step, e.g.
+    at init) runs as written. The same recipe as :class:`NVFP4Dense` ``(compute="nvfp4")``,
+    bit for bit.
+    """
+
+    def interceptor(next_fun, args, kwargs, context):
+        m = context.module
+        if context.method_name != "__call__" or not isinstance(m, nn.Dense) or len(args) != 1 or kwargs:
+            return next_fun(*args, **kwargs)
+        shard = _shard(m, "kernel")
+        if shard is None or not shard.is_nvfp4:
+            return next_fun(*args, **kwargs)
+        x = jnp.asarray(args[0])
+        dtype = m.dtype or jnp.promote_types(x.dtype, shard.config.dtype)
+        w_q, sink = shard.nvfp4()
+        y = _recipe_dot(m, x.astype(dtype), w_q, sink, None, recipe, backend, dtype)
+        if m.use_bias:
+            y = y + m.param("bias", m.bias_init, (m.features,), m.param_dtype).astype(dtype)
+        return y
+
+    with nn.intercept_methods(interceptor):
+        yield

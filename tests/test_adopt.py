@@ -11,6 +11,7 @@ loop over decoder layers). Its params are sharded as NVFP4 and trained with ``nv
   within bf16 rounding.
 """
 
+import contextlib
 import math
 
 import jax
@@ -82,7 +83,7 @@ def data8(setup):
 
 
 def matrices(stored):
-    return [q for q in jax.tree.leaves(stored, is_leaf=nv.is_tiled) if isinstance(q, nv.TiledNVFP4)]
+    return [q for q in jax.tree.leaves(stored, is_leaf=nv.layout.is_tiled) if isinstance(q, nv.TiledNVFP4)]
 
 
 def matrix_bytes(q, tensor=1):
@@ -128,3 +129,60 @@ def test_tensor_parallel_on_the_stock_llama_matches_data_parallel(setup, data8):
     assert array_bytes(split, 2) <= {c.bytes for c in gathers}
     np.testing.assert_allclose(losses, wholes, rtol=1e-5)
     np.testing.assert_allclose(losses, data8[0], rtol=2.0 ** -8)  # within bf16 rounding of data 8
+
+
+def test_the_recipe_on_stock_dense_layers_equals_nvfp4dense():
+    """``nv.intercept_dense()`` runs the recipe GEMMs (stochastic rounding, Hadamard wgrad) in
+    a model's stock ``nn.Dense`` layers: a step of it equals, bit for bit, the same model
+    written with ``nv.NVFP4Dense(compute="nvfp4")`` (loss and every updated param), and
+    differs from the plain dequantized GEMMs."""
+    import flax.linen as nn
+
+    def make(dense):
+        class Block(nn.Module):
+            @nn.compact
+            def __call__(self, x, _):
+                h = jax.nn.gelu(dense(128, "up")(nn.RMSNorm()(x)))
+                return x + dense(64, "down")(h), None
+
+        class Model(nn.Module):
+            @nn.compact
+            def __call__(self, tokens):
+                x = nn.Embed(256, 64)(tokens)
+                blocks = nn.scan(nn.remat(Block), variable_axes={"params": 0},
+                                 split_rngs={"params": True, "rounding": True}, length=2)
+                return dense(256, "head")(blocks(name="blocks")(x, None)[0])
+
+        return Model()
+
+    stock = make(lambda f, name: nn.Dense(f, use_bias=False, dtype=jnp.bfloat16, name=name))
+    layer = make(lambda f, name: nv.NVFP4Dense(f, compute="nvfp4", name=name))
+    tokens = jax.random.randint(jax.random.key(1), (8, 17), 0, 256)
+    fp32 = stock.init(jax.random.key(0), tokens[:, :-1])["params"]
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+
+    def one_step(model, intercept):
+        def loss_fn(params, rows, key):
+            ctx = nv.intercept_dense() if intercept else contextlib.nullcontext()
+            with ctx:
+                logits = model.apply({"params": params}, rows[:, :-1], rngs={"rounding": key})
+            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), rows[:, 1:]).mean()
+
+        with jax.set_mesh(mesh):
+            rules = nv.Rules(stacked=("^blocks/",))
+            params = nv.shard_params(fp32, mesh, rules, nv.Policy())
+            tx = nv.master_weights(optax.sgd(0.1), rules=rules)
+            opt_state = tx.init(params)
+            params, opt_state = jax.device_put((params, opt_state), nv.shardings((params, opt_state), mesh))
+            params, _, metrics = jax.jit(nv.make_step(loss_fn, tx, mesh, rules))(params, opt_state, tokens,
+                                                                                jax.random.key(7))
+        return float(metrics["loss"]), jax.tree.leaves(jax.device_get(nv.sharding.logical(params)))
+
+    loss, params = one_step(stock, True)
+    want_loss, want = one_step(layer, False)
+    plain_loss, _ = one_step(stock, False)
+    assert loss == want_loss and loss != plain_loss
+    assert len(params) == len(want)
+    for a, b in zip(params, want):
+        np.testing.assert_array_equal(np.asarray(a.data if nv.array.is_nvfp4(a) else a),
+                                      np.asarray(b.data if nv.array.is_nvfp4(b) else b))

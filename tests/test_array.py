@@ -102,7 +102,7 @@ def test_non_finite_input_is_flagged_and_decodes_to_nan():
         y = x.copy()
         y[5, 7] = bad
         q = nv.quantize(jax.device_put(y))
-        assert not bool(q.isfinite()) and not bool(nv.isfinite(q))
+        assert not bool(q.isfinite()) and not bool(nv.array.isfinite(q))
         assert np.isnan(np.asarray(nv.dequantize(q, jnp.float32))).all()
     # Batched: only the poisoned matrix is flagged.
     xs = np.ones((3, 16, 16), np.float32)
@@ -227,7 +227,7 @@ def test_roundtrip_error_bound_and_padding(data, shape, block):
 def test_transpose_equals_quantizing_the_transpose(data, rows, cols, block):
     # The block turns with the matrix: (16, 16) stays, (1, 16) and (16, 1) swap.
     x = _arrays(data.draw, (rows, cols))
-    qt = nv.transpose(nv.quantize(jax.device_put(x), block=block))
+    qt = nv.array.transpose(nv.quantize(jax.device_put(x), block=block))
     q2 = nv.quantize(jax.device_put(x.T), block=block[::-1])
     assert qt.shape == (cols, rows) and qt.block == block[::-1]
     for a, b in zip(jax.tree.leaves(qt), jax.tree.leaves(q2)):

@@ -142,8 +142,8 @@ def test_restore_onto_another_mesh(reference, resumed, data, tensor, step, extra
     got = jax.tree.leaves(jax.tree.map(lambda a: a.sharding, (r.params, r.opt_state)))
     want = jax.tree.leaves((trainer.param_shardings, trainer.state_shardings))
     assert len(got) == len(want) and all(g == w for g, w in zip(got, want))
-    masters = jax.tree.leaves(nv.find_state(r.opt_state).master, is_leaf=nv.is_tiled)
-    assert all(m.value.shape[-3] % data == 0 and m.layout.n_data == data for m in masters if nv.is_tiled(m))
+    masters = jax.tree.leaves(nv.find_state(r.opt_state).master, is_leaf=nv.layout.is_tiled)
+    assert all(m.value.shape[-3] % data == 0 and m.layout.n_data == data for m in masters if nv.layout.is_tiled(m))
     if not step:
         return
     # ... and it trains on.
@@ -318,8 +318,8 @@ def test_save_killed_at_a_random_point_keeps_the_last_checkpoint(tmp_path):
 # ----------------------------------------------------------------------------- export
 def test_export_roundtrip_gives_bit_identical_logits(reference, tmp_path):
     cfg = job()
-    params = nv.logical(jax.device_get(reference["params"]))  # one layout for both, so one program
-    manifest = nv.export_nvfp4(params, str(tmp_path / "export"))
+    params = nv.sharding.logical(jax.device_get(reference["params"]))  # one layout for both, so one program
+    manifest = nv.export.export_nvfp4(params, str(tmp_path / "export"))
     m = json.loads(open(manifest).read())
     assert m["format"] == "jax_nvfp4.export" and m["version"] == 2 and len(m["sha256"]) == 64
     kinds = {e["path"]: e for e in m["leaves"]}
@@ -327,8 +327,8 @@ def test_export_roundtrip_gives_bit_identical_logits(reference, tmp_path):
     assert q["kind"] == "nvfp4" and q["shape"] == [2, 96, 96] and q["block"] == [16, 1]  # nvfp4.block: 1d
     assert set(q["files"]) == {"data", "scale", "amax"} and all(len(f["sha256"]) == 64 for f in q["files"].values())
     assert kinds["embed"]["dtype"] == "bfloat16"
-    loaded = nv.load_nvfp4(str(tmp_path / "export"))
-    assert jax.tree.structure(loaded, is_leaf=nv.is_nvfp4) == jax.tree.structure(params, is_leaf=nv.is_nvfp4)
+    loaded = nv.export.load_nvfp4(str(tmp_path / "export"))
+    assert jax.tree.structure(loaded, is_leaf=nv.array.is_nvfp4) == jax.tree.structure(params, is_leaf=nv.array.is_nvfp4)
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)):
         assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
     model = from_config(cfg.model, cfg.nvfp4)
@@ -337,7 +337,7 @@ def test_export_roundtrip_gives_bit_identical_logits(reference, tmp_path):
     a, b = np.asarray(logits(params, tokens)), np.asarray(logits(loaded, tokens))
     assert a.tobytes() == b.tobytes()
     with pytest.raises(FileExistsError):
-        nv.export_nvfp4(params, str(tmp_path / "export"))
+        nv.export.export_nvfp4(params, str(tmp_path / "export"))
 
 
 def test_export_of_any_pytree_and_its_refusals(tmp_path):
@@ -346,18 +346,18 @@ def test_export_of_any_pytree_and_its_refusals(tmp_path):
     tree = {"layers": [{"w": nv.quantize(jnp.asarray(w))}, {"v": jnp.asarray(rng.standard_normal(7), jnp.bfloat16)}],
             "step": jnp.asarray(5, jnp.int32), "t": (jnp.ones((2, 2), jnp.float16),)}
     d = str(tmp_path / "e")
-    nv.export_nvfp4(tree, d)
-    back = nv.load_nvfp4(d, like=tree)
-    assert jax.tree.structure(back, is_leaf=nv.is_nvfp4) == jax.tree.structure(tree, is_leaf=nv.is_nvfp4)
+    nv.export.export_nvfp4(tree, d)
+    back = nv.export.load_nvfp4(d, like=tree)
+    assert jax.tree.structure(back, is_leaf=nv.array.is_nvfp4) == jax.tree.structure(tree, is_leaf=nv.array.is_nvfp4)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree)):
         assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
-    plain = nv.load_nvfp4(d)  # no `like`: nested dicts and lists
-    assert isinstance(plain["layers"], list) and nv.is_nvfp4(plain["layers"][0]["w"])
+    plain = nv.export.load_nvfp4(d)  # no `like`: nested dicts and lists
+    assert isinstance(plain["layers"], list) and nv.array.is_nvfp4(plain["layers"][0]["w"])
 
     # Non-finite weights are not exported, and nothing is written.
     bad = {"w": nv.quantize(jnp.asarray(w).at[0, 0, 0].set(jnp.nan))}
-    with pytest.raises(nv.ExportError, match="non-finite amax"):
-        nv.export_nvfp4(bad, str(tmp_path / "bad"))
+    with pytest.raises(nv.export.ExportError, match="non-finite amax"):
+        nv.export.export_nvfp4(bad, str(tmp_path / "bad"))
     assert not os.path.exists(tmp_path / "bad") and not [n for n in os.listdir(tmp_path) if "tmp" in n]
 
     # An altered file is refused by its hash; a NaN amax with a matching hash by its value.
@@ -366,31 +366,31 @@ def test_export_of_any_pytree_and_its_refusals(tmp_path):
     path = os.path.join(d, entry["name"])
     amax = np.load(path)
     np.save(path, np.full_like(amax, 2.0))
-    with pytest.raises(nv.ExportError, match="sha256"):
-        nv.load_nvfp4(d)
+    with pytest.raises(nv.export.ExportError, match="sha256"):
+        nv.export.load_nvfp4(d)
     np.save(path, np.full_like(amax, np.nan))
     import hashlib
 
     entry["sha256"] = hashlib.sha256(open(path, "rb").read()).hexdigest()
     m["sha256"] = nv.export._manifest_digest(m)
     json.dump(m, open(os.path.join(d, "manifest.json"), "w"))
-    with pytest.raises(nv.ExportError, match="non-finite amax") as e:
-        nv.load_nvfp4(d)
+    with pytest.raises(nv.export.ExportError, match="non-finite amax") as e:
+        nv.export.load_nvfp4(d)
     assert "layers/0/w" in str(e.value)
     os.remove(path)
-    with pytest.raises(nv.ExportError, match="missing"):
-        nv.load_nvfp4(d)
-    with pytest.raises(nv.ExportError, match="manifest"):
-        nv.load_nvfp4(str(tmp_path))
+    with pytest.raises(nv.export.ExportError, match="missing"):
+        nv.export.load_nvfp4(d)
+    with pytest.raises(nv.export.ExportError, match="manifest"):
+        nv.export.load_nvfp4(str(tmp_path))
     with pytest.raises(TypeError, match="PRNG key"):
-        nv.export_nvfp4({"k": jax.random.key(0)}, str(tmp_path / "k"))
+        nv.export.export_nvfp4({"k": jax.random.key(0)}, str(tmp_path / "k"))
 
 
 def test_load_refuses_a_malformed_or_edited_manifest(tmp_path):
     from jax_nvfp4.export import _manifest_digest
 
     d = str(tmp_path / "e")
-    nv.export_nvfp4({"w": nv.quantize(jnp.ones((3, 32, 48)))}, d)
+    nv.export.export_nvfp4({"w": nv.quantize(jnp.ones((3, 32, 48)))}, d)
     path = os.path.join(d, "manifest.json")
     good = json.load(open(path))
 
@@ -399,8 +399,8 @@ def test_load_refuses_a_malformed_or_edited_manifest(tmp_path):
         if rehash:
             m["sha256"] = _manifest_digest(m)
         json.dump(m, open(path, "w"))
-        with pytest.raises(nv.ExportError) as e:
-            nv.load_nvfp4(d)
+        with pytest.raises(nv.export.ExportError) as e:
+            nv.export.load_nvfp4(d)
         assert "\n" not in str(e.value)
         return str(e.value)
 
@@ -418,7 +418,7 @@ def test_load_refuses_a_malformed_or_edited_manifest(tmp_path):
     bad["leaves"][0]["files"]["amax"]["sha256"] = "z" * 64
     assert "leaves[0].files.amax" in load_with(bad, rehash=True)
     json.dump(good, open(path, "w"))
-    assert nv.load_nvfp4(d)["w"].shape == (3, 32, 48)
+    assert nv.export.load_nvfp4(d)["w"].shape == (3, 32, 48)
 
 
 # ----------------------------------------------------------------------------- resume rules

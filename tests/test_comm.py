@@ -83,14 +83,14 @@ def test_bytes_per_instruction_and_async_pairs():
   %rs = bf16[16,128]{1,0} reduce-scatter(%g), channel_id=4, dimensions={0}
   %cp = f32[13,72]{1,0} collective-permute(%x), source_target_pairs={{0,1}}
 """
-    counts = nv.collective_bytes(hlo)
+    counts = nv.comm.collective_bytes(hlo)
     assert counts == {
         ("all-gather", "u8"): 2 * 256 * 64,  # the -start counts its output once, -done not at all
         ("all-reduce", "f32"): 4 + 128 * 256 * 4,
         ("reduce-scatter", "bf16"): 16 * 128 * 2,
         ("collective-permute", "f32"): 13 * 72 * 4,
     }
-    assert nv.total_bytes(counts, "all-gather") == 2 * 256 * 64
+    assert nv.comm.total_bytes(counts, "all-gather") == 2 * 256 * 64
 
 
 def test_trip_counts_multiply_through_nested_loops_and_branches():

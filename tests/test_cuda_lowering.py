@@ -35,7 +35,7 @@ def lower_for_cuda(fn, *args) -> str:
 
 def nvfp4_layers(trainer):
     """The stored NVFP4 leaves: one per NVFP4 linear layer of a block (stacked over the blocks)."""
-    return [p for p in jax.tree.leaves(trainer.abstract_params, is_leaf=nv.is_tiled) if isinstance(p, nv.TiledNVFP4)]
+    return [p for p in jax.tree.leaves(trainer.abstract_params, is_leaf=nv.layout.is_tiled) if isinstance(p, nv.TiledNVFP4)]
 
 
 def assert_packed_gathers(text: str, layers, mesh) -> None:

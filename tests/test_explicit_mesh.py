@@ -39,7 +39,7 @@ def _train(axis_type):
         policy = nv.Policy(keep=("embed",), keep_dtype=jnp.bfloat16)
         params = nv.shard_params(nv.quantize_params(fp32, policy))
         assert isinstance(params["embed"], nv.Tiled) and isinstance(params["up"], nv.TiledNVFP4)
-        tx = nv.master_weights(optax.chain(nv.clip_by_global_norm(1.0, mesh), optax.adamw(1e-3)), mesh=mesh, policy=policy,
+        tx = nv.master_weights(optax.chain(nv.optim.clip_by_global_norm(1.0, mesh), optax.adamw(1e-3)), mesh=mesh, policy=policy,
                                stochastic_rounding=True, key=jax.random.key(1))
         state = tx.init(fp32)
         params = jax.device_put(params, nv.shardings(params, mesh))
@@ -48,7 +48,7 @@ def _train(axis_type):
         @jax.jit
         def step(params, state):
             packed = nv.dequantize_params(nv.gather(params), jnp.bfloat16)
-            weights = nv.gather_dequantized(params, jnp.bfloat16)
+            weights = nv.sharding.gather_dequantized(params, jnp.bfloat16)
             loss, grads = jax.value_and_grad(loss_fn)(weights, x)
             updates, state = tx.update(grads, state, params)
             same = jnp.all(jnp.stack([jnp.all(a == b) for a, b in zip(jax.tree.leaves(packed), jax.tree.leaves(weights))]))

@@ -64,14 +64,14 @@ def tiny_params(tie=False, keep_first=1):
     16 inputs: compressed-tensors' own groups); norm scales randomized so they matter."""
     model = tiny_model(tie, keep_first)
     policy = nv.Policy(keep=("embed", "head", "norm", "^blocks_first/"), keep_dtype=jnp.bfloat16,
-                       block=nv.BLOCK_COLUMN)
+                       block=nv.array.BLOCK_COLUMN)
 
     @jax.jit  # one compile, not one per eager op
     def make(key):
         fp32 = model.init(key, jnp.zeros((1, 8), jnp.int32))["params"]
         keys = iter(jax.random.split(jax.random.key(1), 64))
         fp32 = jax.tree_util.tree_map_with_path(
-            lambda p, x: x * (1 + 0.3 * jax.random.normal(next(keys), x.shape)) if "norm" in nv.path_str(p) else x, fp32)
+            lambda p, x: x * (1 + 0.3 * jax.random.normal(next(keys), x.shape)) if "norm" in nv.params.path_str(p) else x, fp32)
         return nv.quantize_params(fp32, policy)
 
     return model, make(jax.random.key(0))
@@ -90,11 +90,11 @@ def layer_leaves(params):
         if seg not in params:
             continue
         # On the host: sliced on the device, each layer's leaf would compile slicing programs.
-        flat = jax.tree_util.tree_flatten_with_path(jax.device_get(params[seg]), is_leaf=nv.is_nvfp4)[0]
+        flat = jax.tree_util.tree_flatten_with_path(jax.device_get(params[seg]), is_leaf=nv.array.is_nvfp4)[0]
         n = flat[0][1].shape[0]
         for path, leaf in flat:
             for i in range(n):
-                out[(base + i, nv.path_str(path))] = jax.tree.map(lambda a: a[i], leaf)
+                out[(base + i, nv.params.path_str(path))] = jax.tree.map(lambda a: a[i], leaf)
         base += n
     return out
 
@@ -124,7 +124,7 @@ def test_nvfp4_export_decodes_to_dequantize_bit_for_bit(exported):
     n_nvfp4 = 0
     for (layer, path), leaf in layer_leaves(params).items():
         module = f"model.layers.{layer}.{HF_NAME[path]}"
-        if not nv.is_nvfp4(leaf):
+        if not nv.array.is_nvfp4(leaf):
             # Kept bf16 (norms; layer 0 is blocks_first): plain weights, Linear ones ignored.
             w = st[f"{module}.weight"]
             want = np.asarray(leaf.astype(jnp.bfloat16))
@@ -146,7 +146,7 @@ def test_nvfp4_export_decodes_to_dequantize_bit_for_bit(exported):
     assert "lm_head" in q["ignore"] and cfg["num_key_value_heads"] == 2 and not cfg["tie_word_embeddings"]
 
 
-@pytest.mark.parametrize("block", [nv.BLOCK_2D, nv.BLOCK_COLUMN])
+@pytest.mark.parametrize("block", [nv.BLOCK_2D, nv.array.BLOCK_COLUMN])
 def test_either_weight_block_converts_without_requantizing(block):
     # 16x16 tiles: each tile's scale repeated on its 16 output rows; (16, 1) blocks: the
     # groups of 16 inputs themselves. Both decode to the dequantized kernel, transposed.
@@ -188,7 +188,7 @@ def test_tied_head_and_refusals(tmp_path):
     assert "lm_head.weight" not in st and json.loads((out / "config.json").read_text())["tie_word_embeddings"]
     with pytest.raises(FileExistsError, match="not empty"):
         export_hf(params, hf_config(tie=True), str(out), fmt="bf16", names=HF_NAMES)
-    with pytest.raises(nv.ExportError, match="'blocks/odd/kernel' has no Hugging Face name"):
+    with pytest.raises(nv.export.ExportError, match="'blocks/odd/kernel' has no Hugging Face name"):
         export_hf({"blocks": {"odd": {"kernel": jnp.ones((1, 16, 16))}}}, hf_config(), str(tmp_path / "x"),
                   names=HF_NAMES)
     assert not (tmp_path / "x").exists()
@@ -244,7 +244,7 @@ def test_compressed_tensors_decompresses_the_nvfp4_export_bit_for_bit(exported):
     tensors = load_file(str(root / "nvfp4" / "model.safetensors"))
     checked = 0
     for (layer, path), leaf in layer_leaves(params).items():
-        if not nv.is_nvfp4(leaf):
+        if not nv.array.is_nvfp4(leaf):
             continue
         module = f"model.layers.{layer}.{HF_NAME[path]}"
         sd = {k: tensors[f"{module}.{k}"] for k in ("weight_packed", "weight_scale", "weight_global_scale")}

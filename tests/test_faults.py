@@ -192,13 +192,13 @@ def test_export_refuses_folders_it_did_not_write(tmp_path, capfd):
     # The library refuses too, even with overwrite=True; a previous export is replaced.
     tree = {"w": nv.quantize(jnp.ones((16, 32)))}
     with pytest.raises(FileExistsError, match="not an NVFP4 export"):
-        nv.export_nvfp4(tree, str(other), overwrite=True)
+        nv.export.export_nvfp4(tree, str(other), overwrite=True)
     assert (other / "cat.jpg").read_text() == "precious"
-    nv.export_nvfp4(tree, str(tmp_path / "exp"))
+    nv.export.export_nvfp4(tree, str(tmp_path / "exp"))
     with pytest.raises(FileExistsError, match="overwrite=True"):
-        nv.export_nvfp4(tree, str(tmp_path / "exp"))
-    nv.export_nvfp4({"v": nv.quantize(jnp.ones((32, 32)))}, str(tmp_path / "exp"), overwrite=True)
-    assert list(nv.load_nvfp4(str(tmp_path / "exp"))) == ["v"]
+        nv.export.export_nvfp4(tree, str(tmp_path / "exp"))
+    nv.export.export_nvfp4({"v": nv.quantize(jnp.ones((32, 32)))}, str(tmp_path / "exp"), overwrite=True)
+    assert list(nv.export.load_nvfp4(str(tmp_path / "exp"))) == ["v"]
 
 
 # ----------------------------------------------------------------------------- non-finite losses

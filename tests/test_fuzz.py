@@ -70,7 +70,7 @@ def tiles(x, block):
 def check_quantized(x32, q):
     """``q`` is a correct NVFP4 encoding of the float32 array ``x32``."""
     assert q.shape == x32.shape
-    want = nv.packed_shapes(x32.shape, q.block)
+    want = nv.array.packed_shapes(x32.shape, q.block)
     assert (q.data.shape, q.scale_bits.shape, q.amax_bits.shape) == tuple(tuple(s) for s in want)
     dq = np.asarray(nv.dequantize(q, jnp.float32))
     assert dq.shape == x32.shape and dq.dtype == np.float32
@@ -147,15 +147,15 @@ def param_trees(draw):
 def test_quantize_params(tree):
     tree = jax.tree.map(jax.device_put, tree)
     q = nv.quantize_params(tree)
-    for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(q, is_leaf=nv.is_nvfp4)):
+    for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(q, is_leaf=nv.array.is_nvfp4)):
         if is_float(x.dtype) and x.ndim >= 2 and min(x.shape[-2:]) >= 16:
-            assert nv.is_nvfp4(y)
+            assert nv.array.is_nvfp4(y)
             ref = nv.quantize(x)
             for a, b in zip(jax.tree.leaves(y), jax.tree.leaves(ref)):
                 assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
             check_quantized(np.asarray(x).astype(np.float32), y)
         else:
-            assert not nv.is_nvfp4(y) and y.dtype == x.dtype and np.asarray(y).tobytes() == np.asarray(x).tobytes()
+            assert not nv.array.is_nvfp4(y) and y.dtype == x.dtype and np.asarray(y).tobytes() == np.asarray(x).tobytes()
     d = nv.dequantize_params(q, jnp.float32)
     for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(d)):
         assert y.shape == x.shape
@@ -183,7 +183,7 @@ def test_master_weights_update(case):
         state = tx.init(params)
         qp = nv.quantize_params(params)
         updates, new = tx.update(grads, state, qp)
-        logical = {k: (nv.logical(state.master[k]), nv.logical(new.master[k])) for k in ("w", "b")}
+        logical = {k: (nv.sharding.logical(state.master[k]), nv.sharding.logical(new.master[k])) for k in ("w", "b")}
         return state, qp, new, optax.apply_updates(qp, updates), logical, nv.quantize(logical["w"][1])
 
     state, qp, new, new_params, logical, ref = update(params, grads)

@@ -103,7 +103,7 @@ def test_forward_matches_numpy_reference(x_shape, n):
 def test_dgrad_uses_the_transposed_stored_weight():
     w = data((48, 64), 2, 0.05)
     wq = nv.quantize(jax.device_put(w))
-    qt, q_of_t = nv.transpose(wq), nv.quantize(jax.device_put(w.T))
+    qt, q_of_t = nv.array.transpose(wq), nv.quantize(jax.device_put(w.T))
     for a, b in zip(jax.tree.leaves(qt), jax.tree.leaves(q_of_t)):
         np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
     x, dy = data((32, 48), 3), data((32, 64), 4)
@@ -138,9 +138,9 @@ def test_hadamard_cancels_and_rht_wgrad_is_close_to_exact():
     x, dy, w = data((32, 48), 10), data((32, 64), 11), data((48, 64), 12, 0.05)
     xt, gt = jax.device_put(x.T), jax.device_put(dy.T)
     exact = x.T.astype(np.float64) @ dy.astype(np.float64)
-    hh = nv.hadamard_transform(xt, axis=-1) @ nv.hadamard_transform(gt, axis=-1).T
+    hh = nv.numerics.hadamard_transform(xt, axis=-1) @ nv.numerics.hadamard_transform(gt, axis=-1).T
     assert_close(hh, exact, rtol=1e-5)
-    np.testing.assert_allclose(nv.hadamard_matrix(), ref_rht(np.eye(16, dtype=F32)), rtol=1e-6)
+    np.testing.assert_allclose(nv.numerics.hadamard_matrix(), ref_rht(np.eye(16, dtype=F32)), rtol=1e-6)
     for rht in (True, False):
         _, dw = grads(jax.device_put(x), nv.quantize(jax.device_put(w)), jax.device_put(w), jax.device_put(dy), rht_wgrad=rht)
         rel = np.linalg.norm(np.asarray(dw) - exact) / np.linalg.norm(exact)

@@ -33,7 +33,7 @@ pytestmark = job_worker
 
 def host_logical(tree):
     """The logical view of a stored tree, relaid out on the host (no device programs)."""
-    return nv.logical(jax.device_get(tree))
+    return nv.sharding.logical(jax.device_get(tree))
 
 
 def host_leaves(tree):
@@ -71,7 +71,7 @@ def test_nvfp4_export_reads_back_bit_identical(job_run, exports):
     # The masters are the dequantized NVFP4 weights (and the bf16 leaves' values); the
     # optimizer starts fresh.
     mw = nv.find_state(opt_state)
-    for p, m in zip(jax.tree.leaves(params, is_leaf=nv.is_tiled), jax.tree.leaves(mw.master, is_leaf=nv.is_tiled)):
+    for p, m in zip(jax.tree.leaves(params, is_leaf=nv.layout.is_tiled), jax.tree.leaves(mw.master, is_leaf=nv.layout.is_tiled)):
         want = p.dequantize_tiles(jnp.float32) if isinstance(p, nv.TiledNVFP4) else (
             p.value.astype(jnp.float32) if isinstance(p, nv.Tiled) else p.astype(jnp.float32))
         np.testing.assert_array_equal(np.asarray(m.value if isinstance(m, nv.Tiled) else m), np.asarray(want))
@@ -362,7 +362,7 @@ def test_compressed_tensors_checkpoint_imports_losslessly(tmp_path):
             sd = {k: tensors[f"{module}.{k}"] for k in ("weight_packed", "weight_scale", "weight_global_scale")}
             ql = jax.tree.map(lambda x: x[layer], q)
             # Lossless: the same code and scale bytes (transposed into the [in, out] kernel).
-            t = nv.transpose(ql)
+            t = nv.array.transpose(ql)
             np.testing.assert_array_equal(np.asarray(t.data), sd["weight_packed"].numpy())
             np.testing.assert_array_equal(np.asarray(t.scale_bits), sd["weight_scale"].view(torch.uint8).numpy())
             w = NVFP4PackedCompressor.decompress(sd, scheme)["weight"]

@@ -42,7 +42,7 @@ def round_trips(x, lay, block):
 
 @pytest.mark.parametrize("shape,nd,nt,td,block", [(*c, nv.BLOCK_2D) for c in CASES] + [
     # (16, 1) blocks: odd sizes with data padding, and tensor splits of columns and of rows.
-    (*CASES[2], nv.BLOCK_COLUMN), (*CASES[3], nv.BLOCK_COLUMN), (*CASES[4], nv.BLOCK_COLUMN)])
+    (*CASES[2], nv.array.BLOCK_COLUMN), (*CASES[3], nv.array.BLOCK_COLUMN), (*CASES[4], nv.array.BLOCK_COLUMN)])
 def test_tiles_round_trip_and_nvfp4_bit_identity(shape, nd, nt, td, block):
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     lay = layout_of(shape, nd, nt, td)
@@ -82,18 +82,18 @@ def test_padding_for_llama_shapes_on_144_devices():
 def test_layout_decisions():
     mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
     rules = nv.Rules(tensor=((r"up", -1),), stacked=(r"^blocks",))
-    lay = nv.layout_for("blocks/up/kernel", (3, 64, 96), True, mesh, rules)
+    lay = nv.rules.layout_for("blocks/up/kernel", (3, 64, 96), True, mesh, rules)
     assert (lay.n_data, lay.n_tensor, lay.tensor_dim, lay.sub) == (4, 2, -1, (64, 48))
-    assert nv.layout_for("blocks/norm/scale", (3, 1 << 16), False, mesh, rules) is None  # a vector per layer
-    assert nv.layout_for("bias", (100,), False, mesh, rules) is None
-    assert nv.layout_for("embed", (1000, 64), False, mesh, rules).n_tensor == 1
+    assert nv.rules.layout_for("blocks/norm/scale", (3, 1 << 16), False, mesh, rules) is None  # a vector per layer
+    assert nv.rules.layout_for("bias", (100,), False, mesh, rules) is None
+    assert nv.rules.layout_for("embed", (1000, 64), False, mesh, rules).n_tensor == 1
     with pytest.raises(ValueError, match="multiple of 16 x 2"):
-        nv.layout_for("blocks/up/kernel", (3, 64, 48), True, mesh, rules)
+        nv.rules.layout_for("blocks/up/kernel", (3, 64, 48), True, mesh, rules)
 
 
 @pytest.mark.parametrize("n,tensor,block", [(1, 1, nv.BLOCK_2D), (2, 1, nv.BLOCK_2D), (3, 1, nv.BLOCK_2D),
                                              (6, 1, nv.BLOCK_2D), (8, 1, nv.BLOCK_2D), (2, 2, nv.BLOCK_2D),
-                                             (3, 2, nv.BLOCK_2D), (3, 1, nv.BLOCK_COLUMN), (2, 2, nv.BLOCK_COLUMN)])
+                                             (3, 2, nv.BLOCK_2D), (3, 1, nv.array.BLOCK_COLUMN), (2, 2, nv.array.BLOCK_COLUMN)])
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_sharded_requantize_is_the_unsharded_quantization(n, tensor, block, stochastic):
     mesh = jax.make_mesh((n, tensor), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2,
@@ -101,11 +101,11 @@ def test_sharded_requantize_is_the_unsharded_quantization(n, tensor, block, stoc
     rules = nv.Rules(tensor=((r"w", -1),))
     x = np.random.default_rng(n).standard_normal((2, 48, 96)).astype(np.float32)
     x[1] *= np.float32(1e-3)
-    lay = nv.layout_for("w", x.shape, True, mesh, rules)
+    lay = nv.rules.layout_for("w", x.shape, True, mesh, rules)
     m = nv.Tiled.from_logical(x, lay)
     m = nv.Tiled(jax.device_put(m.value, NamedSharding(mesh, m.spec())), lay)
     key = jax.random.key(7) if stochastic else None
-    got = jax.jit(lambda m: nv.requantize(m, mesh, block=block, key=key))(m)
+    got = jax.jit(lambda m: nv.sharding.requantize(m, mesh, block=block, key=key))(m)
     want = nv.quantize(x, block=block, rounding="stochastic" if stochastic else "nearest", key=key)
     for a, b in zip(jax.tree.leaves(got.to_array()), jax.tree.leaves(want)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
@@ -115,7 +115,7 @@ def test_sharded_requantize_is_the_unsharded_quantization(n, tensor, block, stoc
     assert got.scale_bits.sharding.is_equivalent_to(want_scale, got.scale_bits.ndim)
 
 
-@pytest.mark.parametrize("block", [nv.BLOCK_2D, nv.BLOCK_COLUMN])
+@pytest.mark.parametrize("block", [nv.BLOCK_2D, nv.array.BLOCK_COLUMN])
 def test_shard_params_logical_and_shardings_round_trip(block):
     mesh = jax.make_mesh((3,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:3])
     rng = np.random.default_rng(0)
@@ -125,10 +125,10 @@ def test_shard_params_logical_and_shardings_round_trip(block):
     assert q["w"].block == block
     stored = nv.shard_params(q, mesh, nv.Rules(min_shard_size=1000))
     assert isinstance(stored["w"], nv.TiledNVFP4) and isinstance(stored["emb"], nv.Tiled)
-    assert not nv.is_tiled(stored["b"])
+    assert not nv.layout.is_tiled(stored["b"])
     stored = jax.device_put(stored, nv.shardings(stored, mesh))
     assert stored["w"].data.sharding.spec == P(None, "data", None, None)
-    back = nv.logical(stored)
+    back = nv.sharding.logical(stored)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(q)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     gathered = jax.jit(lambda s: nv.gather(s, mesh))(stored)

@@ -187,9 +187,9 @@ def test_restart_continues_and_two_processes_match_one(sequence, reference):
     assert all(integrity.owner(f) == p for p, r in enumerate(recs) for f in r["files"])
     assert any("ocdbt.process_1/" in f for f in recs[1]["files"]) and not set(recs[0]["files"]) & set(recs[1]["files"])
     # --export from two processes: process 0 writes the gathered weights.
-    loaded = nv.load_nvfp4(str(sequence["export"]))
-    want = nv.logical(jax.device_get(reference["params"]))
-    assert jax.tree.structure(loaded, is_leaf=nv.is_nvfp4) == jax.tree.structure(want, is_leaf=nv.is_nvfp4)
+    loaded = nv.export.load_nvfp4(str(sequence["export"]))
+    want = nv.sharding.logical(jax.device_get(reference["params"]))
+    assert jax.tree.structure(loaded, is_leaf=nv.array.is_nvfp4) == jax.tree.structure(want, is_leaf=nv.array.is_nvfp4)
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(want)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 

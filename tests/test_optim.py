@@ -48,7 +48,7 @@ def tree_bytes(tree):
 # Relayouts of bytes (no arithmetic), each compiled as one program: op by op, they dispatch
 # (and compile) a few hundred small programs per mesh.
 shard_params = jax.jit(nv.shard_params)
-logical = jax.jit(nv.logical)
+logical = jax.jit(nv.sharding.logical)
 # Likewise the update of a tree of params (an operation or two per leaf).
 apply_updates = jax.jit(optax.apply_updates)
 
@@ -112,7 +112,7 @@ def one_device():
 @jax.jit
 def masters_and_requantized(master):
     """The logical float32 masters and the whole-tensor quantization of the NVFP4 ones."""
-    logical_ = nv.logical(master)
+    logical_ = nv.sharding.logical(master)
     return logical_, {k: nv.quantize(logical_[k]) for k in SHAPES}
 
 
@@ -159,7 +159,7 @@ def test_stochastic_rounding_sharded_equals_unsharded():
 
 def test_cast_master_bf16_option():
     params, state, _ = run_sharded(2, 1, optax.sgd(0.1), cast_master_bf16=True)
-    m = nv.logical(state.master["a"])
+    m = nv.sharding.logical(state.master["a"])
     q = nv.quantize(m.astype(jnp.bfloat16))
     np.testing.assert_array_equal(np.asarray(params["a"].data), np.asarray(q.data))
 
@@ -203,7 +203,7 @@ def _model_step(n, aligned=True, donate=False):
 @pytest.mark.parametrize("n", [8, 6])
 def test_hlo_gathers_only_packed_bytes(n):
     hlo, fp32, params, _ = _model_step(n)
-    counts = nv.collective_bytes(hlo)
+    counts = nv.comm.collective_bytes(hlo)
     gathers = {dt: b for (op, dt), b in counts.items() if op == "all-gather"}
     assert set(gathers) == {"u8"}, counts
     weights = [v for k, v in fp32.items() if v.ndim >= 2]
@@ -219,7 +219,7 @@ def test_hlo_gathers_only_packed_bytes(n):
 
 def test_hlo_unaligned_shapes_still_gather_no_floats():
     hlo, *_ = _model_step(3, aligned=False)
-    counts = nv.collective_bytes(hlo)
+    counts = nv.comm.collective_bytes(hlo)
     # Every all-gather moves bytes, and the re-quantized shard is the stored shard: nothing
     # moves between layouts after the update.
     assert {dt for (op, dt) in counts if op == "all-gather"} == {"u8"}, counts
@@ -254,7 +254,7 @@ def test_memory_is_sharded():
 
     got = per_device(params) + per_device(state)
     n_el = sum(v.size for v in fp32.values())
-    packed = sum(p.nbytes for p in jax.tree.leaves(params, is_leaf=nv.is_tiled) if isinstance(p, nv.TiledNVFP4))
+    packed = sum(p.nbytes for p in jax.tree.leaves(params, is_leaf=nv.layout.is_tiled) if isinstance(p, nv.TiledNVFP4))
     expect = (packed + 4 * n_el * 3) / n  # packed+scales, f32 master, adam mu and nu
     assert abs(got - expect) / expect < 0.05, (got, expect)
 
@@ -276,11 +276,11 @@ def test_apply_updates_is_exact_for_every_leaf():
         updates, state = jax.jit(tx.update)(grads_at(0, fp32), state, params)
     new = apply_updates(params, updates)
     for k in SHAPES:
-        q = nv.quantize(nv.logical(state.master[k]))
+        q = nv.quantize(nv.sharding.logical(state.master[k]))
         for a, b in zip(tree_bytes(logical(new[k])), tree_bytes(q)):
             np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(np.asarray(new["bias"]), np.asarray(nv.logical(state.master["bias"])))
-    again = nv.apply_updates(params, updates)
+    np.testing.assert_array_equal(np.asarray(new["bias"]), np.asarray(nv.sharding.logical(state.master["bias"])))
+    again = nv.optim.apply_updates(params, updates)
     for a, b in zip(tree_bytes(new), tree_bytes(again)):
         np.testing.assert_array_equal(a, b)
     # flax TrainState.apply_gradients works unchanged.
@@ -358,18 +358,18 @@ def test_non_finite_error_mode():
     mesh, fp32, params, tx, state = _single_step_setup(optax.sgd(0.1))
     upd = jax.jit(tx.update)
     u, state = upd(grads_at(0, fp32), state, params)
-    nv.raise_if_skipped(state)  # finite: no error
+    nv.optim.raise_if_skipped(state)  # finite: no error
     g = grads_at(1, fp32)
     g["a"] = g["a"].at[0, 0].set(np.nan)
     u2, state2 = upd(g, state, params)
     with pytest.raises(FloatingPointError, match="non-finite gradients"):
-        nv.raise_if_skipped(state2)
+        nv.optim.raise_if_skipped(state2)
     # Nothing was applied, so the caller can stop with a clean state.
     for a, b in zip(tree_bytes(state2.master), tree_bytes(state.master)):
         np.testing.assert_array_equal(a, b)
     # Found inside wrappers too.
     with pytest.raises(FloatingPointError):
-        nv.raise_if_skipped((optax.EmptyState(), state2))
+        nv.optim.raise_if_skipped((optax.EmptyState(), state2))
 
 
 def test_clear_errors():
@@ -423,10 +423,10 @@ def test_gather_weight_forward_and_its_ordered_reduce_scatter(n):
     stored, master, spec = placed_weight(x, lay, mesh)
     # Device i's gradient is cot[i]: bf16 values whose sum depends on the order.
     cot = jnp.asarray(rng.standard_normal((n, 40, 72)) * 10.0 ** rng.integers(-3, 3, (n, 40, 72)), jnp.bfloat16)
-    cfg = nv.GatherConfig("data", jnp.bfloat16)
+    cfg = nv.fetch.GatherConfig("data", jnp.bfloat16)
 
     def local(stored, master, c):
-        w, vjp = jax.vjp(lambda m: nv.gather_weight(stored, m, cfg), master)
+        w, vjp = jax.vjp(lambda m: nv.fetch.gather_weight(stored, m, cfg), master)
         return w[None], vjp(c[0])[0]
 
     f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(stored.specs(), nv.Tiled(spec, lay), P("data")),
@@ -441,7 +441,7 @@ def test_gather_weight_forward_and_its_ordered_reduce_scatter(n):
     want_g = acc * (np.float32(1) / np.float32(n))  # XLA turns x / n into x * (1 / n)
     assert np.asarray(g.logical()).tobytes() == want_g.tobytes()
     hlo = f.lower(stored, master, cot).compile().as_text()
-    counts = nv.collective_bytes(hlo)
+    counts = nv.comm.collective_bytes(hlo)
     assert {(op, dt) for op, dt in counts} == {("all-gather", "u8"), ("all-to-all", "u16")}, counts
 
 
@@ -462,10 +462,10 @@ def test_two_level_gather_and_reduction_over_racks(mode):
     stored, master, spec = placed_weight(x, lay, mesh)
     cot = jnp.asarray(rng.standard_normal((2, 3, 40, 72)) * 10.0 ** rng.integers(-3, 3, (2, 3, 40, 72)),
                       jnp.bfloat16)
-    cfg = nv.GatherConfig(axis, jnp.bfloat16, replica_axis=replica)
+    cfg = nv.fetch.GatherConfig(axis, jnp.bfloat16, replica_axis=replica)
 
     def local(stored, master, c):
-        w, vjp = jax.vjp(lambda m: nv.gather_weight(stored, m, cfg), master)
+        w, vjp = jax.vjp(lambda m: nv.fetch.gather_weight(stored, m, cfg), master)
         return w[None, None], vjp(c[0, 0])[0]
 
     f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(stored.specs(), nv.Tiled(spec, lay), P("rack", "data")),
@@ -515,10 +515,10 @@ def test_big_plain_leaf_with_no_divisible_axis_is_stored_sharded():
         assert params["emb"].value.addressable_shards[0].data.shape == (1, 26, 16, 16)
         g = {"emb": jnp.ones((257, 131), jnp.float32)}
         u, state = jax.jit(tx.update)(g, state, params)
-    new = nv.logical(apply_updates(params, u))
+    new = nv.sharding.logical(apply_updates(params, u))
     expect = (fp32["emb"] - 0.1).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(new["emb"]), np.asarray(expect))
-    np.testing.assert_array_equal(np.asarray(nv.logical(state.master["emb"])), np.asarray(fp32["emb"] - 0.1))
+    np.testing.assert_array_equal(np.asarray(nv.sharding.logical(state.master["emb"])), np.asarray(fp32["emb"] - 0.1))
 
 
 def test_collective_bytes_counts_loop_iterations():
@@ -537,6 +537,6 @@ def test_collective_bytes_counts_loop_iterations():
         return jax.lax.scan(body, x, w)[0]
 
     hlo = f.lower(jnp.ones((8, 64), jnp.float32), w).compile().as_text()
-    counts = nv.collective_bytes(hlo)
+    counts = nv.comm.collective_bytes(hlo)
     per_layer = 64 * 32 + 4 * 4  # packed bytes + scale bytes of one [64, 64] layer
     assert counts[("all-gather", "u8")] == 3 * per_layer, counts

@@ -62,7 +62,7 @@ def compiled(ns: dict):
 
 
 def packed_leaves(ns: dict):
-    return [p for p in jax.tree.leaves(ns["params"], is_leaf=nv.is_tiled) if isinstance(p, nv.TiledNVFP4)]
+    return [p for p in jax.tree.leaves(ns["params"], is_leaf=nv.layout.is_tiled) if isinstance(p, nv.TiledNVFP4)]
 
 
 def assert_per_layer_packed_gathers(ns: dict, layers: int) -> None:
@@ -89,7 +89,7 @@ def test_what_a_user_writes_runs_verbatim(kind, capsys):
     ns = run(kind)
     assert tuple(ns["mesh"].axis_types) == (jax.sharding.AxisType.Explicit,)
     stored = ns["params"]
-    kernels = [p for p in jax.tree.leaves(stored, is_leaf=nv.is_tiled) if isinstance(p, nv.TiledNVFP4)]
+    kernels = [p for p in jax.tree.leaves(stored, is_leaf=nv.layout.is_tiled) if isinstance(p, nv.TiledNVFP4)]
     assert len(kernels) == 4 and all(k.data.sharding.mesh.shape["data"] == 4 for k in kernels)
     final = float(re.search(r"loss after 20 steps: ([0-9.]+)", capsys.readouterr().out).group(1))
     assert final < 0.75 * math.log(256)  # from ln(256) = 5.55 at init (3.3 for Linen when written)

@@ -116,7 +116,7 @@ def test_recipe_operands_and_gemms_match_the_reference(m, k, n, dtype):
     ref_dyq = ref_q(dy, (1, 16), kd)
     assert_bytes(dyq, ref_dyq, "dgrad dy")
     assert not np.array_equal(ref_dyq[0], ref_q(dy, (1, 16))[0])  # the rounding is stochastic
-    assert_bytes(nv.transpose(wq), ref_q(w.T, (16, 16)), "dgrad Wᵀ")
+    assert_bytes(nv.array.transpose(wq), ref_q(w.T, (16, 16)), "dgrad Wᵀ")
     # wgrad: xᵀ and dyᵀ [*, M'] Hadamard-transformed along the tokens, 1x16 blocks along them,
     # only dyᵀ stochastic (with the wgrad key).
     mp = -(-m // 16) * 16

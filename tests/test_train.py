@@ -237,7 +237,7 @@ def test_tensor_axis_splits_the_weights_and_trains_like_the_data_axis(tmp_path, 
     flat_trainer = programs.build(job(), mesh_of(job(), 8), init=False)[0]
     trainer = programs.build(cfg, mesh, init=False)[0]
     rows = np.random.default_rng(0).integers(0, cfg.model.vocab, (cfg.data.batch_size, cfg.model.seq_len + 1))
-    logical = nv.logical(jax.device_get(job_run["params"]))
+    logical = nv.sharding.logical(jax.device_get(job_run["params"]))
     relaid = jax.jit(lambda p: nv.shard_params(p, mesh, trainer.rules), out_shardings=trainer.param_shardings)(logical)
     ref = np.asarray(flat_trainer.eval_fn(job_run["params"], programs.global_batch(flat_trainer, rows)))
     got = np.asarray(trainer.eval_fn(relaid, programs.global_batch(trainer, rows)))
@@ -254,7 +254,7 @@ def test_key_value_heads_fewer_than_tensor_ranks_are_replicated():
     import jax_nvfp4 as nv
 
     rows = np.random.default_rng(1).integers(0, 256, (24, 33))
-    attn = lambda state: nv.logical(jax.device_get(nv.find_state(state).master))["blocks"]["attn"]
+    attn = lambda state: nv.sharding.logical(jax.device_get(nv.find_state(state).master))["blocks"]["attn"]
     out = {}
     for name, extra in (("flat", ()), ("tensor", ("mesh.data=4", "mesh.tensor=2"))):
         # Plain SGD from the first step: the update is the gradient itself.
@@ -326,7 +326,7 @@ def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path, job_run):
         cfg = job(*extra)
         runs[name] = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path / name), progress=False)
     assert runs["fsdp"]["history"] == runs["hsdp"]["history"]
-    state = lambda r: nv.logical(jax.device_get((r["params"], nv.find_state(r["opt_state"]).master)))
+    state = lambda r: nv.sharding.logical(jax.device_get((r["params"], nv.find_state(r["opt_state"]).master)))
     fsdp, hsdp = state(runs["fsdp"]), state(runs["hsdp"])
     same = jax.tree.map(lambda a, b: np.asarray(a).tobytes() == np.asarray(b).tobytes(), fsdp, hsdp)
     assert all(jax.tree.leaves(same))
@@ -390,7 +390,7 @@ def test_step_never_holds_every_layers_weights_or_full_gradients(job_step):
     trainer = programs.build(cfg, mesh_of(cfg, 8), init=False)[0]
     layers = cfg.model.layers
     whole = set()
-    for leaf in jax.tree.leaves(trainer.abstract_params, is_leaf=nv.is_tiled):
+    for leaf in jax.tree.leaves(trainer.abstract_params, is_leaf=nv.layout.is_tiled):
         if isinstance(leaf, nv.TiledNVFP4):
             (r, c), (*_, nt, t, _, _) = leaf.layout.matrix, leaf.data.shape
             whole |= {(layers, r, c), (layers, c, r), (layers, nt, t, 16, 16), (layers, t, 16, 16)}

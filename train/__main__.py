@@ -267,7 +267,7 @@ def _run(args, cfg, out_dir, fault) -> int:
             import jax_nvfp4 as nv
 
             # overwrite replaces a previous export only (export_nvfp4 refuses anything else).
-            nv.export_nvfp4(runs[0]["params"], args.export, overwrite=True)
+            nv.export.export_nvfp4(runs[0]["params"], args.export, overwrite=True)
         if args.export_hf:
             export_hf(cfg, runs[0]["params"], args.export_hf)
             if is_main:
@@ -378,7 +378,7 @@ def hf_check(cfg, mesh) -> None:
     from train.model import HF_NAMES
     from train.programs import build
 
-    params = jax.eval_shape(nv.logical, build(cfg, mesh, init=False)[0].abstract_params)
+    params = jax.eval_shape(nv.sharding.logical, build(cfg, mesh, init=False)[0].abstract_params)
     for fmt in ("bf16", "nvfp4"):
         try:
             export_lib.check_hf(params, HF_NAMES, fmt=fmt)

@@ -64,7 +64,7 @@ class Restored:
 
 # ----------------------------------------------------------------------------- the state's leaves
 def _is_node(x) -> bool:
-    return nv.is_nvfp4(x) or nv.is_tiled(x)
+    return nv.array.is_nvfp4(x) or nv.layout.is_tiled(x)
 
 
 def _is_key(x) -> bool:
@@ -74,7 +74,7 @@ def _is_key(x) -> bool:
 def _named(tree, is_leaf=None) -> List[Tuple[str, Any]]:
     """``[(name, leaf)]`` of ``{"params": ..., "opt_state": ...}``, names ``params/a/0/b``."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    return [(nv.path_str(path), leaf) for path, leaf in flat]
+    return [(nv.params.path_str(path), leaf) for path, leaf in flat]
 
 
 def describe(params, opt_state) -> Dict[str, Dict[str, Any]]:
@@ -82,7 +82,7 @@ def describe(params, opt_state) -> Dict[str, Dict[str, Any]]:
     of this state holds, in logical shapes (arrays or ``jax.eval_shape`` trees)."""
     out = {}
     for name, leaf in _named({"params": params, "opt_state": opt_state}, _is_node):
-        if nv.is_nvfp4(leaf) or isinstance(leaf, nv.TiledNVFP4):
+        if nv.array.is_nvfp4(leaf) or isinstance(leaf, nv.TiledNVFP4):
             out[name] = {"kind": "nvfp4", "shape": list(leaf.shape), "block": list(leaf.block)}
         elif isinstance(leaf, nv.Tiled):
             out[name] = {"kind": "tiled", "shape": list(leaf.shape), "dtype": str(jnp.dtype(leaf.value.dtype))}
@@ -99,7 +99,7 @@ def host_arrays(params, opt_state) -> Dict[str, np.ndarray]:
     """``{name: host array}`` of a state's logical values (NVFP4 leaves as ``data``,
     ``scale_bits``, ``amax_bits``; keys as key data), to compare states bit for bit across
     meshes. Single-process."""
-    tree = jax.jit(nv.logical)({"params": params, "opt_state": opt_state})  # one program
+    tree = jax.jit(nv.sharding.logical)({"params": params, "opt_state": opt_state})  # one program
     return {name: np.asarray(jax.random.key_data(x) if _is_key(x) else x) for name, x in _named(tree)}
 
 

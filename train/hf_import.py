@@ -546,7 +546,7 @@ def _targets(ckpt: Checkpoint, trainer) -> List[_Leaf]:
 
     mesh = trainer.mesh
     masters = nv.find_state(trainer.abstract_state).master
-    by_path = {nv.path_str(p): m for p, m in jax.tree_util.tree_flatten_with_path(masters, is_leaf=nv.is_tiled)[0]}
+    by_path = {nv.params.path_str(p): m for p, m in jax.tree_util.tree_flatten_with_path(masters, is_leaf=nv.layout.is_tiled)[0]}
     leaves = []
     for path, a_p, modules in hf_modules(trainer.abstract_params, HF_NAMES):
         a_m = by_path[path]
@@ -644,7 +644,7 @@ def load(directory: str, trainer, *, checkpoint: Optional[Checkpoint] = None) ->
     sources = [jax.tree.map(lambda t: _device_array(t, ckpt), leaf.source, is_leaf=lambda x: isinstance(x, _Target))
                for leaf in leaves]
     kinds = [(leaf.abstract_param, leaf.abstract_master) for leaf in leaves]
-    params_def = jax.tree.structure(trainer.abstract_params, is_leaf=nv.is_tiled)
+    params_def = jax.tree.structure(trainer.abstract_params, is_leaf=nv.layout.is_tiled)
     mesh, tx = trainer.mesh, trainer.tx
 
     def assemble(sources):
@@ -655,7 +655,7 @@ def load(directory: str, trainer, *, checkpoint: Optional[Checkpoint] = None) ->
             else:
                 m = s
             if isinstance(a_p, nv.TiledNVFP4):
-                p = s if isinstance(s, nv.TiledNVFP4) else nv.requantize(m, mesh, block=a_p.block)
+                p = s if isinstance(s, nv.TiledNVFP4) else nv.sharding.requantize(m, mesh, block=a_p.block)
             elif isinstance(a_p, nv.Tiled):
                 p = nv.Tiled(m.value.astype(a_p.value.dtype), a_p.layout)
             else:

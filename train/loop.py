@@ -216,7 +216,7 @@ def run(
                     # Read every step in this mode, before any checkpoint of this step: the
                     # state on disk stays the last good one.
                     try:
-                        nv.raise_if_skipped(opt_state, skipped_before)
+                        nv.optim.raise_if_skipped(opt_state, skipped_before)
                     except FloatingPointError as e:
                         raise FloatingPointError(f"step {s + 1}: {e}") from None
                     raise FloatingPointError(f"step {s + 1}: non-finite loss ({loss}) (nvfp4.nonfinite=error)")

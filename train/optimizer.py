@@ -43,7 +43,7 @@ def inner_optimizer(cfg: Config, mesh=None, rules: Optional[nv.Rules] = None) ->
     else:
         opt = optax.inject_hyperparams(optax.sgd)(learning_rate=lr, momentum=o.b1)
     if o.clip_norm > 0:
-        opt = optax.chain(nv.clip_by_global_norm(o.clip_norm, mesh, rules), opt)
+        opt = optax.chain(nv.optim.clip_by_global_norm(o.clip_norm, mesh, rules), opt)
     return opt
 
 

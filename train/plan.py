@@ -11,7 +11,7 @@ from train.model import KEPT_SEGMENTS, tensor_rules
 
 
 # nvfp4.block: one scale per 16x16 tile, or per 16 consecutive inputs of an [in, out] kernel.
-BLOCKS = {"2d": nv.BLOCK_2D, "1d": nv.BLOCK_COLUMN}
+BLOCKS = {"2d": nv.BLOCK_2D, "1d": nv.array.BLOCK_COLUMN}
 
 
 def policy_for(cfg: Config) -> nv.Policy:

@@ -40,7 +40,7 @@ def make_step(cfg: Config, model, tx, rules: nv.Rules, mesh):
     step's gradients non-finite: the CLI's fault injection).
     """
     nvfp4_compute = cfg.nvfp4.weights == "nvfp4" and cfg.nvfp4.compute == "nvfp4"
-    tensor = nv.tensor_parallel(mesh, rules)
+    tensor = nv.step.tensor_parallel(mesh, rules)
     fmodel = model.clone(remat=cfg.train.remat, tensor=tensor)
 
     def loss_fn(params, rows, key, loss_scale):
@@ -60,7 +60,7 @@ def make_eval(cfg: Config, model, rules: nv.Rules, mesh, batch_sharding):
     replicated; the host averages them in a fixed order, so the validation loss does not
     depend on how devices or processes sum.
     """
-    tensor = nv.tensor_parallel(mesh, rules)
+    tensor = nv.step.tensor_parallel(mesh, rules)
     fmodel = model.clone(remat=None, tensor=tensor)
 
     def row_losses(params, rows):

@@ -47,7 +47,7 @@ from jax_nvfp4.params import path_str
 
 __all__ = ["ExportError", "HFNames", "check_hf", "export_hf", "export_nvfp4", "hf_modules", "hf_tensors", "is_export",
            "is_linear", "load_nvfp4", "nvfp4_to_compressed_tensors", "AMAX_METADATA", "EXPORT_FORMAT",
-           "EXPORT_VERSION", "NVFP4A16_QUANTIZATION_CONFIG", "TOKENIZER_FILES"]
+           "EXPORT_VERSION", "NVFP4A16_QUANTIZATION_CONFIG"]
 
 EXPORT_FORMAT = "jax_nvfp4.export"
 EXPORT_VERSION = 2  # 2: the manifest hashes itself
@@ -409,9 +409,6 @@ class HFNames:
 # The safetensors header entry (a JSON object: HF name of each ``weight_global_scale`` -> the
 # hex float32 bits of the amax it was computed from) that export_hf writes for NVFP4 kernels.
 AMAX_METADATA = "jax_nvfp4.amax"
-# The files of a Hugging Face tokenizer, copied from a checkpoint folder into an export.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "generation_config.json")
 
 # compressed-tensors' ``NVFP4A16`` preset (NVFP4 weights in 1x16 groups with E4M3 scales and a
 # float32 global scale; bf16 activations), as ``QuantizationConfig.model_dump_json`` writes it
@@ -622,7 +619,7 @@ def _write_safetensors(tensors, directory: str, max_shard_bytes: int, metadata=N
 
 
 def export_hf(params, config: Dict[str, Any], directory: str, *, names: HFNames, fmt: str = "bf16",
-              tokenizer: Optional[str] = None, max_shard_bytes: int = 5 << 30) -> str:
+              files: Optional[Dict[str, Any]] = None, max_shard_bytes: int = 5 << 30) -> str:
     """Write a Hugging Face checkpoint of ``params`` into ``directory``.
 
     Args:
@@ -633,9 +630,8 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, names: HFNames,
         (lossless: the same codes, scales and amax), the quantization config in
         ``config.json``; leaves that are not NVFP4 (embeddings, norms, kept layers, the head)
         stay bf16, their Linear modules listed in ``ignore``.
-      tokenizer: a ``tokenizer.json`` to copy in (with a ``tokenizer_config.json``), or the
-        folder of a Hugging Face checkpoint whose tokenizer files (:data:`TOKENIZER_FILES`)
-        are copied as they are.
+      files: more files of the checkpoint (e.g. its tokenizer's), ``{name: path}`` copied as
+        they are or ``{name: bytes}`` written; they land with the weights, atomically.
 
     ``fmt="nvfp4"`` also records each NVFP4 kernel's exact float32 amax in the safetensors
     header (:data:`AMAX_METADATA`), which readers ignore: the global scale ``448 * 6 / amax``
@@ -679,16 +675,12 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, names: HFNames,
             cfg["quantization_config"] = dict(NVFP4A16_QUANTIZATION_CONFIG, ignore=sorted(set(ignore)))
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
-        if tokenizer and os.path.isdir(tokenizer):
-            for name in TOKENIZER_FILES:
-                if os.path.isfile(os.path.join(tokenizer, name)):
-                    shutil.copyfile(os.path.join(tokenizer, name), os.path.join(tmp, name))
-        elif tokenizer:
-            shutil.copyfile(tokenizer, os.path.join(tmp, "tokenizer.json"))
-        if os.path.isfile(os.path.join(tmp, "tokenizer.json")) and not os.path.isfile(os.path.join(tmp, "tokenizer_config.json")):
-            with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
-                json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-                           "model_max_length": cfg.get("max_position_embeddings")}, f, indent=2)
+        for name, source in (files or {}).items():
+            if isinstance(source, bytes):
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(source)
+            else:
+                shutil.copyfile(source, os.path.join(tmp, name))
         os.chmod(tmp, 0o755)
         if os.path.isdir(directory):
             os.rmdir(directory)  # empty, checked above

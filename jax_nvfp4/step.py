@@ -219,25 +219,37 @@ def make_eval(fn: Callable, mesh, rules: Optional[Rules] = None, *, dtype=jnp.bf
     return evaluate
 
 
+def _logical_names(leaf):
+    """The logical axis names a boxed param carries: Linen's ``nn.LogicallyPartitioned``
+    (``names``), NNX's variable metadata (``out_sharding``; ``sharding_names`` /
+    ``sharding`` in older Flax), or None."""
+    names = getattr(leaf, "names", None)
+    if names is None and hasattr(leaf, "get_metadata"):
+        meta_ = leaf.get_metadata()
+        names = next((meta_[k] for k in ("out_sharding", "sharding_names", "sharding") if meta_.get(k)), None)
+    return tuple(names) if isinstance(names, (tuple, list)) else None
+
+
 def tensor_rules_from_logical(params, axes: Sequence[str] = ("mlp", "heads", "kv", "vocab", "q_heads", "kv_heads"),
                               ) -> Tuple[Tuple[str, int], ...]:
-    """Tensor rules (:attr:`Rules.tensor`) from the logical axis names on a model's params
-    (``nn.with_logical_partitioning`` / ``nn.LogicallyPartitioned``, ``nnx.Param(...,
-    sharding=...)`` metadata): a kernel whose last axis is named in ``axes`` is split along
-    its outputs (-1), one whose second-to-last axis is, along its inputs (-2). ``params``: the
-    boxed params (e.g. ``jax.eval_shape(model.init, ...)["params"]``, before
-    ``nn.unbox``)."""
+    """Tensor rules (:attr:`Rules.tensor`) from the logical axis names on a model's params: a
+    kernel whose last axis is named in ``axes`` is split along its outputs (-1), one whose
+    second-to-last axis is, along its inputs (-2); anything else is not split.
+
+    ``params``: the boxed params, before unboxing: Linen's ``jax.eval_shape(model.init,
+    ...)["params"]`` with kernels made by ``nn.with_logical_partitioning``, or an NNX state
+    (``nnx.state(model)``, kernels made with ``nnx.with_partitioning`` /
+    ``nnx.Param(..., out_sharding=...)``). Returns ``((f"^{path}$", -1 | -2), ...)``."""
+    from flax import nnx
     from flax.core import meta
 
     from jax_nvfp4.params import path_str
 
+    boxed = lambda x: isinstance(x, (meta.AxisMetadata, nnx.Variable))
     rules = []
-    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, meta.AxisMetadata))[0]
-    for path, leaf in leaves:
-        names = getattr(leaf, "names", None)
-        if names is None:
-            names = getattr(leaf, "sharding_names", None) or getattr(leaf, "sharding", None)
-        if not isinstance(names, (tuple, list)) or len(names) < 2:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=boxed)[0]:
+        names = _logical_names(leaf)
+        if names is None or len(names) < 2:
             continue
         p = path_str(path)
         p = p[: -len("/value")] if p.endswith("/value") else p

@@ -407,9 +407,9 @@ def export_hf(cfg, params, directory: str) -> None:
         max_positions = max(max_positions, int(source.get("max_position_embeddings") or 0))
         tokenizer = hf_import.tokenizer_source(cfg.train.init_from) or tokenizer
     hf_cfg = hf_import.hf_config(cfg, max_position_embeddings=max_positions, eos_token_id=eos, bos_token_id=bos)
+    files = hf_import.tokenizer_files(tokenizer, max_positions)
     for fmt in ("bf16", "nvfp4"):
-        export_lib.export_hf(params, hf_cfg, os.path.join(directory, fmt), names=HF_NAMES, fmt=fmt,
-                             tokenizer=tokenizer)
+        export_lib.export_hf(params, hf_cfg, os.path.join(directory, fmt), names=HF_NAMES, fmt=fmt, files=files)
 
 
 # What a run writes into --out besides the bf16 run's folder of --compare.

@@ -176,10 +176,32 @@ def hf_config(cfg: Config, **kw) -> Dict[str, Any]:
 
 def tokenizer_source(directory: Optional[str]) -> Optional[str]:
     """``directory`` when it holds a Hugging Face tokenizer (``tokenizer.json``), for the run's
-    exports to carry (:func:`jax_nvfp4.export.export_hf`); else None."""
+    exports to carry (:func:`tokenizer_files`); else None."""
     if directory and os.path.isfile(os.path.join(directory, "tokenizer.json")):
         return directory
     return None
+
+
+# The files of a Hugging Face tokenizer, copied from a checkpoint folder into an export.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "generation_config.json")
+
+
+def tokenizer_files(tokenizer: Optional[str], max_positions: int) -> Dict[str, Any]:
+    """The tokenizer files an export carries (``files=`` of
+    :func:`jax_nvfp4.export.export_hf`): those of a checkpoint folder (:data:`TOKENIZER_FILES`)
+    as they are, or a ``tokenizer.json`` with a ``tokenizer_config.json`` made for it (a fast
+    tokenizer ending documents with ``<|endoftext|>``) unless the folder has its own."""
+    files: Dict[str, Any] = {}
+    if tokenizer and os.path.isdir(tokenizer):
+        files = {n: os.path.join(tokenizer, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(tokenizer, n))}
+    elif tokenizer:
+        files = {"tokenizer.json": tokenizer}
+    if "tokenizer.json" in files and "tokenizer_config.json" not in files:
+        files["tokenizer_config.json"] = json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+             "model_max_length": max_positions}, indent=2).encode()
+    return files
 
 
 # ----------------------------------------------------------------------------- safetensors

@@ -295,8 +295,10 @@ def quantize(
       amax: the global amax ``[...]`` (or a scalar) to use instead of ``max(|x|)`` — for
         sharded quantization, where it is the maximum across shards. A float ``>= 0`` (0 only
         for an all-zero matrix); NaN or +Inf mark the matrix non-finite (it dequantizes to
-        NaN). Negative values, and 0 for a matrix holding non-zero values (it would quantize
-        to all zeros), are refused where the values are known (outside ``jit``).
+        NaN). Negative values and -Inf, and 0 for a matrix holding non-zero values (it would
+        quantize to all zeros), are refused with ``ValueError`` where the values are known;
+        where they are traced (under ``jit``) such a matrix gets a NaN amax instead: it is
+        marked non-finite (``isfinite()`` False, dequantizes to NaN), never plausible zeros.
 
     Returns:
       An :class:`NVFP4Array` bit-identical to the reference recipe's quantizer.
@@ -326,12 +328,21 @@ def quantize(
             if np.any(zero & np.asarray(_nonzero_matrices(x))):
                 raise ValueError("quantize: amax=0 for a matrix holding non-zero values would quantize it to all "
                                  "zeros; pass its max(|x|) (0 is the amax of an all-zero matrix only)")
+        if not (known and _concrete(x)):
+            amax = _poison_invalid_amax(x, amax, batch)
     return _quantize(x, key if rounding == "stochastic" else None, amax, block)
 
 
 @jax.jit
 def _nonzero_matrices(x):
     return jnp.any(x != 0, axis=(-2, -1))
+
+
+def _poison_invalid_amax(x, amax, batch):
+    """A traced ``amax`` the eager checks would refuse (negative, -Inf, or 0 for a matrix
+    holding non-zero values) as NaN: the matrix is then marked non-finite."""
+    a = jnp.broadcast_to(jnp.asarray(amax, jnp.float32), tuple(batch))
+    return jnp.where((a < 0) | ((a == 0) & _nonzero_matrices(x)), jnp.float32(jnp.nan), a)
 
 
 NOT_DIFFERENTIABLE = ("quantize is not differentiable: its outputs are integer codes, so a gradient through "

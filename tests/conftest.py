@@ -157,16 +157,18 @@ def sets(overrides):
 def cli(args, env=None, timeout=240):
     """``python -m train --config tiny.yaml --no-progress ARGS`` in a process of its own (the
     run's compile cache included): the ``CompletedProcess``, text output captured."""
-    return subprocess.run([sys.executable, "-m", "train", "--config", TINY, "--no-progress", *args], cwd=ROOT,
+    config = [] if "--config" in args else ["--config", TINY]
+    return subprocess.run([sys.executable, "-m", "train", *config, "--no-progress", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
 
 
 def main_here(args, capfd):
-    """``python -m train --config tiny.yaml --no-progress ARGS`` in this process (its exit
+    """``python -m train --config tiny.yaml --no-progress ARGS`` (ARGS' own ``--config``
+    instead, if it has one) in this process (its exit
     status and stderr are the CLI's): ``(exit status, stdout, stderr lines)``."""
     from train.__main__ import main
 
     capfd.readouterr()
-    rc = main(["--config", TINY, "--no-progress", *args])
+    rc = main([*([] if "--config" in args else ["--config", TINY]), "--no-progress", *args])
     out, err = capfd.readouterr()
     return rc, out, err.strip().splitlines()

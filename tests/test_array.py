@@ -363,3 +363,22 @@ def test_numpy_inputs_are_transferred_not_staged():
     same = nv.NVFP4Array.create(host.data, host.scale, np.asarray(host.amax), q.matrix_shape, q.block)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(q)))
     assert as_array(np.float64(1.5)).dtype == jnp.float32 and as_array([1, 2]).shape == (2,)
+
+
+def test_an_invalid_traced_amax_marks_the_matrix_non_finite():
+    """Under jit the amax's value is not known when quantize runs its checks: an amax they would
+    refuse (0 for a non-zero matrix, negative, -Inf) makes that matrix non-finite (NaN amax,
+    NaN values) instead of all-zero or plausible wrong weights; valid amaxes keep their bits."""
+    x = jnp.asarray(np.random.default_rng(11).standard_normal((3, 16, 32)), jnp.float32)
+    x = x.at[2].set(0.0)  # an all-zero matrix: 0 is its amax
+    f = jax.jit(lambda v, a: nv.quantize(v, amax=a))
+    for bad in (0.0, -1.0, float("-inf")):
+        q = f(x, jnp.asarray([bad, 8.0, 0.0], jnp.float32))
+        np.testing.assert_array_equal(np.asarray(q.isfinite()), [False, True, True])
+        assert np.isnan(np.asarray(nv.dequantize(q, jnp.float32))[0]).all()
+        eager = nv.quantize(x[1], amax=8.0)
+        np.testing.assert_array_equal(np.asarray(q.data[1]), np.asarray(eager.data))
+        np.testing.assert_array_equal(np.asarray(q.scale_bits[1]), np.asarray(eager.scale_bits))
+    # A traced x with a known zero amax, too.
+    q = jax.jit(lambda v: nv.quantize(v, amax=0.0))(x[0])
+    assert not bool(q.isfinite())

@@ -96,6 +96,21 @@ def test_rerun_after_the_end_trains_nothing(reference, resumed, tmp_path, capsys
     assert len((resumed["out"] / "metrics.jsonl").read_text().splitlines()) == 6
 
 
+def test_a_finished_checkpoint_reopened_into_a_new_out_says_so(resumed, tmp_path, capsys):
+    """Reopening a finished checkpoint into a new --out trains nothing; its summary says that
+    instead of a training loss of nan."""
+    from train import summary as summary_lib
+    from train.__main__ import print_summary
+
+    out = tmp_path / "new"
+    r = loop.run(resumed["cfg"], mesh_of(resumed["cfg"], 8), str(out), progress=False)
+    assert r["history"] == [] and r["start_step"] == 6
+    capsys.readouterr()
+    print_summary(summary_lib.summarize([r], str(out)), str(out))
+    said = capsys.readouterr().out
+    assert "no step trained here (the checkpoint was at train.steps=6 already" in said and "nan" not in said, said
+
+
 def test_a_torn_last_line_of_the_metrics_is_dropped_on_resume(resumed, tmp_path, capsys):
     # A crash in the middle of writing metrics.jsonl left a line that is not JSON; the resume
     # stopped on a JSONDecodeError traceback.
@@ -428,7 +443,7 @@ def test_load_refuses_a_malformed_or_edited_manifest(tmp_path):
     ("optim.name=sgd", "optim.name=\"adamw\" but this run has optim.name=\"sgd\""),
     ("train.steps=8", "optim.schedule_steps=6 but this run has optim.schedule_steps=8; to extend the run on its "
                       "schedule set optim.schedule_steps=6"),
-    ("train.steps=4", "is at step 6, past train.steps=4"),
+    ("train.steps=5", "is at step 6, past train.steps=5"),
     ("nvfp4.block=2d", "was trained with nvfp4.block=\"1d\" but this run has nvfp4.block=\"2d\""),
 ])
 def test_resume_refuses_a_different_trajectory(resumed, tmp_path, override, needle):
@@ -440,7 +455,7 @@ def test_resume_refuses_a_different_trajectory(resumed, tmp_path, override, need
     assert not (tmp_path / "never").exists() and sorted(os.listdir(resumed["ck"])) == listing
     # The named key can be allowed to change explicitly (here only checked, not trained).
     key = override.split("=")[0] if override != "train.steps=8" else "optim.schedule_steps"
-    if not override.startswith("train.steps=4"):
+    if not override.startswith("train.steps=5"):
         ckpt_lib.check_resume("x", ckpt_lib.Checkpointer(str(resumed["ck"])).read_meta(6),
                               job(override, f"checkpoint.dir={resumed['ck']}", f"checkpoint.allow_change=[{key}]"))
 

@@ -3,6 +3,7 @@
 import pytest
 
 from jax_nvfp4 import __main__ as nv_main
+from train import __main__ as train_main
 
 
 def test_jax_nvfp4_help_prints_help_and_runs_nothing(capsys, monkeypatch):
@@ -56,3 +57,20 @@ def test_train_help_is_plain_text_with_examples_and_every_config_key(capsys):
         for f in dataclasses.fields(cls):
             assert f"{name}.{f.name}=" in out, f"{name}.{f.name}"
     assert "model.layers=2 " in out and "nvfp4.keep_bf16=[embed,head,norm]" in out and "=False" not in out
+
+
+def test_overrides_apply_in_command_line_order_and_single_options_are_given_once():
+    """A later value of a key wins whether it is a --set or a bare KEY=VALUE (the bare ones used
+    to be applied after every --set); a second --config or --out is an error, not a silent
+    replacement."""
+    from train.config import load_config
+
+    args = train_main.parse_args(["model.layers=1", "--set", "model.layers=3", "--out", "x=y", "train.steps=9"])
+    assert args.overrides == ["model.layers=1", "model.layers=3", "train.steps=9"] and args.out == "x=y"
+    assert load_config(None, args.overrides).model.layers == 3
+    args = train_main.parse_args(["--set", "model.layers=3", "model.layers=1"])
+    assert load_config(None, args.overrides).model.layers == 1
+    for flag in ("--config", "--out"):
+        with pytest.raises(SystemExit) as e:
+            train_main.parse_args([flag, "a", flag, "b"])
+        assert e.value.code == 2

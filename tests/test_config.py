@@ -85,12 +85,12 @@ def test_yaml_base_inheritance_and_floats(tmp_path):
     path = _write(tmp_path, "sub/run.yaml", """
         base: ../base.yaml
         model: {layers: 2}
-        train: {steps: 7}
+        train: {steps: 70}
         """)
     cfg = load_config(path, [])
     assert (cfg.model.layers, cfg.model.heads, cfg.model.d_model) == (2, 8, 256)
     assert cfg.optim.lr == 1e-3 and isinstance(cfg.optim.lr, float)  # YAML 1.1 would say "1e-3"
-    assert cfg.train.steps == 7
+    assert cfg.train.steps == 70
 
 
 def test_yaml_base_cycle(tmp_path):
@@ -236,6 +236,11 @@ def test_round_trip(tmp_path):
     (["train.seed=4294967296"], "train.seed=4294967296: must be < 4294967294"),
     (["data.seed=2147483648"], "data.seed=2147483648: must be < 2147483648"),
     (["optim.schedule_steps=-1"], "optim.schedule_steps=-1: must be >= 0"),
+    # a warmup longer than the run (it was cut to the run silently), validation on the training
+    # data, more simulated devices than can run a step (an XLA abort after minutes)
+    (["optim.warmup_steps=50", "train.steps=5"], "optim.warmup_steps=50: longer than the 5-step schedule"),
+    (["data.source=file", "data.path=a.txt", "data.val_path=./a.txt"], "data.val_path='./a.txt': is data.path"),
+    (["mesh.simulate_devices=1024"], "mesh.simulate_devices=1024: at most 256 simulated CPU devices"),
 ])
 def test_errors_name_the_key(overrides, expect):
     assert expect in _error(overrides)

@@ -365,6 +365,9 @@ def test_output_collisions_and_bad_locations_are_refused_before_training(tmp_pat
          "would replace or sit in the bf16 run's output directory (--out/bf16)"),
         (["--export-hf", str(x), "--set", "model.d_model=40", "--out", str(out)],
          "config error: --export-hf (nvfp4): export_hf: blocks/attn/"),
+        # Accepted: the export inside the run's folder, against what the README says.
+        (["--export-hf", str(out / "hf"), "--out", str(out)],
+         f"error: --export-hf {out / 'hf'}: would replace or sit in the run's output directory (--out)"),
         # A traceback after compiling.
         (["--out", str(a_file)], f"error: --out {a_file}: exists and is not a folder"),
         (["--out", str(a_file / "run")], f"error: --out {a_file / 'run'}: cannot create it: Not a directory"),
@@ -388,3 +391,40 @@ def test_a_full_file_system_mid_run_is_one_line_exit_5(tmp_path, capfd):
     assert rc == 5, err
     assert err == [f"error: cannot write {out / 'metrics.jsonl'}: No space left on device; the checkpoints written "
                    "before are intact"]
+
+
+def test_a_rerun_into_a_used_out_refuses_unless_it_resumes(tmp_path, capfd):
+    """An --out holding an earlier run's files is refused when the run would not resume it (its
+    old summary.json and loss.png used to stay beside the new run's config and metrics); with
+    a checkpoint to resume from, the run goes on in its own folder."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("summary.json", "loss.png", "metrics.jsonl"):
+        (out / name).write_text("earlier")
+    rc, said, err = main_here([*sets(JOB), "--out", str(out)], capfd)
+    assert rc == 2 and len(err) == 1 and "holds an earlier run's files (metrics.jsonl, loss.png, summary.json)" in err[0], err
+    assert sorted(os.listdir(out)) == ["loss.png", "metrics.jsonl", "summary.json"]
+    assert all((out / n).read_text() == "earlier" for n in os.listdir(out)) and "compiling" not in said
+    # The compare run's folder too.
+    (out / "bf16").mkdir()
+    rc, _, err = main_here([*sets(JOB), "--out", str(tmp_path / "new"), "--compare", "bf16"], capfd)
+    assert rc == 0, err
+    rc, _, err = main_here([*sets(JOB), "--out", str(tmp_path / "new"), "--compare", "bf16"], capfd)
+    assert rc == 2 and "holds an earlier run's files" in err[0], err
+
+
+
+def test_a_token_file_with_ids_past_its_sidecars_vocabulary_is_named(tmp_path, capfd):
+    """A sidecar that claims too small a vocabulary: the first batch holding an id past it is a
+    one-line error naming the id (it used to train on NaN losses and stop as diverged, exit 3)."""
+    import numpy as np
+
+    tokens = np.arange(4000, dtype=np.uint16) % 200
+    path = tmp_path / "toks.bin"
+    tokens.tofile(path)
+    (tmp_path / "toks.bin.json").write_text(json.dumps(
+        {"format": "jax_nvfp4.tokens", "version": 2, "dtype": "uint16", "vocab": 150, "tokens": len(tokens)}))
+    rc, _, err = main_here([*sets(JOB), "--set", "data.source=tokens", "--set", f"data.path={path}",
+                            "--out", str(tmp_path / "out")], capfd)
+    assert rc == 2 and len(err) == 1 and "is past the vocabulary of 150 its sidecar declares" in err[0], err
+    assert "token id 1" in err[0]

@@ -13,7 +13,7 @@ from train import summary as summary_lib
 from train import programs
 from train import accounting as accounting_lib
 
-from conftest import TINY, job, job_worker, main_here, mesh_of, sets, tiny, tiny_worker
+from conftest import JOB, TINY, job, job_worker, main_here, mesh_of, sets, tiny, tiny_worker
 
 
 # The text of the tiny --compare run: a Python stdlib source, as bytes, its last 10% held out.
@@ -243,6 +243,43 @@ def test_tensor_axis_splits_the_weights_and_trains_like_the_data_axis(tmp_path, 
     got = np.asarray(trainer.eval_fn(relaid, programs.global_batch(trainer, rows)))
     assert got.shape == (cfg.data.batch_size,)
     np.testing.assert_allclose(got, ref, rtol=2e-3)
+
+
+@job_worker
+@pytest.mark.parametrize("storage", [("nvfp4.keep_first_blocks=1", "nvfp4.keep_bf16=[attn]"),
+                                     ("nvfp4.keep_last_blocks=1", "nvfp4.keep_bf16=[embed,head,norm]")])
+def test_weights_kept_in_bf16_split_over_the_tensor_axis_like_nvfp4_ones(tmp_path, storage):
+    """Every storage choice under tensor parallelism: a block kept in bf16 (first or last),
+    its attention or the embedding and head kept by pattern, train at data 4 x tensor 2 like
+    data 8 (within bf16 rounding), and each kept kernel is split over the tensor axis as an
+    NVFP4 one is: half of it on each tensor rank."""
+    flat = loop.run(job(*storage), mesh_of(job(*storage), 8), str(tmp_path / "flat"), progress=False)
+    cfg = job("mesh.data=4", "mesh.tensor=2", *storage)
+    split = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path / "split"), progress=False)
+    np.testing.assert_allclose(split["history"], flat["history"], rtol=3e-3)
+    import jax_nvfp4 as nv
+
+    kept = [x for x in jax.tree.leaves(split["params"], is_leaf=nv.layout.is_tiled)
+            if isinstance(x, nv.Tiled) and x.layout.n_tensor == 2]
+    assert kept, "no bf16 kernel split over the tensor axis"
+    assert {r.axes for r in split["step_program"].select(op="all-gather", purpose="weight gather")} == {("data",)}
+
+
+@job_worker
+def test_compare_bf16_under_tensor_parallelism_writes_its_summary(tmp_path, capfd):
+    """``--compare bf16`` at tensor 2: both runs train (the bf16 one with every block weight in
+    bf16, split over the tensor axis) and the summary holds both; the bf16 run's losses equal
+    data 8's bf16 run within bf16 rounding."""
+    out = tmp_path / "run"
+    rc, _, err = main_here(["--out", str(out), "--compare", "bf16", "--set", "mesh.data=4", "--set", "mesh.tensor=2",
+                            "--set", "mesh.simulate_devices=8", *sets(JOB)], capfd)
+    assert rc == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["runs"]) == 2 and all(r["steps"] == 6 for r in summary["runs"]), summary["runs"]
+    bf16 = [json.loads(line)["loss"] for line in (out / "bf16" / "metrics.jsonl").read_text().splitlines()]
+    cfg = job("nvfp4.weights=bf16")
+    flat = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path / "flat"), progress=False)
+    np.testing.assert_allclose(bf16, flat["history"], rtol=3e-3)
 
 
 @job_worker

@@ -81,23 +81,56 @@ import os
 import sys
 
 
+class _Once(argparse.Action):
+    """An option that may be given once: a second value is an error, not a silent replacement."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}); give it once")
+        setattr(namespace, self.dest, values)
+
+
+# The options that take a value (the next argument, unless given as --opt=value).
+_VALUED = ("--config", "--set", "--compare", "--out", "--export", "--export-hf", "--init-from")
+
+
+def _ordered(argv):
+    """``argv`` with each bare ``KEY=VALUE`` written as ``--set KEY=VALUE`` in its place, so
+    the overrides keep their command-line order whichever form each takes."""
+    out, value_next = [], False
+    for a in argv:
+        if value_next:
+            out.append(a)
+            value_next = False
+        elif a in _VALUED:
+            out.append(a)
+            value_next = True
+        elif not a.startswith("-") and "=" in a:
+            out += ["--set", a]
+        else:
+            out.append(a)
+    return out
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m train", description=__doc__.strip(), epilog=config_keys_help(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="a .yaml/.yml or .gin file (default: the built-in default config)")
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--config", action=_Once, help="a .yaml/.yml or .gin file (default: the built-in default config)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set model.layers=4 (repeatable)")
+                   help="override a config value, e.g. --set model.layers=4 (repeatable; the last one of a key wins)")
     p.add_argument("--compare", choices=["bf16"], help="also train with plain bf16 weights and compare")
-    p.add_argument("--out", help="output directory (default: train.out_dir)")
+    p.add_argument("--out", action=_Once, help="output directory (default: train.out_dir)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--export", metavar="DIR", help="after training, write the NVFP4 weights to DIR")
-    p.add_argument("--export-hf", metavar="DIR", help="after training, write Hugging Face Llama checkpoints "
+    p.add_argument("--export", action=_Once, metavar="DIR", help="after training, write the NVFP4 weights to DIR")
+    p.add_argument("--export-hf", action=_Once, metavar="DIR", help="after training, write Hugging Face Llama checkpoints "
                    "to DIR/bf16 and DIR/nvfp4 (DIR must be new or empty)")
-    p.add_argument("--init-from", metavar="DIR", help="start from the Hugging Face Llama checkpoint in DIR "
+    p.add_argument("--init-from", action=_Once, metavar="DIR", help="start from the Hugging Face Llama checkpoint in DIR "
                    "(train.init_from: bf16/f16/f32 or compressed-tensors NVFP4 safetensors; its config.json sets "
                    "the model's shape, and --set model keys must agree with it)")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more overrides")
-    return p.parse_args(argv)
+    p.add_argument("rest", nargs="*", metavar="KEY=VALUE", help="more overrides, in order with --set")
+    args = p.parse_args(_ordered(sys.argv[1:] if argv is None else argv))
+    args.overrides = [*args.sets, *args.rest]  # rest: only arguments that are not KEY=VALUE (refused)
+    return args
 
 
 def config_keys_help(width: int = 100) -> str:
@@ -133,7 +166,7 @@ def main(argv=None) -> int:
     from train.config import ConfigError, load_config, override_keys
 
     try:
-        overrides = [*args.sets, *args.overrides]
+        overrides = args.overrides
         cfg = load_config(args.config, overrides)
         if args.init_from:
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=args.init_from))
@@ -448,9 +481,10 @@ def output_refusal(args, cfg, out_dir: str) -> str:
     if args.export_hf:
         exports.append((f"--export-hf {args.export_hf}", real(args.export_hf)))
     for name, target in exports:
-        for what, d in runs:
-            if _within(d, target) or (d != out and _within(target, d)):
-                return f"{name}: would replace or sit in {what} {d}; choose another directory"
+        hits = [(what, d) for what, d in runs if _within(d, target) or _within(target, d)]
+        if hits:  # name the innermost folder that holds the export, else one it would hold
+            what, d = max(hits, key=lambda h: (_within(target, h[1]), len(h[1])))
+            return f"{name}: would replace or sit in {what} {d}; choose another directory"
         for d in checkpoint_dirs(cfg, args.compare):
             d = real(d)
             if _within(target, d) or _within(d, target):
@@ -466,7 +500,20 @@ def output_refusal(args, cfg, out_dir: str) -> str:
             return f"--export {args.export}: exists and is not a directory"
         if os.path.isdir(target) and os.listdir(target) and not is_export(target):
             return f"--export {args.export}: is not empty and is not a previous NVFP4 export; refusing to replace it"
+    for what, d in runs:
+        earlier = [f for f in RUN_FILES if os.path.isfile(os.path.join(d, f))]
+        if earlier and not _resumes(cfg, args.compare, d != out):
+            return (f"--out {out_dir}: {what} holds an earlier run's files ({', '.join(earlier)}) and this run "
+                    "does not resume it (no checkpoint in checkpoint.dir); choose a new folder or remove them")
     return ""
+
+
+def _resumes(cfg, compare, bf16: bool) -> bool:
+    """The run (or with ``bf16``, the compare run) restores a checkpoint: its checkpoint folder
+    holds a step."""
+    dirs = checkpoint_dirs(cfg, compare)
+    d = dirs[1] if bf16 and len(dirs) > 1 else (dirs[0] if dirs else None)
+    return bool(d) and os.path.isdir(d) and any(name.isdigit() for name in os.listdir(d))
 
 
 def _step_and_process(name: str, spec: str):
@@ -577,6 +624,12 @@ def print_summary(summary, out_dir: str) -> None:
         print(f"validation loss: {a['label']} {a['final_val_loss']:.4f}, {b['label']} {b['final_val_loss']:.4f}; "
               f"NVFP4 - bf16 gap {summary['final_val_loss_gap']:+.4f} nats")
     for r in summary["runs"]:
+        if not r.get("final_loss_steps"):
+            # A finished checkpoint reopened: no step ran here, so there is no training loss.
+            val = f"; validation loss {r['final_val_loss']:.4f}" if r.get("final_val_loss") is not None else ""
+            print(f"{r['label']:>14}: no step trained here (the checkpoint was at train.steps={r['steps']} already; "
+                  f"its losses are in the metrics.jsonl it was trained into){val}")
+            continue
         n = r.get("final_loss_steps") or 1
         what = f"mean training loss over the last {n} steps" if n > 1 else "training loss of the last step"
         val = f"; validation loss {r['final_val_loss']:.4f}" if r.get("final_val_loss") is not None else ""

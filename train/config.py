@@ -124,10 +124,18 @@ class DataConfig:
                               "set data.source=file or tokens to train on it (or data.path=null)")
         if self.val_path and self.val_fraction:
             raise ConfigError("data.val_fraction: set either data.val_path or data.val_fraction, not both")
+        if self.val_path and self.path and os.path.abspath(self.val_path) == os.path.abspath(self.path):
+            raise ConfigError(f"data.val_path={self.val_path!r}: is data.path, so validation would run on the "
+                              "training data; give a held-out file or use data.val_fraction")
         if self.source == "markov" and (self.val_path or self.val_fraction):
             key = "data.val_path" if self.val_path else "data.val_fraction"
             raise ConfigError(f"{key}={self.val_path or self.val_fraction!r}: data.source='markov' draws validation "
                               "rows from its own stream and would ignore it; set data.source=file or tokens")
+
+
+# Simulated CPU devices that still run a training step here (256 run a tiny step in ~50 s on 2
+# cores; 1024 abort in XLA:CPU's collective rendezvous).
+MAX_SIMULATED_DEVICES = 256
 
 
 @_section
@@ -144,6 +152,10 @@ class MeshConfig:
     simulate_devices: NonNeg = 8
 
     def __post_init__(self):
+        if self.simulate_devices > MAX_SIMULATED_DEVICES:
+            raise ConfigError(f"mesh.simulate_devices={self.simulate_devices}: at most {MAX_SIMULATED_DEVICES} "
+                              "simulated CPU devices can run a step (XLA:CPU's collectives time out past that); "
+                              "to see larger meshes compiled without running, use python -m benchmarks scale")
         for name in ("data", "tensor"):
             if getattr(self, name) == 0:
                 raise ConfigError(f"mesh.{name}=0: must be a positive size or -1 (the rest)")
@@ -265,6 +277,11 @@ class Config:
         if n.keep_first_blocks + n.keep_last_blocks > m.layers:
             raise ConfigError(f"nvfp4.keep_first_blocks={n.keep_first_blocks} + nvfp4.keep_last_blocks="
                               f"{n.keep_last_blocks}: exceeds model.layers={m.layers}")
+        # A warmup chosen longer than the run is an error; the default one is cut to the run.
+        default_warmup = OptimConfig.__dataclass_fields__["warmup_steps"].default
+        if self.optim.warmup_steps > self.schedule_steps() and self.optim.warmup_steps != default_warmup:
+            raise ConfigError(f"optim.warmup_steps={self.optim.warmup_steps}: longer than the "
+                              f"{self.schedule_steps()}-step schedule (train.steps, or optim.schedule_steps)")
         if d.source == "markov" and d.markov_states > m.vocab:
             raise ConfigError(f"data.markov_states={d.markov_states}: exceeds model.vocab={m.vocab} "
                               "(Markov tokens are 0..states-1)")

@@ -329,6 +329,13 @@ class TokenFileSource:
         for i, g in enumerate(indices):
             w = int(order[int(g)])
             out[i] = self.tokens[w * (length - 1): w * (length - 1) + length]
+        if out.size and int(out.max()) >= self.vocab:
+            # An id with no embedding row would make every loss NaN ("diverged"); name it instead.
+            i, j = np.unravel_index(int(np.argmax(out >= self.vocab)), out.shape)
+            w = int(order[int(indices[i])])
+            raise ConfigError(f"{self.path}: token id {int(out[i, j])} at token {w * (length - 1) + j} is past the "
+                              f"vocabulary of {self.vocab} its sidecar declares (altered or not written by "
+                              "python -m train.prepare); write the file again")
         return out
 
     def __repr__(self) -> str:

@@ -17,7 +17,7 @@ def schedule_for(cfg: Config):
     # The schedule's own length (optim.schedule_steps, default train.steps): an extended run
     # keeps the length its checkpoint was trained with (see train.checkpoint.check_resume).
     o, steps = cfg.optim, cfg.schedule_steps()
-    warm = min(o.warmup_steps, max(steps - 1, 0))
+    warm = min(o.warmup_steps, max(steps - 1, 0))  # only the default warmup can exceed the schedule (train.config)
     if o.schedule == "constant":
         decay = optax.constant_schedule(o.lr)
     elif o.schedule == "linear":

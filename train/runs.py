@@ -54,7 +54,7 @@ def metrics_path(train_args) -> str:
     from train.config import load_config
 
     args = parse_args(list(train_args))
-    out = args.out or load_config(args.config, [*args.sets, *args.overrides]).train.out_dir
+    out = args.out or load_config(args.config, args.overrides).train.out_dir
     return os.path.join(out, "metrics.jsonl")
 
 

@@ -47,13 +47,20 @@ LLAMA3_8B = dict(d_model=4096, layers=32, heads=32, kv_heads=8, mlp_hidden=14336
                  rope_theta=500000.0)
 LLAMA3_70B = dict(d_model=8192, layers=80, heads=64, kv_heads=8, mlp_hidden=28672, vocab=128256,
                   rope_theta=500000.0)
-# Llama 3.1 405B: 405.9B parameters.
+# Llama 3.1: the same shapes with its published rotary scaling (config.json rope_scaling,
+# rope_type llama3) for 128K positions; 405B: 405.9B parameters.
+LLAMA31_ROPE_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                            original_max_position_embeddings=8192)
+LLAMA31_8B = dict(LLAMA3_8B, rope_scaling=LLAMA31_ROPE_SCALING)
+LLAMA31_70B = dict(LLAMA3_70B, rope_scaling=LLAMA31_ROPE_SCALING)
 LLAMA31_405B = dict(d_model=16384, layers=126, heads=128, kv_heads=8, mlp_hidden=53248, vocab=128256,
-                    rope_theta=500000.0)
+                    rope_theta=500000.0, rope_scaling=LLAMA31_ROPE_SCALING)
 PRESETS: Dict[str, Dict[str, Any]] = {
     "1b": dict(d_model=2048, layers=16, heads=32, mlp_hidden=8192, vocab=128256),
     "llama3_8b": LLAMA3_8B,
     "llama3_70b": LLAMA3_70B,
+    "llama31_8b": LLAMA31_8B,
+    "llama31_70b": LLAMA31_70B,
     "llama31_405b": LLAMA31_405B,
     "8b": LLAMA3_8B,
     "70b": LLAMA3_70B,

@@ -389,12 +389,13 @@ def is_tiled(x) -> bool:
 
 
 def quantize_tiles(x: jax.Array, layout: Layout, *, block=BLOCK_2D, key=None, reduce_amax=None, tensor_index=0,
-                   tile_offset=0) -> TiledNVFP4:
+                   tile_offset=0, amax=None) -> TiledNVFP4:
     """Quantize float32 tiles ``[..., nt, T, 16, 16]`` (a whole tiled matrix, or one device's
     shard of it) to NVFP4 with ``block`` scales (every block lies inside one tile).
 
     ``reduce_amax`` combines the local amax bits with the other shards' (an integer ``pmax``),
-    so the result is bit-identical to quantizing the whole logical matrix. With ``key``,
+    so the result is bit-identical to quantizing the whole logical matrix; ``amax`` (``[...]``
+    float32, the global amax of each matrix) is used as it is instead. With ``key``,
     stochastic rounding draws by each element's logical position (``tensor_index`` /
     ``tile_offset`` place a shard), the same draws as :func:`jax_nvfp4.quantize`.
     """
@@ -407,7 +408,8 @@ def quantize_tiles(x: jax.Array, layout: Layout, *, block=BLOCK_2D, key=None, re
     if key is not None:
         row, col = layout.positions(x.shape, tensor_index, tile_offset)
         uniform = nx.uniform_from_index(key, flat_index(row, col, layout.matrix, len(batch)).reshape(flat.shape))
-    codes, scale, amax = quantize_padded(flat, block, uniform=uniform, reduce_amax=reduce_amax)
+    codes, scale, amax = quantize_padded(flat, block, uniform=uniform, amax=amax,
+                                         reduce_amax=None if amax is not None else reduce_amax)
     per_tile = math.prod(tile_scales(block))
     return TiledNVFP4(nx.pack_codes(codes.reshape(x.shape)),
                       jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(*batch, nt, tl, *((per_tile,) if per_tile > 1 else ())),

@@ -35,9 +35,9 @@ from jax.sharding import NamedSharding
 from jax_nvfp4.array import NVFP4Array, is_nvfp4
 from jax_nvfp4.collectives import OPTIMIZER_SCOPE
 from jax_nvfp4.layout import Tiled, TiledNVFP4, is_tiled
-from jax_nvfp4.params import DEFAULT_POLICY, Policy, path_str
+from jax_nvfp4.params import DEFAULT_POLICY, Policy, path_str, shared_amaxes
 from jax_nvfp4.rules import DEFAULT_RULES, Rules, layout_for
-from jax_nvfp4.sharding import constrain, context_mesh, global_norm, requantize, scatter_replicated
+from jax_nvfp4.sharding import constrain, context_mesh, global_amax, global_norm, requantize, scatter_replicated
 
 
 class MasterWeightsState(NamedTuple):
@@ -161,6 +161,12 @@ def master_weights(
             leaves_u = treedef.flatten_up_to(updates_m)
         except (ValueError, TypeError) as e:
             raise ValueError(f"master_weights: params do not match the state's masters: {e}") from None
+        # Shared amaxes (policy.shared_amax): each group's members re-quantize with the maximum
+        # of their global amaxes, the same bits on every shard.
+        shared = shared_amaxes({path_str(path): global_amax(mw, m, cast_bf16=cast_master_bf16)
+                                for (path, p), mw in zip(paths_p, leaves_m)
+                                if isinstance(p, (TiledNVFP4, NVFP4Array)) and isinstance(mw, Tiled)
+                                and policy.amax_group(path_str(path))}, policy)
         updates = []
         for i, ((path, p), mw, um) in enumerate(zip(paths_p, leaves_m, leaves_u)):
             name = path_str(path)
@@ -172,7 +178,7 @@ def master_weights(
                     raise ValueError(f"master_weights: parameter {name} has layout {p.layout} but its master "
                                      f"{mw.layout}; pass the same mesh and rules to shard_params and master_weights")
                 k = jax.random.fold_in(sub, i) if sub is not None else None
-                q = requantize(mw, m, block=p.block, key=k, cast_bf16=cast_master_bf16)
+                q = requantize(mw, m, block=p.block, key=k, cast_bf16=cast_master_bf16, amax=shared.get(name))
                 if isinstance(p, NVFP4Array):
                     q = q.to_array()  # params kept logical by the caller: a relayout of bytes
                 updates.append(nvfp4_delta(p, keep(q, p)))

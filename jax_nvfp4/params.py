@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,12 @@ class Policy:
 
     Leaves matched by ``keep`` are stored in ``keep_dtype`` (their own dtype when None);
     other leaves that are not NVFP4 (biases, norms) keep their dtype.
+
+    ``shared_amax``: regexes with one capture group each; the NVFP4 leaves a pattern matches
+    whose paths differ only in the captured part share one global amax, the maximum of
+    theirs (per matrix of a stacked leaf), e.g. ``r"attn/(q|k|v)/kernel$"``: the q, k and v
+    of a layer, as a fused ``qkv`` projection of a serving engine (vLLM, SGLang) has one
+    global scale. Their block scales stay their own.
     """
 
     include: Tuple[str, ...] = ()
@@ -47,13 +54,18 @@ class Policy:
     min_ndim: int = 2
     min_size: int = 16
     block: Tuple[int, int] = BLOCK_2D
+    shared_amax: Tuple[str, ...] = ()
 
     def __post_init__(self):
-        for pat in (*self.include, *self.keep):
+        for pat in (*self.include, *self.keep, *self.shared_amax):
             try:
                 re.compile(pat)
             except re.error as e:
                 raise ValueError(f"Policy: bad regex {pat!r}: {e}") from None
+        for pat in self.shared_amax:
+            if re.compile(pat).groups != 1:
+                raise ValueError(f"Policy.shared_amax: {pat!r} needs exactly one capture group (the part that "
+                                 "differs between the leaves sharing an amax, e.g. 'attn/(q|k|v)/kernel$')")
         if self.min_ndim < 2:
             raise ValueError(f"Policy.min_ndim must be >= 2, got {self.min_ndim}")
 
@@ -74,20 +86,62 @@ class Policy:
         return not self.kept(path)
 
 
+    def amax_group(self, path: str) -> Optional[str]:
+        """The key of the group of leaves whose amax the leaf at ``path`` shares (the first
+        ``shared_amax`` pattern it matches, its captured part replaced by ``*``), or None."""
+        for i, pat in enumerate(self.shared_amax):
+            m = re.search(pat, path)
+            if m:
+                return f"{i}:{path[:m.start(1)]}*{path[m.end(1):]}"
+        return None
+
+
 DEFAULT_POLICY = Policy()
+
+
+def shared_amaxes(amaxes: Dict[str, jax.Array], policy: Optional[Policy]) -> Dict[str, jax.Array]:
+    """``{path: amax}`` of NVFP4 leaves (``[...]`` float32, one per matrix) -> the amax each
+    is quantized with: the elementwise maximum over its :meth:`Policy.amax_group` (NaN wins,
+    as an integer maximum of the bits), or its own. A group's leaves must stack the same
+    number of matrices."""
+    groups: Dict[str, list] = {}
+    for path in amaxes:
+        key = policy.amax_group(path) if policy is not None else None
+        if key is not None:
+            groups.setdefault(key, []).append(path)
+    out = dict(amaxes)
+    for key, paths in groups.items():
+        shapes = {tuple(jnp.shape(amaxes[p])) for p in paths}
+        if len(shapes) > 1:
+            raise ValueError(f"Policy.shared_amax: {', '.join(paths)} share an amax but stack different numbers "
+                             f"of matrices {sorted(shapes)}")
+        bits = [jax.lax.bitcast_convert_type(jnp.asarray(amaxes[p], jnp.float32), jnp.uint32) for p in paths]
+        shared = jax.lax.bitcast_convert_type(functools.reduce(jnp.maximum, bits), jnp.float32)
+        out.update({p: shared for p in paths})
+    return out
+
+
+def matrix_amax(leaf) -> jax.Array:
+    """max(|x|) of each matrix of a float leaf (NaN-propagating), as quantize computes it."""
+    from jax_nvfp4 import numerics as nx
+
+    return nx.abs_max(jnp.asarray(leaf), axis=(-2, -1))
 
 
 def quantize_params(tree, policy: Optional[Policy] = None, *, rounding="nearest", key=None):
     """Replace the leaves the policy selects by :class:`NVFP4Array` (others keep their dtype,
     or ``policy.keep_dtype`` for kept leaves). Leaves already in NVFP4 pass through."""
     policy = policy or DEFAULT_POLICY
+    amax = shared_amaxes({path_str(k): matrix_amax(x) for k, x in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=is_nvfp4)[0] if not is_nvfp4(x) and policy.wants(path_str(k), x)
+        and policy.amax_group(path_str(k))}, policy)
 
     def one(path, leaf):
         if is_nvfp4(leaf):
             return leaf
         p = path_str(path)
         if policy.wants(p, leaf):
-            return quantize(leaf, block=policy.block, rounding=rounding, key=key)
+            return quantize(leaf, block=policy.block, rounding=rounding, key=key, amax=amax.get(p))
         if policy.keep_dtype is not None and policy.kept(p) and jnp.issubdtype(leaf.dtype, jnp.floating):
             return as_array(leaf).astype(policy.keep_dtype)
         return leaf
@@ -109,4 +163,5 @@ def dequantize_params(tree, dtype=jnp.bfloat16):
     return jax.tree.map(one, tree, is_leaf=is_nvfp4)
 
 
-__all__ = ["Policy", "DEFAULT_POLICY", "quantize_params", "dequantize_params", "path_str", "NVFP4Array"]
+__all__ = ["Policy", "DEFAULT_POLICY", "quantize_params", "dequantize_params", "path_str", "matrix_amax", "shared_amaxes",
+           "NVFP4Array"]

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_nvfp4 import numerics as nx
 from jax_nvfp4.array import BLOCK_2D, is_nvfp4
 from jax_nvfp4.collectives import (GATHER_SCOPE, NORM_SCOPE, REQUANTIZE_SCOPE, all_gather_bits, fold_sum, from_bits,
                                    to_bits)
@@ -137,15 +138,22 @@ def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optiona
     it under ``jit`` with ``out_shardings=shardings(...)`` or ``jax.device_put`` the result."""
     from jax_nvfp4.array import quantize
 
+    from jax_nvfp4.params import matrix_amax, shared_amaxes
+
     rules = rules or DEFAULT_RULES
     mesh = context_mesh(mesh)
+    wanted = lambda p, leaf: (not is_tiled(leaf) and not is_nvfp4(leaf) and policy is not None
+                              and policy.wants(p, leaf, rules.stacked_axes(p)))
+    amax = shared_amaxes({p: matrix_amax(x) for p, x in ((path_str(k), x) for k, x in
+                          jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_node)[0])
+                          if wanted(p, x) and policy.amax_group(p)}, policy)
 
     def one(path, leaf):
         if is_tiled(leaf):
             return leaf
         p = path_str(path)
-        if not is_nvfp4(leaf) and policy is not None and policy.wants(p, leaf, rules.stacked_axes(p)):
-            leaf = quantize(leaf, block=policy.block)
+        if wanted(p, leaf):
+            leaf = quantize(leaf, block=policy.block, amax=amax.get(p))
         lay = layout_for(p, leaf.shape, is_nvfp4(leaf), mesh, rules)
         if is_nvfp4(leaf):
             return TiledNVFP4.from_array(leaf, lay)
@@ -285,39 +293,71 @@ def scatter_replicated(x: jax.Array, layout: Layout, mesh=None) -> Tiled:
 
 
 # ----------------------------------------------------------------------------- re-quantization
-def requantize(m: Tiled, mesh=None, *, block=BLOCK_2D, key=None, cast_bf16: bool = False) -> TiledNVFP4:
+def _master_value(m: Tiled, cast_bf16: bool):
+    return m.value.astype(jnp.bfloat16).astype(jnp.float32) if cast_bf16 else m.value
+
+
+def _shard_axes(m: Tiled):
+    spec = m.spec()
+    flat_axes = []
+    for a in spec:
+        if a is not None:
+            flat_axes.extend(a if isinstance(a, tuple) else (a,))
+    return spec, tuple(flat_axes)
+
+
+def global_amax(m: Tiled, mesh=None, *, cast_bf16: bool = False) -> jax.Array:
+    """``[...]`` float32: max(|x|) of each matrix of a tiled float32 master, over all its
+    shards (an integer ``pmax``, so NaN survives): the amax :func:`requantize` computes."""
+    mesh = context_mesh(mesh)
+    value = _master_value(m, cast_bf16)
+    spec, flat_axes = _shard_axes(m)
+    tile_axes = (-4, -3, -2, -1)
+    if mesh is None or not flat_axes:
+        return nx.abs_max(value, axis=tile_axes)
+
+    def local(v):
+        bits = jax.lax.bitcast_convert_type(nx.abs_max(v, axis=tile_axes), jnp.uint32)
+        with jax.named_scope(REQUANTIZE_SCOPE):
+            return jax.lax.bitcast_convert_type(jax.lax.pmax(bits, flat_axes), jnp.float32)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec,), out_specs=P(), check_vma=False)(value)
+
+
+def requantize(m: Tiled, mesh=None, *, block=BLOCK_2D, key=None, cast_bf16: bool = False,
+               amax=None) -> TiledNVFP4:
     """Quantize a tiled float32 master to its stored :class:`TiledNVFP4`, each device
     quantizing its own tiles with the global amax (an integer ``pmax`` over the data and
-    tensor shards, so NaN survives). The result is the stored shard itself (same layout) and
-    bit-identical to ``quantize(m.logical(), block=block)`` (with the same ``key`` for
-    stochastic rounding: draws are indexed by each element's logical position)."""
+    tensor shards, so NaN survives), or with ``amax`` (``[...]`` float32, replicated) when
+    given: a shared amax (:attr:`Policy.shared_amax`). The result is the stored shard itself
+    (same layout) and bit-identical to ``quantize(m.logical(), block=block, amax=amax)``
+    (with the same ``key`` for stochastic rounding: draws are indexed by each element's
+    logical position)."""
     mesh = context_mesh(mesh)
     lay = m.layout
-    value = m.value.astype(jnp.bfloat16).astype(jnp.float32) if cast_bf16 else m.value
-    spec = m.spec()
-    axes = [a for a in spec if a is not None]
-    flat_axes = []
-    for a in axes:
-        flat_axes.extend(a if isinstance(a, tuple) else (a,))
+    value = _master_value(m, cast_bf16)
+    spec, flat_axes = _shard_axes(m)
     if mesh is None or not flat_axes:
-        return quantize_tiles(value, lay, block=block, key=key)
+        return quantize_tiles(value, lay, block=block, key=key, amax=amax)
 
-    def local(v, *k):
+    def local(v, *rest):
         def reduce(bits):
             with jax.named_scope(REQUANTIZE_SCOPE):
-                return jax.lax.pmax(bits, tuple(flat_axes))
+                return jax.lax.pmax(bits, flat_axes)
+        given = rest[0] if amax is not None else None
+        k = rest[-1] if key is not None else None
         ti, to = _shard_origin(lay)
-        q = quantize_tiles(v, lay, block=block, key=k[0] if k else None, reduce_amax=reduce, tensor_index=ti,
-                           tile_offset=to)
+        q = quantize_tiles(v, lay, block=block, key=k, reduce_amax=reduce, tensor_index=ti, tile_offset=to,
+                           amax=given)
         return q.data, q.scale_bits, q.amax_bits
 
     k = value.ndim - 4
-    # The key is an argument, not a closure: shard_map refuses to close over a value that
-    # lives on a mesh with Explicit axes.
-    keys = () if key is None else (key,)
-    data, scale, amax = jax.shard_map(
-        local, mesh=mesh, in_specs=(spec, *(P() for _ in keys)),
+    # The key and amax are arguments, not closures: shard_map refuses to close over a value
+    # that lives on a mesh with Explicit axes.
+    extra = tuple(x for x in (amax, key) if x is not None)
+    data, scale, amax_bits = jax.shard_map(
+        local, mesh=mesh, in_specs=(spec, *(P() for _ in extra)),
         out_specs=(spec, lay.spec(k, 0 if tile_scales(block) == (1, 1) else 1), P()),
         check_vma=False,
-    )(value, *keys)
-    return TiledNVFP4(data, scale, amax, lay, block)
+    )(value, *extra)
+    return TiledNVFP4(data, scale, amax_bits, lay, block)

@@ -1,6 +1,5 @@
 """train.data: the Markov corpus's exact entropy rate, determinism, resume, sharding, files."""
 
-import json
 import os
 
 import numpy as np
@@ -15,7 +14,6 @@ from train.data import (
     eval_batches,
     make_data_iterator,
     make_source,
-    read_token_header,
     split_batch,
 )
 
@@ -180,37 +178,6 @@ def token_file(tmp_path, n=5000, vocab=70000, name="toks.bin"):
     return path
 
 
-def test_prepare_trains_a_bpe_and_round_trips(tmp_path):
-    from tokenizers import Tokenizer
-
-    from train.prepare import EOS, main
-
-    docs = []
-    for i, text in enumerate(["def f(x):\n    return x + 1\n" * 30, "class A:\n    pass\n" * 40]):
-        docs.append(tmp_path / f"d{i}.py")
-        docs[-1].write_text(text)
-    out = tmp_path / "c.bin"
-    assert main([str(d) for d in docs] + ["--out", str(out), "--vocab-size", "300"]) == 0
-    meta = read_token_header(out)
-    # At most the asked size (a tiny corpus runs out of pairs to merge first).
-    assert meta["dtype"] == "uint16" and 257 < meta["vocab"] <= 300 and meta["documents"] == 2
-    ids = np.memmap(out, dtype=np.uint16, mode="r")
-    assert len(ids) == meta["tokens"] and ids.max() < meta["vocab"]
-    tok = Tokenizer.from_file(str(out) + ".tokenizer.json")
-    assert tok.decode(ids.tolist(), skip_special_tokens=False) == docs[0].read_text() + EOS + docs[1].read_text()
-    # Fewer tokens than bytes: the BPE merged something.
-    assert len(ids) < 0.8 * sum(len(d.read_bytes()) for d in docs)
-    # Refusals: an existing output, a missing input (one line, exit 2, nothing written).
-    assert main([str(docs[0]), "--out", str(out)]) == 2
-    assert main([str(tmp_path / "missing.txt"), "--out", str(tmp_path / "n.bin")]) == 2
-    assert not (tmp_path / "n.bin").exists()
-    # A given tokenizer.json is used as is.
-    out2 = tmp_path / "c2.bin"
-    assert main([str(docs[1]), "--out", str(out2), "--tokenizer", str(out) + ".tokenizer.json"]) == 0
-    np.testing.assert_array_equal(np.memmap(out2, dtype=np.uint16, mode="r"),
-                                  np.asarray(tok.encode(docs[1].read_text()).ids, np.uint16))
-
-
 def test_token_source_windows_cover_each_epoch_once(tmp_path):
     src = TokenFileSource(token_file(tmp_path, n=16 * 12 + 1))
     assert src.vocab == 70000 and src.num_windows(17) == 12
@@ -272,102 +239,6 @@ def test_token_source_validation_split_and_errors(tmp_path):
     (tmp_path / "toks.bin").write_bytes(b"\0" * 8)  # truncated behind its sidecar's back
     with pytest.raises(ConfigError, match="do not hold the 1001"):
         TokenFileSource(path)
-
-
-# ----------------------------------------------------------------------------- prepare's guarantees
-def gap_tokenizer(path, eos=4000):
-    """A word-level tokenizer of 5 tokens whose ids have gaps: the largest is ``eos``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "the": 1, "cat": 2, "sat": 7, "<|endoftext|>": eos},
-                                     unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path))
-    return str(path)
-
-
-def test_prepare_never_replaces_or_deletes_a_file_it_did_not_create(tmp_path, capsys):
-    from train.prepare import main
-
-    doc = tmp_path / "doc.txt"
-    doc.write_text("the cat sat\n" * 50)
-    tok = gap_tokenizer(tmp_path / "tok.json")
-    # The user's D/notes.json: prepare used to overwrite it on success and delete it on failure.
-    for mine in ("notes.json", "notes.tokenizer.json", "notes"):
-        d = tmp_path / mine.replace(".", "_")
-        d.mkdir()
-        (d / mine).write_text("precious")
-        capsys.readouterr()
-        for args in ([str(doc), "--tokenizer", tok], [str(tmp_path / "missing.txt")], [str(doc), "--chunk-mb", "nan"]):
-            assert main([*args, "--out", str(d / "notes")]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 3 and all(line.startswith("error: ") for line in err), err
-        assert "exists; choose a new name (prepare never replaces a file)" in err[0]
-        assert os.listdir(d) == [mine] and (d / mine).read_text() == "precious"
-    # A failure after writing began (too few tokens) removes only what prepare wrote, folders too.
-    empty = tmp_path / "empty.txt"
-    empty.write_text("the")
-    assert main([str(empty), "--tokenizer", tok, "--out", str(tmp_path / "new" / "sub" / "c.bin")]) == 2
-    assert "need at least 2" in capsys.readouterr().err and not (tmp_path / "new").exists()
-    # An unwritable location (a folder below a file) and a bad --chunk-mb: one line, exit 2.
-    for args, needle in (([str(doc), "--tokenizer", tok, "--out", str(doc / "c.bin")], "cannot write in"),
-                         ([str(doc), "--chunk-mb", "nan", "--out", str(tmp_path / "c.bin")], "--chunk-mb nan"),
-                         ([str(doc), "--chunk-mb", "0", "--out", str(tmp_path / "c.bin")], "--chunk-mb 0")):
-        assert main(args) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and needle in err[0], err
-    assert sorted(os.listdir(tmp_path)) == ["doc.txt", "empty.txt", "notes", "notes_json", "notes_tokenizer_json",
-                                            "tok.json"]
-
-
-def test_prepare_records_the_largest_id_and_training_refuses_ids_past_the_model(tmp_path, capfd):
-    import hashlib
-
-    from conftest import main_here
-    from train.prepare import prepare
-
-    doc = tmp_path / "doc.txt"
-    doc.write_text("the cat sat\n" * 50)
-    tok = gap_tokenizer(tmp_path / "tok.json")
-    out = str(tmp_path / "c.bin")
-    meta = prepare([str(doc), str(doc)], out, tokenizer=tok)
-    # 5 tokens, the largest id 4000 (the end-of-text between the two documents): vocab 4001.
-    assert meta["version"] == 2 and meta["vocab"] == 4001 and meta["dtype"] == "uint16"
-    ids = np.memmap(out, dtype=np.uint16, mode="r")
-    assert int(ids.max()) == 4000 and read_token_header(out)["vocab"] == 4001
-    assert meta["tokenizer_sha256"] == hashlib.sha256(open(out + ".tokenizer.json", "rb").read()).hexdigest()
-    # Training with model.vocab=256 read token 4000 past the embedding table: NaN loss at
-    # every step, 0 skipped, exit 0. Now refused before anything runs.
-    rc, _, err = main_here(["--set", "data.source=tokens", "--set", f"data.path={out}", "--set", "model.vocab=256",
-                            "--out", str(tmp_path / "run")], capfd)
-    assert rc == 2 and len(err) == 1, err
-    assert err[0].startswith("config error: model.vocab=256: smaller than the vocabulary") and "4001" in err[0]
-    assert not (tmp_path / "run").exists()
-    # A sidecar of the previous format recorded the token count (5): the file is read for its ids.
-    legacy = dict(meta, version=1, vocab=5)
-    (tmp_path / "c.bin.json").write_text(json.dumps(legacy))
-    assert read_token_header(out)["vocab"] == 4001
-
-
-def test_validation_file_of_another_tokenizer_is_refused(tmp_path):
-    from train.prepare import prepare
-
-    doc = tmp_path / "doc.txt"
-    doc.write_text("the cat sat\n" * 50)
-    train_file, same, other = (str(tmp_path / n) for n in ("train.bin", "val.bin", "other.bin"))
-    prepare([str(doc)], train_file, tokenizer=gap_tokenizer(tmp_path / "a.json"))
-    prepare([str(doc)], same, tokenizer=gap_tokenizer(tmp_path / "b.json"))  # the same tokenizer again
-    prepare([str(doc)], other, tokenizer=gap_tokenizer(tmp_path / "c.json", eos=3999))
-
-    def val(path):
-        cfg = load_config(None, ["data.source=tokens", f"data.path={train_file}", f"data.val_path={path}",
-                                 "model.vocab=4096", "model.seq_len=8"])
-        return make_source(cfg.data, cfg.model, split="val")
-
-    assert len(val(same)) == len(TokenFileSource(train_file))
-    with pytest.raises(ConfigError, match="not made with the tokenizer of data.path") as e:
-        val(other)
-    assert "\n" not in str(e.value) and "tokenizer sha256" in str(e.value)
 
 
 def test_file_fingerprint_hashes_small_files_whole_and_samples_large_ones(tmp_path, monkeypatch):

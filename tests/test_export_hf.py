@@ -59,12 +59,12 @@ def tiny_model(tie=False, keep_first=1):
                tie_embeddings=tie, init_std=0.08, keep_first=keep_first)
 
 
-def tiny_params(tie=False, keep_first=1):
+def tiny_params(tie=False, keep_first=1, shared_amax=()):
     """NVFP4 params of the tiny GQA model, in the training stack's default block (a scale per
     16 inputs: compressed-tensors' own groups); norm scales randomized so they matter."""
     model = tiny_model(tie, keep_first)
     policy = nv.Policy(keep=("embed", "head", "norm", "^blocks_first/"), keep_dtype=jnp.bfloat16,
-                       block=nv.array.BLOCK_COLUMN)
+                       block=nv.array.BLOCK_COLUMN, shared_amax=shared_amax)
 
     @jax.jit  # one compile, not one per eager op
     def make(key):
@@ -144,6 +144,51 @@ def test_nvfp4_export_decodes_to_dequantize_bit_for_bit(exported):
         assert f"{module}.weight" not in st
     assert n_nvfp4 == 2 * 7  # layers 1 and 2, seven kernels each
     assert "lm_head" in q["ignore"] and cfg["num_key_value_heads"] == 2 and not cfg["tie_word_embeddings"]
+
+
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def vllm_fused_decode(st, layer):
+    """What vLLM (and SGLang) serve from a compressed-tensors NVFP4 checkpoint: q/k/v loaded into
+    one qkv_proj and gate/up into one gate_up_proj, each fused module decoded with ONE global
+    scale, the maximum of its parts' ``weight_global_scale`` (their codes and block scales as
+    written). ``{part: [out, in] float32}``."""
+    out = {}
+    for parts in FUSED.values():
+        names = [f"model.layers.{layer}.{p}" for p in parts]
+        gs = np.max([st[f"{m}.weight_global_scale"] for m in names], axis=0)
+        for p, m in zip(parts, names):
+            out[p] = decode_compressed_tensors(st[f"{m}.weight_packed"], st[f"{m}.weight_scale"], gs)
+    return out
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_fused_engine_decodes_the_export_as_trained_only_with_shared_amax(tmp_path, fused):
+    """With the stack's fused amax (``nvfp4.fused_amax``, q/k/v and gate/up sharing one global
+    amax per layer) the fused decode equals the trained weights at 0 differing elements in
+    every layer; with per-matrix amax (each part its own global scale) it decodes them scaled
+    by the ratio of its own global scale to the maximum: most elements wrong."""
+    from train.plan import FUSED_AMAX
+
+    _, params = tiny_params(shared_amax=FUSED_AMAX if fused else ())
+    export_hf(params, hf_config(), str(tmp_path / "x"), fmt="nvfp4", names=HF_NAMES)
+    st = read_safetensors(tmp_path / "x" / "model.safetensors")
+    leaves = layer_leaves(params)
+    differing = total = 0
+    for layer in (1, 2):  # layer 0 is kept in bf16 (blocks_first)
+        got = vllm_fused_decode(st, layer)
+        for path, name in HF_NAME.items():
+            if name in got:
+                want = np.asarray(nv.dequantize(leaves[(layer, path)], jnp.float32)).T
+                differing += int(np.sum(got[name].view(np.uint32) != want.view(np.uint32)))
+                total += want.size
+    assert total == 2 * (64 * 64 + 2 * 64 * 32 + 2 * 64 * 96)
+    if fused:
+        assert differing == 0
+    else:  # every part but the one holding the group's largest amax decodes scaled wrong
+        assert differing > 0.3 * total, (differing, total)
 
 
 @pytest.mark.parametrize("block", [nv.BLOCK_2D, nv.array.BLOCK_COLUMN])

@@ -5,12 +5,16 @@ The round trips read back the job's own exports (the job's trained NVFP4 params,
 the NVFP4 export gives the stored params bit for bit, the bf16 export with bf16 weights too,
 on the mesh they were trained on and on others. The external writers (``hf`` extra: torch,
 transformers, compressed-tensors; skipped without it): a ``LlamaForCausalLM`` trained with
-torch on real text, and a compressed-tensors NVFP4 checkpoint made by its own compressor.
+torch on real text, a compressed-tensors NVFP4 checkpoint made by its own compressor, and a
+``LlamaForCausalLM`` with Llama 3.x rope scaling. The refusals run the CLI on copies of the job's
+untrained exports, altered: exit 2, one line, nothing compiled.
 """
 
 import dataclasses
 import json
 import os
+import re
+import shutil
 import sysconfig
 
 import jax
@@ -223,7 +227,7 @@ def test_cli_init_from(exports, tmp_path, capfd):
     # The model keys come from config.json (tiny.yaml's are replaced); d_model given here agrees.
     rc, out, err = main_here(["--set", "train.steps=1", "--set", "train.eval_every=1", "--set", "train.eval_batches=2",
                               "--set", "data.batch_size=24", "--set", "model.seq_len=32", "--set", "model.d_model=96",
-                              "--set", "optim.clip_norm=0",
+                              "--set", "optim.clip_norm=0", "--set", "optim.warmup_steps=0",
                               "--init-from", str(tmp_path / "a-hf" / "nvfp4"), "--export-hf", str(tmp_path / "b-hf"),
                               "--out", str(tmp_path / "b")], capfd)
     assert rc == 0, err
@@ -369,3 +373,217 @@ def test_compressed_tensors_checkpoint_imports_losslessly(tmp_path):
             np.testing.assert_array_equal(np.asarray(nv.dequantize(ql, jnp.bfloat16)).T.view(np.uint16),
                                           w.view(torch.int16).numpy().view(np.uint16), err_msg=module)
             np.testing.assert_array_equal(m[layer], np.asarray(nv.dequantize(ql, jnp.float32)))
+
+
+# ----------------------------------------------------------------------------- rope scaling
+LLAMA3_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192)
+
+
+def test_rope_scaling_from_either_spelling(tmp_path):
+    """Llama 3.x's rotary scaling from transformers 4's rope_scaling or transformers 5's
+    rope_parameters (which carries rope_theta too); the export writes rope_scaling, read back
+    as the same model; other rope types are one line."""
+    from train.config import RopeScaling
+
+    cfg = job("model.rope_theta=500000.0", "model.rope_scaling={factor: 8, original_max_position_embeddings: 8192}")
+    hf = hf_import.hf_config(cfg)
+    assert hf["rope_scaling"] == LLAMA3_SCALING and hf["rope_theta"] == 500000.0
+    values, _ = hf_import.model_values(hf)
+    assert values["rope_scaling"] == RopeScaling() == cfg.model.rope_scaling and values["rope_theta"] == 500000.0
+    v5 = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta")}
+    v5["rope_parameters"] = dict(LLAMA3_SCALING, rope_theta=500000.0)
+    assert hf_import.model_values(v5)[0] == values
+    v4 = dict(hf, rope_scaling={"type": "llama3", **{k: v for k, v in LLAMA3_SCALING.items() if k != "rope_type"}})
+    assert hf_import.model_values(v4)[0] == values
+    plain = dict(v5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    assert hf_import.model_values(plain)[0]["rope_scaling"] is None
+    assert hf_import.model_values(plain)[0]["rope_theta"] == 10000.0
+    for name, bad, want in (("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type='yarn'"),
+                            ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, "rope_parameters.rope_type="),
+                            ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "has no low_freq_factor")):
+        with pytest.raises(hf_import.ConfigError, match=re.escape(want)) as e:
+            hf_import.model_values(dict(hf, **{name: bad}))
+        assert "\n" not in str(e.value)
+    # A config that contradicts config.json's scaling: one line naming the key.
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    base = job()
+    plain_cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, init_from=str(tmp_path)))
+    with pytest.raises(hf_import.ConfigError, match=r"^model.rope_scaling=None: train.init_from=.* has rope_scaling="):
+        hf_import.resolve_config(plain_cfg, given={"model.rope_scaling"})
+    assert hf_import.resolve_config(plain_cfg, given=set()).model.rope_scaling == RopeScaling()
+
+
+def test_llama3_rope_scaling_imports_to_transformers_loss(tmp_path):
+    """transformers' LlamaForCausalLM with Llama 3.x rope scaling (original_max_position_embeddings
+    256, so that the scaled wavelengths matter on a sequence of 2304 positions), imported with
+    --init-from's load: its loss equals transformers' within 1e-5 nats, both in float32 activations;
+    the same model without the scaling is far off."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from train.config import RopeScaling
+    from train.model import cross_entropy, from_config
+
+    scaling = dict(LLAMA3_SCALING, original_max_position_embeddings=256)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0, rope_scaling=scaling))
+    with torch.no_grad():  # sharp attention, so that the positions matter
+        for layer in hf.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6.0)
+            layer.self_attn.k_proj.weight.mul_(6.0)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    rows = torch.tensor(np.random.default_rng(0).integers(0, 128, (1, 2305)))
+    try:
+        with torch.no_grad():
+            logits = hf(input_ids=rows[:, :-1]).logits
+            theirs = float(torch.nn.functional.cross_entropy(logits.reshape(-1, 128), rows[:, 1:].reshape(-1)))
+            logits = logits.numpy()
+    finally:
+        torch.set_num_threads(threads)
+
+    cfg = import_config(str(tmp_path / "hf"), "model.seq_len=2304", "data.batch_size=1", "mesh.data=1",
+                        "nvfp4.weights=bf16")
+    assert cfg.model.rope_scaling == RopeScaling(**scaling)
+    trainer, _, _ = build(cfg, mesh_of(cfg, 1), init=False)
+    _, opt_state = hf_import.load(cfg.train.init_from, trainer)
+    masters = host_logical(nv.find_state(opt_state).master)  # the checkpoint's float32 values
+    tokens = jnp.asarray(rows.numpy(), jnp.int32)
+
+    def run(model):
+        out = jax.jit(lambda p: model.apply({"params": p}, tokens[:, :-1]))(masters)
+        return float(cross_entropy(out, tokens[:, 1:])), float(np.max(np.abs(np.asarray(out) - logits)))
+
+    model = from_config(cfg.model, cfg.nvfp4).clone(dtype=jnp.float32)
+    (ours, err), (unscaled, err_unscaled) = run(model), run(model.clone(rope_scaling=None))
+    print(f"\nllama3 rope scaling, 2304 positions, float32: loss imported {ours:.7f}, transformers {theirs:.7f} "
+          f"(difference {abs(ours - theirs):.1e}, logits within {err:.1e}); without the scaling: loss {unscaled:.7f}, "
+          f"logits within {err_unscaled:.1e}")
+    assert abs(ours - theirs) <= 1e-5
+    assert err_unscaled > 100 * err and abs(unscaled - theirs) > 10 * abs(ours - theirs)
+
+
+# ----------------------------------------------------------------------------- refusals
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    """The job's model at initialization (untrained), exported: ``bf16`` and ``nvfp4``."""
+    root = tmp_path_factory.mktemp("hf-fresh")
+    cfg = job()
+    _, params, _ = build(cfg, mesh_of(cfg, 8))
+    for fmt in ("bf16", "nvfp4"):
+        export_hf(params, hf_import.hf_config(cfg), str(root / fmt), fmt=fmt, names=HF_NAMES)
+    return root
+
+
+def variant(fresh, tmp_path, fmt="bf16", config=None, tensors=None):
+    """A copy of ``fresh``'s ``fmt`` export with ``config`` merged into its config.json and its
+    tensors (bf16: one file) replaced by ``tensors(dict of them)``."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / f"{fmt}-variant"
+    shutil.copytree(fresh / fmt, folder)
+    if config:
+        hf = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**hf, **config}))
+    if tensors:
+        path = str(folder / "model.safetensors")
+        save_file(tensors(load_file(path)), path)
+    return folder
+
+
+def poke(folder, tensor, index, raw: bytes):
+    """Overwrite the element ``index`` of ``tensor`` in the folder's safetensors file with ``raw``."""
+    ckpt = hf_import.Checkpoint(str(folder))
+    e = ckpt.entries[tensor]
+    size = len(raw)
+    with open(folder / e.file, "r+b") as f:
+        f.seek(e.offset + size * int(np.ravel_multi_index(index, e.shape)))
+        f.write(raw)
+
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+def refusal(folder, capfd, *args):
+    """``--init-from folder`` of the job: exit status 2, one line on stderr (returned) and no XLA
+    compilation (jax.monitoring's backend-compile events) before it."""
+    from jax import monitoring
+
+    compiled = []
+    listener = lambda event, *a, **kw: compiled.append(kw.get("fun_name")) if event == BACKEND_COMPILE else None
+    monitoring.register_event_duration_secs_listener(listener)
+    try:
+        rc, _, err = main_here([*sets(JOB), *args, "--init-from", str(folder), "--out", f"{folder}-run"], capfd)
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+    assert rc == 2 and len(err) == 1 and not compiled, (rc, err, compiled)
+    assert not os.path.exists(f"{folder}-run/metrics.jsonl")
+    return err[0]
+
+
+def test_refused_a_tied_config_over_a_head_of_its_own(fresh, tmp_path, capfd):
+    """tie_word_embeddings over a checkpoint with its own, different lm_head.weight: refused; an
+    lm_head.weight equal to the embedding (some writers store both) is read as the tied head.
+    A non-zero attention_dropout is ignored with one notice (this model has no dropout)."""
+    err = refusal(variant(fresh, tmp_path, config={"tie_word_embeddings": True}), capfd)
+    assert "tie_word_embeddings=true, but the checkpoint has its own lm_head.weight, different from " \
+           "model.embed_tokens.weight" in err, err
+    same = variant(fresh, tmp_path / "same", config={"tie_word_embeddings": True, "attention_dropout": 0.1},
+                   tensors=lambda t: {**t, "lm_head.weight": t["model.embed_tokens.weight"]})
+    cfg = import_config(str(same), *JOB)
+    assert cfg.model.tie_embeddings
+    trainer, _, _ = build(cfg, mesh_of(cfg, 8), init=False)
+    capfd.readouterr()
+    params, _ = hf_import.load(str(same), trainer)
+    out = capfd.readouterr().out.splitlines()
+    assert out == [f"train.init_from={same}: config.json attention_dropout=0.1 ignored: this model has no dropout "
+                   "(it trains without)"], out
+    assert "head" not in params
+
+
+def test_refused_tensors_the_model_does_not_read(fresh, tmp_path, capfd):
+    # A Qwen2 relabelled llama: the same names plus q/k/v biases.
+    biases = lambda t: {**t, **{f"model.layers.{i}.self_attn.{m}.bias": t[f"model.layers.{i}.input_layernorm.weight"]
+                                for i in range(2) for m in ("q_proj", "k_proj", "v_proj")}}
+    err = refusal(variant(fresh, tmp_path, tensors=biases), capfd)
+    assert "has 6 tensors this Llama does not read: model.layers." in err and "_proj.bias" in err and \
+           "and 3 more" in err, err
+
+
+def test_refused_layers_past_num_hidden_layers(fresh, tmp_path, capfd):
+    err = refusal(variant(fresh, tmp_path, config={"num_hidden_layers": 1}), capfd)
+    assert "has tensors for layer 1 (model.layers.1." in err and "config.json num_hidden_layers=1" in err, err
+
+
+def test_refused_quantization_formats_it_does_not_read(fresh, tmp_path, capfd):
+    for q, want in (({"quant_method": "fp8", "fmt": "e4m3"}, "quant_method='fp8', format=None: only compressed-"),
+                    ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "format='float-quantized'"),
+                    ({**nv.export.NVFP4A16_QUANTIZATION_CONFIG, "config_groups": {"group_0": {"weights": {
+                        "num_bits": 8, "type": "float", "group_size": 16, "strategy": "tensor_group"}}}},
+                     "config_groups.group_0: weights {\"num_bits\": 8")):
+        folder = variant(fresh, tmp_path / q.get("format", "fp8"), "nvfp4", config={"quantization_config": q})
+        err = refusal(folder, capfd)
+        assert want in err, err
+
+
+def test_refused_a_truncated_safetensors_file(fresh, tmp_path, capfd):
+    folder = variant(fresh, tmp_path)
+    with open(folder / "model.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(folder / "model.safetensors") - 100)
+    err = refusal(folder, capfd)
+    assert "model.safetensors is not a complete safetensors file (truncated or corrupt?)" in err, err
+
+
+def test_refused_non_finite_values(fresh, tmp_path, capfd):
+    folder = variant(fresh, tmp_path)
+    inf = np.array([np.inf], np.float32).astype(jnp.bfloat16).tobytes()
+    poke(folder, "model.layers.1.mlp.up_proj.weight", (3, 5), inf)
+    err = refusal(folder, capfd)
+    assert "model.layers.1.mlp.up_proj.weight holds a non-finite value (NaN or Inf) at [3, 5]" in err, err
+    folder = variant(fresh, tmp_path / "nvfp4", "nvfp4")
+    poke(folder, "model.layers.0.self_attn.o_proj.weight_scale", (7, 2), b"\x7f")
+    err = refusal(folder, capfd)
+    assert "model.layers.0.self_attn.o_proj.weight_scale holds a NaN E4M3 scale byte at [7, 2]" in err, err

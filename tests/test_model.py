@@ -2,6 +2,7 @@
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import pytest
 
 from benchmarks.scale import PRESETS
 from train.config import ConfigError, from_dict, load_config, validate_for_devices
-from train.model import Llama, RMSNorm, from_config, rotary
+from train.model import Llama, RMSNorm, from_config, rope_frequencies, rotary
 
 
 def param_count(preset):
@@ -74,6 +75,68 @@ def test_rotary_is_hf_rotate_half():
     rot = np.concatenate([-x[..., 4:], x[..., :4]], -1)
     want = x * np.cos(emb) + rot * np.sin(emb)
     np.testing.assert_allclose(np.asarray(rotary(jnp.asarray(x), theta)), want, rtol=1e-5, atol=1e-5)
+
+
+LLAMA31_SCALING = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=8192)
+
+
+def test_llama31_presets_have_transformers_rotary_frequencies():
+    """The Llama 3.1 presets carry Meta's published rope scaling (Llama 3's have none), and
+    their inverse frequencies are transformers' (its rope init function on the same
+    LlamaConfig, CPU torch), bit for bit; the llama3 scaling also follows Meta's reference
+    formula (written here in float64, per frequency)."""
+    for name in ("llama31_8b", "llama31_70b", "llama31_405b"):
+        assert PRESETS[name]["rope_scaling"] == LLAMA31_SCALING and PRESETS[name]["rope_theta"] == 500000.0, name
+    assert "rope_scaling" not in PRESETS["llama3_8b"] and "rope_scaling" not in PRESETS["llama3_70b"]
+    assert {k: v for k, v in PRESETS["llama31_8b"].items() if k != "rope_scaling"} == PRESETS["llama3_8b"]
+
+    def meta(freqs, factor, low, high, old):
+        out = []
+        for f in freqs:
+            wavelen = 2 * math.pi / f
+            if wavelen < old / high:
+                out.append(f)
+            elif wavelen > old / low:
+                out.append(f / factor)
+            else:
+                s = (old / wavelen - low) / (high - low)
+                out.append((1 - s) * f / factor + s * f)
+        return np.array(out)
+
+    plain = rope_frequencies(128, 500000.0)
+    scaled = rope_frequencies(128, 500000.0, from_dict({"model": PRESETS["llama31_8b"]}).model.rope_scaling)
+    np.testing.assert_allclose(scaled, meta(plain.astype(np.float64), 8.0, 1.0, 4.0, 8192), rtol=1e-6)
+    # Wavelengths up to 8192 / 4 positions keep their frequency, the longer ones slow down.
+    np.testing.assert_array_equal(scaled < plain, 2 * np.pi / plain > 8192 / 4)
+    assert np.all(scaled <= plain)
+
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for name in ("llama3_8b", "llama3_70b", "llama31_8b", "llama31_70b", "llama31_405b"):
+        preset = PRESETS[name]
+        m = from_dict({"model": dict(preset, seq_len=16)}).model
+        hf = transformers.LlamaConfig(hidden_size=m.d_model, num_attention_heads=m.heads,
+                                      num_key_value_heads=m.kv_heads, rope_theta=m.rope_theta,
+                                      rope_scaling=preset.get("rope_scaling"), max_position_embeddings=131072)
+        theirs, scale = ROPE_INIT_FUNCTIONS["llama3" if m.rope_scaling else "default"](hf, "cpu")
+        assert scale == 1.0
+        np.testing.assert_array_equal(rope_frequencies(m.head_dim, m.rope_theta, m.rope_scaling), theirs.numpy(),
+                                      err_msg=name)
+
+
+def test_rope_scaling_config():
+    cfg = load_config(None, ["model.rope_scaling={factor: 8, original_max_position_embeddings: 8192}"])
+    assert cfg.model.rope_scaling.high_freq_factor == 4.0 and from_config(cfg.model, cfg.nvfp4).rope_scaling is not None
+    assert load_config(None, []).model.rope_scaling is None
+    for override, message in (("model.rope_scaling={rope_type: yarn}", "model.rope_scaling.rope_type='yarn': must be"),
+                              ("model.rope_scaling={factr: 8}", "unknown key model.rope_scaling.factr (did you mean"),
+                              ("model.rope_scaling={high_freq_factor: 1}", "must be > model.rope_scaling.low_freq"),
+                              ("model.rope_scaling=8", "model.rope_scaling: expected a mapping")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(None, [override])
 
 
 def test_rmsnorm_rounds_like_hf():

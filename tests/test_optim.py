@@ -1,5 +1,7 @@
 """The master-weight wrapper across data-axis sizes: bit-identity, HLO traffic, memory."""
 
+import math
+import dataclasses
 import functools
 import re
 
@@ -540,3 +542,58 @@ def test_collective_bytes_counts_loop_iterations():
     counts = nv.comm.collective_bytes(hlo)
     per_layer = 64 * 32 + 4 * 4  # packed bytes + scale bytes of one [64, 64] layer
     assert counts[("all-gather", "u8")] == 3 * per_layer, counts
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (2, 2)])
+def test_shared_amax_requantizes_bit_exact_against_the_reference(shape):
+    """``Policy(shared_amax=...)``: the q/k/v of each stacked layer (and gate/up) share one amax,
+    the maximum of theirs, at quantization and at every re-quantization after an update, on
+    data 4 and on data 2 x tensor 2 (q/k/v and gate/up split over the tensor axis): each
+    member's codes and scales equal the NumPy reference quantizing its whole master with the
+    group's amax, and the group's members carry the same amax bits; other leaves keep their own."""
+    import reference as ref
+
+    rng = np.random.default_rng(3)
+    shapes = {"q": (2, 64, 64), "k": (2, 64, 32), "v": (2, 64, 32), "gate": (2, 64, 96), "up": (2, 64, 96),
+              "down": (2, 96, 64)}
+    scale = {"q": 0.5, "k": 2.0, "v": 1.0, "gate": 1.0, "up": 3.0, "down": 1.0}
+    fp32 = {"blocks": {"attn": {n: {"kernel": rng.standard_normal(shapes[n]).astype(np.float32) * scale[n]}
+                                for n in ("q", "k", "v")},
+                       "mlp": {n: {"kernel": rng.standard_normal(shapes[n]).astype(np.float32) * scale[n]}
+                               for n in ("gate", "up", "down")}}}
+    policy = nv.Policy(shared_amax=(r"attn/(q|k|v)/kernel$", r"mlp/(gate|up)/kernel$"))
+    mesh = jax.make_mesh(shape, ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:math.prod(shape)])
+    rules = nv.Rules(stacked=(r"^blocks",), tensor=((r"attn/(q|k|v)/kernel$", -1), (r"mlp/(gate|up)/kernel$", -1),
+                                                    (r"mlp/down/kernel$", -2)))
+    groups = (("q", "k", "v"), ("gate", "up"), ("down",))
+    path = lambda n: ("attn" if n in "qkv" else "mlp", n)
+
+    def check(params, logical_f32):
+        stored = nv.sharding.logical(jax.device_get(params))
+        for group in groups:
+            want = np.max([np.abs(logical_f32[path(n)]).max(axis=(-2, -1)) for n in group], axis=0)
+            for n in group:
+                q = stored["blocks"][path(n)[0]][n]["kernel"]
+                np.testing.assert_array_equal(np.asarray(q.amax), want)
+                for layer in range(2):
+                    d, s, a = ref.quantize_matrix(logical_f32[path(n)][layer], amax=np.float32(want[layer]))
+                    np.testing.assert_array_equal(np.asarray(q.data[layer]), d)
+                    np.testing.assert_array_equal(np.asarray(q.scale_bits[layer]), s)
+
+    with jax.set_mesh(mesh):
+        params = jax.jit(lambda t: nv.shard_params(t, mesh, rules, policy))(fp32)
+        check(params, {path(n): fp32["blocks"][path(n)[0]][n]["kernel"] for group in groups for n in group})
+        tx = nv.master_weights(optax.sgd(1.0), policy=policy, rules=rules)
+        state = tx.init(params)
+        # A step that shrinks k (the group's largest) by 0.9 and the others by 0.1: the
+        # shared amax moves to another member.
+        shrink = {n: 0.9 if n in ("k", "up") else 0.1 for n in shapes}
+        grads = {"blocks": {sec: {n: {"kernel": dataclasses.replace(m := state.master["blocks"][sec][n]["kernel"],
+                                                                    value=m.value * shrink[n])}
+                                  for n in state.master["blocks"][sec]} for sec in ("attn", "mlp")}}
+        updates, state = jax.jit(tx.update)(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        masters = nv.sharding.logical(jax.device_get(state.master))
+        check(params, {path(n): np.asarray(masters["blocks"][path(n)[0]][n]["kernel"]) for group in groups
+                       for n in group})

@@ -474,3 +474,18 @@ def test_prepared_tokens_train_with_validation_and_resume(tmp_path):
     assert r["final_val_loss"] < np.log(512)  # learned something about held-out text
     summary = summary_lib.summarize([r], out)
     assert summary["runs"][0]["final_val_loss"] == r["final_val_loss"]
+
+
+@job_worker
+def test_fused_projections_share_one_amax_after_training(job_run):
+    """nvfp4.fused_amax (the default): after training, q/k/v of every layer carry one amax, and
+    gate/up one; out and down keep their own."""
+    import jax_nvfp4 as nv
+
+    blocks = nv.sharding.logical(jax.device_get(job_run["params"]))["blocks"]
+    amax = lambda sec, n: np.asarray(blocks[sec][n]["kernel"].amax)
+    for sec, group in (("attn", ("q", "k", "v")), ("mlp", ("gate", "up"))):
+        for n in group[1:]:
+            np.testing.assert_array_equal(amax(sec, n), amax(sec, group[0]))
+    assert not np.array_equal(amax("attn", "out"), amax("attn", "q"))
+    assert not np.array_equal(amax("mlp", "down"), amax("mlp", "up"))

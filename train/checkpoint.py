@@ -371,13 +371,13 @@ _TRAJECTORY = {
     "data": ("source", "path", "val_path", "val_fraction", "seed", "markov_states", "batch_size"),
     "optim": ("name", "lr", "schedule", "warmup_steps", "weight_decay", "b1", "b2", "clip_norm", "grad_accum"),
     "nvfp4": ("weights", "compute", "keep_bf16", "keep_first_blocks", "keep_last_blocks", "stochastic_rounding",
-              "cast_master_bf16", "grad_reduce_dtype", "grad_rounding", "wgrad_hadamard", "activations"),
+              "cast_master_bf16", "grad_reduce_dtype", "grad_rounding", "wgrad_hadamard", "activations", "fused_amax"),
     "train": ("seed", "init_from"),
 }
 
 # Keys that checkpoints written before they existed do not record, with the value those had.
 _BEFORE_RECORDED = {"nvfp4.block": "2d", "train.init_from": None, "nvfp4.grad_rounding": "stochastic",
-                    "nvfp4.wgrad_hadamard": True, "nvfp4.activations": "nvfp4"}
+                    "nvfp4.wgrad_hadamard": True, "nvfp4.activations": "nvfp4", "nvfp4.fused_amax": False}
 # Keys that older checkpoints do not record and whose value then is unknown: not compared.
 _UNKNOWN_BEFORE = ("data.val_path", "data.val_fraction", "data.path:content", "data.val_path:content")
 

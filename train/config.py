@@ -32,8 +32,8 @@ from train.config_errors import ConfigError, one_line, short
 from train.config_sources import override_keys
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "NVFP4Config",
-           "OptimConfig", "SECTIONS", "TrainConfig", "apply_overrides", "from_dict", "load_config", "override_keys",
-           "resolve_mesh_axes", "save_config", "to_dict", "to_yaml", "validate_for_devices"]
+           "OptimConfig", "RopeScaling", "SECTIONS", "TrainConfig", "apply_overrides", "from_dict", "load_config",
+           "override_keys", "resolve_mesh_axes", "save_config", "to_dict", "to_yaml", "validate_for_devices"]
 
 
 # Field types: strict (`layers: true` is not 1, `1` is not true); an int widens to a float.
@@ -59,10 +59,44 @@ def _section(cls):
         try:
             init(self, *args, **kwargs)
         except pydantic.ValidationError as e:
-            raise one_line(e, SECTIONS, cls.section) from None
+            # A mapping inside a section (model.rope_scaling) names its keys section.key.field.
+            nested = cls.section and cls.section not in SECTIONS
+            raise one_line(e, {cls.section: cls} if nested else SECTIONS, cls.section) from None
 
     cls.__init__ = __init__
     return cls
+
+
+@_section
+class RopeScaling:
+    """Llama 3.x rotary scaling (transformers' ``rope_type: llama3``, ``_compute_llama3_parameters``):
+    wavelengths shorter than ``original_max_position_embeddings / high_freq_factor`` keep their
+    frequency, those longer than ``original_max_position_embeddings / low_freq_factor`` are
+    divided by ``factor``, the ones between interpolate smoothly. Llama 3.1's: factor 8, low 1,
+    high 4, original 8192."""
+
+    section: ClassVar[str] = "model.rope_scaling"
+    rope_type: Literal["llama3"] = "llama3"
+    factor: Annotated[Float, Field(ge=1)] = 8.0
+    low_freq_factor: PosFloat = 1.0
+    high_freq_factor: PosFloat = 4.0
+    original_max_position_embeddings: Pos = 8192
+
+    def __post_init__(self):
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(f"model.rope_scaling.high_freq_factor={self.high_freq_factor}: must be > "
+                              f"model.rope_scaling.low_freq_factor={self.low_freq_factor}")
+
+
+def _rope_scaling(value):
+    """``model.rope_scaling``: null, or a mapping of :class:`RopeScaling`'s keys (its own
+    one-line errors, ``model.rope_scaling.factor: ...``)."""
+    if value is None or isinstance(value, RopeScaling):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"model.rope_scaling: expected a mapping (rope_type: llama3, factor, low_freq_factor, "
+                          f"high_freq_factor, original_max_position_embeddings) or null, got {short(value)}")
+    return RopeScaling(**value)
 
 
 @_section
@@ -79,6 +113,8 @@ class ModelConfig:
     mlp_hidden: Pos = 192
     seq_len: Pos = 64
     rope_theta: PosFloat = 10000.0
+    # null: plain rotary positions; a mapping: Llama 3.x scaling (RopeScaling)
+    rope_scaling: Annotated[Optional[RopeScaling], pydantic.BeforeValidator(_rope_scaling)] = None
     norm_eps: PosFloat = 1e-5
     tie_embeddings: Bool = False  # the head is the embedding matrix transposed
     attention: Literal["auto", "blockwise", "xla", "cudnn"] = "auto"
@@ -205,6 +241,8 @@ class NVFP4Config:
     grad_rounding: Literal["stochastic", "nearest"] = "stochastic"
     wgrad_hadamard: Bool = True
     activations: Literal["nvfp4", "bf16"] = "nvfp4"
+    # q/k/v of a layer share one global amax, and gate/up one (as fused projections do).
+    fused_amax: Bool = True
 
     def __post_init__(self):
         for i, pattern in enumerate(self.keep_bf16):

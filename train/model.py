@@ -17,12 +17,14 @@ kernels are ``[d_model, kv_heads * head_dim]``.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from typing import Any, Dict, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_nvfp4.export import HFNames
 from jax_nvfp4.nn import NVFP4_COLLECTION, ROUNDING_RNG, NVFP4Dense, Recipe
@@ -72,17 +74,18 @@ HF_NAMES = HFNames.of(
 
 
 def llama_config(*, vocab: int, d_model: int, layers: int, heads: int, mlp_hidden: int,
-                 kv_heads: Optional[int] = None, rope_theta: float = 10000.0, norm_eps: float = 1e-5,
-                 tie_embeddings: bool = False, max_position_embeddings: int = 2048,
+                 kv_heads: Optional[int] = None, rope_theta: float = 10000.0, rope_scaling: Any = None,
+                 norm_eps: float = 1e-5, tie_embeddings: bool = False, max_position_embeddings: int = 2048,
                  bos_token_id: Optional[int] = None, eos_token_id: Optional[int] = None) -> Dict[str, Any]:
-    """The ``config.json`` of a ``LlamaForCausalLM`` with these shapes (bf16, no rope scaling)."""
+    """The ``config.json`` of a ``LlamaForCausalLM`` with these shapes (bf16); ``rope_scaling``
+    (:func:`rope_frequencies`) is written as transformers' ``rope_scaling`` (``rope_type: llama3``)."""
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": int(vocab), "hidden_size": int(d_model), "intermediate_size": int(mlp_hidden),
         "num_hidden_layers": int(layers), "num_attention_heads": int(heads),
         "num_key_value_heads": int(kv_heads or heads), "head_dim": int(d_model) // int(heads),
         "hidden_act": "silu", "rms_norm_eps": float(norm_eps), "rope_theta": float(rope_theta),
-        "rope_scaling": None, "max_position_embeddings": int(max_position_embeddings),
+        "rope_scaling": _rope_scaling_json(rope_scaling), "max_position_embeddings": int(max_position_embeddings),
         "tie_word_embeddings": bool(tie_embeddings), "attention_bias": False, "mlp_bias": False,
         "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True,
         "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
@@ -105,16 +108,61 @@ class RMSNorm(nn.Module):
         return y.astype(self.dtype) * scale.astype(self.dtype)
 
 
-def rotary(x, theta: float):
+# The keys of a Llama 3.x rotary scaling (transformers' rope_type "llama3").
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope_scaling_json(scaling) -> Optional[Dict[str, Any]]:
+    """``scaling`` (None, a mapping or an object with :data:`ROPE_SCALING_KEYS`) as the
+    ``rope_scaling`` of a ``config.json``."""
+    if scaling is None:
+        return None
+    get = scaling.get if isinstance(scaling, dict) else lambda k: getattr(scaling, k)
+    out = {"rope_type": "llama3"}
+    for k in ROPE_SCALING_KEYS:
+        out[k] = int(get(k)) if k == "original_max_position_embeddings" else float(get(k))
+    return out
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling=None) -> np.ndarray:
+    """The rotary inverse frequencies ``[head_dim / 2] float32``, as transformers computes them
+    (``_compute_default_rope_parameters`` and, with ``scaling``, ``_compute_llama3_parameters``),
+    step by step in float32 on the host: ``1 / theta ** (2i / head_dim)`` (the float32 base's
+    power correctly rounded: torch's float32 power is not always, so for some shapes an entry
+    differs by an ulp or two; for Llama 3 / 3.1's shapes none does); then Llama 3.x's scaling
+    (``scaling``: a :class:`train.config.RopeScaling`, or a mapping of
+    :data:`ROPE_SCALING_KEYS`): frequencies whose wavelength ``2 pi / f`` exceeds
+    ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, those
+    below ``original / high_freq_factor`` are kept, the ones between interpolate with
+    ``s = (original / wavelength - low) / (high - low)``: ``(1 - s) f / factor + s f``."""
+    f32 = np.float32
+    exponent = np.arange(0, head_dim, 2).astype(f32) / f32(head_dim)
+    inv_freq = f32(1) / (np.float64(f32(theta)) ** exponent.astype(np.float64)).astype(f32)
+    s = _rope_scaling_json(scaling)
+    if s is None:
+        return inv_freq
+    factor, low, high = f32(s["factor"]), f32(s["low_freq_factor"]), f32(s["high_freq_factor"])
+    old = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = f32(old / s["low_freq_factor"]), f32(old / s["high_freq_factor"])
+    wavelen = np.reciprocal(inv_freq) * f32(2 * math.pi)  # torch: 2 * pi / t is t.reciprocal() * (2 * pi)
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (np.reciprocal(wavelen) * f32(old) - low) / f32(s["high_freq_factor"] - s["low_freq_factor"])
+    smoothed = (f32(1) - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(f32)
+
+
+def rotary(x, theta: float, scaling=None):
     """Rotary position embedding on ``x [batch, seq, heads, head_dim]``.
 
     HF Llama's layout (``rotate_half``): channel ``i`` pairs with channel ``i + head_dim/2``,
-    frequency ``theta ** (-2i / head_dim)``; cos/sin are computed in float32 and rounded to
-    the activation dtype before the products, as HF does.
+    frequency :func:`rope_frequencies` (``theta ** (-2i / head_dim)``, with Llama 3.x's
+    ``scaling`` if given); the angles and cos/sin are computed in float32 and rounded to the
+    activation dtype before the products, as HF does.
     """
     _, seq, _, hd = x.shape
     half = hd // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    inv_freq = jnp.asarray(rope_frequencies(hd, theta, scaling))
     angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
     cos = jnp.cos(angles).astype(x.dtype)[None, :, None, :]
@@ -145,6 +193,7 @@ class Dims:
     attention: str = "auto"  # see train.attention.attention
     tensor: TensorParallel = TensorParallel()
     recipe: Recipe = Recipe()
+    rope_scaling: Any = None  # Llama 3.x rotary scaling (rope_frequencies); hashable
 
     def dense(self, name: str, features: int) -> NVFP4Dense:
         return linear(features, name, self.compute, self.dtype, self.init_std, self.recipe)
@@ -179,7 +228,7 @@ class Attention(nn.Module):
         if replicated:  # the one key/value head this rank's query heads share
             mine = tp.index() * d.kv_heads // tp.size
             k, v = (jax.lax.dynamic_slice_in_dim(a, mine, 1, axis=2) for a in (k, v))
-        q, k = rotary(q, d.rope_theta), rotary(k, d.rope_theta)
+        q, k = rotary(q, d.rope_theta, d.rope_scaling), rotary(k, d.rope_theta, d.rope_scaling)
         out = attention(q.astype(d.dtype), k.astype(d.dtype), v.astype(d.dtype), d.attention)
         return tp.scatter_sequence(d.dense("out", d.d_model)(out.reshape(b, t, heads * hd)))
 
@@ -236,6 +285,7 @@ class Llama(nn.Module):
     hidden: int
     kv_heads: Optional[int] = None  # None: = heads
     rope_theta: float = 10000.0
+    rope_scaling: Any = None  # None, or Llama 3.x rotary scaling (train.config.RopeScaling; rope_frequencies)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     attention: str = "auto"  # see train.attention.attention
@@ -261,7 +311,8 @@ class Llama(nn.Module):
                 continue
             compute = "dequant" if name in KEPT_SEGMENTS else self.compute
             dims = Dims(self.d_model, self.heads, self.kv_heads or self.heads, self.hidden, self.rope_theta,
-                        self.norm_eps, compute, self.init_std, self.dtype, self.attention, tp, self.recipe)
+                        self.norm_eps, compute, self.init_std, self.dtype, self.attention, tp, self.recipe,
+                        rope_scaling=self.rope_scaling)
             stack = nn.scan(
                 _remat(Block, self.remat),
                 variable_axes={"params": 0, NVFP4_COLLECTION: 0},
@@ -297,7 +348,8 @@ def _remat(block, policy: Optional[str]):
 
 
 def from_config(model_cfg, nvfp4_cfg) -> Llama:
-    same = ("vocab", "d_model", "layers", "heads", "rope_theta", "norm_eps", "tie_embeddings", "attention", "init_std")
+    same = ("vocab", "d_model", "layers", "heads", "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings",
+            "attention", "init_std")
     return Llama(
         **{k: getattr(model_cfg, k) for k in same},
         kv_heads=model_cfg.n_kv_heads,

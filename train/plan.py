@@ -14,12 +14,18 @@ from train.model import KEPT_SEGMENTS, tensor_rules
 BLOCKS = {"2d": nv.BLOCK_2D, "1d": nv.array.BLOCK_COLUMN}
 
 
+# nvfp4.fused_amax: the projections a serving engine fuses into one GEMM with one global scale
+# (qkv_proj, gate_up_proj), per layer of each segment.
+FUSED_AMAX = (r"attn/(q|k|v)/kernel$", r"mlp/(gate|up)/kernel$")
+
+
 def policy_for(cfg: Config) -> nv.Policy:
     """Which params are NVFP4: everything the default policy takes, except the kept parts."""
     if cfg.nvfp4.weights == "bf16":
         return nv.Policy(keep=(".*",), keep_dtype=jnp.bfloat16)
     keep = tuple(cfg.nvfp4.keep_bf16) + tuple(f"^{seg}/" for seg in KEPT_SEGMENTS)
-    return nv.Policy(keep=keep, keep_dtype=jnp.bfloat16, block=BLOCKS[cfg.nvfp4.resolved_block()])
+    shared = FUSED_AMAX if cfg.nvfp4.fused_amax else ()
+    return nv.Policy(keep=keep, keep_dtype=jnp.bfloat16, block=BLOCKS[cfg.nvfp4.resolved_block()], shared_amax=shared)
 
 
 def rules_for(cfg: Config, tensor: int = 1) -> nv.Rules:

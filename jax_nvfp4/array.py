@@ -470,8 +470,8 @@ def _dequantize(q: NVFP4Array, dtype) -> jax.Array:
     _, cols = q.matrix_shape
     br, bc = q.block
     rp, cp = _ceil_to(rows, br), _ceil_to(cols, bc)
-    # A table lookup, not XLA's float4 conversion of the reinterpreted bytes: that is faster on
-    # CPU but gave wrong values inside some fused gradient computations.
+    # Integer bit arithmetic (decode_e2m1), not XLA's float4 conversion of the reinterpreted
+    # bytes: that is faster on CPU but gives wrong values inside some fused gradient computations.
     vals = nx.decode_e2m1(nx.unpack_codes(q.data))[..., :cols]
     vals = jnp.pad(vals, [(0, 0)] * len(batch) + [(0, rp - rows), (0, cp - cols)])
     tiles = vals.reshape(*batch, rp // br, br, cp // bc, bc)

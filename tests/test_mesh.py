@@ -25,7 +25,6 @@ from train.mesh import (
     describe_mesh,
     device_domains,
     device_grid,
-    resolve_axes,
 )
 
 from conftest import ROOT, xla_flags
@@ -48,15 +47,6 @@ def _check_hybrid(ids: np.ndarray, domain: int) -> None:
     per = ids.shape[0] // n_dom
     # Data index i is on domain i // per: consecutive data indices share a domain.
     np.testing.assert_array_equal(dom[:, 0], np.repeat(np.arange(n_dom), per))
-
-
-def test_resolve_axes():
-    assert resolve_axes(MeshConfig(), 8) == {"data": 8, "tensor": 1}
-    assert resolve_axes(MeshConfig(data=2, tensor=-1), 8) == {"data": 2, "tensor": 4}
-    with pytest.raises(ConfigError, match=r"^mesh.tensor=3: does not divide the 8 devices$"):
-        resolve_axes(MeshConfig(tensor=3), 8)
-    with pytest.raises(ConfigError, match=r"mesh.data=2 x mesh.tensor=2 = 4: must equal the 8"):
-        resolve_axes(MeshConfig(data=2, tensor=2), 8)
 
 
 def test_default_mesh_is_auto_and_constrainable():

@@ -43,7 +43,6 @@ __all__ = [
     "describe_mesh",
     "device_domains",
     "device_grid",
-    "resolve_axes",
     "simulate_cpu_devices",
 ]
 
@@ -54,11 +53,6 @@ RACK_AXES = ("rack", "data", "tensor")
 def axis_names(cfg_mesh: MeshConfig) -> tuple[str, ...]:
     """The mesh axes ``cfg_mesh`` builds: with ``layout: gb200`` a rack axis first."""
     return RACK_AXES if cfg_mesh.layout == "gb200" else AXES
-
-
-def resolve_axes(cfg_mesh: MeshConfig, n_devices: int) -> dict[str, int]:
-    """``{"data": d, "tensor": t}`` with ``d * t == n_devices`` (one -1 takes the rest)."""
-    return resolve_mesh_axes(cfg_mesh, n_devices)
 
 
 def _has_slice_index(devices: Sequence[Any], nvl_domain: int) -> bool:
@@ -132,8 +126,8 @@ def device_grid(cfg_mesh: MeshConfig, devices: Sequence[Any] | None = None) -> n
     """The object array of devices that :func:`build_mesh` uses: ``[data, tensor]``, or
     ``[rack, data in the rack, tensor]`` with ``layout: gb200``."""
     devices = list(jax.devices() if devices is None else devices)
-    axes = resolve_axes(cfg_mesh, len(devices))
-    if cfg_mesh.layout == "gb200":  # resolve_axes checked the tensor axis against the domain
+    axes = resolve_mesh_axes(cfg_mesh, len(devices))
+    if cfg_mesh.layout == "gb200":  # resolve_mesh_axes checked the tensor axis against the domain
         grid = _hybrid_grid(axes, devices, cfg_mesh.nvl_domain, strict=True)
         racks = len(set(device_domains(devices, cfg_mesh.nvl_domain)))
         if cfg_mesh.racks and cfg_mesh.racks != racks:

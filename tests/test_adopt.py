@@ -242,3 +242,15 @@ def test_an_nnx_model_split_by_its_logical_axis_names_trains_like_data_parallel(
     np.testing.assert_allclose(losses, data8[0], rtol=2.0 ** -8)
     np.testing.assert_allclose(losses, wholes, rtol=1e-5)
     assert losses[-1] < losses[0] - 0.2, losses
+
+
+def test_a_mesh_without_the_data_axis_is_refused():
+    """The README's recipe on a mesh whose axis is not named "data" (or the rules' data axis):
+    the step refuses to build with one error naming the mesh and the fix, instead of running
+    fully replicated."""
+    mesh = jax.make_mesh((4,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    tx = nv.master_weights(optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"none of the rules' batch axes .*nv.Rules\(data_axis=") as e:
+        nv.make_step(lambda p, r, k: 0.0, tx, mesh, nv.Rules())
+    assert "'batch': 4" in str(e.value)
+    nv.make_step(lambda p, r, k: 0.0, tx, mesh, nv.Rules(data_axis="batch"))  # named: accepted

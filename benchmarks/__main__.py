@@ -33,6 +33,10 @@ Examples::
 Results: one JSON per section, REPORT.md (with PNG plots) and HEADLINE.md in ``--out``. On CPU the
 run asks for 8 simulated devices (unless XLA_FLAGS sets a count); on GPU/TPU it uses
 ``jax.devices()``.
+
+A bad argument, here or of a subcommand, is one line on stderr naming it (``error: --steps 0:
+must be a positive integer``) and exit status 2, before anything is compiled, trained or
+written (``benchmarks.arguments``).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import sys
 import time
 from typing import Any, Dict, List, Sequence
 
+from benchmarks import arguments as A
 from benchmarks.common import request_cpu_devices, source_state
 
 SECTIONS = ("traffic", "memory", "speed", "quantize", "convergence", "scaling")
@@ -54,60 +59,39 @@ DEFAULT_OUT = os.path.join("benchmarks", "results")
 QUICK_OUT = os.path.join("runs", "benchmarks-quick")
 
 
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return n
-
-
-def _ints(text: str) -> List[int]:
-    """Comma-separated positive integers (sizes: 0 has no mesh)."""
-    values = [_positive(x.strip()) for x in text.split(",") if x.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
-
-
-class _Parser(argparse.ArgumentParser):
-    """Errors in one line (``python -m benchmarks: error: ...``), exit 2, without the usage
-    block: a wrong number is said, not buried."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _names(text: str) -> List[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 def parse_args(argv: Sequence[str]):
-    p = _Parser(prog="python -m benchmarks", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[2:]))
+    """The sections' arguments; a bad one is one line on stderr (``error: --flag VALUE: why``)
+    and exit 2, before anything is compiled or written (:mod:`benchmarks.arguments`)."""
+    from benchmarks import train_step as ts
+    from train.config import MAX_SIMULATED_DEVICES
+
+    sizes = list(ts.SIZES)
+    p = A.Parser(prog="python -m benchmarks", description=__doc__.splitlines()[0],
+                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                 epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("sections", nargs="*", default=["all"], metavar="SECTION",
                    help=f"all (default) or any of: {', '.join(SECTIONS)}; or 'scale ARGS...', 'gpu ARGS...'")
     p.add_argument("--quick", action="store_true", help="a fast smoke run: tiny model, data 1 and 8, short budgets")
-    p.add_argument("--out", help=f"results folder (default {DEFAULT_OUT}; with --quick {QUICK_OUT})")
-    p.add_argument("--sizes", type=_names, help="model sizes for scaling, e.g. tiny,small,medium")
-    p.add_argument("--data-sizes", type=_ints, help="data-axis sizes for scaling, e.g. 1,2,4,8")
-    p.add_argument("--ref-size", help="model size of the traffic/memory/speed sections (default small; "
-                   "quick: tiny), measured at the largest of --data-sizes")
-    p.add_argument("--repeats", type=_positive, help="timed steps per point (default 3; quick: 2)")
-    p.add_argument("--conv-size", help="model size of the convergence runs (default tiny)")
-    p.add_argument("--conv-steps", type=_positive, help="convergence budget in steps (default 300; quick: 40)")
-    p.add_argument("--quant-size", type=_positive, help="square side for quantize throughput (default 4096; quick: 1024)")
-    p.add_argument("--host-devices", type=_positive, default=8, help="simulated CPU devices (default 8)")
-    p.add_argument("--against", metavar="REV",
+    p.add_argument("--out", type=A.output_dir, help=f"results folder (default {DEFAULT_OUT}; with --quick {QUICK_OUT})")
+    p.add_argument("--sizes", type=A.name_list(sizes, "model size"), help="model sizes for scaling, e.g. tiny,small,medium")
+    p.add_argument("--data-sizes", type=A.int_list(minimum=1), help="data-axis sizes for scaling, e.g. 1,2,4,8")
+    p.add_argument("--ref-size", choices=sizes, metavar="SIZE", help="model size of the traffic/memory/speed sections "
+                   "(default small; quick: tiny), measured at the largest of --data-sizes")
+    p.add_argument("--repeats", type=A.positive_int, help="timed steps per point (default 3; quick: 2)")
+    p.add_argument("--conv-size", choices=sizes, metavar="SIZE", help="model size of the convergence runs (default tiny)")
+    p.add_argument("--conv-steps", type=A.positive_int, help="convergence budget in steps (default 300; quick: 40)")
+    p.add_argument("--quant-size", type=A.positive_int, help="square side for quantize throughput (default 4096; quick: 1024)")
+    p.add_argument("--host-devices", type=A.int_at_least(1, maximum=MAX_SIMULATED_DEVICES,
+                                                            why_max="the most simulated CPU devices that run a step"),
+                   default=8, help="simulated CPU devices (default 8)")
+    p.add_argument("--against", metavar="REV", type=A.git_revision,
                    help="speed: also time the same NVFP4 step at git commit REV, back to back with this "
                         "tree (benchmarks.against), e.g. the commit before the FSDP step")
     args = p.parse_args(argv)
     for s in args.sections:
         if s not in ("all", *SECTIONS):
-            p.error(f"unknown section {s!r}; choose from all, {', '.join(SECTIONS)}, scale, gpu")
+            p.error(f"{A.show(s)}: {A.unknown_name(s, ['all', *SECTIONS], 'section')}; or one of scale, gpu, "
+                    "serving, convergence --text, each with its own arguments")
     q = args.quick
     args.out = args.out or (QUICK_OUT if q else DEFAULT_OUT)
     args.sizes = args.sizes or (["tiny"] if q else ["tiny", "small", "medium"])
@@ -119,6 +103,18 @@ def parse_args(argv: Sequence[str]):
     args.quant_size = args.quant_size or (1024 if q else 4096)
     sections = list(dict.fromkeys(SECTIONS if "all" in args.sections else args.sections))
     args.sections = sections
+    if args.against and "speed" not in sections:
+        p.error(f"--against {A.show(args.against)}: times the speed section, which this run does not include")
+    # Every model a section measures must split its batch over each data-axis size asked for.
+    models = {*(args.sizes if "scaling" in sections else ()),
+              *([args.ref_size] if {"traffic", "memory", "speed"} & set(sections) else ()),
+              *([args.conv_size] if "convergence" in sections else ())}
+    for size in sorted(models):
+        batch = ts.size_config(size, "nvfp4").data.batch_size
+        for n in args.data_sizes:
+            if batch % n:
+                p.error(f"--data-sizes {','.join(map(str, args.data_sizes))}: the {size} model's batch of {batch} "
+                        f"rows does not split over a data axis of {n}")
     return args
 
 
@@ -199,10 +195,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks import report
     from benchmarks import train_step as ts
 
-    for s in {*args.sizes, args.ref_size, args.conv_size}:
-        if s not in ts.SIZES:
-            print(f"unknown model size {s!r}; sizes are {', '.join(ts.SIZES)}", file=sys.stderr)
-            return 2
     data_sizes = ts.data_sizes_for(devices, args.data_sizes)
     dropped = sorted(set(args.data_sizes) - set(data_sizes))
     print(f"benchmarks: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}); "

@@ -2,12 +2,12 @@
 and the ablation that attributes it.
 
 The runs are :mod:`benchmarks.convergence_text`'s (same corpus, same one-device runs, same
-cache, paired by seed): :data:`~benchmarks.convergence_text.RECIPE_SIZES` (the default model at
-4 layers, d_model 64 to 512) for :data:`~benchmarks.convergence_text.RECIPE_STEPS` steps, the
+cache, paired by seed): :data:`~benchmarks.convergence_grid.RECIPE_SIZES` (the default model at
+4 layers, d_model 64 to 512) for :data:`~benchmarks.convergence_grid.RECIPE_STEPS` steps, the
 full recipe (``nvfp4.compute=nvfp4``) against bf16, and the full recipe with its last block in
 bf16 (``nvfp4.keep_last_blocks=1``, a quarter of the blocks' linear layers; the head is always
 bf16) against bf16 with the same split (the split draws other init keys). At the widest width
-swept (or at each size ``--ablation-at`` names), :data:`~benchmarks.convergence_text.ABLATIONS`
+swept (or at each size ``--ablation-at`` names), :data:`~benchmarks.convergence_grid.ABLATIONS`
 switch the recipe's elements off one at a time (the last block still bf16), each compared with
 the full recipe of the same seed.
 
@@ -23,7 +23,8 @@ import os
 import statistics
 from typing import Any, Dict, List, Optional, Sequence
 
-from benchmarks import convergence_text as ct
+from benchmarks import convergence_grid as grid
+from benchmarks import stats
 
 REPORT = "CONVERGENCE_RECIPE.md"
 FULL = "compute_nvfp4"
@@ -36,7 +37,7 @@ RECIPE_NAMES = {
 
 
 def widest(sizes: Sequence[str]) -> str:
-    return ct.by_width(sizes)[-1]
+    return grid.by_width(sizes)[-1]
 
 
 def aggregate(results: Dict[str, Dict[str, Any]], sizes: Sequence[str], seeds: Sequence[int],
@@ -45,42 +46,44 @@ def aggregate(results: Dict[str, Dict[str, Any]], sizes: Sequence[str], seeds: S
     (default: the widest), each ablation's gap against bf16 (same split) and its difference
     from the full recipe (``vs_default_pct``, paired by seed), and the attribution; the
     acceptance at the widest size."""
-    steps = ct.RECIPE_STEPS
+    steps = grid.RECIPE_STEPS
     sweep = []
-    for size in ct.by_width(sizes):
+    for size in grid.by_width(sizes):
         row = {"size": size}
-        for v, base in ct.RECIPE_PAIRS.items():
-            g = ct._gaps(results, size, steps, seeds, v, base=base)
+        for v, base in grid.RECIPE_PAIRS.items():
+            g = stats.gaps(results, size, steps, seeds, v, base=base)
             if g:
-                g["curve"] = ct._gap_curve(results, size, steps, seeds, v, base)
+                g["curve"] = stats.gap_curve(results, size, steps, seeds, v, base)
             row[v] = g
         sweep.append(row)
     top = widest(sizes) if sizes else None
     ablations = []
-    for size in ct.by_width([top] if ablation_sizes is None and top else ablation_sizes or []):
+    for size in grid.by_width([top] if ablation_sizes is None and top else ablation_sizes or []):
         rows: Dict[str, Any] = {}
-        ref = ct._gaps(results, size, steps, seeds, FULL_KEEP, base=BASE_KEEP)
+        ref = stats.gaps(results, size, steps, seeds, FULL_KEEP, base=BASE_KEEP)
         if ref:
             rows[FULL_KEEP] = ref
-        for v in ct.ABLATIONS:
-            g = ct._gaps(results, size, steps, seeds, v, base=BASE_KEEP)
+        for v in grid.ABLATIONS:
+            g = stats.gaps(results, size, steps, seeds, v, base=BASE_KEEP)
             if g:
-                d = ct._gaps(results, size, steps, seeds, v, base=FULL_KEEP)
+                d = stats.gaps(results, size, steps, seeds, v, base=FULL_KEEP)
                 g["vs_default_pct"] = d["gap_pct"] if d else None
                 rows[v] = g
         ablations.append({"size": size, "rows": rows, "attribution": attribution(rows)})
     lr = []  # the learning-rate check, per size: the same seeds at the default rate and at half of it
-    for size in ct.by_width(sizes):
-        half = ct._gaps(results, size, steps, seeds, FULL_KEEP + "_lr_half", base=BASE_KEEP + "_lr_half")
+    for size in grid.by_width(sizes):
+        half = stats.gaps(results, size, steps, seeds, FULL_KEEP + "_lr_half", base=BASE_KEEP + "_lr_half")
         if half:
             at = sorted(half["per_seed"])
-            lr.append({"size": size, "lr_half": ct.LR_HALF, "seeds": at, "half": half,
-                       "default": ct._gaps(results, size, steps, at, FULL_KEEP, base=BASE_KEEP),
-                       "bf16_half_vs_default": ct._gaps(results, size, steps, at, BASE_KEEP + "_lr_half", base=BASE_KEEP),
-                       "recipe_half_vs_default": ct._gaps(results, size, steps, at, FULL_KEEP + "_lr_half", base=FULL_KEEP)})
+            lr.append({"size": size, "lr_half": grid.LR_HALF, "seeds": at, "half": half,
+                       "default": stats.gaps(results, size, steps, at, FULL_KEEP, base=BASE_KEEP),
+                       "bf16_half_vs_default": stats.gaps(results, size, steps, at, BASE_KEEP + "_lr_half",
+                                                          base=BASE_KEEP),
+                       "recipe_half_vs_default": stats.gaps(results, size, steps, at, FULL_KEEP + "_lr_half",
+                                                            base=FULL_KEEP)})
     at_top = next((r for r in sweep if r["size"] == top), {})
-    accept = {"size": top, "full_recipe_keep_last": ct.verdict(at_top.get(FULL_KEEP), ct.RECIPE_TARGET),
-              "full_recipe": ct.verdict(at_top.get(FULL), ct.RECIPE_TARGET)}
+    accept = {"size": top, "full_recipe_keep_last": stats.verdict(at_top.get(FULL_KEEP), grid.RECIPE_TARGET),
+              "full_recipe": stats.verdict(at_top.get(FULL), grid.RECIPE_TARGET)}
     return {"steps": steps, "sweep": sweep, "widest": top, "ablations": ablations, "lr_check": lr,
             "acceptance": accept}
 
@@ -93,9 +96,10 @@ def attribution(ablation: Dict[str, Any]) -> List[Dict[str, Any]]:
         d = g.get("vs_default_pct")
         if v == FULL_KEEP or not d:
             continue
-        lo, hi = ct.mean_interval(d) if d["n"] > 1 else (float("-inf"), float("inf"))
-        out.append({"variant": v, "name": ct.ABLATION_NAMES[v], "gap_pct": g["gap_pct"], "minus_full_pct": d,
-                    "interval": [lo, hi], "effect": ct.lever_effect(g, interval=True), "met": ct.verdict(g, ct.RECIPE_TARGET)})
+        lo, hi = stats.mean_interval(d) if d["n"] > 1 else (float("-inf"), float("inf"))
+        out.append({"variant": v, "name": grid.ABLATION_NAMES[v], "gap_pct": g["gap_pct"], "minus_full_pct": d,
+                    "interval": [lo, hi], "effect": stats.lever_effect(g, interval=True),
+                    "met": stats.verdict(g, grid.RECIPE_TARGET)})
     return sorted(out, key=lambda a: a["minus_full_pct"]["mean"])
 
 
@@ -120,17 +124,17 @@ def plot(agg: Dict[str, Any], models: Dict[str, Dict[str, Any]], path: str) -> N
         most = max((ss for *_, ss in half), key=len)
         fewer = ", ".join(f"d_model {d}: {','.join(map(str, ss))}" for d, _, ss in half if ss != most)
         a.plot([d * 2 ** 0.04 for d, _, _ in half], [g for _, g, _ in half], "s--", color="tab:green",
-               label=f"last block bf16, optim.lr={ct.LR_HALF:g} (mean of seeds {','.join(map(str, most))})"
+               label=f"last block bf16, optim.lr={grid.LR_HALF:g} (mean of seeds {','.join(map(str, most))})"
                      + (f"\n(seeds at {fewer})" if fewer else ""))
     a.set_xscale("log", base=2)
     a.axhline(0, color="k", lw=0.8)
-    a.axhline(ct.RECIPE_TARGET, color="k", ls=":", lw=0.8, label=f"{ct.RECIPE_TARGET}% (published level)")
+    a.axhline(grid.RECIPE_TARGET, color="k", ls=":", lw=0.8, label=f"{grid.RECIPE_TARGET}% (published level)")
     a.set_xlabel("d_model (4 layers)")
     a.set_ylabel("val loss gap, % of bf16")
     a.set_title(f"full recipe vs bf16, {agg['steps']} steps")
     a.grid(alpha=0.3)
     a.legend(fontsize=7)
-    names = [(FULL_KEEP, "full recipe")] + [(v, ct.ABLATION_NAMES[v].split(" (")[0]) for v in ct.ABLATIONS]
+    names = [(FULL_KEEP, "full recipe")] + [(v, grid.ABLATION_NAMES[v].split(" (")[0]) for v in grid.ABLATIONS]
     done = [ab for ab in agg["ablations"] if ab["rows"]]
     if done:
         h = 0.8 / len(done)
@@ -142,7 +146,7 @@ def plot(agg: Dict[str, Any], models: Dict[str, Dict[str, Any]], path: str) -> N
         b.set_yticks(list(range(len(names))), [label for _, label in names], fontsize=8)
         b.invert_yaxis()
         b.axvline(0, color="k", lw=0.8)
-        b.axvline(ct.RECIPE_TARGET, color="k", ls=":", lw=0.8)
+        b.axvline(grid.RECIPE_TARGET, color="k", ls=":", lw=0.8)
         b.set_xlabel("val loss gap, % of bf16 with the same split")
         b.set_title("one element off at a time (last block bf16)", fontsize=9)
         b.grid(alpha=0.3, axis="x")
@@ -154,13 +158,13 @@ def plot(agg: Dict[str, Any], models: Dict[str, Dict[str, Any]], path: str) -> N
     plt.close(fig)
 
 
-def _spread(stats) -> List[List[float]]:
+def _spread(summaries) -> List[List[float]]:
     """Error bars from the mean to the seeds' min and max (never negative: equal seeds)."""
-    return [[max(0.0, s["mean"] - s["min"]) for s in stats], [max(0.0, s["max"] - s["mean"]) for s in stats]]
+    return [[max(0.0, s["mean"] - s["min"]) for s in summaries], [max(0.0, s["max"] - s["mean"]) for s in summaries]]
 
 
 def _cell(g: Optional[Dict[str, Any]]) -> str:
-    return ct._pct(g["gap_pct"]) if g else "not run"
+    return stats.pct_text(g["gap_pct"]) if g else "not run"
 
 
 def write_report(out: str, payload: Dict[str, Any]) -> str:
@@ -178,7 +182,7 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
           f"`{corpus['train']['sha256'][:16]}...`, held-out `{corpus['val']['sha256'][:16]}...`): byte tokens, one "
           f"device per run, `train.seed = data.seed = seed` for seeds {meta['seeds']}, every pair reads the same "
           f"batches (sha256 of every training batch, equal in every pair: **{meta['same_data_order']}**), final "
-          f"validation loss on {ct.EVAL_BATCHES} held-out batches. Gap = (recipe - bf16) / bf16 in % of the bf16 "
+          f"validation loss on {grid.EVAL_BATCHES} held-out batches. Gap = (recipe - bf16) / bf16 in % of the bf16 "
           "loss, paired by seed: mean [min, max] (std).", "",
           "The models: the default model at 4 layers, widened with 32-wide heads, 16 x 64 tokens per step, "
           f"{agg['steps']} steps ({agg['steps'] * 16 * 64:,} tokens). The full recipe (`nvfp4.compute=nvfp4`): "
@@ -187,7 +191,7 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
           "wgrad operands; embedding, head and norms bf16. With the last block bf16 (`nvfp4.keep_last_blocks=1`): "
           "7 of the 28 block linear layers (25%, the nearest 4 layers come to the published ~16%), against bf16 "
           "with the same split (the split draws the last block's params from other init keys).", ""]
-    L += ct.source_lines(meta, {"table": [g for r in agg["sweep"] for g in (r.get(FULL), r.get(FULL_KEEP)) if g],
+    L += stats.source_lines(meta, {"table": [g for r in agg["sweep"] for g in (r.get(FULL), r.get(FULL_KEEP)) if g],
                                 "levers": {f"{ab['size']}/{k}": g for ab in agg["ablations"] for k, g in ab["rows"].items()}})
     L += [f"## Gap against width ({agg['steps']} steps)", "",
           "| size | d_model | MLP | params | bf16 val loss | full recipe | bf16 val loss, split | "
@@ -208,23 +212,23 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
               "| setting | val loss (mean) | gap % of bf16 | minus the full recipe, % | effect of switching it off |",
               "|---|---:|---|---|---|"]
         for v, g in ab["rows"].items():
-            name = RECIPE_NAMES.get(v) or ct.ABLATION_NAMES[v]
+            name = RECIPE_NAMES.get(v) or grid.ABLATION_NAMES[v]
             d = g.get("vs_default_pct")
-            L.append(f"| {name} | {g['val']['mean']:.4f} | {ct._pct(g['gap_pct'])} | {ct._pct(d) if d else '-'} | "
-                     f"{ct.lever_effect(g, interval=True) if d else '-'} |")
+            L.append(f"| {name} | {g['val']['mean']:.4f} | {stats.pct_text(g['gap_pct'])} | "
+                     f"{stats.pct_text(d) if d else '-'} | {stats.lever_effect(g, interval=True) if d else '-'} |")
         L.append("")
         if ab["attribution"]:
             L += ["Attribution (the elements ordered by what switching each off takes off the gap):", ""]
             for x in ab["attribution"]:
                 lo, hi = x["interval"]
                 L.append(f"- {x['name']}: {x['minus_full_pct']['mean']:+.2f}% of the loss (95% interval "
-                         f"[{lo:+.2f}%, {hi:+.2f}%]); gap then {x['gap_pct']['mean']:+.2f}% ({ct._met(x['met'])} at "
-                         f"{ct.RECIPE_TARGET}%).")
+                         f"[{lo:+.2f}%, {hi:+.2f}%]); gap then {x['gap_pct']['mean']:+.2f}% ({stats.met_text(x['met'])} at "
+                         f"{grid.RECIPE_TARGET}%).")
             L.append("")
     if agg.get("lr_check"):
         L += ["## Learning rate (last block bf16)", "",
               f"The sweep trains every width at the default model's learning rate (`optim.lr={meta['lr']:g}`). "
-              f"The same pairs again at `optim.lr={ct.LR_HALF:g}`, same seeds and batches; each row's seeds are the "
+              f"The same pairs again at `optim.lr={grid.LR_HALF:g}`, same seeds and batches; each row's seeds are the "
               "ones run at both rates. Halving: the paired change of each side's validation loss.", "",
               "| size | seeds | optim.lr | bf16 val loss, split | full recipe, last block bf16 | gap % of bf16 | "
               "halving moves bf16 | halving moves the recipe |", "|---|---|---:|---:|---:|---|---|---|"]
@@ -235,7 +239,7 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
                 if g:
                     m = [f"{d['gap_pct']['mean']:+.2f}%" if d else "" for d in moves]
                     L.append(f"| {x['size']} | {seeds} | {rate:g} | {g['base_val']['mean']:.4f} | {g['val']['mean']:.4f} | "
-                             f"{ct._pct(g['gap_pct'])} | {m[0]} | {m[1]} |")
+                             f"{stats.pct_text(g['gap_pct'])} | {m[0]} | {m[1]} |")
         L.append("")
     if any(ab["rows"] for ab in agg["ablations"]):
         L += ["1D weights: the weights-only layout (one scale per 16 consecutive inputs) serves the forward "
@@ -246,15 +250,15 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
     a = agg["acceptance"]
     L += ["## Acceptance", "",
           "Rule: mean gap <= target, or zero inside the seeds' spread of the gap.", "",
-          f"- Full recipe with the last block bf16 at the widest width ({a['size']}): target {ct.RECIPE_TARGET}% -> "
-          f"**{ct._met(a['full_recipe_keep_last'])}** ({a['full_recipe_keep_last']['why']}).",
-          f"- Full recipe, every block NVFP4 ({a['size']}): target {ct.RECIPE_TARGET}% -> "
-          f"**{ct._met(a['full_recipe'])}** ({a['full_recipe']['why']})."]
+          f"- Full recipe with the last block bf16 at the widest width ({a['size']}): target {grid.RECIPE_TARGET}% -> "
+          f"**{stats.met_text(a['full_recipe_keep_last'])}** ({a['full_recipe_keep_last']['why']}).",
+          f"- Full recipe, every block NVFP4 ({a['size']}): target {grid.RECIPE_TARGET}% -> "
+          f"**{stats.met_text(a['full_recipe'])}** ({a['full_recipe']['why']})."]
     top_lr = next((x for x in agg.get("lr_check", []) if x["size"] == a["size"]), None)
     if top_lr:
-        L.append(f"- The same at `optim.lr={ct.LR_HALF:g}` (seeds {','.join(map(str, top_lr['seeds']))}; the "
-                 f"learning-rate table above): gap {ct._pct(top_lr['half']['gap_pct'])} -> "
-                 f"**{ct._met(ct.verdict(top_lr['half'], ct.RECIPE_TARGET))}**.")
+        L.append(f"- The same at `optim.lr={grid.LR_HALF:g}` (seeds {','.join(map(str, top_lr['seeds']))}; the "
+                 f"learning-rate table above): gap {stats.pct_text(top_lr['half']['gap_pct'])} -> "
+                 f"**{stats.met_text(stats.verdict(top_lr['half'], grid.RECIPE_TARGET))}**.")
     L.append("")
     reruns = payload.get("reruns") or []
     if reruns:
@@ -272,19 +276,19 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
     return path
 
 
-def assemble(results, specs, corpus, args, argv, wall: float, cache: str) -> Dict[str, Any]:
+def assemble(results, specs, corpus, args, command: str, wall: float, cache: str) -> Dict[str, Any]:
     from benchmarks.train_step import model_summary
 
     models = {}
     for size in args.sizes:
-        cfg, _ = ct.run_config(size, 10, 0, "bf16", corpus)
+        cfg, _ = grid.run_config(size, 10, 0, "bf16", corpus)
         models[size] = {**model_summary(cfg), "params": n_params(cfg)}
     meta = {"seeds": list(args.seeds), "sizes": list(args.sizes), "models": models, "lr": cfg.optim.lr,
             "run_wall_s": {size: round(statistics.fmean([r["wall_s"] for r in results.values() if r["size"] == size]), 1)
                            for size in args.sizes if any(r["size"] == size for r in results.values())},
-            **ct.run_meta(results, specs, argv, wall)}
+            **stats.run_meta(results, specs, command, wall)}
     return {"meta": meta, "corpus": corpus, "aggregate": aggregate(results, args.sizes, args.seeds, args.ablation_at),
-            "reruns": read_reruns(cache), "runs": ct.stored_runs(results)}
+            "reruns": read_reruns(cache), "runs": stats.stored_runs(results)}
 
 
 def n_params(cfg) -> int:

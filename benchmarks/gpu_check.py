@@ -288,28 +288,28 @@ def table(report: dict) -> str:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m benchmarks gpu", description=__doc__.splitlines()[0].strip("`"),
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[2:]))
-    p.add_argument("--json", default=DEFAULT_JSON, help=f"write the report here (default {DEFAULT_JSON})")
-    p.add_argument("--models", default=",".join(MODELS),
+    """The command's arguments; a bad one is one line on stderr and exit 2 before anything
+    runs (:mod:`benchmarks.arguments`)."""
+    from benchmarks import arguments as A
+    from benchmarks import train_step as ts
+
+    p = A.Parser(prog="python -m benchmarks gpu", description=__doc__.splitlines()[0].strip("`"),
+                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                 epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("--json", default=DEFAULT_JSON, type=A.output_file,
+                   help=f"write the report here (default {DEFAULT_JSON})")
+    p.add_argument("--models", default=",".join(MODELS), type=A.name_list(list(ts.SIZES), "model size"),
                    help=f"model sizes of benchmarks.train_step to step (default {','.join(MODELS)})")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per model and weight format (default 5)")
-    p.add_argument("--size", type=int, default=None, help="square side for quantize (default 8192; --cpu 256)")
-    p.add_argument("--repeats", type=int, default=10, help="timed calls of quantize and the GEMMs (default 10)")
+    p.add_argument("--steps", type=A.positive_int, default=5, help="timed steps per model and weight format (default 5)")
+    p.add_argument("--size", type=A.positive_int, default=None, help="square side for quantize (default 8192; --cpu 256)")
+    p.add_argument("--repeats", type=A.positive_int, default=10, help="timed calls of quantize and the GEMMs (default 10)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU: a smoke test of this command, no GPU figures")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from benchmarks import train_step as ts
-
-    models = [m for m in args.models.split(",") if m]
-    for m in models:
-        if m not in ts.SIZES:
-            print(f"python -m benchmarks gpu: unknown model {m!r}; sizes are {', '.join(ts.SIZES)}", file=sys.stderr)
-            return 2
+    models = args.models
     # Before JAX starts its backend: the flags python -m train runs with on a GPU.
     from train import xla_flags
 

@@ -15,7 +15,6 @@ Bandwidths (``*_GBps``) count bytes read + written. Run:
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import jax
@@ -82,9 +81,11 @@ def run(size: int = 4096, repeats: int = 10) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--size", type=int, default=4096)
-    p.add_argument("--repeats", type=int, default=10)
+    from benchmarks import arguments as A
+
+    p = A.Parser(prog="python -m benchmarks.quantize", description=__doc__.splitlines()[0])
+    p.add_argument("--size", type=A.positive_int, default=4096)
+    p.add_argument("--repeats", type=A.positive_int, default=10)
     args = p.parse_args(argv)
     res = run(args.size, args.repeats)
     print(json.dumps(res, indent=2))

@@ -76,6 +76,9 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 # ----------------------------------------------------------------------------- the mesh spec
+MESH_FORMS = "expected gb200:RACKS or data:N (RACKS, N >= 1), e.g. gb200:2 or data:16"
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
     """``gb200:R`` = R NVLink racks of ``nvl_domain`` devices (tensor inside one); ``data:N`` =
@@ -96,7 +99,7 @@ class MeshSpec:
     def parse(cls, text: str, tensor: int = 1, nvl_domain: int = 72, sharding: str = "fsdp") -> "MeshSpec":
         m = re.fullmatch(r"(gb200|data):(\d+)", text)
         if not m or int(m.group(2)) < 1:
-            raise ValueError(f"--mesh {text!r}: expected gb200:RACKS or data:N, e.g. gb200:2 or data:16")
+            raise ValueError(f"--mesh {text!r}: {MESH_FORMS}")
         if sharding not in ("fsdp", "hsdp", "flat"):
             raise ValueError(f"--sharding {sharding!r}: expected fsdp, hsdp or flat")
         return cls(m.group(1), int(m.group(2)), tensor, nvl_domain, sharding if m.group(1) == "gb200" else "flat")
@@ -745,27 +748,66 @@ def sharding_table(results_dir: str = RESULTS) -> str:
 
 
 # ----------------------------------------------------------------------------- CLI
+def mesh_text(text: str) -> str:
+    """``--mesh``'s ``type=``: a spec :meth:`MeshSpec.parse` reads (returned as given)."""
+    from benchmarks import arguments as A
+
+    try:
+        MeshSpec.parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{A.show(text)}: {MESH_FORMS}") from None
+    return text
+
+
+# Which argument a config error of the compiled model comes from (the mesh's and the model's
+# rules of train.config): the key it names.
+_KEY_FLAGS = {"mesh.tensor": "tensor", "mesh.nvl_domain": "nvl_domain", "model.layers": "layers",
+              "model.vocab": "vocab", "model.seq_len": "seq_len", "data.batch_size": "micro_batch"}
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__.splitlines()[0])
+    """The arguments, checked together before JAX starts: the mesh spec, and the model on it
+    by the training stack's own rules (``train.config.validate_for_devices``: heads, widths,
+    vocabulary and sequence split over the tensor axis, the tensor axis inside one NVLink
+    domain). A bad one is one line on stderr and exit 2 (:mod:`benchmarks.arguments`)."""
+    from benchmarks import arguments as A
+
+    p = A.Parser(prog="python -m benchmarks.scale", description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(PRESETS), default="8b")
-    p.add_argument("--mesh", default="gb200:2", help="gb200:RACKS (RACKS x nvl-domain devices) or data:N")
-    p.add_argument("--tensor", type=int, default=1, help="tensor-axis size (inside one NVLink domain)")
-    p.add_argument("--nvl-domain", type=int, default=72, help="devices per NVLink domain (72 = NVL72)")
+    p.add_argument("--mesh", default="gb200:2", type=mesh_text,
+                   help="gb200:RACKS (RACKS x nvl-domain devices) or data:N")
+    p.add_argument("--tensor", type=A.positive_int, default=1, help="tensor-axis size (inside one NVLink domain)")
+    p.add_argument("--nvl-domain", type=A.positive_int, default=72, help="devices per NVLink domain (72 = NVL72)")
     p.add_argument("--sharding", choices=("fsdp", "hsdp", "flat"), default="fsdp",
                    help="gb200 meshes: fsdp (rack x data axes, state sharded over both), hsdp (sharded "
                         "inside a rack, replicated across racks) or flat (one data axis over all racks)")
     p.add_argument("--weights", choices=("nvfp4", "bf16", "both"), default="both")
-    p.add_argument("--layers", type=int, help="override the preset's layer count (e.g. for a fast test)")
-    p.add_argument("--vocab", type=int, help="override the preset's vocabulary size")
-    p.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per sequence (and per data shard with "
-                   "--micro-batch 1)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per data shard")
-    p.add_argument("--nvlink-gbps", type=float, default=NVLINK_GBPS)
-    p.add_argument("--ib-gbps", type=float, default=IB_GBPS)
-    p.add_argument("--out", default=RESULTS, help="directory for scale_<model>_<mesh>.json/.md ('' = none)")
+    p.add_argument("--layers", type=A.positive_int, help="override the preset's layer count (e.g. for a fast test)")
+    p.add_argument("--vocab", type=A.positive_int, help="override the preset's vocabulary size")
+    p.add_argument("--seq-len", type=A.positive_int, default=SEQ_LEN, help="tokens per sequence (and per data shard "
+                   "with --micro-batch 1)")
+    p.add_argument("--micro-batch", type=A.positive_int, default=1, help="sequences per data shard")
+    p.add_argument("--nvlink-gbps", type=A.positive_float, default=NVLINK_GBPS)
+    p.add_argument("--ib-gbps", type=A.positive_float, default=IB_GBPS)
+    p.add_argument("--out", default=RESULTS, type=A.output_dir,
+                   help="directory for scale_<model>_<mesh>.json/.md ('' = none)")
     p.add_argument("--table", action="store_true",
                    help="only write the FSDP / HSDP / flat table of the results in --out (SHARDING.md)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.table:
+        from train.config import ConfigError, validate_for_devices
+
+        spec = MeshSpec.parse(args.mesh, args.tensor, args.nvl_domain, args.sharding)
+        preset = dict(PRESETS[args.model], **{k: v for k, v in (("layers", args.layers), ("vocab", args.vocab))
+                                              if v is not None})
+        try:
+            validate_for_devices(make_config(preset, spec, "nvfp4", args.seq_len, args.micro_batch), spec.devices)
+        except ConfigError as e:
+            why = str(e)
+            key = next((k for k in _KEY_FLAGS if why.startswith(k)), None)
+            dest = "tensor" if "tensor axis" in why else _KEY_FLAGS.get(key, "model")
+            p.error(f"--{dest.replace('_', '-')} {getattr(args, dest)}: {why}")
+    return args
 
 
 def _request_devices(n: int) -> None:

@@ -39,7 +39,10 @@ import sys
 import time
 from typing import Any, Dict, List, Sequence
 
+from benchmarks import arguments as A
+from benchmarks import convergence_grid as grid
 from benchmarks import convergence_text as ct
+from benchmarks import stats
 from benchmarks.common import git_commit, source_state
 
 DEFAULT_CACHE = os.path.join("runs", "serving")
@@ -59,7 +62,7 @@ def tail_lr(size: str, steps: int, tail: int, corpus) -> float:
     """The mean learning rate of the full run's schedule over its last ``tail`` steps."""
     from train.optimizer import schedule_for
 
-    cfg, _ = ct.run_config(size, steps, 0, "bf16", corpus)
+    cfg, _ = grid.run_config(size, steps, 0, "bf16", corpus)
     sched = schedule_for(cfg)
     return float(statistics.fmean(float(sched(s)) for s in range(steps - tail, steps)))
 
@@ -73,16 +76,16 @@ def specs(size: str, steps: int, seeds: Sequence[int], cache: str, corpus) -> Li
     for seed in seeds:
         hf = lambda step: os.path.abspath(os.path.join(cache, "hf", f"{size}-{steps}-s{seed}-bf16", f"step-{step}"))
         out.append({"row": "bf16", "size": size, "steps": steps, "seed": seed, "variant": "bf16",
-                    "name": ct.run_name(size, steps, seed, "bf16") + "-exported",
+                    "name": grid.run_name(size, steps, seed, "bf16") + "-exported",
                     "export_hf": {steps - tail: hf(steps - tail), steps: hf(steps)}})
         out.append({"row": "native", "size": size, "steps": steps, "seed": seed, "variant": "nvfp4",
-                    "name": ct.run_name(size, steps, seed, "nvfp4")})
+                    "name": grid.run_name(size, steps, seed, "nvfp4")})
         out.append({"row": "qat", "size": size, "steps": tail, "seed": seed, "variant": "nvfp4",
-                    "name": ct.run_name(size, steps, seed, "qat"),
+                    "name": grid.run_name(size, steps, seed, "qat"),
                     "extra": [f"train.init_from={hf(steps - tail)}", "optim.schedule=constant", "optim.warmup_steps=0",
                               f"optim.lr={lr!r}", f"data.seed={seed + 1000}"]})
         out.append({"row": "ptq", "size": size, "steps": steps, "seed": seed, "variant": "nvfp4",
-                    "name": ct.run_name(size, steps, seed, "ptq"), "source": hf(steps)})
+                    "name": grid.run_name(size, steps, seed, "ptq"), "source": hf(steps)})
     return out
 
 
@@ -102,8 +105,8 @@ def ptq_one(spec: Dict[str, Any], corpus, cache: str, log=print) -> Dict[str, An
     from train.step import validation_loss
 
     t0 = time.perf_counter()
-    cfg, overrides = ct.run_config(spec["size"], spec["steps"], spec["seed"], "nvfp4", corpus,
-                                   [f"train.init_from={spec['source']}", "nvfp4.block=1d"])
+    cfg, overrides = grid.run_config(spec["size"], spec["steps"], spec["seed"], "nvfp4", corpus,
+                                     [f"train.init_from={spec['source']}", "nvfp4.block=1d"])
     trainer, _, _ = build(cfg, mesh_lib.build_mesh(cfg.mesh, jax.devices()[:1]), init=False)
     params, _ = hf_import.load(spec["source"], trainer)
     val = data_lib.eval_batches(cfg, data_lib.make_source(cfg.data, cfg.model, split="val"))
@@ -129,10 +132,10 @@ def aggregate(results: Dict[str, Dict[str, Any]], all_specs, seeds) -> Dict[str,
                 per[seed] = {"val": v, "gap_pct": 100 * (v - b) / b, "gap_nats": v - b}
         if per:
             gaps = [p["gap_pct"] for p in per.values()]
-            st = ct._stats(gaps)
-            lo, hi = ct.mean_interval(st)
-            rows[row] = {"name": ROW_NAMES[row], "per_seed": per, "val": ct._stats([p["val"] for p in per.values()]),
-                         "gap_pct": st, "gap_nats": ct._stats([p["gap_nats"] for p in per.values()]),
+            st = stats.summarize(gaps)
+            lo, hi = stats.mean_interval(st)
+            rows[row] = {"name": ROW_NAMES[row], "per_seed": per,
+                         "val": stats.summarize([p["val"] for p in per.values()]), "gap_pct": st, "gap_nats": stats.summarize([p["gap_nats"] for p in per.values()]),
                          "gap_pct_interval95": [lo, hi]}
     # Each NVFP4 row against each other, paired by seed (negative: the first serves better).
     pairs = {}
@@ -141,8 +144,8 @@ def aggregate(results: Dict[str, Dict[str, Any]], all_specs, seeds) -> Dict[str,
             d = [rows[a]["per_seed"][s]["gap_pct"] - rows[b]["per_seed"][s]["gap_pct"]
                  for s in seeds if s in rows[a]["per_seed"] and s in rows[b]["per_seed"]]
             if d:
-                st = ct._stats(d)
-                pairs[f"{a}-{b}"] = {**st, "interval95": list(ct.mean_interval(st))}
+                st = stats.summarize(d)
+                pairs[f"{a}-{b}"] = {**st, "interval95": list(stats.mean_interval(st))}
     curves = {}
     for s in all_specs:
         r = results.get(s["name"])
@@ -198,7 +201,7 @@ def report(payload: Dict[str, Any], out: str) -> str:
          f"The `{meta['size']}` model ({meta['model']}), {meta['steps']} steps of {meta['tokens_per_step']} byte "
          f"tokens for every row (the fine-tune: the bf16 run's first {meta['steps'] - meta['tail_steps']} and "
          f"{meta['tail_steps']} of its own), seeds "
-         f"{', '.join(map(str, meta['seeds']))}; validation: {ct.EVAL_BATCHES} batches of held-out stdlib modules. "
+         f"{', '.join(map(str, meta['seeds']))}; validation: {grid.EVAL_BATCHES} batches of held-out stdlib modules. "
          "See `benchmarks/serving.py` for what each row is.", "",
          "| served model | validation loss (mean) | gap vs bf16, % (mean) | seeds' range | 95% interval of the mean |",
          "|---|---:|---:|---|---|"]
@@ -226,18 +229,21 @@ def report(payload: Dict[str, Any], out: str) -> str:
 
 
 def parse_args(argv: Sequence[str]):
-    p = argparse.ArgumentParser(prog="python -m benchmarks serving", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[2:]))
-    p.add_argument("--steps", type=int, default=STEPS, help=f"the budget of every row, in steps (default {STEPS})")
-    p.add_argument("--seeds", default=",".join(map(str, ct.SEEDS)), help="seeds (default 0,1,2)")
-    p.add_argument("--size", default=SIZE, choices=list(ct.SIZES), help=f"model size (default {SIZE})")
-    p.add_argument("--out", default=ct.DEFAULT_OUT, help=f"report folder (default {ct.DEFAULT_OUT})")
-    p.add_argument("--cache", default=DEFAULT_CACHE, help=f"corpus, runs, exports (default {DEFAULT_CACHE})")
-    p.add_argument("--max-bytes", type=int, help=argparse.SUPPRESS)  # cap the corpus (tests)
-    args = p.parse_args(list(argv))
-    args.seeds = [int(s) for s in args.seeds.split(",") if s]
-    return args
+    """The command's arguments; a bad one is one line on stderr and exit 2 before anything is
+    trained or written (:mod:`benchmarks.arguments`)."""
+    p = A.Parser(prog="python -m benchmarks serving", description=__doc__.splitlines()[0],
+                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                 epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("--steps", type=A.int_at_least(2, "the fine-tune is the last 10% of the steps, at least one, "
+                                                     "after at least one bf16 step"),
+                   default=STEPS, help=f"the budget of every row, in steps (default {STEPS})")
+    p.add_argument("--seeds", type=A.seed_list, default=",".join(map(str, grid.SEEDS)), help="seeds (default 0,1,2)")
+    p.add_argument("--size", default=SIZE, choices=list(grid.SIZES), help=f"model size (default {SIZE})")
+    p.add_argument("--out", type=A.output_dir, default=ct.DEFAULT_OUT, help=f"report folder (default {ct.DEFAULT_OUT})")
+    p.add_argument("--cache", type=A.output_dir, default=DEFAULT_CACHE,
+                   help=f"corpus, runs, exports (default {DEFAULT_CACHE})")
+    p.add_argument("--max-bytes", type=A.positive_int, help=argparse.SUPPRESS)  # cap the corpus (tests)
+    return p.parse_args(list(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -247,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.0f}s] {msg}", flush=True)
     corpus = ct.build_corpus(args.cache, max_bytes=args.max_bytes)
     all_specs = specs(args.size, args.steps, args.seeds, args.cache, corpus)
-    ct._one_device(args.cache)
+    ct.one_device(args.cache)
     results = {}
     for spec in all_specs:
         if spec["row"] == "ptq":
@@ -258,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from benchmarks.train_step import model_summary
 
-    cfg, _ = ct.run_config(args.size, args.steps, 0, "nvfp4", corpus)
+    cfg, _ = grid.run_config(args.size, args.steps, 0, "nvfp4", corpus)
     m = model_summary(cfg)
     wall = sum(r["wall_s"] for r in results.values())
     meta = {"command": " ".join(["python -m benchmarks serving", *argv]), "steps": args.steps, "seeds": args.seeds,

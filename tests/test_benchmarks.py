@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import jax
 import pytest
@@ -171,13 +172,112 @@ def test_gpu_check_runs_end_to_end_on_cpu(results, tmp_path, capsys):
     assert step["nvfp4"]["cudnn_attention_calls"] == 0  # XLA's attention on a CPU
 
 
-def test_bad_numbers_are_one_line_errors(capsys):
-    # --host-devices 0 and --data-sizes 0 ended in tracebacks.
-    for args, needle in ((["--host-devices", "0"], "argument --host-devices: expected a positive integer, got '0'"),
-                         (["--data-sizes", "0"], "argument --data-sizes: expected a positive integer, got '0'"),
-                         (["--data-sizes", ","], "expected comma-separated positive integers"),
-                         (["--repeats", "-1"], "argument --repeats"), (["nosuch"], "unknown section 'nosuch'")):
-        with pytest.raises(SystemExit) as e:
-            cli.parse_args(args)
-        err = capsys.readouterr().err.strip().splitlines()
-        assert e.value.code == 2 and len(err) == 1 and needle in err[0], (args, err)
+# Bad arguments of every subcommand, each with the flag its error names. Each is refused by the
+# parser, before anything is compiled, trained or written (some used to end in a traceback, one
+# after 99 s; --workers 0 started a sweep).
+BAD_ARGUMENTS = [
+    # python -m benchmarks [SECTION...]
+    (["--host-devices", "0"], "--host-devices"), (["--host-devices", "1000"], "--host-devices"),
+    (["--data-sizes", "0"], "--data-sizes"), (["--data-sizes", ","], "--data-sizes"),
+    (["--data-sizes", "3"], "--data-sizes"), (["--data-sizes", "1,1"], "--data-sizes"),
+    (["--repeats", "-1"], "--repeats"), (["--repeats", "1.5"], "--repeats"), (["--conv-steps", "0"], "--conv-steps"),
+    (["--quant-size", "x"], "--quant-size"), (["--sizes", "tiny,huge"], "--sizes"), (["--ref-size", "huge"], "--ref-size"),
+    (["--conv-size", "huge"], "--conv-size"), (["--against", "nosuchrev"], "--against"),
+    (["traffic", "--against", "HEAD"], "--against"), (["--repeats"], "--repeats"), (["--quik"], "--quik"),
+    (["--quick=1"], "--quick"), (["nosuch"], "nosuch"), (["--out", "a-file"], "--out"),
+    # gpu
+    (["gpu", "--cpu", "--steps", "0"], "--steps"), (["gpu", "--steps", "x"], "--steps"), (["gpu", "--size", "0"], "--size"),
+    (["gpu", "--repeats", "0"], "--repeats"), (["gpu", "--models", "default,huge"], "--models"),
+    (["gpu", "--json", "."], "--json"),
+    # scale
+    (["scale", "--mesh", "data:0"], "--mesh"), (["scale", "--mesh", "gb200:x"], "--mesh"), (["scale", "--tensor", "3"], "--tensor"),
+    (["scale", "--tensor", "0"], "--tensor"), (["scale", "--tensor", "128"], "--tensor"), (["scale", "--layers", "0"], "--layers"),
+    (["scale", "--vocab", "100", "--tensor", "2"], "--tensor"), (["scale", "--vocab", "0"], "--vocab"),
+    (["scale", "--nvl-domain", "0"], "--nvl-domain"), (["scale", "--seq-len", "0"], "--seq-len"),
+    (["scale", "--micro-batch", "0"], "--micro-batch"), (["scale", "--nvlink-gbps", "0"], "--nvlink-gbps"),
+    (["scale", "--ib-gbps", "nan"], "--ib-gbps"), (["scale", "--model", "9b"], "--model"),
+    (["scale", "--sharding", "x"], "--sharding"), (["scale", "--out", "a-file"], "--out"),
+    # serving
+    (["serving", "--steps", "0"], "--steps"), (["serving", "--steps", "1"], "--steps"), (["serving", "--seeds", "a,b"], "--seeds"),
+    (["serving", "--seeds", ""], "--seeds"), (["serving", "--seeds", "0,0"], "--seeds"), (["serving", "--seeds", "-1"], "--seeds"),
+    (["serving", "--size", "huge"], "--size"), (["serving", "--max-bytes", "0"], "--max-bytes"),
+    # convergence --text
+    (["convergence", "--text", "--workers", "0"], "--workers"), (["convergence", "--text", "--workers", "x"], "--workers"),
+    (["convergence", "--text", "--seeds", "a"], "--seeds"), (["convergence", "--text", "--lr-check", "x"], "--lr-check"),
+    (["convergence", "--text", "--lr-check", "1"], "--lr-check"),
+    (["convergence", "--text", "--headline-seeds", "-1"], "--headline-seeds"),
+    (["convergence", "--text", "--lengths", "tiny=0"], "--lengths"), (["convergence", "--text", "--lengths", "tiny"], "--lengths"),
+    (["convergence", "--text", "--lengths", "huge=10"], "--lengths"), (["convergence", "--text", "--sizes", "huge"], "--sizes"),
+    (["convergence", "--text", "--recipe", "--sizes", "tiny"], "--sizes"),
+    (["convergence", "--text", "--ablation-at", "l4-d64"], "--ablation-at"),
+    (["convergence", "--text", "--max-bytes", "0"], "--max-bytes"), (["convergence", "--text", "--shard", "2/2"], "--shard"),
+    (["convergence", "--text", "--rerun", "nosuch"], "--rerun"), (["convergence", "--text", "--only", "nosuch"], "--only"),
+    (["convergence", "--text", "--cache", "a-file"], "--cache"),
+    (["convergence", "--text", "--recipe", "--sizes", "l4-d64", "--ablation-at", "l4-d128"], "--ablation-at"),
+    (["convergence", "--text", "--recipe", "--rerun", "l4-d64-2000-s0-bf16"], "--rerun"),  # not finished
+]
+
+
+@pytest.mark.parametrize("argv, flag", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
+def test_bad_arguments_are_one_line_errors_before_anything_runs(argv, flag, tmp_path, monkeypatch, capsys):
+    """``error: FLAG VALUE: why`` on stderr, exit 2, nothing on stdout and nothing written: the
+    relative default folders (runs/, benchmarks/results) would land in the empty working folder,
+    and scale's absolute one is the committed results folder."""
+    from conftest import ROOT
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    results = os.path.join(ROOT, "benchmarks", "results")
+    before = sorted(os.listdir(results))
+    with pytest.raises(SystemExit) as e:
+        cli.main(list(argv))
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert e.value.code == 2 and out == "" and len(lines) == 1, (argv, out, err)
+    assert lines[0].startswith(f"error: {flag}") and len(lines[0]) > len(f"error: {flag}: "), lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+    assert sorted(os.listdir(results)) == before
+
+
+def test_argument_errors_name_the_value_and_why(capsys):
+    for argv, line in (
+            (["--host-devices", "0"], "error: --host-devices 0: must be a positive integer"),
+            (["--data-sizes", "3"], "error: --data-sizes 3: the medium model's batch of 32 rows does not split over a "
+                                    "data axis of 3"),
+            (["--against", "nosuchrev"], "error: --against nosuchrev: not a commit of this repository (git rev-parse "
+                                         "--verify)"),
+            (["--quik"], "error: --quik: unknown option (did you mean --quick?)"),
+            (["serving", "--seeds", "a,b"], "error: --seeds a,b: 'a' is not an integer"),
+            (["scale", "--mesh", "data:0"], "error: --mesh data:0: expected gb200:RACKS or data:N (RACKS, N >= 1), e.g. "
+                                            "gb200:2 or data:16"),
+            (["scale", "--tensor", "3"], "error: --tensor 3: model.d_model=4096: must be divisible by 16 x mesh tensor "
+                                         "axis (3) = 48"),
+            (["scale", "--model", "9b"], "error: --model 9b: must be one of '1b', '405b', '70b', '8b', 'llama31_405b', "
+                                         "'llama31_70b', 'llama31_8b', 'llama3_70b', 'llama3_8b'")):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        assert capsys.readouterr().err == line + "\n", argv
+
+
+def test_good_arguments_parse():
+    args = cli.parse_args(["traffic", "speed", "--data-sizes", "2,4", "--against", "HEAD", "--host-devices", "4"])
+    assert (args.sections, args.data_sizes, args.against, args.host_devices) == (["traffic", "speed"], [2, 4], "HEAD", 4)
+    from benchmarks import gpu_check, scale, serving
+
+    assert gpu_check.parse_args(["--models", "tiny"]).models == ["tiny"]
+    assert serving.parse_args(["--seeds", "3,1", "--steps", "2"]).seeds == [3, 1]
+    s = scale.parse_args(["--model", "1b", "--mesh", "gb200:2", "--nvl-domain", "8", "--tensor", "2", "--layers", "2"])
+    assert (s.mesh, s.tensor, s.layers) == ("gb200:2", 2, 2)
+
+
+def test_a_bad_argument_exits_2_from_the_shell():
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "scale", "--mesh", "data:0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout) == (2, "")
+    assert run.stderr.splitlines() == ["error: --mesh data:0: expected gb200:RACKS or data:N (RACKS, N >= 1), e.g. "
+                                       "gb200:2 or data:16"]

@@ -8,7 +8,9 @@ import statistics
 import pytest
 
 from benchmarks import __main__ as cli
+from benchmarks import convergence_grid as cg
 from benchmarks import convergence_text as ct
+from benchmarks import stats
 
 
 @pytest.fixture(scope="module")
@@ -33,38 +35,38 @@ def test_held_out_modules_are_unseen_and_the_split_is_deterministic(corpus, tmp_
 
 def test_pairs_share_the_data_order_and_seeds_do_not(corpus):
     hashes = {}
-    for v in ct.VARIANTS:  # every variant's overrides are valid config keys
-        cfg, _ = ct.run_config("tiny", 30, 0, v, corpus)
+    for v in cg.VARIANTS:  # every variant's overrides are valid config keys
+        cfg, _ = cg.run_config("tiny", 30, 0, v, corpus)
         assert (cfg.data.source, cfg.data.val_path, cfg.train.eval_every) == ("file", corpus["val"]["path"], 3)
         hashes[v] = ct.data_order_sha256(cfg)
     assert len(set(hashes.values())) == 1
-    other, _ = ct.run_config("tiny", 30, 1, "bf16", corpus)
+    other, _ = cg.run_config("tiny", 30, 1, "bf16", corpus)
     assert ct.data_order_sha256(other) != hashes["bf16"]
 
 
 def test_grid_covers_sizes_lengths_seeds_and_levers():
-    specs = ct.grid(headline=ct.headline_seeds(ct.SEEDS))
+    specs = cg.grid(headline=cg.headline_seeds(cg.SEEDS))
     names = [s["name"] for s in specs]
     assert len(names) == len(set(names))
-    assert max(ct.LENGTHS["tiny"]) >= 2000
-    for size in ct.WEIGHTS_SIZES:
-        for steps in ct.LENGTHS[size]:
-            for seed in ct.SEEDS:
+    assert max(cg.LENGTHS["tiny"]) >= 2000
+    for size in cg.WEIGHTS_SIZES:
+        for steps in cg.LENGTHS[size]:
+            for seed in cg.SEEDS:
                 for v in ("nvfp4", "bf16"):
-                    assert ct.run_name(size, steps, seed, v) in names
-    top = max(ct.LENGTHS[ct.LEVER_SIZE])
-    for lever in ct.LEVERS:
-        assert all(ct.run_name(ct.LEVER_SIZE, top, s, lever) in names for s in ct.SEEDS)
-    assert ct.run_name(ct.LEVER_SIZE, top, ct.SEEDS[0], "plain_bf16") in names
+                    assert cg.run_name(size, steps, seed, v) in names
+    top = max(cg.LENGTHS[cg.LEVER_SIZE])
+    for lever in cg.LEVERS:
+        assert all(cg.run_name(cg.LEVER_SIZE, top, s, lever) in names for s in cg.SEEDS)
+    assert cg.run_name(cg.LEVER_SIZE, top, cg.SEEDS[0], "plain_bf16") in names
     # The headline cell runs more seeds, for NVFP4, bf16 and 2d tiles only.
-    extra = [n for n in names if int(n.split("-s")[1].split("-")[0]) not in ct.SEEDS]
-    assert sorted(extra) == sorted(ct.run_name(ct.LEVER_SIZE, top, s, v) for s in range(ct.HEADLINE_SEEDS)
-                                   if s not in ct.SEEDS for v in ct.HEADLINE_VARIANTS)
+    extra = [n for n in names if int(n.split("-s")[1].split("-")[0]) not in cg.SEEDS]
+    assert sorted(extra) == sorted(cg.run_name(cg.LEVER_SIZE, top, s, v) for s in range(cg.HEADLINE_SEEDS)
+                                   if s not in cg.SEEDS for v in cg.HEADLINE_VARIANTS)
 
 
 def test_one_short_run_learns_the_held_out_text(corpus, tmp_path):
     spec = {"size": "tiny", "steps": 20, "seed": 0, "variant": "plain_bf16",
-            "name": ct.run_name("tiny", 20, 0, "plain_bf16"), "extra": ["train.eval_batches=1"]}
+            "name": cg.run_name("tiny", 20, 0, "plain_bf16"), "extra": ["train.eval_batches=1"]}
     r = ct.run_one(spec, corpus, str(tmp_path), log=lambda _: None)
     vals = [v for _, v in r["val_history"]]
     assert all(math.isfinite(v) for v in vals) and len(vals) == 10
@@ -74,7 +76,7 @@ def test_one_short_run_learns_the_held_out_text(corpus, tmp_path):
 
 
 def _res(size, steps, seed, variant, val, sha="x"):
-    return {"name": ct.run_name(size, steps, seed, variant), "final_val_loss": val, "final_train_loss": val,
+    return {"name": cg.run_name(size, steps, seed, variant), "final_val_loss": val, "final_train_loss": val,
             "val_history": [[steps, val]], "data_order_sha256": sha, "wall_s": 1.0}
 
 
@@ -95,7 +97,7 @@ def test_gap_and_acceptance_arithmetic():
     # Full recipe: +3.5% mean with every seed above bf16.
     assert agg["acceptance"]["full_recipe"]["met"] is False
     assert agg["levers"]["compute_nvfp4"]["vs_default_pct"]["mean"] > 0
-    assert ct.lever_effect(agg["levers"]["compute_nvfp4"]).startswith("hurts")
+    assert stats.lever_effect(agg["levers"]["compute_nvfp4"]).startswith("hurts")
 
 
 def test_pairs_trained_by_different_code_are_named():
@@ -111,10 +113,10 @@ def test_pairs_trained_by_different_code_are_named():
             res[r["name"]] = r
     agg = ct.aggregate(res, [0, 1, 2], ["default"], {"default": [100]})
     assert [p["same_source"] for p in agg["table"][0]["per_seed"].values()] == [True, False, None]
-    summary = ct.source_summary(res)
+    summary = stats.source_summary(res)
     assert [(s["sha256"], s["runs"]) for s in summary["states"]] == [(here["sha256"], 4), ("0" * 64, 1)]
-    assert summary["unrecorded"] == [ct.run_name("default", 100, 2, "nvfp4")]
-    line = ct.source_lines({"sources": summary}, agg)[0]
+    assert summary["unrecorded"] == [cg.run_name("default", 100, 2, "nvfp4")]
+    line = stats.source_lines({"sources": summary}, agg)[0]
     assert "with uncommitted changes" in line and "1 runs predate the record" in line
     assert line.endswith("Pairs trained by different code: `default-100-s1-nvfp4` vs `bf16`.")
 
@@ -126,18 +128,18 @@ def test_headline_cell_takes_its_own_seeds_and_levers_an_interval():
     for seed in range(5):
         for v, x in (("bf16", 2.0), ("nvfp4", 2.01), ("block_2d", 2.03 if seed else 2.005),
                      ("stochastic_rounding", 2.05)):
-            if seed < 3 or v in ct.HEADLINE_VARIANTS:
+            if seed < 3 or v in cg.HEADLINE_VARIANTS:
                 r = _res("default", 100, seed, v, x)
                 res[r["name"]] = r
     agg = ct.aggregate(res, [0, 1, 2], ["default"], {"default": [100]}, headline=range(5))
     assert agg["table"][0]["gap_pct"]["n"] == 5 and agg["levers"]["nvfp4"]["gap_pct"]["n"] == 5
     assert agg["levers"]["block_2d"]["vs_default_pct"]["n"] == 5
     assert agg["levers"]["stochastic_rounding"]["vs_default_pct"]["n"] == 3
-    assert ct.lever_effect(agg["levers"]["stochastic_rounding"]).startswith("hurts (higher in every seed")
-    effect = ct.lever_effect(agg["levers"]["block_2d"])
+    assert stats.lever_effect(agg["levers"]["stochastic_rounding"]).startswith("hurts (higher in every seed")
+    effect = stats.lever_effect(agg["levers"]["block_2d"])
     assert effect.startswith("hurts on average") and "sign changes" in effect, effect
     # Differences of +1.0% in four seeds and -0.25% in one: mean 0.75%, t(4) = 2.776.
-    lo, hi = ct.mean_interval(agg["levers"]["block_2d"]["vs_default_pct"])
+    lo, hi = stats.mean_interval(agg["levers"]["block_2d"]["vs_default_pct"])
     d = [100 * (2.03 - 2.01) / 2.01] * 4 + [100 * (2.005 - 2.01) / 2.01]
     half = 2.776 * statistics.stdev(d) / math.sqrt(5)
     assert (lo, hi) == pytest.approx((statistics.fmean(d) - half, statistics.fmean(d) + half))
@@ -210,43 +212,43 @@ def test_cli_dispatch(monkeypatch):
     monkeypatch.setattr(ct, "main", lambda argv: seen.append(argv) or 0)
     assert cli.main(["convergence", "--text", "--workers", "2"]) == 0
     assert seen == [["--workers", "2"]]
-    assert ct._without(["--workers", "2", "--shard=0/2", "--seeds", "0"], "--workers") == ["--shard=0/2", "--seeds", "0"]
+    assert ct.without(["--workers", "2", "--shard=0/2", "--seeds", "0"], "--workers") == ["--shard=0/2", "--seeds", "0"]
 
 
 def test_grid_wall_clock_counts_only_time_with_runs_in_progress():
     # Two overlapping runs (0-100 s and 50-150 s), then one resumed an hour later (3750-3800 s).
     runs = {"a": {"finished_unix": 100.0, "wall_s": 100.0}, "b": {"finished_unix": 150.0, "wall_s": 100.0},
             "c": {"finished_unix": 3800.0, "wall_s": 50.0}}
-    assert ct._busy(runs) == 200.0
-    assert ct._workers(runs) == 2
+    assert stats.busy_seconds(runs) == 200.0
+    assert stats.most_at_once(runs) == 2
 
 
 def test_recipe_grid_sweeps_widths_and_ablates_the_widest():
-    specs = ct.recipe_grid(["l4-d128", "l4-d64"], [0, 1, 2])
+    specs = cg.recipe_grid(["l4-d128", "l4-d64"], [0, 1, 2])
     names = [s["name"] for s in specs]
-    assert len(names) == len(set(names)) == 2 * 3 * len(ct.RECIPE_VARIANTS) + 3 * len(ct.ABLATIONS)
+    assert len(names) == len(set(names)) == 2 * 3 * len(cg.RECIPE_VARIANTS) + 3 * len(cg.ABLATIONS)
     assert names[0] == "l4-d64-2000-s0-bf16_keep_last_blocks_1"  # narrowest first
-    assert {s["size"] for s in specs if s["variant"] in ct.ABLATIONS} == {"l4-d128"}
-    assert ct.recipe_grid(["l4-d64"], [0], ()) == [s for s in specs if s["name"].startswith("l4-d64-2000-s0-")]
+    assert {s["size"] for s in specs if s["variant"] in cg.ABLATIONS} == {"l4-d128"}
+    assert cg.recipe_grid(["l4-d64"], [0], ()) == [s for s in specs if s["name"].startswith("l4-d64-2000-s0-")]
     # --ablation-at: the ablation at each size named, narrowest first, after the sweep.
-    both = ct.recipe_grid(["l4-d64", "l4-d128", "l4-d256"], [0], ["l4-d256", "l4-d128"])
-    assert [s["size"] for s in both if s["variant"] in ct.ABLATIONS] == ["l4-d128"] * 4 + ["l4-d256"] * 4
-    assert both[:12] == ct.recipe_grid(["l4-d64", "l4-d128", "l4-d256"], [0], ())
+    both = cg.recipe_grid(["l4-d64", "l4-d128", "l4-d256"], [0], ["l4-d256", "l4-d128"])
+    assert [s["size"] for s in both if s["variant"] in cg.ABLATIONS] == ["l4-d128"] * 4 + ["l4-d256"] * 4
+    assert both[:12] == cg.recipe_grid(["l4-d64", "l4-d128", "l4-d256"], [0], ())
     args = ct.parse_args(["--recipe", "--sizes", "l4-d64,l4-d128", "--ablation-at", "l4-d64,l4-d128"])
     assert args.ablation_at == ["l4-d64", "l4-d128"]
     assert ct.parse_args(["--recipe", "--ablation-at", "none"]).ablation_at == []
     # --lr-check SEEDS: the last-block-bf16 pair at half the learning rate, every size, before the ablation.
-    lr = ct.recipe_grid(["l4-d64", "l4-d128"], [0, 1], None, ct.parse_args(["--recipe", "--lr-check", "1"]).lr_check)
+    lr = cg.recipe_grid(["l4-d64", "l4-d128"], [0, 1], None, ct.parse_args(["--recipe", "--lr-check", "1"]).lr_check)
     assert [s["name"] for s in lr if "lr_half" in s["variant"]] == [
         f"l4-d{d}-2000-s1-{v}_keep_last_blocks_1_lr_half" for d in (64, 128) for v in ("bf16", "compute_nvfp4")]
-    assert lr.index(next(s for s in lr if "lr_half" in s["variant"])) == 2 * 2 * len(ct.RECIPE_VARIANTS)
-    assert ct.VARIANTS["compute_nvfp4_keep_last_blocks_1_lr_half"][-1] == f"optim.lr={ct.LR_HALF}"
+    assert lr.index(next(s for s in lr if "lr_half" in s["variant"])) == 2 * 2 * len(cg.RECIPE_VARIANTS)
+    assert cg.VARIANTS["compute_nvfp4_keep_last_blocks_1_lr_half"][-1] == f"optim.lr={cg.LR_HALF}"
     with pytest.raises(SystemExit):  # only at a size of the sweep
         ct.parse_args(["--recipe", "--sizes", "l4-d64", "--ablation-at", "l4-d128"])
     # Every ablation is the full recipe with its last block bf16 and one element off.
-    for v, over in ct.ABLATIONS.items():
+    for v, over in cg.ABLATIONS.items():
         assert over[:3] == ["nvfp4.weights=nvfp4", "nvfp4.compute=nvfp4", "nvfp4.keep_last_blocks=1"] and len(over) == 4
-    assert ct.parse_args(["--recipe"]).sizes == list(ct.RECIPE_SIZES)
+    assert ct.parse_args(["--recipe"]).sizes == list(cg.RECIPE_SIZES)
     with pytest.raises(SystemExit):
         ct.parse_args(["--recipe", "--sizes", "tiny"])
 
@@ -308,7 +310,7 @@ def test_recipe_report_arithmetic(tmp_path):
               for s, d, h in (("l4-d64", 64, 192), ("l4-d128", 128, 352))}
     meta = {"command": "python -m benchmarks convergence --text --recipe", "grid_wall_h": "1 h", "runs_done": 42,
             "runs_total": 42, "where": "cpu", "missing": [], "seeds": [0, 1, 2], "same_data_order": True,
-            "models": models, "sources": ct.source_summary(res), "lr": 3e-3}
+            "models": models, "sources": stats.source_summary(res), "lr": 3e-3}
     corpus = {"train": {"sha256": "a" * 64}, "val": {"sha256": "b" * 64}}
     path = cr.write(str(tmp_path), {"meta": meta, "corpus": corpus, "aggregate": agg, "reruns": []})
     text = open(path).read()
@@ -332,8 +334,12 @@ def test_rerun_compares_every_loss_bit_for_bit(tmp_path, corpus):
     # Only finished runs of the grid can be retrained.
     cache = str(tmp_path)
     json.dump(corpus, open(tmp_path / "corpus.json", "w"))
-    args = ct.parse_args(["--recipe", "--cache", cache, "--rerun", "nope"])
-    specs = ct.recipe_grid(args.sizes, args.seeds)
+    with pytest.raises(SystemExit) as e:  # refused by the parser, before the corpus is written
+        ct.parse_args(["--recipe", "--cache", cache, "--rerun", "nope"])
+    assert e.value.code == 2
+    args = ct.parse_args(["--recipe", "--cache", cache])
+    args.rerun = "nope"
+    specs = cg.recipe_grid(args.sizes, args.seeds)
     assert ct.rerun(args, [], specs, corpus, lambda _: None) == 2
     args.rerun = specs[0]["name"]
     assert ct.rerun(args, [], specs, corpus, lambda _: None) == 2
@@ -343,14 +349,14 @@ def test_ablation_effect_needs_the_interval_not_only_the_sign():
     # Three seeds lower by 1.68%, 0.01% and 0.65%: the same sign in every seed (one time in four
     # by chance), but the t-interval of the mean contains 0. With a reference noise (weights-only
     # levers) the sign rule stands; the recipe's ablation has none and asks for the interval.
-    g = {"vs_default_pct": ct._stats([-1.68, -0.01, -0.65])}
-    lo, hi = ct.mean_interval(g["vs_default_pct"])
+    g = {"vs_default_pct": stats.summarize([-1.68, -0.01, -0.65])}
+    lo, hi = stats.mean_interval(g["vs_default_pct"])
     assert lo < 0 < hi
-    assert ct.lever_effect(g).startswith("helps (lower in every seed")
-    effect = ct.lever_effect(g, interval=True)
+    assert stats.lever_effect(g).startswith("helps (lower in every seed")
+    effect = stats.lever_effect(g, interval=True)
     assert effect == (f"not clear: lower in every seed (3 of 3, by 0.01% to 1.68%), but the 95% interval of the "
                       f"mean, [{lo:+.2f}%, {hi:+.2f}%], contains 0")
-    tight = {"vs_default_pct": ct._stats([-1.0, -1.1, -0.9])}
-    assert ct.lever_effect(tight, interval=True).startswith("helps (lower in every seed, by 0.90% to 1.10%; 95% interval")
-    spread = {"vs_default_pct": ct._stats([0.5, -0.2, 0.1])}
-    assert ct.lever_effect(spread, interval=True).startswith("no clear effect (the sign changes")
+    tight = {"vs_default_pct": stats.summarize([-1.0, -1.1, -0.9])}
+    assert stats.lever_effect(tight, interval=True).startswith("helps (lower in every seed, by 0.90% to 1.10%; 95% interval")
+    spread = {"vs_default_pct": stats.summarize([0.5, -0.2, 0.1])}
+    assert stats.lever_effect(spread, interval=True).startswith("no clear effect (the sign changes")

@@ -1,13 +1,13 @@
 """The packages' import graph, read from the sources: no cycles (function-level imports
-included: a cycle hidden inside a function is still one), and the library never imports the
-training stack."""
+included: a cycle hidden inside a function is still one), the library never imports the
+training stack or the benchmarks, and no module uses another's private names."""
 
 import ast
 import os
 
 from conftest import ROOT
 
-PACKAGES = ("jax_nvfp4", "train")
+PACKAGES = ("jax_nvfp4", "train", "benchmarks")
 
 
 def _module(path: str) -> str:
@@ -71,8 +71,12 @@ def find_cycle(graph: dict):
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert "jax_nvfp4.collectives" in graph and "train.step" in graph
+    assert "jax_nvfp4.collectives" in graph and "train.step" in graph and "benchmarks.stats" in graph
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+    # convergence_text imports convergence_recipe, which imports the grid and the statistics, not
+    # convergence_text back (not even from inside a function).
+    assert {"benchmarks.convergence_recipe", "benchmarks.stats"} <= graph["benchmarks.convergence_text"]
+    assert "benchmarks.convergence_text" not in graph["benchmarks.convergence_recipe"]
     # The check finds a cycle when there is one.
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
@@ -83,18 +87,31 @@ def test_the_library_never_imports_the_training_stack():
     assert not any(bad.values()), bad
 
 
-def private_library_names(path: str) -> list:
-    """Private names of jax_nvfp4 a file uses: ``from jax_nvfp4... import _x`` and attribute
-    chains through the library's import alias (``nv._x``, ``nv.fetch._x``)."""
+def test_neither_the_library_nor_the_stack_imports_the_benchmarks():
+    graph = import_graph()
+    bad = {m: sorted(d for d in deps if d.startswith("benchmarks")) for m, deps in graph.items()
+           if m.startswith(("jax_nvfp4", "train"))}
+    assert not any(bad.values()), bad
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_library_names(path: str, package: str = "jax_nvfp4") -> list:
+    """Private names of ``package`` a file uses: ``from jax_nvfp4... import _x`` and attribute
+    chains through the names its imports bind (``nv._x``, ``nv.fetch._x``, and ``gemm._x``
+    after ``from jax_nvfp4 import gemm``)."""
     with open(path) as fh:
         tree = ast.parse(fh.read())
     aliases, found = set(), []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            aliases.update(a.asname or a.name for a in node.names if a.name.split(".")[0] == "jax_nvfp4")
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "jax_nvfp4":
-            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
-            found += [node.module] if any(p.startswith("_") and p != "__main__" for p in node.module.split(".")) else []
+            aliases.update(a.asname or a.name for a in node.names if a.name.split(".")[0] == package)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == package:
+            found += [f"{node.module}.{a.name}" for a in node.names if _private(a.name)]
+            found += [node.module] if any(_private(p) for p in node.module.split(".")) else []
+            aliases.update(a.asname or a.name for a in node.names)
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             chain, base = [node.attr], node.value
@@ -117,8 +134,23 @@ def test_the_training_stack_uses_public_library_names_only():
     assert not bad, bad
 
 
+def test_benchmarks_use_no_private_name_of_another_benchmark_module():
+    """Shared helpers have public names in the module that owns them (benchmarks.stats,
+    benchmarks.convergence_grid, benchmarks.arguments, ...), not ``ct._gaps``."""
+    bad = {}
+    for f in sorted(os.listdir(os.path.join(ROOT, "benchmarks"))):
+        if f.endswith(".py"):
+            names = private_library_names(os.path.join(ROOT, "benchmarks", f), "benchmarks")
+            if names:
+                bad[f] = names
+    assert not bad, bad
+
+
 def test_private_names_are_found(tmp_path):
     src = tmp_path / "m.py"
     src.write_text("import jax_nvfp4 as nv\nfrom jax_nvfp4.fetch import _manual_specs, Shard\n"
                    "x = nv.fetch._gather_fn\ny = nv.make_step\n")
     assert private_library_names(str(src)) == ["jax_nvfp4.fetch._manual_specs", "nv.fetch._gather_fn"]
+    src.write_text("from benchmarks import convergence_text as ct, __main__ as cli\nfrom benchmarks.stats import _t\n"
+                   "x = ct._gaps\ny = ct.run_one\nz = cli.main\n")
+    assert private_library_names(str(src), "benchmarks") == ["benchmarks.stats._t", "ct._gaps"]

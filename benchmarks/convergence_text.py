@@ -205,7 +205,7 @@ def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=pri
     else:
         mesh = mesh_lib.build_mesh(cfg.mesh, jax.devices()[:1])
         r = loop.run(cfg, mesh, os.path.join(cache, "out", spec["name"]), progress=False, label=spec["name"],
-                     on_step=_exporter(cfg, spec.get("export_hf")))
+                     hooks=loop.StepHooks(after_step=_exporter(cfg, spec.get("export_hf"))))
     wall = time.perf_counter() - t0
     res = {**spec, "overrides": overrides,
            "final_val_loss": r["final_val_loss"], "val_history": [list(v) for v in r["val_history"]],
@@ -225,7 +225,7 @@ def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=pri
 
 
 def _exporter(cfg, at: Optional[Dict[int, str]]):
-    """The ``on_step`` hook of a run whose spec has ``export_hf: {step: folder}``: a bf16 Hugging
+    """The ``after_step`` hook of a run whose spec has ``export_hf: {step: folder}``: a bf16 Hugging
     Face checkpoint of the params after each of those steps (what ``train.init_from`` reads);
     None without."""
     if not at:

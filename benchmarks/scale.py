@@ -396,8 +396,7 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
     params, state, batch = args[:3]
     t_abstract = time.perf_counter() - t0
     t0 = time.perf_counter()
-    # The program the training loop runs and the CLI accounts (a float32 loss scale), lowered,
-    # compiled and read once.
+    # The program the training loop runs and the CLI accounts, lowered, compiled and read once.
     step = accounting_lib.compiled_step(trainer)
     t_compile = time.perf_counter() - t0
     mem = step["memory"]

@@ -24,7 +24,6 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jax_nvfp4 as nv
 from train import data as data_lib
@@ -145,7 +144,7 @@ def measure(cfg: Config, devices: Sequence[Any], *, time_steps: int = 3) -> Dict
         key = jax.random.key(cfg.train.seed + 2)
         for i in range(time_steps + 1):  # the first call after compilation is not timed
             t = time.perf_counter()
-            params, opt_state, m = trainer.step_fn(params, opt_state, batch, jax.random.fold_in(key, i), np.float32(1))
+            params, opt_state, m = trainer.step_fn(params, opt_state, batch, jax.random.fold_in(key, i))
             loss = float(m["loss"])  # syncs the step
             if i:
                 times.append(time.perf_counter() - t)

@@ -1,6 +1,8 @@
 """Export trained weights: this project's own NVFP4 format (``export_nvfp4`` / ``load_nvfp4``)
-and Hugging Face checkpoints for serving engines (``export_hf``, through the name map its caller
-gives: :class:`HFNames`; the training stack's Llama map is ``train.model.HF_NAMES``).
+and Hugging Face checkpoints for serving engines (``export_hf``: bf16, or NVFP4 in
+compressed-tensors' or ModelOpt's layout, the latter read back by ``read_modelopt``; through the
+name map its caller gives: :class:`HFNames`; the training stack's Llama map is
+``train.model.HF_NAMES``).
 
 The native format is a directory with one ``.npy`` file per array and a ``manifest.json``::
 
@@ -46,8 +48,9 @@ from jax_nvfp4.array import (BLOCK_1D, BLOCK_2D, BLOCK_COLUMN, NVFP4Array, as_ar
 from jax_nvfp4.params import path_str
 
 __all__ = ["ExportError", "HFNames", "check_hf", "export_hf", "export_nvfp4", "hf_modules", "hf_tensors", "is_export",
-           "is_linear", "load_nvfp4", "nvfp4_to_compressed_tensors", "AMAX_METADATA", "EXPORT_FORMAT",
-           "EXPORT_VERSION", "NVFP4A16_QUANTIZATION_CONFIG"]
+           "is_linear", "load_nvfp4", "modelopt_quant_config", "nvfp4_to_compressed_tensors", "nvfp4_to_modelopt",
+           "read_modelopt", "AMAX_METADATA", "EXPORT_FORMAT", "EXPORT_VERSION", "HF_LAYOUTS", "MODELOPT_PRODUCER",
+           "MODELOPT_QUANT_CONFIG_FILE", "NVFP4A16_QUANTIZATION_CONFIG", "NVFP4_QUANTIZATION_CONFIG"]
 
 EXPORT_FORMAT = "jax_nvfp4.export"
 EXPORT_VERSION = 2  # 2: the manifest hashes itself
@@ -406,9 +409,15 @@ class HFNames:
         return cls(tuple(top.items()), tuple(layer.items()), tuple(segments), layer_prefix)
 
 
-# The safetensors header entry (a JSON object: HF name of each ``weight_global_scale`` -> the
-# hex float32 bits of the amax it was computed from) that export_hf writes for NVFP4 kernels.
+# The safetensors header entry (a JSON object: HF name of each global scale -> the hex float32
+# bits of the amax it was computed from) that export_hf writes for NVFP4 kernels: their
+# ``weight_global_scale`` (compressed-tensors) or ``weight_scale_2`` (ModelOpt), and with
+# calibrated activations their ``input_global_scale`` or ``input_scale``.
 AMAX_METADATA = "jax_nvfp4.amax"
+
+# The layouts of ``export_hf(..., fmt="nvfp4")``: compressed-tensors' ``nvfp4-pack-quantized``
+# (the default) and NVIDIA ModelOpt's unified Hugging Face checkpoint.
+HF_LAYOUTS = ("compressed-tensors", "modelopt")
 
 # compressed-tensors' ``NVFP4A16`` preset (NVFP4 weights in 1x16 groups with E4M3 scales and a
 # float32 global scale; bf16 activations), as ``QuantizationConfig.model_dump_json`` writes it
@@ -421,6 +430,50 @@ NVFP4A16_QUANTIZATION_CONFIG = {
     "format": "nvfp4-pack-quantized",
     "quantization_status": "compressed",
 }
+
+# compressed-tensors' ``NVFP4`` preset (W4A4, compressed-tensors' quant_scheme.py): the weights
+# as in NVFP4A16, and the activation entering each Linear in 1x16 groups whose E4M3 scales are
+# computed at run time ("dynamic": "local") under a static float32 global scale, the
+# checkpoint's ``input_global_scale = 448 * 6 / input_amax`` (its observer, ``static_minmax``:
+# the largest |x| over the calibration batches). The preset's ``zp_dtype`` (serialized as null
+# for symmetric args) is left out, as in NVFP4A16.
+NVFP4_QUANTIZATION_CONFIG = {
+    **NVFP4A16_QUANTIZATION_CONFIG,
+    "config_groups": {"group_0": {
+        **NVFP4A16_QUANTIZATION_CONFIG["config_groups"]["group_0"],
+        "input_activations": {
+            "num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+            "dynamic": "local", "observer": "static_minmax", "scale_dtype": "torch.float8_e4m3fn"}}},
+}
+
+# NVIDIA ModelOpt's unified Hugging Face checkpoint (modelopt.torch.export.export_hf_checkpoint),
+# as TensorRT-LLM, vLLM (``modelopt_fp4``), SGLang and Megatron-Bridge read it: per NVFP4 Linear
+# ``weight`` (packed E2M1 ``[out, in/2] uint8``, element 2k in the low nibble),
+# ``weight_scale`` (E4M3 ``[out, in/16]``), ``weight_scale_2`` (float32 scalar: the global
+# DECODE scale, ``1 / weight_global_scale``) and, for W4A4, ``input_scale`` (float32 scalar:
+# the activation's global decode scale, ``input_amax / (448 * 6)``); its quantization config in
+# ``hf_quant_config.json`` and, converted as ModelOpt converts it, in config.json. The producer
+# names the format: ModelOpt 0.45 is the first release that writes weight-only NVFP4
+# (``W4A16_NVFP4``; ``NVFP4`` is W4A4).
+MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.45.0"}
+MODELOPT_QUANT_CONFIG_FILE = "hf_quant_config.json"
+
+
+def modelopt_quant_config(exclude_modules, *, activations: bool = False) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``(hf_quant_config.json, config.json quantization_config)`` of a ModelOpt NVFP4
+    checkpoint whose Linear modules but ``exclude_modules`` are NVFP4 in groups of 16 inputs:
+    ``quant_algo`` ``"W4A16_NVFP4"`` (weight-only) or, with ``activations``, ``"NVFP4"`` (W4A4,
+    each module's ``input_scale`` calibrated). The second is what ModelOpt's
+    ``convert_hf_quant_config_format`` makes of the first."""
+    algo = "NVFP4" if activations else "W4A16_NVFP4"
+    exclude = sorted(set(exclude_modules))
+    hf_quant = {"producer": dict(MODELOPT_PRODUCER), "quantization": {
+        "quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": exclude}}
+    args = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+    group = {"input_activations": dict(args), "weights": dict(args)} if activations else {"weights": dict(args)}
+    config = {"config_groups": {"group_0": {**group, "targets": ["Linear"]}}, "ignore": exclude, "quant_algo": algo,
+              "producer": dict(MODELOPT_PRODUCER), "quant_method": "modelopt"}
+    return hf_quant, config
 
 
 def nvfp4_to_compressed_tensors(q: NVFP4Array) -> Dict[str, np.ndarray]:
@@ -445,13 +498,30 @@ def nvfp4_to_compressed_tensors(q: NVFP4Array) -> Dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in _to_compressed_tensors(q).items()}
 
 
-def _compressed_tensors_refusal(q: NVFP4Array) -> str:
-    """Why compressed-tensors' NVFP4 layout cannot hold the kernel ``q`` (empty if it can)."""
+def _compressed_tensors_refusal(q: NVFP4Array, layout: str = "compressed-tensors") -> str:
+    """Why the NVFP4 layout ``layout`` (compressed-tensors' or ModelOpt's: both groups of 16
+    inputs) cannot hold the kernel ``q`` (empty if it can)."""
     if q.block not in (BLOCK_2D, BLOCK_COLUMN):
-        return f"a kernel with {tuple(q.block)} blocks: compressed-tensors NVFP4 needs groups of 16 inputs"
+        return f"a kernel with {tuple(q.block)} blocks: {layout} NVFP4 needs groups of 16 inputs"
     if q.shape[-2] % 16:
-        return f"a kernel with {q.shape[-2]} input features: compressed-tensors NVFP4 needs a multiple of 16"
+        return f"a kernel with {q.shape[-2]} input features: {layout} NVFP4 needs a multiple of 16"
     return ""
+
+
+def nvfp4_to_modelopt(q: NVFP4Array) -> Dict[str, np.ndarray]:
+    """``[..., in, out]`` kernels as ModelOpt's NVFP4 tensors of the ``[..., out, in]`` torch
+    weights, bit for bit, without re-quantizing: ``weight`` and ``weight_scale`` are
+    compressed-tensors' ``weight_packed`` and ``weight_scale``
+    (:func:`nvfp4_to_compressed_tensors`), ``weight_scale_2`` ``[...] float32`` the global
+    decode scale ``D = 1 / (448 * 6 / amax)`` that :func:`jax_nvfp4.dequantize` multiplies by,
+    so ``(e2m1 * weight_scale) * weight_scale_2`` is the trained weight exactly. (ModelOpt's
+    own quantizer computes ``amax / (448 * 6)``: the same value, or one float32 ulp away.)"""
+    if q.block not in (BLOCK_2D, BLOCK_COLUMN):
+        raise ValueError(f"nvfp4_to_modelopt: needs 16x16 tiles or (16, 1) blocks (groups of 16 inputs), got {q}")
+    why = _compressed_tensors_refusal(q, "ModelOpt")
+    if why:
+        raise ExportError(why)
+    return {k: np.asarray(v) for k, v in _to_modelopt(q).items()}
 
 
 @jax.jit
@@ -463,6 +533,15 @@ def _to_compressed_tensors(q: NVFP4Array):
     scale = t.scale if t.block == BLOCK_1D else jnp.repeat(t.scale, 16, axis=-2)[..., :n_out, :]
     return {"weight_packed": t.data, "weight_scale": scale,
             "weight_global_scale": nx.global_encode_scale(t.amax)[..., None]}
+
+
+@jax.jit
+def _to_modelopt(q: NVFP4Array):
+    from jax_nvfp4 import numerics as nx
+
+    ct = _to_compressed_tensors(q)
+    return {"weight": ct["weight_packed"], "weight_scale": ct["weight_scale"],
+            "weight_scale_2": nx.global_decode_scale(q.amax)}
 
 
 @jax.jit
@@ -523,43 +602,88 @@ def _is_param(x) -> bool:
     return is_nvfp4(x) or is_tiled(x)
 
 
-def check_hf(params, names: HFNames, *, fmt: str = "bf16") -> None:
+def check_hf(params, names: HFNames, *, fmt: str = "bf16", layout: str = "compressed-tensors") -> None:
     """Raise ExportError (one line) if :func:`export_hf` could not write ``params`` in ``fmt``:
-    a parameter without a Llama counterpart, or (``"nvfp4"``) an NVFP4 kernel that
-    compressed-tensors' layout cannot hold. Reads only shapes: ``params`` may be logical
-    arrays or ``jax.eval_shape`` structures of them, so a run can be checked before it trains."""
+    a parameter without a Llama counterpart, or (``"nvfp4"``) an NVFP4 kernel that the
+    ``layout``'s NVFP4 (compressed-tensors' or ModelOpt's, groups of 16 inputs both) cannot
+    hold. Reads only shapes: ``params`` may be logical arrays or ``jax.eval_shape`` structures
+    of them, so a run can be checked before it trains."""
+    _check_layout(layout)
     for path, leaf, _ in hf_modules(params, names):
-        why = is_nvfp4(leaf) and fmt == "nvfp4" and is_linear(path) and _compressed_tensors_refusal(leaf)
+        why = is_nvfp4(leaf) and fmt == "nvfp4" and is_linear(path) and _compressed_tensors_refusal(
+            leaf, "ModelOpt" if layout == "modelopt" else layout)
         if why:
             raise ExportError(f"export_hf: {path}: {why}")
 
 
-def hf_tensors(params, names: HFNames, *, fmt: str = "bf16", amax: Optional[Dict[str, int]] = None):
+def _check_layout(layout: str) -> None:
+    if layout not in HF_LAYOUTS:
+        raise ValueError(f"layout must be one of {HF_LAYOUTS}, got {layout!r}")
+
+
+def _input_amax_of(input_amax: Dict[str, Any], path: str, leaf) -> np.ndarray:
+    """The calibrated input amax ``[*batch] float32`` of the NVFP4 kernel at ``path``."""
+    if path not in input_amax:
+        raise ExportError(f"export_hf: no input amax for the NVFP4 kernel {path!r} (calibrate every NVFP4 Linear)")
+    a = np.asarray(jax.device_get(input_amax[path]), np.float32)
+    batch = tuple(leaf.shape[:-2])
+    if a.shape != batch:
+        raise ExportError(f"export_hf: the input amax of {path!r} has shape {a.shape}, its kernel {batch} matrices")
+    if not (np.all(np.isfinite(a)) and np.all(a > 0)):
+        raise ExportError(f"export_hf: the input amax of {path!r} is not positive and finite: {a.ravel()[:4]}")
+    return a
+
+
+def hf_tensors(params, names: HFNames, *, fmt: str = "bf16", amax: Optional[Dict[str, int]] = None,
+               layout: str = "compressed-tensors", input_amax: Optional[Dict[str, Any]] = None):
     """``(tensors, ignore)``: an iterator of ``(HF name, numpy array)`` for ``params`` in the
     HF layout ``names`` gives, and (``fmt="nvfp4"``) the names of Linear modules left in bf16.
 
     ``fmt="bf16"``: every tensor bf16, the NVFP4 leaves dequantized (``dequantize``).
-    ``fmt="nvfp4"``: NVFP4 kernels as :func:`nvfp4_to_compressed_tensors`; the rest bf16.
-    ``amax``: a dict filled, as the tensors are produced, with ``{HF name of a
-    weight_global_scale: the float32 bits of the exact amax behind it}`` (``448 * 6 / S`` does
-    not always give the amax back: neighbouring amaxes can share one global scale).
+    ``fmt="nvfp4"``: NVFP4 kernels as :func:`nvfp4_to_compressed_tensors` (``layout``
+    ``"compressed-tensors"``) or :func:`nvfp4_to_modelopt` (``"modelopt"``); the rest bf16.
+    ``input_amax`` (``fmt="nvfp4"``): ``{param path of each NVFP4 kernel: its calibrated
+    input amax, [*batch] float32}`` (``train.calibrate.calibrate``); each NVFP4 Linear then
+    also gets its activation's global scale: ``input_global_scale [1] = 448 * 6 / input_amax``
+    (compressed-tensors) or ``input_scale [] = 1 / that`` (ModelOpt).
+    ``amax``: a dict filled, as the tensors are produced, with ``{HF name of a global scale
+    (weight's and input's): the float32 bits of the exact amax behind it}`` (``448 * 6 / S``
+    does not always give the amax back: neighbouring amaxes can share one global scale).
 
     Call on every process of a multi-process run (sharded leaves are gathered).
     """
+    from jax_nvfp4 import numerics as nx
     from jax_nvfp4.sharding import logical
 
     if fmt not in ("bf16", "nvfp4"):
         raise ValueError(f"fmt must be 'bf16' or 'nvfp4', got {fmt!r}")
+    _check_layout(layout)
+    if input_amax is not None and fmt != "nvfp4":
+        raise ValueError("input_amax (calibrated activations) needs fmt='nvfp4'")
+    modelopt = layout == "modelopt"
+    weight_scale, input_scale = ("weight_scale_2", "input_scale") if modelopt else ("weight_global_scale",
+                                                                                     "input_global_scale")
     params = logical(params)  # stored (tile-major) params: their logical form
     modules_of = hf_modules(params, names)
     ignore = []
 
-    def tensors(leaf, path):
+    def quantized(leaf, path) -> bool:
+        return is_nvfp4(leaf) and fmt == "nvfp4" and is_linear(path)
+
+    def tensors(leaf, path, a_in):
         """``{suffix: [..., *shape] host array}`` for a whole (stacked) leaf, converted at once."""
-        if is_nvfp4(leaf) and fmt == "nvfp4" and is_linear(path):
-            return nvfp4_to_compressed_tensors(leaf)
+        if quantized(leaf, path):
+            out = nvfp4_to_modelopt(leaf) if modelopt else nvfp4_to_compressed_tensors(leaf)
+            if a_in is not None:
+                scale = nx.global_decode_scale(a_in) if modelopt else nx.global_encode_scale(a_in)[..., None]
+                out[input_scale] = np.asarray(scale, np.float32)
+            return out
         value = np.asarray(_dequantized_bf16(leaf)) if is_nvfp4(leaf) else np.asarray(jnp.asarray(leaf, jnp.bfloat16))
         return {"weight": np.swapaxes(value, -1, -2) if is_linear(path) else value}
+
+    # Checked before any tensor is produced: a missing or bad input amax writes nothing.
+    inputs = {path: _input_amax_of(input_amax, path, leaf) for path, leaf, _ in modules_of
+              if input_amax is not None and quantized(leaf, path)}
 
     def gen():
         for path, leaf, modules in modules_of:
@@ -567,13 +691,15 @@ def hf_tensors(params, names: HFNames, *, fmt: str = "bf16", amax: Optional[Dict
                 host = NVFP4Array(_host(leaf.data), _host(leaf.scale_bits), _host(leaf.amax_bits), leaf.matrix_shape, leaf.block)
             else:
                 host = _host(leaf)
-            arrays = tensors(host, path)
-            quantized = "weight_packed" in arrays
+            a_in = inputs.get(path)
+            arrays = tensors(host, path, a_in)
             for module, idx in modules:
-                if fmt == "nvfp4" and is_linear(path) and not quantized:
+                if fmt == "nvfp4" and is_linear(path) and not quantized(leaf, path):
                     ignore.append(module)
-                if quantized and amax is not None:
-                    amax[f"{module}.weight_global_scale"] = int(np.asarray(host.amax_bits)[idx])
+                if quantized(leaf, path) and amax is not None:
+                    amax[f"{module}.{weight_scale}"] = int(np.asarray(host.amax_bits)[idx])
+                    if a_in is not None:
+                        amax[f"{module}.{input_scale}"] = int(a_in[idx].view(np.uint32))
                 for suffix, a in arrays.items():
                     yield f"{module}.{suffix}", a[idx]
 
@@ -599,7 +725,7 @@ def _write_safetensors(tensors, directory: str, max_shard_bytes: int, metadata=N
 
     total = 0
     for name, value in tensors:
-        arr = np.ascontiguousarray(value)
+        arr = np.ascontiguousarray(value).reshape(np.shape(value))  # a scalar stays 0-d
         if size and size + arr.nbytes > max_shard_bytes:
             flush()
         current[name] = arr
@@ -619,6 +745,7 @@ def _write_safetensors(tensors, directory: str, max_shard_bytes: int, metadata=N
 
 
 def export_hf(params, config: Dict[str, Any], directory: str, *, names: HFNames, fmt: str = "bf16",
+              layout: str = "compressed-tensors", input_amax: Optional[Dict[str, Any]] = None,
               files: Optional[Dict[str, Any]] = None, max_shard_bytes: int = 5 << 30) -> str:
     """Write a Hugging Face checkpoint of ``params`` into ``directory``.
 
@@ -626,17 +753,26 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, names: HFNames,
       config: the ``config.json`` (the training stack's Llama: ``train.model.hf_config``).
       names: the params' Hugging Face names (:class:`HFNames`; ``train.model.HF_NAMES``).
       fmt: ``"bf16"``: dequantized bf16 weights (``transformers`` loads them as they are).
-        ``"nvfp4"``: NVFP4 kernels in compressed-tensors' ``nvfp4-pack-quantized`` layout
-        (lossless: the same codes, scales and amax), the quantization config in
-        ``config.json``; leaves that are not NVFP4 (embeddings, norms, kept layers, the head)
-        stay bf16, their Linear modules listed in ``ignore``.
+        ``"nvfp4"``: NVFP4 kernels in the ``layout`` (lossless: the same codes, scales and
+        amax), the quantization config in ``config.json``; leaves that are not NVFP4
+        (embeddings, norms, kept layers, the head) stay bf16, their Linear modules listed in
+        ``ignore`` (``exclude_modules``).
+      layout: with ``fmt="nvfp4"``, ``"compressed-tensors"`` (``nvfp4-pack-quantized``,
+        :func:`nvfp4_to_compressed_tensors`; :data:`NVFP4A16_QUANTIZATION_CONFIG`) or
+        ``"modelopt"`` (:func:`nvfp4_to_modelopt`, plus ``hf_quant_config.json``:
+        :func:`modelopt_quant_config`; read back with :func:`read_modelopt`).
+      input_amax: with ``fmt="nvfp4"``, the calibrated input amax of every NVFP4 kernel
+        (``{param path: [*batch] float32}``, ``train.calibrate.calibrate``): the checkpoint is
+        then W4A4 (:data:`NVFP4_QUANTIZATION_CONFIG` with ``input_global_scale``, or ModelOpt
+        ``NVFP4`` with ``input_scale``); without it, weight-only.
       files: more files of the checkpoint (e.g. its tokenizer's), ``{name: path}`` copied as
         they are or ``{name: bytes}`` written; they land with the weights, atomically.
 
-    ``fmt="nvfp4"`` also records each NVFP4 kernel's exact float32 amax in the safetensors
-    header (:data:`AMAX_METADATA`), which readers ignore: the global scale ``448 * 6 / amax``
-    alone does not always give the amax back, and a checkpoint read back by
-    ``train.hf_import`` is then bit-identical to the exported params.
+    ``fmt="nvfp4"`` also records each NVFP4 kernel's exact float32 amax (and input amax) in the
+    safetensors header (:data:`AMAX_METADATA`), which readers ignore: the global scale
+    ``448 * 6 / amax`` alone does not always give the amax back, and a checkpoint read back by
+    ``train.hf_import`` (compressed-tensors, weight-only) or :func:`read_modelopt` is then
+    bit-identical to the exported params.
 
     Call it on every process; process 0 writes. Returns ``directory``.
 
@@ -651,12 +787,12 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, names: HFNames,
     from jax_nvfp4.sharding import logical
 
     params = logical(params)
-    check_hf(params, names, fmt=fmt)
+    check_hf(params, names, fmt=fmt, layout=layout)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_nvfp4)[0]:
         if is_nvfp4(leaf) and not bool(jnp.all(leaf.isfinite())):
             raise ExportError(f"export_hf: leaf {path_str(path)!r} has a non-finite amax (NaN or Inf); nothing written")
     amax: Dict[str, int] = {}
-    tensors, ignore = hf_tensors(params, names, fmt=fmt, amax=amax)
+    tensors, ignore = hf_tensors(params, names, fmt=fmt, amax=amax, layout=layout, input_amax=input_amax)
     if jax.process_index() != 0:
         for _ in tensors:  # the other processes take part in the gathers
             pass
@@ -671,8 +807,13 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, names: HFNames,
 
         _write_safetensors(tensors, tmp, max_shard_bytes, metadata)
         cfg = dict(config)
-        if fmt == "nvfp4":
-            cfg["quantization_config"] = dict(NVFP4A16_QUANTIZATION_CONFIG, ignore=sorted(set(ignore)))
+        if fmt == "nvfp4" and layout == "modelopt":
+            hf_quant, cfg["quantization_config"] = modelopt_quant_config(ignore, activations=input_amax is not None)
+            with open(os.path.join(tmp, MODELOPT_QUANT_CONFIG_FILE), "w") as f:
+                json.dump(hf_quant, f, indent=2)
+        elif fmt == "nvfp4":
+            base = NVFP4_QUANTIZATION_CONFIG if input_amax is not None else NVFP4A16_QUANTIZATION_CONFIG
+            cfg["quantization_config"] = dict(base, ignore=sorted(set(ignore)))
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
         for name, source in (files or {}).items():
@@ -689,3 +830,137 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, names: HFNames,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
+
+
+# ----------------------------------------------------------------------------- reading ModelOpt
+
+_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
+              "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool"}
+
+
+def _safetensors_entries(directory: str) -> Tuple[Dict[str, Tuple[str, int, Dict[str, Any]]], Dict[str, str]]:
+    """``({tensor: (file, data offset, header entry)}, {metadata key: value, merged})`` of the
+    checkpoint in ``directory`` (``model.safetensors`` or the shards of its index)."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(directory, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ExportError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+    entries, meta = {}, {}
+    for name in files:
+        path = os.path.join(directory, name)
+        with open(path, "rb") as f:
+            (n,) = np.frombuffer(f.read(8), "<u8")
+            header = json.loads(f.read(int(n)))
+        file_meta = header.pop("__metadata__", None) or {}
+        if AMAX_METADATA in file_meta:  # one JSON object per shard: merge them
+            merged = json.loads(meta.get(AMAX_METADATA, "{}"))
+            merged.update(json.loads(file_meta[AMAX_METADATA]))
+            file_meta = dict(file_meta, **{AMAX_METADATA: json.dumps(merged)})
+        meta.update(file_meta)
+        entries.update({k: (path, 8 + int(n), e) for k, e in header.items()})
+    return entries, meta
+
+
+def _read_tensor(entries, name: str) -> np.ndarray:
+    path, base, e = entries[name]
+    a, b = e["data_offsets"]
+    dtype = jnp.dtype(_ST_DTYPES[e["dtype"]])
+    with open(path, "rb") as f:
+        f.seek(base + a)
+        raw = f.read(b - a)
+    return np.frombuffer(raw, dtype).reshape(e["shape"])
+
+
+def read_modelopt(directory: str, like, *, names: HFNames) -> Tuple[Any, Dict[str, np.ndarray]]:
+    """Read a ModelOpt NVFP4 checkpoint (``export_hf(..., fmt="nvfp4", layout="modelopt")``)
+    back into params: ``(params, input_amax)``.
+
+    ``params`` has the logical structure of ``like`` (logical or stored params, or their
+    ``jax.eval_shape``): each Linear stored in NVFP4 (a ``weight_scale_2``) comes back as an
+    :class:`NVFP4Array` with the block of ``like``'s leaf (``(16, 1)`` where ``like``'s leaf is
+    not NVFP4; 16x16 tiles when its scales repeat over each 16 output rows) and every other
+    leaf as the checkpoint's array (Linear weights transposed back to ``[in, out]``), stacked
+    layers restacked. The amax of each NVFP4 kernel is read from the header
+    (:data:`AMAX_METADATA`), so an export of this library reads back bit for bit (codes,
+    scales, amax); a checkpoint without it gets ``weight_scale_2 * 448 * 6``, whose decode
+    scale may be one ulp from ``weight_scale_2``. ``input_amax``: ``{param path: [*batch]
+    float32}`` of the NVFP4 kernels with an ``input_scale`` (W4A4 exports), from the header
+    likewise (else ``input_scale * 448 * 6``).
+
+    Raises:
+      ExportError: no safetensors file, a tensor missing or of the wrong dtype or shape, or
+        scales that do not fit the requested 16x16 tiles.
+    """
+    from jax_nvfp4.array import transpose
+    from jax_nvfp4.sharding import logical
+
+    directory = os.path.abspath(os.fspath(directory))
+    entries, meta = _safetensors_entries(directory)
+    exact = {k: int(v, 16) for k, v in json.loads(meta.get(AMAX_METADATA, "{}")).items()}
+    like = jax.eval_shape(logical, like)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=_is_param)
+
+    def tensor(name, dtype, shape):
+        if name not in entries:
+            raise ExportError(f"{directory}: tensor {name} is missing")
+        a = _read_tensor(entries, name)
+        if a.dtype != jnp.dtype(dtype) or tuple(a.shape) != tuple(shape):
+            raise ExportError(f"{directory}: {name} is {a.dtype}{list(a.shape)}, "
+                              f"expected {jnp.dtype(dtype)}{list(shape)}")
+        return a
+
+    def amax_bits(name, value) -> np.uint32:
+        if name in exact:
+            return np.uint32(exact[name])
+        return (np.float32(value) * np.float32(448 * 6)).view(np.uint32)
+
+    values, input_amax = {}, {}
+    for path, leaf, modules in hf_modules(like, names):
+        batch = (len(modules),) if modules[0][1] else ()  # stacked layers: one leading axis
+        if is_linear(path) and f"{modules[0][0]}.weight_scale_2" in entries:
+            n_in, n_out = leaf.shape[-2:]
+            data, scale, bits, a_in = [], [], [], []
+            for module, _ in modules:
+                data.append(tensor(f"{module}.weight", np.uint8, (n_out, (n_in + 1) // 2)))
+                scale.append(tensor(f"{module}.weight_scale", jnp.float8_e4m3fn, (n_out, -(-n_in // 16))))
+                s2 = tensor(f"{module}.weight_scale_2", np.float32, ())
+                bits.append(amax_bits(f"{module}.weight_scale_2", s2))
+                if f"{module}.input_scale" in entries:
+                    s_in = tensor(f"{module}.input_scale", np.float32, ())
+                    a_in.append(amax_bits(f"{module}.input_scale", s_in).view(np.float32))
+            data = np.stack(data).reshape(*batch, *data[0].shape)
+            scale = np.stack(scale).reshape(*batch, *scale[0].shape)
+            bits = np.asarray(bits, np.uint32).reshape(batch)
+            block = leaf.block if is_nvfp4(leaf) else BLOCK_COLUMN
+            if block == BLOCK_2D:  # one scale per 16x16 tile, written repeated over its 16 output rows
+                tiles = scale[..., ::16, :]
+                repeated = np.repeat(tiles, 16, axis=-2)[..., :n_out, :]
+                if not np.array_equal(repeated.view(np.uint8), scale.view(np.uint8)):
+                    raise ExportError(f"{directory}: {path}: the scales are not constant over 16 output rows; "
+                                      "read it with (16, 1) blocks (a `like` leaf that is not 16x16-tiled)")
+                t_block, scale = BLOCK_2D, tiles
+            elif block == BLOCK_COLUMN:
+                t_block = BLOCK_1D
+            else:
+                raise ExportError(f"{directory}: {path}: `like` has {tuple(block)} blocks; ModelOpt NVFP4 holds "
+                                  "groups of 16 inputs ((16, 1) blocks or 16x16 tiles)")
+            t = NVFP4Array(as_array(data), as_array(scale.view(np.uint8)), as_array(bits), (n_out, n_in), t_block)
+            values[path] = transpose(t)  # [..., in, out]: codes and scales transposed, no re-quantization
+            if a_in:
+                input_amax[path] = np.asarray(a_in, np.float32).reshape(batch)
+        else:
+            shape = leaf.shape[-2:][::-1] if is_linear(path) else leaf.shape[len(batch):]
+            parts = []
+            for module, _ in modules:
+                if f"{module}.weight" not in entries:
+                    raise ExportError(f"{directory}: tensor {module}.weight is missing")
+                a = _read_tensor(entries, f"{module}.weight")
+                if tuple(a.shape) != tuple(shape):
+                    raise ExportError(f"{directory}: {module}.weight has shape {list(a.shape)}, expected {list(shape)}")
+                parts.append(np.swapaxes(a, -1, -2) if is_linear(path) else a)
+            values[path] = as_array(np.stack(parts).reshape(*batch, *parts[0].shape))
+    return jax.tree_util.tree_unflatten(treedef, [values[path_str(p)] for p, _ in flat]), input_amax

@@ -62,7 +62,7 @@ def resumed(reference, tmp_path_factory):
             raise Stop
 
     with pytest.raises(Stop):
-        loop.run(cfg, mesh_of(cfg, 8), str(out), progress=False, on_step=stop_after_3)
+        loop.run(cfg, mesh_of(cfg, 8), str(out), progress=False, hooks=loop.StepHooks(after_step=stop_after_3))
     steps_after_stop = sorted(int(d) for d in os.listdir(ck) if d.isdigit())
     r = loop.run(cfg, mesh_of(cfg, 8), str(out), progress=False)
     return {"cfg": cfg, "ck": ck, "out": out, "run": r, "steps_after_stop": steps_after_stop}
@@ -165,7 +165,7 @@ def test_restore_onto_another_mesh(reference, resumed, data, tensor, step, extra
     it = data_lib.make_data_iterator(cfg)
     batch = programs.global_batch(trainer, it.batch_at(6))
     before = np.asarray(nv.find_state(r.opt_state).master["blocks"]["mlp"]["up"]["kernel"].logical())
-    params, opt_state, m = trainer.step_fn(r.params, r.opt_state, batch, jax.random.fold_in(r.base_key, 6), np.float32(1))
+    params, opt_state, m = trainer.step_fn(r.params, r.opt_state, batch, jax.random.fold_in(r.base_key, 6))
     assert np.isfinite(float(m["loss"])) and int(m["skipped"]) == 0
     after = np.asarray(nv.find_state(opt_state).master["blocks"]["mlp"]["up"]["kernel"].logical())
     assert not np.array_equal(before, after)

@@ -44,7 +44,7 @@ def test_train_help_is_plain_text_with_examples_and_every_config_key(capsys):
     import dataclasses
 
     from train import __main__ as train_main
-    from train.config import SECTIONS
+    from train.config import SECTIONS, config_keys
 
     with pytest.raises(SystemExit) as e:
         train_main.parse_args(["--help"])
@@ -57,6 +57,12 @@ def test_train_help_is_plain_text_with_examples_and_every_config_key(capsys):
         for f in dataclasses.fields(cls):
             assert f"{name}.{f.name}=" in out, f"{name}.{f.name}"
     assert "model.layers=2 " in out and "nvfp4.keep_bf16=[embed,head,norm]" in out and "=False" not in out
+    # Each key with its default, its description and what a change of it affects, from the classes.
+    flat = " ".join(out.split())
+    for k in config_keys():
+        assert f"{' '.join(k.explained().split())} [{k.affects}]" in flat, k.key
+    assert "model.rope_scaling=null " in out and "factor=8.0 (divides the frequency" in flat
+    assert "trajectory = changes the training trajectory: a resume refuses a change unless checkpoint.allow_change" in flat
 
 
 def test_overrides_apply_in_command_line_order_and_single_options_are_given_once():

@@ -2,21 +2,29 @@
 
 import dataclasses
 import os
+import re
 import textwrap
+from typing import Annotated, ClassVar
 
 import pytest
 import yaml
 
+from train import config as config_lib
 from train.config import (
     SECTIONS,
     Config,
     ConfigError,
     ModelConfig,
+    TrainConfig,
     apply_overrides,
+    config_keys,
+    default_gin,
+    default_yaml,
     from_dict,
     load_config,
     resolve_mesh_axes,
     save_config,
+    setting,
     to_dict,
     to_yaml,
     validate_for_devices,
@@ -53,7 +61,7 @@ def test_defaults():
 
 
 def test_shipped_configs_load():
-    # default.yaml and default.gin spell out the dataclass defaults; keep the three in sync.
+    # default.yaml and default.gin, written from the classes, load as the defaults.
     assert load_config(os.path.join(CONFIGS, "default.yaml")) == Config()
     assert load_config(os.path.join(CONFIGS, "default.gin")) == Config()
     tiny = load_config(os.path.join(CONFIGS, "tiny.yaml"))
@@ -66,14 +74,100 @@ def test_shipped_configs_load():
 
 
 def test_default_yaml_lists_every_key_with_its_default():
-    # default.yaml is the documented reference of every key; the classes are the one source of
-    # the defaults. A key added to a class without its line there fails here.
+    # default.yaml is the documented reference of every key, written from the classes.
     with open(os.path.join(CONFIGS, "default.yaml")) as f:
-        listed = yaml.safe_load(f)
+        text = f.read()
+    listed = yaml.safe_load(text)
     assert list(listed) == list(SECTIONS)
     for name, cls in SECTIONS.items():
         assert list(listed[name]) == [f.name for f in dataclasses.fields(cls)], name
     assert from_dict(listed) == Config() and to_dict(Config()) == {k: dict(v) for k, v in listed.items()}
+    flat = " ".join(text.replace("#", " ").split())
+    for k in config_keys():  # each after its description and what a change of it affects
+        assert f"{' '.join(k.explained().split())} [{k.affects}] {k.name}:" in flat, k.key
+
+
+def test_default_files_are_current():
+    # Regenerating them from the classes changes nothing (python -m train.config --write-defaults).
+    for name, text in (("default.yaml", default_yaml()), ("default.gin", default_gin())):
+        with open(os.path.join(CONFIGS, name)) as f:
+            assert f.read() == text, f"train/configs/{name} is stale: run python -m train.config --write-defaults"
+    assert config_lib.main(["--check"]) == 0
+
+
+def test_every_key_is_declared_with_its_meaning_and_what_it_affects():
+    keys = config_keys()
+    assert [k.key for k in keys] == [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    assert all(k.description.strip() and k.affects in config_lib.AFFECTS for k in keys)
+    # A host key is in no program; the trajectory keys are what a resume compares.
+    assert not [k.key for k in keys if k.affects == "host" and k.program_key]
+    assert config_lib.trajectory_keys() == tuple(k.key for k in keys if k.affects == "trajectory")
+    with pytest.raises(TypeError, match=r"extra\.knob: declare it with Annotated\[type, setting"):
+        @config_lib._section
+        class Extra:
+            section: ClassVar[str] = "extra"
+            knob: config_lib.Int = 1
+    with pytest.raises(ValueError, match="affects='sometimes'"):
+        setting("sometimes", "A knob.")
+    with pytest.raises(ValueError, match="host key"):
+        setting("host", "A knob.", program_key=True)
+
+
+def test_the_resume_check_keeps_its_hand_kept_history_on_trajectory_keys():
+    from train import checkpoint as ckpt_lib
+
+    trajectory = set(config_lib.trajectory_keys())
+    assert set(ckpt_lib._RESOLVED) <= trajectory and set(ckpt_lib._BEFORE_RECORDED) <= trajectory
+    assert {k.split(":")[0] for k in ckpt_lib._UNKNOWN_BEFORE} <= trajectory
+    assert set(ckpt_lib.run_identity(Config())) == trajectory | {"train.steps"}
+
+
+def test_a_key_declared_once_reaches_every_derived_list(monkeypatch, capsys, tmp_path):
+    """A new key is one annotated field: it is listed in default.yaml, default.gin and --help
+    with its default and description, a resume with another value of it is refused, and it is
+    part of the program key."""
+    from train import __main__ as train_main
+    from train import checkpoint as ckpt_lib
+    from train import programs
+
+    @config_lib._section
+    class Train(TrainConfig):
+        label_smoothing: Annotated[config_lib.Fraction, setting(
+            "trajectory", "Label smoothing of the loss's targets.")] = 0.0
+
+    @config_lib._section
+    class Extended(Config):
+        train: Train = dataclasses.field(default_factory=Train)
+
+    monkeypatch.setattr(config_lib, "Config", Extended)
+    monkeypatch.setitem(SECTIONS, "train", Train)
+
+    text = default_yaml()
+    assert "  # Label smoothing of the loss's targets. [trajectory]\n  label_smoothing: 0.0\n" in text
+    path = tmp_path / "default.yaml"
+    path.write_text(text)
+    assert load_config(path) == Extended() != Config()
+    assert "Train.label_smoothing = 0.0\n" in default_gin()
+
+    with pytest.raises(SystemExit):
+        train_main.parse_args(["--help"])
+    assert re.search(r"\n    train\.label_smoothing=0\.0 +Label smoothing of the loss's targets\. \[trajectory\]\n",
+                     capsys.readouterr().out)
+
+    assert "train.label_smoothing" in config_lib.trajectory_keys()
+    base = load_config(None, [f"checkpoint.dir={tmp_path}"])
+    meta = {"step": 2, "run": ckpt_lib.run_identity(base)}
+    assert meta["run"]["train.label_smoothing"] == 0.0
+    ckpt_lib.check_resume("ck/2", meta, base)
+    smoothed = apply_overrides(base, ["train.label_smoothing=0.1"])
+    with pytest.raises(ckpt_lib.CheckpointError, match=re.escape(
+            "was trained with train.label_smoothing=0.0 but this run has train.label_smoothing=0.1; to continue with "
+            "the new value set checkpoint.allow_change=[train.label_smoothing]")):
+        ckpt_lib.check_resume("ck/2", meta, smoothed)
+    ckpt_lib.check_resume("ck/2", meta, apply_overrides(smoothed, ["checkpoint.allow_change=[train.label_smoothing]"]))
+
+    assert ("train.label_smoothing", 0.1) in programs.program_key(smoothed)
+    assert programs.program_key(smoothed) != programs.program_key(base)
 
 
 def test_yaml_base_inheritance_and_floats(tmp_path):

@@ -14,7 +14,6 @@ public entry points (``train.programs.build``, ``abstract_step_args``, ``step_fn
 """
 
 import jax
-import numpy as np
 import pytest
 
 import jax_nvfp4 as nv
@@ -71,7 +70,7 @@ def test_step_and_evaluation_lowered_for_cuda(compute, tensor, monkeypatch):
     args = accounting_lib.abstract_step_args(trainer)
     layers = nvfp4_layers(trainer)
     assert len(layers) == 7  # q, k, v, out, gate, up, down (the embeddings and head stay bf16)
-    step = lower_for_cuda(trainer.step_fn, *args, np.float32(1))
+    step = lower_for_cuda(trainer.step_fn, *args)
     evaluate = lower_for_cuda(trainer.eval_fn, args[0], args[2])
 
     for text, per_layer in ((step, 3), (evaluate, 1)):  # fprop, dgrad, wgrad; fprop

@@ -1,8 +1,10 @@
-"""jax_nvfp4.export.export_hf: Hugging Face Llama checkpoints, bf16 and compressed-tensors NVFP4.
+"""jax_nvfp4.export.export_hf: Hugging Face Llama checkpoints, bf16, compressed-tensors NVFP4 and
+ModelOpt NVFP4.
 
 The CI tests read the safetensors files with their own header parser and decode the
-compressed-tensors NVFP4 layout themselves; the ``hf`` extra's tests (torch, transformers,
-compressed-tensors) load the exports with those libraries and skip cleanly without them.
+compressed-tensors and ModelOpt NVFP4 layouts themselves; the ``hf`` extra's tests (torch,
+transformers, compressed-tensors) and the ModelOpt one (nvidia-modelopt) load the exports with
+those libraries and skip cleanly without them.
 """
 
 import json
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_nvfp4 as nv
-from jax_nvfp4.export import export_hf, nvfp4_to_compressed_tensors
+from jax_nvfp4.export import AMAX_METADATA, export_hf, nvfp4_to_compressed_tensors, read_modelopt
 from train.model import HF_NAMES, SEGMENTS, Llama, llama_config
 
 from conftest import main_here
@@ -28,6 +30,13 @@ pytestmark = pytest.mark.xdist_group("export_hf")
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 ST_DTYPES = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F32": np.float32, "U8": np.uint8}
 SHAPES = dict(vocab=96, d_model=64, layers=3, heads=4, kv_heads=2, hidden=96, rope_theta=500000.0)
+
+
+def read_header(path):
+    """The safetensors header of ``path``: ``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": ...}``."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
 
 
 def read_safetensors(path):
@@ -59,12 +68,12 @@ def tiny_model(tie=False, keep_first=1):
                tie_embeddings=tie, init_std=0.08, keep_first=keep_first)
 
 
-def tiny_params(tie=False, keep_first=1, shared_amax=()):
+def tiny_params(tie=False, keep_first=1, shared_amax=(), block=nv.array.BLOCK_COLUMN):
     """NVFP4 params of the tiny GQA model, in the training stack's default block (a scale per
     16 inputs: compressed-tensors' own groups); norm scales randomized so they matter."""
     model = tiny_model(tie, keep_first)
     policy = nv.Policy(keep=("embed", "head", "norm", "^blocks_first/"), keep_dtype=jnp.bfloat16,
-                       block=nv.array.BLOCK_COLUMN, shared_amax=shared_amax)
+                       block=block, shared_amax=shared_amax)
 
     @jax.jit  # one compile, not one per eager op
     def make(key):
@@ -111,6 +120,7 @@ def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     for fmt in ("bf16", "nvfp4"):
         export_hf(params, hf_config(), str(root / fmt), fmt=fmt, names=HF_NAMES)
+    export_hf(params, hf_config(), str(root / "modelopt"), fmt="nvfp4", layout="modelopt", names=HF_NAMES)
     return model, params, root
 
 
@@ -247,6 +257,151 @@ def test_cli_refuses_a_non_empty_export_folder(tmp_path, capfd):
     assert sorted(os.listdir(tmp_path)) == ["keep.txt"]
 
 
+# ----------------------------------------------------------------------------- ModelOpt NVFP4
+ST_NAMES = {"U8": np.uint8, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F32": np.float32, "BF16": ml_dtypes.bfloat16}
+
+
+def decode_modelopt(weight, scale, scale_2):
+    """ModelOpt's NVFP4 Linear read from its definition, in float32: ``e2m1(nibble) *
+    weight_scale * weight_scale_2``, element ``2k`` in the low nibble, the first product
+    (exact) formed first."""
+    codes = np.stack([weight & 0xF, weight >> 4], axis=-1).reshape(weight.shape[0], -1)
+    s = np.repeat(scale.astype(np.float32), 16, axis=1)[:, :codes.shape[1]]
+    return (E2M1[codes] * s) * np.float32(scale_2)
+
+
+def ulps(a, b):
+    """Distance in float32 ulps, ``-0 == 0``."""
+    a, b = (np.asarray(x, np.float32) + np.float32(0) for x in (a, b))
+    return np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64))
+
+
+def test_modelopt_export_is_the_trained_bits_in_modelopts_layout(exported):
+    """Header dtypes and shapes as ModelOpt writes them (weight U8 [out, in/2], weight_scale
+    F8_E4M3 [out, in/16], weight_scale_2 F32 scalar), its quantization config files, the global
+    decode scale 1 / compressed-tensors' weight_global_scale, and a decode equal to the trained
+    weights' dequantization bit for bit."""
+    _, params, root = exported
+    header = read_header(root / "modelopt" / "model.safetensors")
+    meta = json.loads(header.pop("__metadata__")[AMAX_METADATA])
+    st = read_safetensors(root / "modelopt" / "model.safetensors")
+    ct = read_safetensors(root / "nvfp4" / "model.safetensors")
+    hf_quant = json.loads((root / "modelopt" / "hf_quant_config.json").read_text())
+    cfg = json.loads((root / "modelopt" / "config.json").read_text())
+    ignore = json.loads((root / "nvfp4" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert hf_quant == {"producer": {"name": "modelopt", "version": "0.45.0"},
+                        "quantization": {"quant_algo": "W4A16_NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                                         "exclude_modules": ignore}}
+    assert cfg["quantization_config"] == {
+        "config_groups": {"group_0": {"weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
+                                      "targets": ["Linear"]}},
+        "ignore": ignore, "quant_algo": "W4A16_NVFP4", "producer": hf_quant["producer"], "quant_method": "modelopt"}
+    n_nvfp4 = same = 0
+    for (layer, path), leaf in layer_leaves(params).items():
+        module = f"model.layers.{layer}.{HF_NAME[path]}"
+        if not nv.array.is_nvfp4(leaf):
+            assert header[f"{module}.weight"]["dtype"] == "BF16" and f"{module}.weight_scale" not in header
+            np.testing.assert_array_equal(st[f"{module}.weight"].view(np.uint16),
+                                          ct[f"{module}.weight"].view(np.uint16))
+            continue
+        n_nvfp4 += 1
+        n_in, n_out = leaf.shape
+        want = {"weight": ("U8", [n_out, n_in // 2]), "weight_scale": ("F8_E4M3", [n_out, n_in // 16]),
+                "weight_scale_2": ("F32", [])}
+        assert {k: (header[f"{module}.{k}"]["dtype"], header[f"{module}.{k}"]["shape"]) for k in want} == want
+        assert f"{module}.weight_packed" not in header and f"{module}.input_scale" not in header
+        w, scale, s2 = (st[f"{module}.{k}"] for k in want)
+        np.testing.assert_array_equal(w, ct[f"{module}.weight_packed"])
+        np.testing.assert_array_equal(scale.view(np.uint8), ct[f"{module}.weight_scale"].view(np.uint8))
+        # The decode scale of the trained weights: 1 / weight_global_scale, in float32. ModelOpt's
+        # quantizer writes amax / 2688, the same float or one ulp away (for a quarter of amaxes).
+        amax = np.asarray(leaf.amax, np.float32)
+        assert s2.dtype == np.float32 and s2 == np.float32(1) / ct[f"{module}.weight_global_scale"][0]
+        assert ulps(s2, amax / np.float32(2688)) <= 1
+        same += int(s2 == amax / np.float32(2688))
+        assert meta[f"{module}.weight_scale_2"] == f"{int(leaf.amax_bits):08x}"
+        got = decode_modelopt(w, scale, s2)
+        deq = np.asarray(nv.dequantize(leaf, jnp.float32)).T
+        np.testing.assert_array_equal(got.view(np.uint32), deq.view(np.uint32))
+    assert n_nvfp4 == 14 and 0 < same <= 14
+
+
+@pytest.mark.parametrize("block", [nv.array.BLOCK_COLUMN, nv.BLOCK_2D])
+def test_read_modelopt_gives_the_trained_params_back_bit_for_bit(exported, tmp_path, block):
+    """read_modelopt: every leaf (NVFP4 codes, scales and amax; bf16 leaves) as exported, in
+    the params' structure; 16x16 tiles come back as tiles."""
+    if block == nv.array.BLOCK_COLUMN:
+        _, params, root = exported
+        where = root / "modelopt"
+    else:
+        _, params = tiny_params(block=block)
+        where = tmp_path / "2d"  # in shards: the header's amaxes are per shard
+        export_hf(params, hf_config(), str(where), fmt="nvfp4", layout="modelopt", names=HF_NAMES,
+                  max_shard_bytes=1 << 14)
+        assert (where / "model.safetensors.index.json").exists()
+    back, input_amax = read_modelopt(str(where), jax.eval_shape(lambda p: p, params), names=HF_NAMES)
+    assert input_amax == {}
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    leaves = lambda tree: jax.tree.leaves(tree, is_leaf=nv.array.is_nvfp4)
+    for a, b in zip(leaves(params), leaves(back)):
+        if nv.array.is_nvfp4(a):
+            assert (b.block, b.shape) == (a.block, a.shape)
+            for x, y in ((a.data, b.data), (a.scale_bits, b.scale_bits), (a.amax_bits, b.amax_bits)):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        else:
+            assert b.dtype == a.dtype and b.shape == a.shape
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+def test_calibrated_exports_carry_the_activation_global_scales(tmp_path):
+    """With input_amax (W4A4): compressed-tensors' input_global_scale [1] = 448 * 6 / amax under
+    the NVFP4 preset's input_activations; ModelOpt's input_scale [] = its reciprocal under
+    quant_algo NVFP4; both amaxes exact in the header and read back. A missing one writes nothing."""
+    from jax_nvfp4 import numerics as nx
+    from jax_nvfp4.export import NVFP4_QUANTIZATION_CONFIG, ExportError
+
+    _, params = tiny_params()
+    kernels = {path: leaf for path, leaf in layer_leaves(params).items() if nv.array.is_nvfp4(leaf)}
+    paths = sorted({p for _, p in kernels})
+    rng = np.random.default_rng(5)
+    input_amax = {f"blocks/{p}": (rng.random(2) * 9 + 0.1).astype(np.float32) for p in paths}
+    export_hf(params, hf_config(), str(tmp_path / "ct"), fmt="nvfp4", names=HF_NAMES, input_amax=input_amax)
+    export_hf(params, hf_config(), str(tmp_path / "mo"), fmt="nvfp4", layout="modelopt", names=HF_NAMES,
+              input_amax=input_amax)
+    q = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert q == dict(NVFP4_QUANTIZATION_CONFIG, ignore=q["ignore"])
+    assert q["config_groups"]["group_0"]["input_activations"] == {
+        "num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+        "dynamic": "local", "observer": "static_minmax", "scale_dtype": "torch.float8_e4m3fn"}
+    hf_quant = json.loads((tmp_path / "mo" / "hf_quant_config.json").read_text())
+    assert hf_quant["quantization"]["quant_algo"] == "NVFP4"
+    mo_q = json.loads((tmp_path / "mo" / "config.json").read_text())["quantization_config"]
+    assert mo_q["config_groups"]["group_0"]["input_activations"] == {"dynamic": False, "num_bits": 4, "type": "float",
+                                                                      "group_size": 16}
+    ct_h, mo_h = (read_header(tmp_path / d / "model.safetensors") for d in ("ct", "mo"))
+    ct, mo = (read_safetensors(tmp_path / d / "model.safetensors") for d in ("ct", "mo"))
+    ct_meta, mo_meta = (json.loads(h["__metadata__"][AMAX_METADATA]) for h in (ct_h, mo_h))
+    for layer, path in kernels:
+        module, a = f"model.layers.{layer}.{HF_NAME[path]}", input_amax[f"blocks/{path}"][layer - 1]
+        entry = lambda h, k: (h[f"{module}.{k}"]["dtype"], h[f"{module}.{k}"]["shape"])
+        assert entry(ct_h, "input_global_scale") == ("F32", [1]) and entry(mo_h, "input_scale") == ("F32", [])
+        s = np.asarray(nx.global_encode_scale(a), np.float32)
+        assert ct[f"{module}.input_global_scale"][0] == s == np.float32(448 * 6) / a
+        assert mo[f"{module}.input_scale"] == np.float32(1) / s
+        assert ulps(mo[f"{module}.input_scale"], a / np.float32(2688)) <= 1
+        bits = f"{int(a.view(np.uint32)):08x}"
+        assert ct_meta[f"{module}.input_global_scale"] == mo_meta[f"{module}.input_scale"] == bits
+    assert "model.layers.0.self_attn.q_proj.input_scale" not in mo  # kept in bf16
+    _, back = read_modelopt(str(tmp_path / "mo"), params, names=HF_NAMES)
+    assert sorted(back) == sorted(input_amax)
+    for k, v in input_amax.items():
+        np.testing.assert_array_equal(back[k].view(np.uint32), v.view(np.uint32))
+    with pytest.raises(ExportError, match="no input amax for the NVFP4 kernel 'blocks/attn/k/kernel'"):
+        export_hf(params, hf_config(), str(tmp_path / "x"), fmt="nvfp4", names=HF_NAMES,
+                  input_amax={k: v for k, v in input_amax.items() if "attn/k/" not in k})
+    assert not (tmp_path / "x").exists()
+
+
 # ----------------------------------------------------------------------------- the hf extra
 def test_transformers_loads_the_bf16_export_and_logits_match(exported, tmp_path):
     torch = pytest.importorskip("torch")
@@ -321,3 +476,40 @@ def test_transformers_loads_the_nvfp4_export_as_the_bf16_weights(exported):
     tokens = torch.tensor(np.random.default_rng(1).integers(0, SHAPES["vocab"], (2, 16)))
     with torch.no_grad():
         assert torch.equal(a(tokens).logits, b(tokens).logits)
+
+
+def test_modelopt_reads_the_modelopt_export_as_the_trained_weights(exported):
+    """ModelOpt's own NVFP4 dequantization (``NVFP4QTensor.dequantize``: ``e2m1 * (scale *
+    scale_2)``, the products associated the other way) gives the trained bf16 weights exactly
+    and their float32 values within one ulp; its config conversion of hf_quant_config.json is
+    the export's config.json quantization_config."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("modelopt")
+    from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+    _, params, root = exported
+    st = read_safetensors(root / "modelopt" / "model.safetensors")
+    hf_quant = json.loads((root / "modelopt" / "hf_quant_config.json").read_text())
+    assert convert_hf_quant_config_format(hf_quant) == json.loads((root / "modelopt" / "config.json").read_text())[
+        "quantization_config"]
+    checked = differing = 0
+    for (layer, path), leaf in layer_leaves(params).items():
+        if not nv.array.is_nvfp4(leaf):
+            continue
+        module = f"model.layers.{layer}.{HF_NAME[path]}"
+        w = torch.from_numpy(st[f"{module}.weight"].copy())
+        scale = torch.from_numpy(st[f"{module}.weight_scale"].view(np.uint8).copy()).view(torch.float8_e4m3fn)
+        s2 = torch.from_numpy(st[f"{module}.weight_scale_2"].copy())
+        q = NVFP4QTensor(torch.Size([w.shape[0], 2 * w.shape[1]]), torch.bfloat16, w)
+        kw = dict(scale=scale, double_scale=s2, block_sizes={-1: 16})
+        want32 = np.asarray(nv.dequantize(leaf, jnp.float32)).T
+        got32 = q.dequantize(dtype=torch.float32, **kw).numpy()
+        assert ulps(got32, want32).max() <= 1
+        differing += int((ulps(got32, want32) > 0).sum())
+        got16 = q.dequantize(dtype=torch.bfloat16, **kw).float().numpy()
+        want16 = np.asarray(nv.dequantize(leaf, jnp.bfloat16)).T.astype(np.float32)
+        np.testing.assert_array_equal(got16 + np.float32(0), want16 + np.float32(0))  # ModelOpt decodes code 8 as +0
+        checked += 1
+    assert checked == 14
+    print(f"\nModelOpt's e2m1 * (scale * scale_2): {differing} float32 values one ulp from (e2m1 * scale) * scale_2")

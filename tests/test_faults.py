@@ -1,7 +1,7 @@
 """Faults and bad input: non-finite gradients (skip or stop), bad configs, data and checkpoints.
 
-Non-finite gradients come from the loop's fault-injection hook (``loop.run(...,
-inject_nonfinite={step: value})``, ``TRAIN_FAULT_NONFINITE`` for the CLI), which multiplies
+Non-finite gradients come from fault injection (:mod:`train.faults`: ``TRAIN_FAULT_NONFINITE``
+for the CLI, ``Faults(nonfinite={step: value}).hooks()`` in ``loop.run``), which multiplies
 that step's loss by NaN or Inf: tokens are integers, so there is no other way in.
 
 CLI rows that need no separate process run ``train.__main__.main`` in this process (its exit
@@ -19,6 +19,7 @@ import time
 import pytest
 
 from train import checkpoint as ckpt_lib
+from train import faults
 from train import loop
 from train import programs
 
@@ -43,8 +44,8 @@ def test_nonfinite_steps_are_skipped_and_training_continues(tmp_path, capsys):
     def on_step(step, params, opt_state, it):
         snaps[step] = ckpt_lib.host_arrays(params, opt_state)
 
-    r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=True,
-                 on_step=on_step, inject_nonfinite={3: float("nan"), 5: float("inf")})
+    hooks = faults.Faults(nonfinite={3: float("nan"), 5: float("inf")}).hooks(after_step=on_step)
+    r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=True, hooks=hooks)
     for bad in (3, 5):
         before, after = snaps[bad - 1], snaps[bad]
         changed = [k for k in before if before[k].tobytes() != after[k].tobytes()]
@@ -123,6 +124,20 @@ def test_fault_hook_env_is_validated(tmp_path, capfd, monkeypatch):
     rc, _, err = main_here([*sets(JOB), "--out", str(tmp_path / "o")], capfd)
     assert rc == 2 and len(err) == 1 and "TRAIN_FAULT_NONFINITE" in err[0], err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_run_without_faults_does_not_load_the_fault_module(tmp_path, capfd, monkeypatch):
+    # Fault injection is not part of a normal run: the CLI imports train.faults only when a
+    # TRAIN_FAULT_* variable is set (its step with a loss multiplier is never built either).
+    import train
+
+    for name in [n for n in os.environ if n.startswith("TRAIN_FAULT_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.delitem(sys.modules, "train.faults")
+    monkeypatch.delattr(train, "faults")
+    rc, _, err = main_here([*sets(JOB), "--out", str(tmp_path / "o")], capfd)
+    assert rc == 0, err
+    assert "train.faults" not in sys.modules
 
 
 def test_divergence_stops_with_exit_3_naming_the_step(tmp_path, capfd, monkeypatch):
@@ -208,31 +223,19 @@ def test_export_refuses_folders_it_did_not_write(tmp_path, capfd):
     ({1, 2, 3, 4, 5, 6}, (), "step 6: 6 steps in a row non-finite"),
     ({2}, ("nvfp4.nonfinite=error",), "step 2: non-finite loss (nan) (nvfp4.nonfinite=error)"),
 ])
-def test_a_nonfinite_loss_counts_as_a_nonfinite_step(tmp_path, monkeypatch, bad, overrides, needle):
+def test_a_nonfinite_loss_counts_as_a_nonfinite_step(tmp_path, bad, overrides, needle):
     # Out-of-vocabulary tokens gave a NaN loss whose update went through (finite gradients):
     # 0 skipped steps and exit 0. The host loop counts a non-finite loss as a non-finite step
     # whatever the step did with it; here the step's loss is replaced after the fact.
-    import dataclasses
-    import itertools
-
     import numpy as np
 
-    real = loop.build
+    def nan_loss_step(trainer, step, *args):
+        params, opt_state, m = trainer.step_fn(*args)
+        return params, opt_state, (dict(m, loss=np.float32("nan")) if step in bad else m)
 
-    def nan_loss_build(cfg, mesh, init=True):
-        trainer, params, opt_state = real(cfg, mesh, init=init)
-        count, step_fn = itertools.count(1), trainer.step_fn
-
-        def step(*args):
-            params, opt_state, m = step_fn(*args)
-            return params, opt_state, (dict(m, loss=np.float32("nan")) if next(count) in bad else m)
-
-        return dataclasses.replace(trainer, step_fn=step), params, opt_state
-
-    monkeypatch.setattr(loop, "build", nan_loss_build)
     cfg = job(*overrides)
     with pytest.raises(FloatingPointError) as e:
-        loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=False)
+        loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=False, hooks=loop.StepHooks(run_step=nan_loss_step))
     assert str(e.value).startswith(needle), str(e.value)
     recs = strict_json_lines(tmp_path / "metrics.jsonl")
     assert [x["skipped"] for x in recs] == [0] * len(recs)  # the updates went through

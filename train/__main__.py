@@ -44,9 +44,13 @@ model's validation loss is printed at step 0. Its tokenizer travels into --expor
 directory, or over a previous export; any other non-empty directory is refused before
 training starts. --export-hf DIR writes Hugging Face Llama checkpoints of them: DIR/bf16
 (dequantized, for transformers' LlamaForCausalLM) and DIR/nvfp4 (the compressed-tensors NVFP4
-layout vLLM reads, lossless); DIR must not exist or be empty, and the model's kernels must fit
-the format (checked before training). Export folders may not hold, replace or sit in --out's
-run folders, the checkpoint folders or each other (checked before training).
+layout vLLM reads, lossless; --hf-format modelopt: NVIDIA ModelOpt's, for TensorRT-LLM and
+vLLM's modelopt_fp4); DIR must not exist or be empty, and the model's kernels must fit the
+format (checked before training). DIR/nvfp4 is weight-only (W4A16); --calibrate N records each
+NVFP4 layer's input amax over N validation batches and makes it W4A4 (static activation global
+scales), printing the bf16, W4A16 and W4A4 validation losses. Export folders may not hold,
+replace or sit in --out's run folders, the checkpoint folders or each other (checked before
+training).
 
 Exit status (one line on stderr for every failure):
   0 done; 2 bad config, mesh, data file, checkpoint, output or export folder, or a folder
@@ -59,7 +63,7 @@ Exit status (one line on stderr for every failure):
     system; the checkpoints before it are intact);
   130, 143 stopped by SIGINT, SIGTERM (128 + the signal): the step it stopped at is saved.
 
-Fault injection (rehearse failures on a real run; see the README):
+Fault injection (rehearse failures on a real run; train/faults.py, see the README):
   TRAIN_FAULT_EXIT=STEP[:PROCESS]   the process (every one, or only PROCESS) exits abruptly
                                     with status 17 after step STEP
   TRAIN_FAULT_NONFINITE=STEP:VALUE[,STEP:VALUE...]   multiplies the loss of those steps by
@@ -91,7 +95,8 @@ class _Once(argparse.Action):
 
 
 # The options that take a value (the next argument, unless given as --opt=value).
-_VALUED = ("--config", "--set", "--compare", "--out", "--export", "--export-hf", "--init-from")
+_VALUED = ("--config", "--set", "--compare", "--out", "--export", "--export-hf", "--hf-format", "--calibrate",
+           "--init-from")
 
 
 def _ordered(argv):
@@ -124,34 +129,66 @@ def parse_args(argv=None):
     p.add_argument("--export", action=_Once, metavar="DIR", help="after training, write the NVFP4 weights to DIR")
     p.add_argument("--export-hf", action=_Once, metavar="DIR", help="after training, write Hugging Face Llama checkpoints "
                    "to DIR/bf16 and DIR/nvfp4 (DIR must be new or empty)")
+    p.add_argument("--hf-format", choices=["compressed-tensors", "modelopt"], default="compressed-tensors",
+                   help="the NVFP4 layout of --export-hf's DIR/nvfp4: compressed-tensors nvfp4-pack-quantized (default) "
+                        "or NVIDIA ModelOpt's (hf_quant_config.json; TensorRT-LLM, vLLM modelopt_fp4)")
+    p.add_argument("--calibrate", type=_batches, metavar="N", help="with --export-hf: record each NVFP4 layer's input "
+                   "amax over N validation batches and export W4A4 (input_global_scale / input_scale) instead of "
+                   "weight-only; prints the bf16, W4A16 and W4A4 validation losses on those batches")
     p.add_argument("--init-from", action=_Once, metavar="DIR", help="start from the Hugging Face Llama checkpoint in DIR "
                    "(train.init_from: bf16/f16/f32 or compressed-tensors NVFP4 safetensors; its config.json sets "
                    "the model's shape, and --set model keys must agree with it)")
     p.add_argument("rest", nargs="*", metavar="KEY=VALUE", help="more overrides, in order with --set")
     args = p.parse_args(_ordered(sys.argv[1:] if argv is None else argv))
+    if args.calibrate and not args.export_hf:
+        p.error("--calibrate N calibrates an --export-hf export: give --export-hf DIR too")
     args.overrides = [*args.sets, *args.rest]  # rest: only arguments that are not KEY=VALUE (refused)
     return args
 
 
+def _batches(text: str) -> int:
+    """``--calibrate N``: a positive number of validation batches."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of validation batches, got {text!r}")
+    return n
+
+
 def config_keys_help(width: int = 100) -> str:
-    """Every config key with its default, by section (plain text, for --help)."""
+    """Every config key with its default, what it means and what a change of it affects, by
+    section (plain text, for --help), from the classes of train.config as default.yaml is."""
     import textwrap
 
-    from train.config import SECTIONS
+    from train.config import AFFECTS, config_keys
 
-    lines = ["config keys (defaults; train/configs/default.yaml explains each):"]
-    for name, cls in SECTIONS.items():
-        items = []
-        for f in dataclasses.fields(cls):
-            v = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            if v is None:
-                v = "null"
-            elif isinstance(v, bool):
-                v = str(v).lower()
-            elif isinstance(v, (list, tuple)):
-                v = "[" + ",".join(map(str, v)) + "]"
-            items.append(f"{name}.{f.name}={v}")
-        lines += textwrap.wrap(" ".join(items), width, initial_indent="  ", subsequent_indent="    ")
+    def shown(v):
+        if v is None:
+            return "null"
+        if isinstance(v, bool):
+            return str(v).lower()
+        if isinstance(v, (list, tuple)):
+            return "[" + ",".join(map(str, v)) + "]"
+        return str(v)
+
+    legend = "; ".join(f"{name} = {what}" for name, what in AFFECTS.items())
+    lines = textwrap.wrap(f"config keys: KEY=DEFAULT, what it means and [what a change of it affects: {legend}]. "
+                          "train/configs/default.yaml lists the same.", width)
+    column, section = 32, None
+    for k in config_keys():
+        if k.section != section:
+            section = k.section
+            lines += ["", f"  {section}"]
+        head = f"    {k.key}={shown(k.default)}"
+        text = textwrap.wrap(f"{k.explained()} [{k.affects}]", width, initial_indent=" " * column,
+                             subsequent_indent=" " * column, break_on_hyphens=False)
+        if len(head) < column - 1:
+            text[0] = head.ljust(column) + text[0][column:]
+        else:
+            lines.append(head)
+        lines += text
     return "\n".join(lines)
 
 
@@ -248,6 +285,8 @@ def _run(args, cfg, out_dir, fault) -> int:
         data_lib.make_source(cfg.data, cfg.model, split="val")
         if args.export_hf:
             hf_check(cfg, mesh)
+        if args.calibrate and cfg.nvfp4.weights != "nvfp4":
+            raise ConfigError(f"--calibrate: nvfp4.weights={cfg.nvfp4.weights} has no NVFP4 layers to calibrate")
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -271,7 +310,7 @@ def _run(args, cfg, out_dir, fault) -> int:
             os.makedirs(out_dir, exist_ok=True)
             save_config(cfg, os.path.join(out_dir, "config.yaml"))
 
-    on_step, inject = fault
+    hooks = fault.hooks() if fault is not None else None
     preemption = None
     try:
         if is_main:
@@ -280,15 +319,14 @@ def _run(args, cfg, out_dir, fault) -> int:
                 print(f"XLA flags for overlap on GPU (train/xla_flags.py; XLA_FLAGS overrides): {', '.join(gpu_flags)}")
         import threading
 
-        from jax._src import distributed
+        from train.peers import preemption_sync_available
 
         # Signal handlers belong to the main thread; several processes need the runtime's
         # preemption service to agree on a step (without it a signal ends a process as before).
-        if threading.current_thread() is threading.main_thread() and (
-                not multi or distributed.global_state.preemption_sync_manager is not None):
+        if threading.current_thread() is threading.main_thread() and (not multi or preemption_sync_available()):
             preemption = Preemption(sync=multi).install()
         runs = [loop.run(cfg, mesh, out_dir, progress=not args.no_progress, label=f"{cfg.nvfp4.weights} weights",
-                         on_step=on_step, on_start=start, inject_nonfinite=inject, preemption=preemption)]
+                         on_start=start, preemption=preemption, hooks=hooks)]
         if args.compare == "bf16":
             base = dataclasses.replace(cfg, nvfp4=dataclasses.replace(cfg.nvfp4, weights="bf16"))
             if cfg.checkpoint.dir:
@@ -302,18 +340,20 @@ def _run(args, cfg, out_dir, fault) -> int:
             # overwrite replaces a previous export only (export_nvfp4 refuses anything else).
             nv.export.export_nvfp4(runs[0]["params"], args.export, overwrite=True)
         if args.export_hf:
-            export_hf(cfg, runs[0]["params"], args.export_hf)
+            export_hf(cfg, runs[0]["params"], args.export_hf, layout=args.hf_format, calibrate=args.calibrate or 0,
+                      run=runs[0])
             if is_main:
-                print(f"exported Hugging Face Llama checkpoints: {args.export_hf}/bf16, {args.export_hf}/nvfp4")
+                print(f"exported Hugging Face Llama checkpoints: {args.export_hf}/bf16, {args.export_hf}/nvfp4 "
+                      f"({args.hf_format}, {'W4A4' if args.calibrate else 'weight-only'})")
         summary = summary_lib.summarize(runs, out_dir)
     except Stopped as e:
         if multi:
             # Every process has saved; leave together (a launcher may stop the others as soon
             # as one process has exited).
-            from jax._src import distributed
+            from train.peers import wait_at_barrier
 
             try:
-                distributed.global_state.client.wait_at_barrier(f"train_stopped_{e.step}", 300_000)
+                wait_at_barrier(f"train_stopped_{e.step}", 300_000)
             except Exception:  # noqa: BLE001 - a peer gone meanwhile: its checkpoint is written
                 pass
         if is_main:
@@ -387,9 +427,9 @@ def lock_folders(out_dir: str, ckpt_dirs, is_main: bool, multi: bool) -> list:
                 lock.release()
             locks, why = [], str(e)
     if multi:
-        from jax._src import distributed
+        from train.peers import coordination_client
 
-        client = distributed.global_state.client
+        client = coordination_client()
         if is_main:
             client.key_value_set("train_lock/outcome", why or "ok")
         else:
@@ -419,10 +459,15 @@ def hf_check(cfg, mesh) -> None:
             raise ConfigError(f"--export-hf ({fmt}): {e}; set model sizes it can hold, or drop --export-hf") from None
 
 
-def export_hf(cfg, params, directory: str) -> None:
+def export_hf(cfg, params, directory: str, *, layout: str = "compressed-tensors", calibrate: int = 0,
+              run=None) -> None:
     """``--export-hf DIR``: Hugging Face Llama checkpoints of ``params`` in DIR/bf16 and
-    DIR/nvfp4, with the token file's tokenizer when there is one, or the imported checkpoint's
-    tokenizer and special tokens (``train.init_from``)."""
+    DIR/nvfp4 (``layout``: ``--hf-format``, compressed-tensors or ModelOpt NVFP4), with the
+    token file's tokenizer when there is one, or the imported checkpoint's tokenizer and
+    special tokens (``train.init_from``). ``calibrate`` (``--calibrate N``): DIR/nvfp4 is W4A4,
+    each NVFP4 layer's input amax recorded over N validation batches (:mod:`train.calibrate`;
+    ``run``, the ``train.loop.run`` result, gives the float32 masters for the bf16 loss); the
+    bf16, W4A16 and W4A4 validation losses on those batches are printed."""
     from jax_nvfp4 import export as export_lib
     from train import data as data_lib
     from train import hf_import
@@ -441,8 +486,21 @@ def export_hf(cfg, params, directory: str) -> None:
         tokenizer = hf_import.tokenizer_source(cfg.train.init_from) or tokenizer
     hf_cfg = hf_import.hf_config(cfg, max_position_embeddings=max_positions, eos_token_id=eos, bos_token_id=bos)
     files = hf_import.tokenizer_files(tokenizer, max_positions)
+    input_amax = None
+    if calibrate:
+        import jax
+
+        from train import calibrate as calibrate_lib
+
+        input_amax, losses = calibrate_lib.for_run(cfg, dict(run or {}, params=params), calibrate)
+        if jax.process_index() == 0:
+            shown = " / ".join(f"{k} {v:.4f}" for k, v in (("bf16", losses["bf16"]), ("W4A16", losses["w4a16"]),
+                                                            ("W4A4", losses["w4a4"])) if v is not None)
+            print(f"calibrated the NVFP4 layers' input amax on {calibrate} validation batch"
+                  f"{'es' if calibrate > 1 else ''}; validation loss on them: {shown}", flush=True)
     for fmt in ("bf16", "nvfp4"):
-        export_lib.export_hf(params, hf_cfg, os.path.join(directory, fmt), names=HF_NAMES, fmt=fmt, files=files)
+        export_lib.export_hf(params, hf_cfg, os.path.join(directory, fmt), names=HF_NAMES, fmt=fmt, files=files,
+                             layout=layout, input_amax=input_amax if fmt == "nvfp4" else None)
 
 
 # What a run writes into --out besides the bf16 run's folder of --compare.
@@ -516,99 +574,14 @@ def _resumes(cfg, compare, bf16: bool) -> bool:
     return bool(d) and os.path.isdir(d) and any(name.isdigit() for name in os.listdir(d))
 
 
-def _step_and_process(name: str, spec: str):
-    step_s, _, proc_s = spec.partition(":")
-    try:
-        return int(step_s), (int(proc_s) if proc_s else None)
-    except ValueError:
-        raise ValueError(f"{name}={spec!r}: expected STEP[:PROCESS]") from None
-
-
 def fault_hooks(checkpoint_dir=None):
-    """``(on_step, inject_nonfinite)`` from the ``TRAIN_FAULT_*`` variables (module docstring);
-    ``TRAIN_FAULT_READONLY`` acts on ``checkpoint_dir``."""
-    actions = []  # (step, process or None, action)
-    spec = os.environ.get("TRAIN_FAULT_EXIT")
-    if spec:
-        def die(step):
-            import jax
+    """The faults the ``TRAIN_FAULT_*`` variables ask for (:func:`train.faults.from_env`; the
+    module is imported only when one is set), or None. ValueError: a malformed one."""
+    if not any(name.startswith("TRAIN_FAULT_") for name in os.environ):
+        return None
+    from train import faults
 
-            print(f"TRAIN_FAULT_EXIT: process {jax.process_index()} exits after step {step}", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(17)
-
-        actions.append((*_step_and_process("TRAIN_FAULT_EXIT", spec), die))
-    spec = os.environ.get("TRAIN_FAULT_STOP")
-    if spec:
-        def freeze(step):
-            import signal
-
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.kill(os.getpid(), signal.SIGSTOP)
-
-        actions.append((*_step_and_process("TRAIN_FAULT_STOP", spec), freeze))
-    for sig in ("SIGTERM", "SIGINT"):
-        spec = os.environ.get(f"TRAIN_FAULT_{sig}")
-        if spec:
-            def send(step, sig=sig):
-                import signal
-                import time
-
-                import jax
-
-                os.kill(os.getpid(), getattr(signal, sig))
-                if jax.process_count() > 1:
-                    # The runtime's preemption notifier looks for SIGTERM once a second: let the
-                    # notice reach every process before this one takes its next step.
-                    time.sleep(2.0)
-
-            actions.append((*_step_and_process(f"TRAIN_FAULT_{sig}", spec), send))
-    spec = os.environ.get("TRAIN_FAULT_READONLY")
-    if spec:
-        ro_step, proc = _step_and_process("TRAIN_FAULT_READONLY", spec)
-        actions.append((ro_step, proc, lambda step: make_checkpoints_read_only(checkpoint_dir)))
-
-    def run_actions(step, *_):
-        import jax
-
-        for at, proc, action in actions:
-            if step == at and proc in (None, jax.process_index()):
-                action(step)
-
-    on_step = run_actions if actions else None
-    inject = None
-
-    spec = os.environ.get("TRAIN_FAULT_NONFINITE")
-    if spec:
-        try:
-            inject = {int(s): float(v) for s, v in (item.split(":") for item in spec.split(","))}
-        except ValueError:
-            raise ValueError(f"TRAIN_FAULT_NONFINITE={spec!r}: expected STEP:VALUE[,STEP:VALUE...]") from None
-    return on_step, inject
-
-
-def make_checkpoints_read_only(directory) -> None:
-    """Fault injection: from now on no new checkpoint can be created in ``directory`` (EACCES),
-    as when it becomes read-only; a save already under way finishes. Done in the process
-    rather than with chmod, which root ignores: orbax's creation of a step's temporary
-    directory (``<step>.orbax-checkpoint-tmp``) there raises ``PermissionError``. Other
-    directories are untouched (a process may hold other runs' checkpointers)."""
-    import errno
-    import re
-
-    from orbax.checkpoint._src.path import async_path
-
-    mkdir = async_path.mkdir
-    directory = os.path.realpath(str(directory))
-
-    async def refuse(path, *args, **kwargs):
-        where = os.path.realpath(str(path))
-        if os.path.dirname(where) == directory and re.match(r"\d+\.orbax-checkpoint-tmp", os.path.basename(where)):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
-        return await mkdir(path, *args, **kwargs)
-
-    async_path.mkdir = refuse
+    return faults.from_env(checkpoint_dir)
 
 
 def print_summary(summary, out_dir: str) -> None:

@@ -8,15 +8,13 @@ from typing import Any, Dict
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jax_nvfp4 as nv
 
 
 def abstract_step_args(trainer) -> tuple:
     """``(params, opt_state, batch, key)`` of ``trainer.step_fn`` as sharded ShapeDtypeStructs:
-    with the loss scale the caller appends (a float32, or ``None`` for the constant 1), enough
-    to lower and compile the run's step ahead of time without allocating anything."""
+    enough to lower and compile the run's step ahead of time without allocating anything."""
     sds = lambda t, s: jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), t, s)
     cfg = trainer.cfg
     batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.model.seq_len + 1), jnp.int32,
@@ -31,9 +29,9 @@ def compiled_step(trainer) -> Dict[str, Any]:
     :func:`jax_nvfp4.comm.parse` with the trainer's mesh: each collective's mesh axes) and
     ``memory`` (``compiled.memory_analysis()`` per device: ``temp``, ``argument``, ``output``
     and ``alias`` bytes, None where the backend does not say). The step is lowered from
-    :func:`abstract_step_args` with a float32 loss scale: the program the loop runs."""
+    :func:`abstract_step_args`: the program the loop runs."""
     if "step" not in trainer.derived:
-        compiled = trainer.step_fn.lower(*abstract_step_args(trainer), np.float32(1)).compile()
+        compiled = trainer.step_fn.lower(*abstract_step_args(trainer)).compile()
         text = compiled.as_text()
         mem = compiled.memory_analysis()
         trainer.derived["step"] = {

@@ -48,9 +48,10 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be used (incompatible, corrupt, non-finite); one line."""
 
 
-class CheckpointWriteError(CheckpointError):
-    """A checkpoint that could not be written (e.g. a read-only directory); the ones before
-    it are intact. One line."""
+class CheckpointWriteError(Exception):
+    """A checkpoint that could not be written mid-run (e.g. a full or read-only file system);
+    the ones before it are intact. One line. Not a :class:`CheckpointError`: the checkpoint
+    and the config are good, the storage failed (the CLI's exit 5, not 2)."""
 
 
 @dataclasses.dataclass
@@ -193,7 +194,7 @@ class Checkpointer:
         """Any failure of orbax's writing becomes one :class:`CheckpointWriteError`."""
         try:
             yield
-        except CheckpointError:
+        except (CheckpointError, CheckpointWriteError):
             raise
         except Exception as e:  # noqa: BLE001 - orbax raises many kinds (OSError, ValueError...)
             what = f"checkpoint {step}" if step is not None else "a checkpoint"
@@ -363,17 +364,12 @@ def _first_line(e: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------- resume rules
-# Config keys whose change changes the training trajectory (the data, the model, the updates).
-# The mesh is not one of them (restores reshard, bit-identically), nor train.steps itself: the
-# schedule's length stands for it.
-_TRAJECTORY = {
-    "model": None,  # every key
-    "data": ("source", "path", "val_path", "val_fraction", "seed", "markov_states", "batch_size"),
-    "optim": ("name", "lr", "schedule", "warmup_steps", "weight_decay", "b1", "b2", "clip_norm", "grad_accum"),
-    "nvfp4": ("weights", "compute", "keep_bf16", "keep_first_blocks", "keep_last_blocks", "stochastic_rounding",
-              "cast_master_bf16", "grad_reduce_dtype", "grad_rounding", "wgrad_hadamard", "activations", "fused_amax"),
-    "train": ("seed", "init_from"),
-}
+# The config keys whose change changes the training trajectory (the data, the model, the updates)
+# are those train.config declares "trajectory" (train.config.trajectory_keys): not the mesh
+# (restores reshard, bit-identically), nor train.steps itself (the schedule's length stands for
+# it). Two are recorded as the run uses them:
+_RESOLVED = {"nvfp4.block": lambda cfg: cfg.nvfp4.resolved_block(),
+             "optim.schedule_steps": lambda cfg: cfg.schedule_steps()}
 
 # Keys that checkpoints written before they existed do not record, with the value those had.
 _BEFORE_RECORDED = {"nvfp4.block": "2d", "train.init_from": None, "nvfp4.grad_rounding": "stochastic",
@@ -383,16 +379,15 @@ _UNKNOWN_BEFORE = ("data.val_path", "data.val_fraction", "data.path:content", "d
 
 
 def run_identity(cfg) -> Dict[str, Any]:
-    """``{"section.key": value}`` of the config values a checkpoint's trajectory depends on,
-    plus ``optim.schedule_steps`` resolved (the schedule's length) and ``train.steps``."""
-    from train.config import to_dict
+    """``{"section.key": value}`` of the config values a checkpoint's trajectory depends on (its
+    trajectory keys; ``nvfp4.block`` and ``optim.schedule_steps``, the schedule's length, resolved),
+    plus ``train.steps``."""
+    from train.config import to_dict, trajectory_keys
 
     d, out = to_dict(cfg), {}
-    for section, keys in _TRAJECTORY.items():
-        for k in (keys or d[section]):
-            out[f"{section}.{k}"] = d[section][k]
-    out["nvfp4.block"] = cfg.nvfp4.resolved_block()
-    out["optim.schedule_steps"] = cfg.schedule_steps()
+    for key in trajectory_keys(type(cfg)):
+        section, name = key.split(".")
+        out[key] = _RESOLVED[key](cfg) if key in _RESOLVED else d[section][name]
     out["train.steps"] = cfg.train.steps
     # The data files' content, not only their names (train.data.file_fingerprint).
     if cfg.data.source in ("file", "tokens"):

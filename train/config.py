@@ -1,7 +1,12 @@
-"""Experiment configuration: frozen pydantic dataclasses, the one source of the defaults.
+"""Experiment configuration: frozen pydantic dataclasses, the one source of every key.
 
-``configs/default.yaml`` lists every key with what it means (``default.gin`` the same as gin; a
-test keeps both equal to the classes).
+Each key is declared once, here: its type and constraints, its default, what it means
+(``Field(description=...)``) and what a change of it affects (:func:`setting`). Everything else
+is derived from the classes: ``configs/default.yaml`` and ``configs/default.gin`` (written by
+``python -m train.config --write-defaults``; a test checks they are current), ``python -m train
+--help``'s list of keys, the keys a resume compares (:func:`trajectory_keys`, read by
+``train.checkpoint.run_identity``) and those the compiled programs are cached by
+(``train.programs.program_key``). See :func:`config_keys`.
 
 pydantic checks each field (type, choice, range, unknown keys), each class's ``__post_init__``
 the rules that tie fields together, and :func:`validate_for_devices` those that need the device
@@ -19,8 +24,12 @@ invalid on its own. No jax here: the CLI checks the config before JAX starts.
 
 import dataclasses
 import functools
+import json
 import os
 import re
+import sys
+import textwrap
+import typing
 from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional, Sequence, Tuple
 
 import pydantic
@@ -31,9 +40,10 @@ from train import config_sources
 from train.config_errors import ConfigError, one_line, short
 from train.config_sources import override_keys
 
-__all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "NVFP4Config",
-           "OptimConfig", "RopeScaling", "SECTIONS", "TrainConfig", "apply_overrides", "from_dict", "load_config",
-           "override_keys", "resolve_mesh_axes", "save_config", "to_dict", "to_yaml", "validate_for_devices"]
+__all__ = ["AFFECTS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "Key", "MeshConfig", "ModelConfig",
+           "NVFP4Config", "OptimConfig", "RopeScaling", "SECTIONS", "TrainConfig", "apply_overrides", "config_keys",
+           "default_gin", "default_yaml", "from_dict", "load_config", "override_keys", "resolve_mesh_axes",
+           "save_config", "setting", "to_dict", "to_yaml", "trajectory_keys", "validate_for_devices"]
 
 
 # Field types: strict (`layers: true` is not 1, `1` is not true); an int widens to a float.
@@ -47,11 +57,54 @@ PosFloat, NonNegFloat = Annotated[Float, Field(gt=0)], Annotated[Float, Field(ge
 Fraction = Annotated[Float, Field(ge=0, lt=1)]
 
 
+# -- what each key is -------------------------------------------------------------------------
+
+# What a change of a key affects, on a resume and in the programs a process compiles.
+AFFECTS = {
+    "trajectory": "changes the training trajectory: a resume refuses a change unless checkpoint.allow_change "
+                  "names the key",
+    "program": "changes only the compiled programs (a resume reshards or recompiles and continues)",
+    "host": "neither: what the host does around the steps (logging, output, evaluation cadence, checkpoints)",
+}
+
+
+def setting(affects: str, description: str, *, program_key: Optional[bool] = None) -> Any:
+    """A config key's declaration, as ``Annotated`` metadata next to its type (the default stays
+    a plain value: ``layers: Annotated[Pos, setting("trajectory", "...")] = 2``).
+
+    ``description``: what the key means (``default.yaml``'s comment and ``--help``'s line).
+    ``affects``: one of :data:`AFFECTS`. ``"trajectory"``: a fresh run with another value
+    trains differently (the data, the model, the updates), so a resume compares it with the
+    checkpoint's (``train.checkpoint.check_resume``; a checkpoint written before the key existed
+    records no value: give the value those runs had in ``train.checkpoint._BEFORE_RECORDED``,
+    or resuming one is refused). ``"program"``: only how the steps are compiled and laid out
+    (the mesh: a restore reshards bit-identically; kernels that compute the same function).
+    ``"host"``: neither.
+    ``program_key``: whether the compiled programs depend on it (``train.programs.program_key``);
+    by default every trajectory and program key, never a host key. ``False`` for a trajectory
+    key only the host reads (the data stream, the weights a run starts from) and for a program
+    key that acts on the process rather than on one program (XLA flags set before JAX starts).
+    """
+    if affects not in AFFECTS:
+        raise ValueError(f"affects={affects!r}: must be one of {', '.join(AFFECTS)}")
+    keyed = affects != "host" if program_key is None else bool(program_key)
+    if affects == "host" and keyed:
+        raise ValueError("a host key changes no program: it cannot be part of the program key")
+    return Field(description=" ".join(description.split()),
+                 json_schema_extra={"affects": affects, "program_key": keyed})
+
+
 def _section(cls):
     """``cls`` as a frozen pydantic dataclass refusing unknown keys, whose construction
     (``cls(...)``, ``dataclasses.replace``) raises :class:`ConfigError` instead of pydantic's
-    multi-line report."""
+    multi-line report. Every key of a section must be declared with :func:`setting`."""
     cls = pydantic.dataclasses.dataclass(frozen=True, config=pydantic.ConfigDict(extra="forbid"))(cls)
+    if cls.section:
+        for name, info in cls.__pydantic_fields__.items():
+            extra = info.json_schema_extra
+            if not info.description or not isinstance(extra, dict) or extra.get("affects") not in AFFECTS:
+                raise TypeError(f"{cls.section}.{name}: declare it with Annotated[type, setting(affects, "
+                                "description)] (train.config.setting)")
     init = cls.__init__
 
     @functools.wraps(init)
@@ -76,11 +129,19 @@ class RopeScaling:
     high 4, original 8192."""
 
     section: ClassVar[str] = "model.rope_scaling"
-    rope_type: Literal["llama3"] = "llama3"
-    factor: Annotated[Float, Field(ge=1)] = 8.0
-    low_freq_factor: PosFloat = 1.0
-    high_freq_factor: PosFloat = 4.0
-    original_max_position_embeddings: Pos = 8192
+    rope_type: Annotated[Literal["llama3"], setting(
+        "trajectory", "The scaling's kind; llama3 is the only one.")] = "llama3"
+    factor: Annotated[Float, Field(ge=1), setting(
+        "trajectory", "Divides the frequency of every wavelength longer than "
+        "original_max_position_embeddings / low_freq_factor.")] = 8.0
+    low_freq_factor: Annotated[PosFloat, setting(
+        "trajectory", "Wavelengths longer than original_max_position_embeddings / low_freq_factor are "
+        "divided by factor.")] = 1.0
+    high_freq_factor: Annotated[PosFloat, setting(
+        "trajectory", "Wavelengths shorter than original_max_position_embeddings / high_freq_factor keep "
+        "their frequency, those between interpolate smoothly; > low_freq_factor.")] = 4.0
+    original_max_position_embeddings: Annotated[Pos, setting(
+        "trajectory", "The context length the model was pretrained with.")] = 8192
 
     def __post_init__(self):
         if self.high_freq_factor <= self.low_freq_factor:
@@ -105,20 +166,35 @@ class ModelConfig:
     positions, grouped-query attention, SwiGLU MLP)."""
 
     section: ClassVar[str] = "model"
-    vocab: Pos = 256
-    d_model: Pos = 64
-    layers: Pos = 2
-    heads: Pos = 2
-    kv_heads: NonNeg = 0  # key/value heads (grouped-query attention); 0 = model.heads
-    mlp_hidden: Pos = 192
-    seq_len: Pos = 64
-    rope_theta: PosFloat = 10000.0
-    # null: plain rotary positions; a mapping: Llama 3.x scaling (RopeScaling)
-    rope_scaling: Annotated[Optional[RopeScaling], pydantic.BeforeValidator(_rope_scaling)] = None
-    norm_eps: PosFloat = 1e-5
-    tie_embeddings: Bool = False  # the head is the embedding matrix transposed
-    attention: Literal["auto", "blockwise", "xla", "cudnn"] = "auto"
-    init_std: PosFloat = 0.02
+    vocab: Annotated[Pos, setting(
+        "trajectory", "Vocabulary size: token ids 0..vocab-1 (byte tokens: 256; the Markov corpus uses "
+        "0..data.markov_states-1).")] = 256
+    d_model: Annotated[Pos, setting(
+        "trajectory", "Width of the residual stream (hidden size); divisible by model.heads.")] = 64
+    layers: Annotated[Pos, setting("trajectory", "Transformer blocks.")] = 2
+    heads: Annotated[Pos, setting(
+        "trajectory", "Query heads; the head size d_model / heads must be even, as rotary embeddings "
+        "rotate pairs of channels.")] = 2
+    kv_heads: Annotated[NonNeg, setting(
+        "trajectory", "Key/value heads (grouped-query attention), dividing model.heads; 0 = model.heads "
+        "(multi-head attention).")] = 0
+    mlp_hidden: Annotated[Pos, setting(
+        "trajectory", "Hidden width of the SwiGLU MLP; with a tensor axis T, divisible by 16 x T (whole "
+        "NVFP4 blocks in every tensor shard).")] = 192
+    seq_len: Annotated[Pos, setting("trajectory", "Tokens per training sequence (the context length).")] = 64
+    rope_theta: Annotated[PosFloat, setting("trajectory", "Base of the rotary position frequencies.")] = 10000.0
+    rope_scaling: Annotated[Optional[RopeScaling], pydantic.BeforeValidator(_rope_scaling), setting(
+        "trajectory", "null: plain rotary positions; a mapping: Llama 3.x rotary scaling (transformers' "
+        "rope_type llama3).")] = None
+    norm_eps: Annotated[PosFloat, setting("trajectory", "Epsilon of the RMSNorms.")] = 1e-5
+    tie_embeddings: Annotated[Bool, setting(
+        "trajectory", "true: the head is the embedding matrix transposed (no head/kernel).")] = False
+    attention: Annotated[Literal["auto", "blockwise", "xla", "cudnn"], setting(
+        "program", "The attention kernel: auto (cuDNN's fused attention on a CUDA GPU, blockwise elsewhere) | "
+        "blockwise (O(sequence) memory) | xla (XLA's attention, O(sequence^2) scores) | cudnn. Each computes "
+        "the same attention, within the rounding of its output.")] = "auto"
+    init_std: Annotated[PosFloat, setting(
+        "trajectory", "Standard deviation of the random normal init of the embedding and the kernels.")] = 0.02
 
     def __post_init__(self):  # cross-field rules, run by pydantic after the fields validate
         if self.d_model % self.heads:
@@ -143,13 +219,30 @@ class DataConfig:
     """Where tokens come from. ``batch_size`` is global: sequences per optimizer step."""
 
     section: ClassVar[str] = "data"
-    source: Literal["markov", "file", "tokens"] = "markov"
-    path: Optional[Str] = None
-    val_path: Optional[Str] = None
-    val_fraction: Fraction = 0.0
-    batch_size: Pos = 16
-    markov_states: Annotated[Int, Field(ge=2)] = 32
-    seed: Annotated[Int, Field(ge=0, lt=2**31)] = 0  # the token files' shuffle takes a 31-bit seed
+    # What the host feeds the programs: part of the trajectory, not of the programs (but the batch's size).
+    source: Annotated[Literal["markov", "file", "tokens"], setting(
+        "trajectory", "Where tokens come from: markov (the embedded Markov corpus) | file (any file, its bytes "
+        "are the tokens) | tokens (a token file written by python -m train.prepare).",
+        program_key=False)] = "markov"
+    path: Annotated[Optional[Str], setting(
+        "trajectory", "The file to train on: with data.source file any file, its bytes are the tokens; with "
+        "tokens python -m train.prepare's output. Its content is recorded in checkpoints too.",
+        program_key=False)] = None
+    val_path: Annotated[Optional[Str], setting(
+        "trajectory", "A held-out file of the same kind (tokens: the same tokenizer), for the validation loss.",
+        program_key=False)] = None
+    val_fraction: Annotated[Fraction, setting(
+        "trajectory", "Or hold out the last fraction of data.path (not trained on). data.source markov takes "
+        "neither: it draws validation rows from its own stream.", program_key=False)] = 0.0
+    batch_size: Annotated[Pos, setting(
+        "trajectory", "Global sequences per optimizer step, across all processes; divisible by the mesh data "
+        "axis x optim.grad_accum.")] = 16
+    markov_states: Annotated[Int, Field(ge=2), setting(
+        "trajectory", "The Markov chain's alphabet: tokens 0..states-1 (train.data.MarkovSource); at most "
+        "model.vocab.", program_key=False)] = 32
+    seed: Annotated[Int, Field(ge=0, lt=2**31), setting(
+        "trajectory", "Seed of the data stream (the Markov chain, the token files' shuffle); < 2^31, as the "
+        "shuffle takes a 31-bit seed.", program_key=False)] = 0
 
     def __post_init__(self):
         reads_file = self.source in ("file", "tokens")
@@ -179,13 +272,26 @@ class MeshConfig:
     """Device mesh ``(data, tensor)``; -1 on one axis means "all remaining devices"."""
 
     section: ClassVar[str] = "mesh"
-    data: Annotated[Int, Field(ge=-1)] = -1
-    tensor: Annotated[Int, Field(ge=-1)] = 1
-    layout: Literal["auto", "gb200"] = "auto"
-    nvl_domain: Pos = 72
-    racks: NonNeg = 0  # with layout gb200: the expected number of racks; 0 = whatever the devices span
-    sharding: Literal["fsdp", "hsdp"] = "fsdp"
-    simulate_devices: NonNeg = 8
+    data: Annotated[Int, Field(ge=-1), setting(
+        "program", "Devices on the data (FSDP) axis; -1: every device not used by the tensor axis.")] = -1
+    tensor: Annotated[Int, Field(ge=-1), setting(
+        "program", "Devices on the tensor-parallel axis (tensor and sequence parallelism inside each layer); "
+        "-1: every device not used by the data axis.")] = 1
+    layout: Annotated[Literal["auto", "gb200"], setting(
+        "program", "auto (one flat data axis) | gb200 (axes rack x data x tensor: tensor groups inside one "
+        "NVLink domain).")] = "auto"
+    nvl_domain: Annotated[Pos, setting(
+        "program", "GPUs per NVLink domain (mesh.layout gb200): one GB200 NVL72 rack.")] = 72
+    racks: Annotated[NonNeg, setting(
+        "program", "mesh.layout gb200: the expected number of racks (NVLink domains); 0 = whatever the "
+        "devices span.")] = 0
+    sharding: Annotated[Literal["fsdp", "hsdp"], setting(
+        "program", "mesh.layout gb200: fsdp shards the state over racks and the data axis; hsdp shards it "
+        "inside a rack and replicates it across racks (weight gathers never leave a rack; R x the "
+        "state).")] = "fsdp"
+    simulate_devices: Annotated[NonNeg, setting(
+        "program", f"Simulated CPU devices, on CPU only and when XLA_FLAGS does not set a host device count; "
+        f"0 = none; at most {MAX_SIMULATED_DEVICES}.")] = 8
 
     def __post_init__(self):
         if self.simulate_devices > MAX_SIMULATED_DEVICES:
@@ -208,16 +314,28 @@ class OptimConfig:
     """The inner optax optimizer applied to the float32 master weights."""
 
     section: ClassVar[str] = "optim"
-    name: Literal["adamw", "adam", "sgd", "lion"] = "adamw"
-    lr: PosFloat = 3e-3
-    schedule: Literal["cosine", "constant", "linear"] = "cosine"
-    warmup_steps: NonNeg = 20
-    weight_decay: NonNegFloat = 0.01
-    b1: Fraction = 0.9
-    b2: Fraction = 0.95
-    clip_norm: NonNegFloat = 1.0  # global-norm clipping; 0 = off
-    grad_accum: Annotated[Int, Field(ge=1)] = 1
-    schedule_steps: NonNeg = 0
+    name: Annotated[Literal["adamw", "adam", "sgd", "lion"], setting(
+        "trajectory", "The optax optimizer: adamw | adam | sgd (momentum optim.b1) | lion.")] = "adamw"
+    lr: Annotated[PosFloat, setting("trajectory", "Peak learning rate.")] = 3e-3
+    schedule: Annotated[Literal["cosine", "constant", "linear"], setting(
+        "trajectory", "The learning rate after the warmup: cosine (decays to 0.1 x optim.lr) | constant | "
+        "linear (decays to 0).")] = "cosine"
+    warmup_steps: Annotated[NonNeg, setting(
+        "trajectory", "Steps of linear warmup from 0 to optim.lr. One longer than the schedule is an error; "
+        "the default is cut to a shorter schedule.")] = 20
+    weight_decay: Annotated[NonNegFloat, setting(
+        "trajectory", "Decoupled weight decay (adamw, lion).")] = 0.01
+    b1: Annotated[Fraction, setting(
+        "trajectory", "First-moment decay (adam, adamw, lion); sgd's momentum.")] = 0.9
+    b2: Annotated[Fraction, setting("trajectory", "Second-moment decay (adam, adamw, lion).")] = 0.95
+    clip_norm: Annotated[NonNegFloat, setting(
+        "trajectory", "Global-norm gradient clipping (the norm summed in a fixed order); 0 = off.")] = 1.0
+    grad_accum: Annotated[Int, Field(ge=1), setting(
+        "trajectory", "Micro-batches per optimizer step: data.batch_size is split into this many, their "
+        "gradients summed.")] = 1
+    schedule_steps: Annotated[NonNeg, setting(
+        "trajectory", "Learning-rate schedule length; 0 = train.steps. Stored in checkpoints: to extend a "
+        "finished run, raise train.steps and set this to the checkpoint's length.")] = 0
 
 
 @_section
@@ -225,24 +343,54 @@ class NVFP4Config:
     """Which weights live in NVFP4 and how they move and compute."""
 
     section: ClassVar[str] = "nvfp4"
-    weights: Literal["nvfp4", "bf16"] = "nvfp4"
-    param_gather: Literal["packed", "dequantized"] = "packed"
-    compute: Literal["dequant", "nvfp4"] = "dequant"
-    keep_bf16: Tuple[Str, ...] = ("embed", "head", "norm")
-    keep_first_blocks: NonNeg = 0
-    keep_last_blocks: NonNeg = 0
-    stochastic_rounding: Bool = False
-    cast_master_bf16: Bool = False
-    nonfinite: Literal["skip", "error"] = "skip"
-    max_skipped_in_a_row: NonNeg = 10
-    grad_reduce_dtype: Literal["grad", "float32"] = "grad"
-    block: Literal["auto", "1d", "2d"] = "auto"
+    weights: Annotated[Literal["nvfp4", "bf16"], setting(
+        "trajectory", "nvfp4 (the stored weights are NVFP4) | bf16 (the baseline).")] = "nvfp4"
+    param_gather: Annotated[Literal["packed", "dequantized"], setting(
+        "program", "What crosses the data axis each forward: packed (the NVFP4 bytes, dequantized after the "
+        "gather) | dequantized (bf16, the reference: the same bits).")] = "packed"
+    compute: Annotated[Literal["dequant", "nvfp4"], setting(
+        "trajectory", "dequant (dequantized bf16 GEMMs) | nvfp4 (the NVFP4 recipe's block-scaled GEMMs, on "
+        "the hardware's where it has them).")] = "dequant"
+    keep_bf16: Annotated[Tuple[Str, ...], setting(
+        "trajectory", "Regexes searched in parameter paths; matching leaves stay bf16. Kept layers (these and "
+        "the first/last blocks) also run their GEMMs in bf16 under nvfp4.compute nvfp4, as the published "
+        "recipe keeps its last layers and output projection.")] = ("embed", "head", "norm")
+    keep_first_blocks: Annotated[NonNeg, setting(
+        "trajectory", "The first N transformer blocks stay bf16 (kept layers, as nvfp4.keep_bf16's).")] = 0
+    keep_last_blocks: Annotated[NonNeg, setting(
+        "trajectory", "The last N transformer blocks stay bf16 (kept layers, as nvfp4.keep_bf16's).")] = 0
+    stochastic_rounding: Annotated[Bool, setting(
+        "trajectory", "Re-quantize the stored weights from the float32 masters with stochastic rounding after "
+        "each update (its key carried in the optimizer state).")] = False
+    cast_master_bf16: Annotated[Bool, setting(
+        "trajectory", "Cast the float32 master to bf16 before quantizing it.")] = False
+    nonfinite: Annotated[Literal["skip", "error"], setting(
+        "host", "What the host does after a step with non-finite gradients (the device skips its update "
+        "either way): skip (go on) | error (stop, exit 3).")] = "skip"
+    max_skipped_in_a_row: Annotated[NonNeg, setting(
+        "host", "With nvfp4.nonfinite skip: stop (exit 3) after this many skipped steps in a row (diverged); "
+        "0 = never.")] = 10
+    grad_reduce_dtype: Annotated[Literal["grad", "float32"], setting(
+        "trajectory", "The dtype the weight gradients are summed in across the data axis: grad (theirs, "
+        "bf16) | float32.")] = "grad"
+    block: Annotated[Literal["auto", "1d", "2d"], setting(
+        "trajectory", "The stored weights' scales: auto (2d with nvfp4.compute nvfp4, else 1d) | 1d (one E4M3 "
+        "scale per 16 consecutive inputs of each output: the lower error) | 2d (one per 16x16 tile: compute "
+        "nvfp4's backward GEMM reads the stored weight transposed; with 1d it re-quantizes it along the "
+        "outputs).")] = "auto"
     # compute=nvfp4: the recipe's elements (jax_nvfp4.nn.Recipe), each on by default.
-    grad_rounding: Literal["stochastic", "nearest"] = "stochastic"
-    wgrad_hadamard: Bool = True
-    activations: Literal["nvfp4", "bf16"] = "nvfp4"
-    # q/k/v of a layer share one global amax, and gate/up one (as fused projections do).
-    fused_amax: Bool = True
+    grad_rounding: Annotated[Literal["stochastic", "nearest"], setting(
+        "trajectory", "nvfp4.compute nvfp4, an element of the recipe: stochastic | nearest rounding of the "
+        "gradients.")] = "stochastic"
+    wgrad_hadamard: Annotated[Bool, setting(
+        "trajectory", "nvfp4.compute nvfp4, an element of the recipe: the random Hadamard transform on the "
+        "weight-gradient GEMM's operands.")] = True
+    activations: Annotated[Literal["nvfp4", "bf16"], setting(
+        "trajectory", "nvfp4.compute nvfp4, an element of the recipe: nvfp4 | bf16 activation operands of the "
+        "forward and weight-gradient GEMMs.")] = "nvfp4"
+    fused_amax: Annotated[Bool, setting(
+        "trajectory", "q/k/v of a layer share one global amax, and gate/up one: as the fused qkv and gate_up "
+        "projections of serving engines read one global scale per module.")] = True
 
     def __post_init__(self):
         for i, pattern in enumerate(self.keep_bf16):
@@ -261,26 +409,54 @@ class NVFP4Config:
 @_section
 class TrainConfig:
     section: ClassVar[str] = "train"
-    steps: Pos = 300
-    log_every: Pos = 10
-    eval_every: NonNeg = 0  # validation loss every N steps and at the end; 0 = none
-    eval_batches: Pos = 4  # validation batches (of data.batch_size rows) per evaluation
-    out_dir: Str = "runs/default"
-    seed: Annotated[Int, Field(ge=0, lt=2**32 - 2)] = 0  # 32-bit JAX keys from seed, seed + 1, seed + 2
-    init_from: Optional[Str] = None
-    remat: Literal["nothing", "dots"] = "nothing"
-    gpu_xla_flags: Bool = True
+    # A host key: the trajectory sees the steps only through the schedule's length
+    # (optim.schedule_steps, resolved), which the resume check and the program key compare.
+    steps: Annotated[Pos, setting(
+        "host", "Optimizer steps to train to (a resume continues to it). The trajectory depends on it only "
+        "through the learning-rate schedule's length (optim.schedule_steps 0 = this), which a resume "
+        "compares.")] = 300
+    log_every: Annotated[Pos, setting(
+        "host", "The host reads the step metrics every N steps (metrics.jsonl, progress bar).")] = 10
+    eval_every: Annotated[NonNeg, setting(
+        "host", "Validation loss every N steps and at the end; 0 = none.")] = 0
+    eval_batches: Annotated[Pos, setting(
+        "host", "Validation batches of data.batch_size sequences per evaluation, the same each time.")] = 4
+    out_dir: Annotated[Str, setting(
+        "host", "The run's output folder (metrics, plots, the resolved config); --out overrides it.")] = \
+        "runs/default"
+    seed: Annotated[Int, Field(ge=0, lt=2**32 - 2), setting(
+        "trajectory", "Seed of the run's 32-bit JAX keys: seed for the init, seed + 1 for the weights' "
+        "stochastic rounding, seed + 2 for the steps'; < 2^32 - 2.")] = 0
+    init_from: Annotated[Optional[Str], setting(
+        "trajectory", "A Hugging Face Llama checkpoint folder to start from (its config.json sets the model's "
+        "shape); null: train.seed's random init.", program_key=False)] = None
+    remat: Annotated[Literal["nothing", "dots"], setting(
+        "program", "What a scanned layer keeps for its backward pass besides its input: nothing (recompute the "
+        "layer; memory flat in depth) | dots (its matmul outputs: less recompute, activation memory grows "
+        "with depth); never its gathered weights.")] = "nothing"
+    # Set in XLA_FLAGS once, before JAX starts: every program of the process compiles with them.
+    gpu_xla_flags: Annotated[Bool, setting(
+        "program", "On a GPU: XLA flags that overlap weight gathers with compute (train/xla_flags.py); a flag "
+        "already in XLA_FLAGS keeps its value.", program_key=False)] = True
 
 
 @_section
 class CheckpointConfig:
     section: ClassVar[str] = "checkpoint"
-    dir: Optional[Str] = None
-    every: NonNeg = 0  # 0 = no periodic checkpoints
-    keep: Pos = 3
-    async_save: Bool = False
-    fallback: Bool = False
-    allow_change: Tuple[Str, ...] = ()
+    dir: Annotated[Optional[Str], setting(
+        "host", "Checkpoint folder; rerunning the same command resumes from its newest checkpoint. null = no "
+        "checkpoints (then the other checkpoint keys must keep their defaults).")] = None
+    every: Annotated[NonNeg, setting(
+        "host", "Save every N steps, and at the end; 0 = no periodic checkpoints.")] = 0
+    keep: Annotated[Pos, setting("host", "How many of the newest checkpoints are kept.")] = 3
+    async_save: Annotated[Bool, setting(
+        "host", "Write checkpoints in the background while training goes on.")] = False
+    fallback: Annotated[Bool, setting(
+        "host", "A corrupt newest checkpoint (content hash mismatch) is refused; true restores the newest "
+        "intact one instead (the corrupt ones are moved aside, not deleted).")] = False
+    allow_change: Annotated[Tuple[Str, ...], setting(
+        "host", "Config keys (section.key) allowed to differ from a checkpoint's when resuming it; the run "
+        "continues with the new values (train.checkpoint.check_resume).")] = ()
 
     def __post_init__(self):
         for key in self.allow_change:
@@ -336,6 +512,168 @@ SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
 _GIN_SECTIONS = {cls.__name__: name for name, cls in SECTIONS.items()}  # gin: ModelConfig.layers = 2
 
 
+# -- the keys as declared, and what is derived from them ----------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """One config key as its class declares it (:func:`setting`)."""
+
+    section: str
+    name: str
+    default: Any  # the class's default, as a config holds it (a tuple for a list)
+    description: str
+    affects: str  # one of AFFECTS
+    program_key: bool  # the compiled programs depend on it (train.programs.program_key)
+    mapping: Optional[type] = None  # the class of a key whose value is a mapping (model.rope_scaling)
+
+    @property
+    def key(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    def explained(self) -> str:
+        """The description, followed by a mapping's keys with their defaults and meanings."""
+        if self.mapping is None:
+            return self.description
+        keys = ", ".join(f"{k.name}={_flow(k.default)} ({k.description[0].lower()}{k.description[1:].rstrip('.')})"
+                         for k in _keys_of(self.mapping, self.key))
+        return f"{self.description} Its keys, with their defaults: {keys}."
+
+
+def _keys_of(cls: type, section: str) -> list[Key]:
+    out = []
+    for f in dataclasses.fields(cls):
+        info = cls.__pydantic_fields__[f.name]
+        extra = info.json_schema_extra
+        mapping = next((a for a in (info.annotation, *typing.get_args(info.annotation))
+                        if isinstance(a, type) and dataclasses.is_dataclass(a)), None)
+        out.append(Key(section, f.name, info.get_default(call_default_factory=True), info.description,
+                       extra["affects"], extra["program_key"], mapping))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _config_keys(config_cls: type) -> tuple[Key, ...]:
+    return tuple(k for f in dataclasses.fields(config_cls) for k in _keys_of(f.type, f.name))
+
+
+def config_keys(config_cls: Optional[type] = None) -> tuple[Key, ...]:
+    """Every key of every section of ``config_cls`` (default :class:`Config`; a run's
+    ``type(cfg)``), in the order configs are printed: the one list ``default.yaml``,
+    ``default.gin``, ``--help``, the resume check and the program key are derived from."""
+    return _config_keys(Config if config_cls is None else config_cls)
+
+
+def trajectory_keys(config_cls: Optional[type] = None) -> tuple[str, ...]:
+    """``section.key`` of every key whose change changes the training trajectory (the data, the
+    model, the updates): what a resume compares with its checkpoint's. Not the mesh (a restore
+    reshards, bit-identically) nor ``train.steps`` (the schedule's length stands for it)."""
+    return tuple(k.key for k in config_keys(config_cls) if k.affects == "trajectory")
+
+
+def _flow(value: Any) -> str:
+    """``value`` as one line of YAML: ``256``, ``null``, ``[embed, head, norm]``, ``{a: 1}``."""
+    if isinstance(value, tuple) or dataclasses.is_dataclass(value):
+        value = pydantic.TypeAdapter(type(value)).dump_python(value, mode="json")
+    text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=sys.maxsize)
+    return text.removesuffix("\n...\n").strip()
+
+
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+_GENERATED = "python -m train.config --write-defaults"
+
+
+def default_yaml(config_cls: Optional[type] = None, width: int = 100) -> str:
+    """``configs/default.yaml``: every key of ``config_cls`` (default :class:`Config`) with its
+    default, each after its description and what a change of it affects, as comments."""
+    config_cls = Config if config_cls is None else config_cls
+    cfg = config_cls()
+    wrap = functools.partial(textwrap.wrap, break_long_words=False, break_on_hyphens=False)
+    intro = (f"The default experiment: a {cfg.model.layers}-layer, d_model={cfg.model.d_model} byte-level "
+             "transformer on the embedded Markov corpus (entropy rate ~1.515 nats/token = the loss floor), "
+             f"NVFP4 weights, {cfg.train.steps} steps on {cfg.mesh.simulate_devices} simulated CPU devices: under "
+             "2 minutes on 2 CPU cores, compilation included.")
+    legend = ("Every key, with its default and what it means; the tag in brackets says what a change affects: "
+              + "; ".join(f"[{name}] {what}" for name, what in AFFECTS.items()) + ".")
+    source = (f"Written from the classes of train/config.py, the one source of the keys, by {_GENERATED}; "
+              "edit those, not this file (a test checks that it is current).")
+    lines = []
+    for para in (intro, legend, source):
+        lines += ["#"] * bool(lines) + [f"# {line}" for line in wrap(para, width - 2)]
+    section = None
+    for k in config_keys(config_cls):
+        if k.section != section:
+            section = k.section
+            lines += ["", f"{section}:"]
+        lines += [f"  # {line}" for line in wrap(f"{k.explained()} [{k.affects}]", width - 4)]
+        lines.append(f"  {k.name}: {_flow(k.default)}")
+    return "\n".join(lines) + "\n"
+
+
+def _gin_value(value: Any) -> str:
+    """``value`` (as :func:`to_dict` gives it) as a gin literal."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(map(_gin_value, value)) + ("," if len(value) == 1 else "") + ")"
+    return "{" + ", ".join(f"{json.dumps(k)}: {_gin_value(v)}" for k, v in value.items()) + "}"
+
+
+def default_gin(config_cls: Optional[type] = None) -> str:
+    """``configs/default.gin``: every key of ``config_cls`` (default :class:`Config`) bound to its
+    default, each section a configurable named like its class."""
+    config_cls = Config if config_cls is None else config_cls
+    values, classes = to_dict(config_cls()), {f.name: f.type.__name__ for f in dataclasses.fields(config_cls)}
+    lines = ["# The default experiment as gin bindings: every key, bound to its default. Each section is a",
+             "# configurable named like its class in train/config.py; unbound keys keep their defaults.",
+             "# Load with: python -m train --config train/configs/default.gin. What each key means:",
+             f"# default.yaml, or python -m train --help. Written by {_GENERATED}."]
+    section = None
+    for k in config_keys(config_cls):
+        if k.section != section:
+            section = k.section
+            lines.append("")
+        lines.append(f"{classes[k.section]}.{k.name} = {_gin_value(values[k.section][k.name])}")
+    return "\n".join(lines) + "\n"
+
+
+def _defaults_files() -> dict[str, str]:
+    return {os.path.join(CONFIGS_DIR, "default.yaml"): default_yaml(),
+            os.path.join(CONFIGS_DIR, "default.gin"): default_gin()}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m train.config``: print the default config; ``--write-defaults`` writes
+    ``configs/default.yaml`` and ``configs/default.gin`` from the classes, ``--check`` says
+    whether they are current (exit 1 when not)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m train.config", description=main.__doc__.split(";")[0] + ".")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--write-defaults", action="store_true",
+                       help="write train/configs/default.yaml and default.gin from the classes")
+    group.add_argument("--check", action="store_true", help="exit 1 if those files are not current")
+    args = p.parse_args(argv)
+    if not (args.write_defaults or args.check):
+        sys.stdout.write(default_yaml())
+        return 0
+    stale = []
+    for path, text in _defaults_files().items():
+        with open(path) as f:
+            current = f.read() == text
+        if args.write_defaults and not current:
+            with open(path, "w") as f:
+                f.write(text)
+            print(f"wrote {path}")
+        elif not current:
+            stale.append(path)
+    for path in stale:
+        print(f"{path} is not current: run {_GENERATED}", file=sys.stderr)
+    return 1 if stale else 0
+
+
 # -- dicts, files and overrides <-> configs -----------------------------------------------------
 
 
@@ -351,7 +689,7 @@ def from_dict(raw: Mapping[str, Any] | None) -> Config:
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     """Plain nested dict (tuples as lists), safe for YAML/JSON and for :func:`from_dict`."""
-    return Config.__pydantic_serializer__.to_python(cfg, mode="json")
+    return type(cfg).__pydantic_serializer__.to_python(cfg, mode="json")
 
 
 def to_yaml(cfg: Config) -> str:
@@ -432,3 +770,9 @@ def validate_for_devices(cfg: Config, n_devices: int) -> dict[str, int]:
         raise ConfigError(f"model.seq_len={m.seq_len}: must be divisible by the mesh tensor axis ({tensor}) "
                           "to split the sequence between blocks")
     return axes
+
+
+if __name__ == "__main__":
+    from train import config as _module  # this file's classes under their own name, not __main__'s
+
+    sys.exit(_module.main())

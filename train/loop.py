@@ -8,12 +8,14 @@ bit-identically.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 import os
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import jax
 import numpy as np
@@ -67,6 +69,29 @@ def fetch_metrics(metrics: list) -> list:
     return jax.device_get(metrics)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepHooks:
+    """The one extension point of :func:`run`: what a caller adds to its steps, beyond the
+    config (the CLI's fault injection, :mod:`train.faults`; an export at chosen steps; a test
+    that stops a run). ``step`` counts from 1 in both.
+
+    Attributes:
+      run_step: ``run_step(trainer, step, params, opt_state, batch, key) -> (params,
+        opt_state, metrics)``, called in place of ``trainer.step_fn(params, opt_state,
+        batch, key)``.
+      after_step: ``after_step(step, params, opt_state, data_iterator)`` after each step and
+        its checkpoint. With it, the host reads every step's metrics before calling it; an
+        exception it raises ends the run there, its pending saves finished.
+    """
+
+    run_step: Optional[Callable] = None
+    after_step: Optional[Callable] = None
+
+
+def _step(trainer, step, params, opt_state, batch, key):
+    return trainer.step_fn(params, opt_state, batch, key)
+
+
 def run(
     cfg: Config,
     mesh,
@@ -74,10 +99,9 @@ def run(
     *,
     progress: bool = True,
     label: str = "",
-    on_step=None,
     on_start=None,
-    inject_nonfinite: Optional[Dict[int, float]] = None,
     preemption: Optional[Preemption] = None,
+    hooks: Optional[StepHooks] = None,
 ) -> Dict[str, Any]:
     """Train ``cfg`` on ``mesh``; write ``metrics.jsonl`` into ``out_dir``; return a summary.
 
@@ -97,64 +121,34 @@ def run(
       FloatingPointError: a non-finite step with ``nvfp4.nonfinite="error"``, or
         ``nvfp4.max_skipped_in_a_row`` non-finite steps in a row (or every step of a run
         shorter than that); the message names the step.
-      train.checkpoint.CheckpointError: a corrupt or incompatible checkpoint
-        (``CheckpointWriteError``: one that cannot be written).
+      train.checkpoint.CheckpointError: a corrupt or incompatible checkpoint.
+      train.checkpoint.CheckpointWriteError: a checkpoint that cannot be written.
       train.preemption.Stopped: ``preemption`` asked to stop; the step it stopped at is saved
         (with ``checkpoint.dir``) and every pending save finished.
 
     Args:
-      on_step: ``on_step(step, params, opt_state, data_iterator)`` after each step (and its
-        checkpoint); ``step`` counts from 1.
       on_start: called once the state is built or restored, before anything is written.
-      inject_nonfinite: fault-injection hook for tests, not a config key: ``{step: value}``
-        multiplies the loss of that step (counted from 1) by ``value`` (NaN or Inf), which
-        makes its gradients non-finite.
       preemption: asked after every step whether to stop there (SIGTERM, SIGINT).
+      hooks: what the caller adds to each step (:class:`StepHooks`).
     """
-    inject = {int(k): float(v) for k, v in (inject_nonfinite or {}).items()}
+    hooks = hooks or StepHooks()
+    run_step = hooks.run_step or _step
+    name = label or cfg.nvfp4.weights
     is_main = jax.process_index() == 0
     ckpt = None
     if cfg.checkpoint.dir:
         ckpt = checkpoint_lib.Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep,
                                            async_save=cfg.checkpoint.async_save)
-    fh = bar = None
+    log = None
     try:
-        start, corrupt = ckpt.restorable_step(cfg.checkpoint.fallback) if ckpt is not None else (None, [])
-        if start is not None:
-            checkpoint_lib.check_resume(os.path.join(ckpt.directory, str(start)), ckpt.read_meta(start), cfg)
-        if corrupt:
-            # Only now that the resume is accepted: a refused run leaves the folder as it was.
-            ckpt.set_aside(corrupt, start)
-        name = label or cfg.nvfp4.weights
+        start = _resume_point(ckpt, cfg)
         t_compile = time.perf_counter()
         if is_main:
             # Building the state and compiling the step take a while before the first step.
             print(f"{name}: compiling the train step...", flush=True)
         imported = start is None and bool(cfg.train.init_from)
-        trainer, params, opt_state = build(cfg, mesh, init=start is None and not imported)
-        if imported:
-            from train import hf_import
-
-            params, opt_state = hf_import.load(cfg.train.init_from, trainer)
-        source = data_lib.make_source(cfg.data, cfg.model)
-        it = data_lib.make_data_iterator(cfg, process_index=jax.process_index(), process_count=jax.process_count(), source=source)
-        val_batches, eval_fn = [], None
-        if cfg.train.eval_every:
-            val_source = data_lib.make_source(cfg.data, cfg.model, split="val")
-            val_batches = [global_batch(trainer, b) for b in data_lib.eval_batches(
-                cfg, val_source, process_index=jax.process_index(), process_count=jax.process_count())]
-            eval_fn = trainer.eval_fn
-        base_key = jax.random.key(cfg.train.seed + 2)
-        if start is not None:
-            r = ckpt.restore(start, trainer.abstract_params, trainer.abstract_state,
-                             trainer.param_shardings, trainer.state_shardings)
-            params, opt_state, base_key = r.params, r.opt_state, r.base_key
-            it.set_state(r.data_state)
-            if is_main and start < cfg.train.steps:
-                print(f"resuming from step {start} of {cfg.train.steps} ({ckpt.directory})", flush=True)
-            elif is_main:
-                print(f"checkpoint {ckpt.directory} is at step {start} = train.steps: the run is already finished, "
-                      f"nothing to train (raise train.steps to continue it; see README, Checkpoints)", flush=True)
+        trainer, params, opt_state, base_key, it, source = _initial_state(cfg, mesh, ckpt, start, imported, is_main)
+        val_batches = _validation_batches(cfg, trainer)
         start = start or 0
         if on_start is not None:
             on_start()
@@ -162,127 +156,245 @@ def run(
         acct = gather_accounting(trainer)
         if is_main:
             print(f"{name}: compiled in {time.perf_counter() - t_compile:.1f} s", flush=True)
-        metrics_path = os.path.join(out_dir, "metrics.jsonl")
-        history = []
-        if is_main:
-            os.makedirs(out_dir, exist_ok=True)
-            history = _resume_metrics(metrics_path, start) if start else []
-            fh = open(metrics_path, "a" if start else "w")
-        if imported and eval_fn is not None:
+        log = _Log(out_dir, start, is_main)
+        if imported and cfg.train.eval_every:
             # The imported model's quality first, before any update.
-            rec = {"step": 0, "val_loss": validation_loss(eval_fn, params, val_batches)}
-            history.append(rec)
+            rec = log.write({"step": 0, "val_loss": validation_loss(trainer.eval_fn, params, val_batches)})
             if is_main:
-                fh.write(json_record(rec) + "\n")
                 print(f"{name}: step 0 (imported from {cfg.train.init_from}): validation loss {rec['val_loss']:.4f}",
                       flush=True)
         if progress and is_main:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=cfg.train.steps, initial=min(start, cfg.train.steps),
-                       desc=name, dynamic_ncols=True)
-        tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
-        times = []
-        skipped_before = int(nv.find_state(opt_state).skipped)
-        in_a_row, limit = 0, cfg.nvfp4.max_skipped_in_a_row
-        saved_step = start
+            log.show_progress(name, cfg.train.steps, start)
         run_id = checkpoint_lib.run_identity(cfg)
-        # The host reads metrics every train.log_every steps (and at checkpoints, evaluations,
-        # the first and last step, every step with nvfp4.nonfinite=error or an on_step hook):
-        # between those, steps are dispatched without waiting for the previous one.
-        pending = []
-        t_mark = time.perf_counter()
-        for step in range(start, cfg.train.steps):
+        host = _Host(cfg, log, acct, start, skipped=int(nv.find_state(opt_state).skipped))
+        pending = []  # the steps dispatched and not read yet: [(step, metrics on the device)]
+        for n in range(start + 1, cfg.train.steps + 1):  # n: the step taken, counted from 1
             batch = global_batch(trainer, next(it))
-            scale = np.float32(inject.get(step + 1, 1.0))
-            params, opt_state, m = trainer.step_fn(params, opt_state, batch, jax.random.fold_in(base_key, step), scale)
-            pending.append((step, m))
+            params, opt_state, m = run_step(trainer, n, params, opt_state, batch, jax.random.fold_in(base_key, n - 1))
+            pending.append((n, m))
             # Asked at every step, by every process (a multi-process run agrees on the step).
-            stop = preemption is not None and preemption.should_stop(step + 1)
-            last = step + 1 == cfg.train.steps
-            ckpt_due = ckpt is not None and ((cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0)
-                                             or last or stop)
-            eval_due = eval_fn is not None and ((step + 1) % cfg.train.eval_every == 0 or last) and not stop
-            if not (last or ckpt_due or eval_due or on_step is not None or step == start or stop
-                    or cfg.nvfp4.nonfinite == "error" or (step + 1) % cfg.train.log_every == 0):
-                continue
-            fetched = fetch_metrics([pm for _, pm in pending])  # waits for the steps in flight
-            now = time.perf_counter()
-            dt = (now - t_mark) / len(pending)  # the mean step time since the last read
-            t_mark = now
-            for (s, _), mm in zip(pending, fetched):
-                loss, skipped = float(mm["loss"]), int(mm["skipped"])
-                if cfg.nvfp4.nonfinite == "error" and (skipped > skipped_before or not math.isfinite(loss)):
-                    # Read every step in this mode, before any checkpoint of this step: the
-                    # state on disk stays the last good one.
-                    try:
-                        nv.optim.raise_if_skipped(opt_state, skipped_before)
-                    except FloatingPointError as e:
-                        raise FloatingPointError(f"step {s + 1}: {e}") from None
-                    raise FloatingPointError(f"step {s + 1}: non-finite loss ({loss}) (nvfp4.nonfinite=error)")
-                # A non-finite loss counts as a non-finite step even where the update went through.
-                in_a_row = in_a_row + 1 if skipped > skipped_before or not math.isfinite(loss) else 0
-                skipped_before = skipped
-                if s > start:
-                    times.append(dt)
-                rec = {"step": s + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-                       "gathered_bytes": acct["all_gather_bytes"], "skipped": skipped}
-                if s == step and eval_due:
-                    rec["val_loss"] = validation_loss(eval_fn, params, val_batches)
-                history.append(rec)
-                if fh:
-                    try:
-                        fh.write(json_record(rec) + "\n")
-                    except OSError as e:
-                        raise OSError(e.errno, e.strerror, metrics_path) from None
-                if bar is not None:
-                    bar.update(1)
-                    shown = [h["val_loss"] for h in history if "val_loss" in h]
-                    bar.set_postfix(loss=f"{loss:.3f}", **({"val": f"{shown[-1]:.3f}"} if shown else {}),
-                                    tok_s=f"{rec['tokens_per_s']:.0f}",
-                                    gather=f"{acct['all_gather_bytes'] / 1e6:.2f}MB", skipped=skipped, refresh=False)
-                # Diverged: every step is being thrown away, or every step of a run shorter than
-                # the limit was. Stop before checkpointing it.
-                if limit and (in_a_row >= limit or (s + 1 == cfg.train.steps and in_a_row == s + 1 - start)):
-                    raise FloatingPointError(
-                        f"step {s + 1}: {in_a_row} steps in a row non-finite (gradients skipped or loss {loss}); "
-                        f"the run has diverged (nvfp4.max_skipped_in_a_row={limit}; 0 = no limit)")
-            pending.clear()
-            if fh:
-                try:
-                    fh.flush()
-                except OSError as e:  # e.g. a full file system: name the file
-                    raise OSError(e.errno, e.strerror, metrics_path) from None
-            if ckpt_due and saved_step != step + 1:
-                ckpt.save(step + 1, params, opt_state, mesh=mesh, base_key=base_key,
-                          data_state=it.get_state(), run=run_id)
-                saved_step = step + 1
-            if on_step is not None:
-                on_step(step + 1, params, opt_state, it)
+            stop = preemption is not None and preemption.should_stop(n)
+            save, evaluate, read = _due(cfg, n, start, stop, ckpt is not None, hooks.after_step is not None)
+            if not read:
+                continue  # read with a later step, without waiting for this one
+            host.read(pending, opt_state, (lambda: validation_loss(trainer.eval_fn, params, val_batches))
+                      if evaluate else None)
+            if save:
+                ckpt.save(n, params, opt_state, mesh=mesh, base_key=base_key, data_state=it.get_state(), run=run_id)
+            if hooks.after_step is not None:
+                hooks.after_step(n, params, opt_state, it)
             if stop:
-                # This step is saved (ckpt_due). A second signal now ends the process at once.
+                # This step is saved. A second signal now ends the process at once.
                 preemption.arm_second()
                 if ckpt is not None:
                     ckpt.close()  # every pending save written and its hashes recorded
                     ckpt = None
-                raise Stopped(step + 1, preemption.signum, cfg.checkpoint.dir)
+                raise Stopped(n, preemption.signum, cfg.checkpoint.dir)
     finally:
-        if bar is not None:
-            bar.close()
+        if log is not None:
+            log.close_progress()
         try:
             if ckpt is not None:
                 ckpt.close()  # waits for an asynchronous save of the last good step
         finally:
-            if fh:
-                try:
-                    fh.close()
-                except OSError as e:  # the rest of a failed write: name the file
-                    raise OSError(e.errno, e.strerror, metrics_path) from None
+            if log is not None:
+                log.close()
+    return _result(cfg, name, start, host, source, params, opt_state, it)
+
+
+def _due(cfg: Config, n: int, start: int, stop: bool, checkpointing: bool, watched: bool) -> tuple:
+    """``(save, evaluate, read)`` after step ``n``: a checkpoint (every ``checkpoint.every``
+    steps, at the last step and at a step stopped at), an evaluation (every
+    ``train.eval_every`` steps and at the last, not at a step stopped at) and a read of the
+    metrics. The host reads them every ``train.log_every`` steps, where a checkpoint or an
+    evaluation is due, at the run's first and last step and a step stopped at, and at every
+    step with ``nvfp4.nonfinite=error`` (so that the state on disk stays the last good one) or
+    an ``after_step`` hook (``watched``); between reads, steps are dispatched without waiting
+    for the previous one."""
+    last = n == cfg.train.steps
+    save = checkpointing and (last or stop or bool(cfg.checkpoint.every and n % cfg.checkpoint.every == 0))
+    evaluate = bool(cfg.train.eval_every) and (last or n % cfg.train.eval_every == 0) and not stop
+    read = (last or save or evaluate or stop or n == start + 1 or watched or cfg.nvfp4.nonfinite == "error"
+            or n % cfg.train.log_every == 0)
+    return save, evaluate, read
+
+
+def _resume_point(ckpt, cfg: Config) -> Optional[int]:
+    """The step of the checkpoint the run resumes from (None: a new run), verified and
+    accepted (:func:`train.checkpoint.check_resume`); only then are the corrupt newer ones
+    (``checkpoint.fallback``) set aside, so that a refused run leaves the folder as it was."""
+    if ckpt is None:
+        return None
+    start, corrupt = ckpt.restorable_step(cfg.checkpoint.fallback)
+    if start is not None:
+        checkpoint_lib.check_resume(os.path.join(ckpt.directory, str(start)), ckpt.read_meta(start), cfg)
+    if corrupt:
+        ckpt.set_aside(corrupt, start)
+    return start
+
+
+def _initial_state(cfg: Config, mesh, ckpt, start: Optional[int], imported: bool, is_main: bool) -> tuple:
+    """``(trainer, params, opt_state, base_key, data_iterator, data_source)`` where the run
+    starts: for a new run (``start`` None), ``train.seed``'s random init or, ``imported``,
+    ``train.init_from``; otherwise checkpoint ``start``, the data iterator at its position."""
+    trainer, params, opt_state = build(cfg, mesh, init=start is None and not imported)
+    if imported:
+        from train import hf_import
+
+        params, opt_state = hf_import.load(cfg.train.init_from, trainer)
+    source = data_lib.make_source(cfg.data, cfg.model)
+    it = data_lib.make_data_iterator(cfg, process_index=jax.process_index(), process_count=jax.process_count(),
+                                     source=source)
+    base_key = jax.random.key(cfg.train.seed + 2)
+    if start is not None:
+        r = ckpt.restore(start, trainer.abstract_params, trainer.abstract_state,
+                         trainer.param_shardings, trainer.state_shardings)
+        params, opt_state, base_key = r.params, r.opt_state, r.base_key
+        it.set_state(r.data_state)
+        if is_main and start < cfg.train.steps:
+            print(f"resuming from step {start} of {cfg.train.steps} ({ckpt.directory})", flush=True)
+        elif is_main:
+            print(f"checkpoint {ckpt.directory} is at step {start} = train.steps: the run is already finished, "
+                  f"nothing to train (raise train.steps to continue it; see README, Checkpoints)", flush=True)
+    return trainer, params, opt_state, base_key, it, source
+
+
+def _validation_batches(cfg: Config, trainer) -> list:
+    """The validation batches (global arrays), the same at every evaluation; none without
+    ``train.eval_every``."""
+    if not cfg.train.eval_every:
+        return []
+    val_source = data_lib.make_source(cfg.data, cfg.model, split="val")
+    return [global_batch(trainer, b) for b in data_lib.eval_batches(
+        cfg, val_source, process_index=jax.process_index(), process_count=jax.process_count())]
+
+
+@contextlib.contextmanager
+def _naming(path: str):
+    """An OSError inside (e.g. a full file system) names ``path``."""
+    try:
+        yield
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, path) from None
+
+
+class _Log:
+    """The host's record of the run: ``history`` (the records resumed, then this run's),
+    ``metrics.jsonl`` in ``out_dir`` (written by process 0, continued after ``start``) and the
+    progress bar."""
+
+    def __init__(self, out_dir: str, start: int, is_main: bool):
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.history, self.fh, self.bar = [], None, None
+        if is_main:
+            os.makedirs(out_dir, exist_ok=True)
+            self.history = _resume_metrics(self.path, start) if start else []
+            self.fh = open(self.path, "a" if start else "w")
+
+    def write(self, rec: dict) -> dict:
+        self.history.append(rec)
+        if self.fh:
+            with _naming(self.path):
+                self.fh.write(json_record(rec) + "\n")
+        return rec
+
+    def flush(self) -> None:
+        if self.fh:
+            with _naming(self.path):
+                self.fh.flush()
+
+    def close(self) -> None:
+        if self.fh:
+            with _naming(self.path):  # the rest of a failed write
+                self.fh.close()
+
+    def show_progress(self, name: str, steps: int, start: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=steps, initial=min(start, steps), desc=name, dynamic_ncols=True)
+
+    def advance(self, rec: dict, gathered_bytes: int) -> None:
+        """One step more on the progress bar, with its loss and the latest validation loss."""
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        shown = [h["val_loss"] for h in self.history if "val_loss" in h]
+        self.bar.set_postfix(loss=f"{rec['loss']:.3f}", **({"val": f"{shown[-1]:.3f}"} if shown else {}),
+                             tok_s=f"{rec['tokens_per_s']:.0f}", gather=f"{gathered_bytes / 1e6:.2f}MB",
+                             skipped=rec["skipped"], refresh=False)
+
+    def close_progress(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _Host:
+    """What the host does with the steps' metrics when it reads them: check each step for
+    non-finite values (:meth:`_check_skipped`, :meth:`_check_diverged`), time it and record it
+    (:class:`_Log`)."""
+
+    def __init__(self, cfg: Config, log: _Log, acct: Dict[str, Any], start: int, skipped: int):
+        self.cfg, self.log, self.acct, self.start = cfg, log, acct, start
+        self.skipped = skipped  # the optimizer's count of skipped updates so far
+        self.in_a_row = 0  # non-finite steps in a row
+        self.times: List[float] = []  # the step times, the first step of this run's excepted
+        self.t_mark = time.perf_counter()  # when the host last read (or started)
+        self.tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
+
+    def read(self, pending: list, opt_state, val_loss: Optional[Callable[[], float]] = None) -> None:
+        """Read and record the ``pending`` steps ``[(step, metrics)]`` (emptied), waiting for
+        the steps in flight; ``val_loss()``: the validation loss of the last of them."""
+        fetched = fetch_metrics([m for _, m in pending])
+        now = time.perf_counter()
+        dt = (now - self.t_mark) / len(pending)  # the mean step time since the last read
+        self.t_mark = now
+        for (n, _), m in zip(pending, fetched):
+            loss, skipped = float(m["loss"]), int(m["skipped"])
+            self._check_skipped(n, loss, skipped, opt_state)
+            if n > self.start + 1:
+                self.times.append(dt)
+            rec = {"step": n, "loss": loss, "step_time_s": dt, "tokens_per_s": self.tokens_per_step / dt,
+                   "gathered_bytes": self.acct["all_gather_bytes"], "skipped": skipped}
+            if n == pending[-1][0] and val_loss is not None:
+                rec["val_loss"] = val_loss()
+            self.log.write(rec)
+            self.log.advance(rec, self.acct["all_gather_bytes"])
+            self._check_diverged(n, loss)
+        pending.clear()
+        self.log.flush()
+
+    def _check_skipped(self, n: int, loss: float, skipped: int, opt_state) -> None:
+        """Count step ``n`` non-finite or not (a non-finite loss counts even where the update
+        went through); with ``nvfp4.nonfinite=error`` a non-finite step is an error."""
+        nonfinite = skipped > self.skipped or not math.isfinite(loss)
+        if nonfinite and self.cfg.nvfp4.nonfinite == "error":
+            try:
+                nv.optim.raise_if_skipped(opt_state, self.skipped)
+            except FloatingPointError as e:
+                raise FloatingPointError(f"step {n}: {e}") from None
+            raise FloatingPointError(f"step {n}: non-finite loss ({loss}) (nvfp4.nonfinite=error)")
+        self.in_a_row = self.in_a_row + 1 if nonfinite else 0
+        self.skipped = skipped
+
+    def _check_diverged(self, n: int, loss: float) -> None:
+        """Diverged: every step is being thrown away (``nvfp4.max_skipped_in_a_row`` in a row),
+        or every step of a run shorter than the limit was. Raised before the step is
+        checkpointed."""
+        limit, steps = self.cfg.nvfp4.max_skipped_in_a_row, self.cfg.train.steps
+        if limit and (self.in_a_row >= limit or (n == steps and self.in_a_row == n - self.start)):
+            raise FloatingPointError(
+                f"step {n}: {self.in_a_row} steps in a row non-finite (gradients skipped or loss {loss}); "
+                f"the run has diverged (nvfp4.max_skipped_in_a_row={limit}; 0 = no limit)")
+
+
+def _result(cfg: Config, name: str, start: int, host: _Host, source, params, opt_state, it) -> Dict[str, Any]:
+    """What :func:`run` returns: the run's losses, times and accounting, and its final state."""
+    history = host.log.history
     losses = [h["loss"] for h in history if "loss" in h]
     val = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
     tail = losses[-max(1, min(20, len(losses) // 5)):]
     return {
-        "label": label or cfg.nvfp4.weights,
+        "label": name,
         "steps": cfg.train.steps,
         "start_step": start,
         "final_loss": float(np.mean(tail)) if tail else float("nan"),  # mean of the last final_loss_steps
@@ -292,10 +404,10 @@ def run(
         "val_history": val,
         "entropy_floor": source.entropy_rate(),
         "nvfp4_block": cfg.nvfp4.resolved_block(),
-        "median_step_time_s": float(np.median(times)) if times else None,
-        "skipped_steps": skipped_before,
+        "median_step_time_s": float(np.median(host.times)) if host.times else None,
+        "skipped_steps": host.skipped,
         "history": losses,
-        **acct,
+        **host.acct,
         "params": params,
         "opt_state": opt_state,
         "data_state": it.get_state(),

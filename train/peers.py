@@ -11,6 +11,10 @@ line and exits with status 4, before the runtime's abort.
 
 A process that finishes its run says so (:meth:`PeerWatch.done`), so the others do not take
 its silence for a failure.
+
+This module is also the stack's one access to the distributed runtime's coordination client
+and preemption sync manager (:func:`coordination_client`, :func:`preemption_sync_available`,
+:func:`wait_at_barrier`), which JAX keeps private.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import threading
 import time
 from typing import Dict, Optional
 
-__all__ = ["PeerWatch", "EXIT_LOST_PEER"]
+__all__ = ["PeerWatch", "EXIT_LOST_PEER", "coordination_client", "preemption_sync_available", "wait_at_barrier",
+           "watch_peers"]
 
 EXIT_LOST_PEER = 4
 _PREFIX = "train_peers"
@@ -31,7 +36,7 @@ class PeerWatch:
     """Watch the peers of this process (see the module docstring).
 
     Args:
-      client: the ``jax.distributed`` client (``jax._src.distributed.global_state.client``).
+      client: the ``jax.distributed`` coordination client (:func:`coordination_client`).
       process_index, process_count: this process and how many there are.
       limit: seconds of silence after which a peer counts as lost (keep it below the
         coordination service's heartbeat timeout, so this fires first).
@@ -107,12 +112,40 @@ def _value(items: Dict[str, str], p: int) -> Optional[str]:
     return None
 
 
+# The distributed runtime's handles: jax.distributed exposes initialize, shutdown and
+# is_initialized only, no public handle to the coordination service's client (its key-value
+# store and barriers) or to the preemption sync manager, so they are read from jax's private
+# module here, and only here.
+def _runtime():
+    from jax._src import distributed
+
+    return distributed.global_state
+
+
+def coordination_client():
+    """The client of ``jax.distributed``'s coordination service (``key_value_set``,
+    ``blocking_key_value_get``, ``key_value_dir_get``, ``wait_at_barrier``); None before
+    ``jax.distributed.initialize``."""
+    return _runtime().client
+
+
+def preemption_sync_available() -> bool:
+    """``jax.distributed``'s preemption sync service runs in this process (the processes of a
+    multi-process run can agree on a step to stop at; :mod:`train.preemption`)."""
+    return _runtime().preemption_sync_manager is not None
+
+
+def wait_at_barrier(name: str, timeout_ms: int) -> None:
+    """Wait until every process of the run reaches the barrier ``name`` (an error after
+    ``timeout_ms``, or when a process is gone)."""
+    coordination_client().wait_at_barrier(name, timeout_ms)
+
+
 def watch_peers(heartbeat_timeout: float) -> Optional[PeerWatch]:
     """Start a :class:`PeerWatch` for this multi-process run (None in a single process)."""
     import jax
-    from jax._src import distributed
 
-    client = distributed.global_state.client
+    client = coordination_client()
     if client is None or jax.process_count() < 2:
         return None
     # The service counts its timeout from the last heartbeat it received, and a process sends

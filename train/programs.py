@@ -71,15 +71,18 @@ def abstract_state(create, mesh):
 
 def program_key(cfg: Config) -> tuple:
     """The part of ``cfg`` that the compiled programs (init, step, evaluation) depend on:
-    everything but what only the host loop reads (the data's source, files, split and seed;
-    logging, evaluation cadence, output; checkpoints; what the host does about skipped steps:
-    a non-finite step is skipped on the device either way; the number of steps, where the
-    learning-rate schedule's length is the same). Equal keys on one mesh build the same
-    programs."""
-    host = NVFP4Config()
-    nvfp4 = dataclasses.replace(cfg.nvfp4, nonfinite=host.nonfinite, max_skipped_in_a_row=host.max_skipped_in_a_row)
-    optim = dataclasses.replace(cfg.optim, schedule_steps=cfg.schedule_steps())
-    return (cfg.model, cfg.mesh, optim, nvfp4, cfg.data.batch_size, cfg.train.seed, cfg.train.remat)
+    ``(section.key, value)`` of each key ``train.config`` declares part of it (its trajectory
+    and program keys), that is everything but what only the host loop reads (the data's source,
+    files, split and seed; the weights a run starts from; logging, evaluation cadence, output;
+    checkpoints; what the host does about skipped steps: a non-finite step is skipped on the
+    device either way; the number of steps, where the learning-rate schedule's length is the
+    same: ``optim.schedule_steps`` resolved stands for it) and the XLA flags of the process.
+    Equal keys on one mesh build the same programs."""
+    from train.config import config_keys
+
+    resolved = {"optim.schedule_steps": cfg.schedule_steps()}
+    return tuple((k.key, resolved[k.key] if k.key in resolved else getattr(getattr(cfg, k.section), k.name))
+                 for k in config_keys(type(cfg)) if k.program_key)
 
 
 # The programs built in this process, by (program_key, mesh), least recently used first.
@@ -103,17 +106,21 @@ def _plan(cfg: Config, mesh) -> Trainer:
     # jit with out_shardings: no unsharded copy of the state is materialised on one device.
     init_fn = jax.jit(create, out_shardings=(p_sh, s_sh))
     batch_sharding = NamedSharding(mesh, P(batch_axes(mesh, rules)))
-    step = jax.jit(
-        make_step(cfg, model, tx, rules, mesh),
-        in_shardings=(p_sh, s_sh, batch_sharding, None, None),
-        out_shardings=(p_sh, s_sh, None),
-        donate_argnums=(0, 1),
-    )
+    step = jit_step(make_step(cfg, model, tx, rules, mesh), p_sh, s_sh, batch_sharding)
     _PLANS[key] = Trainer(cfg, mesh, model, policy, rules, tx, p_sh, s_sh, step, batch_sharding, a_params, a_state,
                           init_fn, make_eval(cfg, model, rules, mesh, batch_sharding))
     while len(_PLANS) > PLANS_KEPT:
         _PLANS.popitem(last=False)
     return _PLANS[key]
+
+
+def jit_step(step, param_shardings, state_shardings, batch_sharding, *, extra_args: int = 0):
+    """``step(params, opt_state, batch, key, *args)`` (:func:`train.step.make_step`) jitted
+    where the run's state lives: params and optimizer state donated and returned in their
+    shardings, the batch split over the batch axes, the key and the ``extra_args`` further
+    arguments replicated."""
+    return jax.jit(step, in_shardings=(param_shardings, state_shardings, batch_sharding, None, *[None] * extra_args),
+                   out_shardings=(param_shardings, state_shardings, None), donate_argnums=(0, 1))
 
 
 def build(cfg: Config, mesh, *, init: bool = True) -> tuple:

@@ -27,26 +27,33 @@ def _options(cfg: Config) -> dict:
     return dict(dtype=wdtype, packed=cfg.nvfp4.param_gather == "packed", tensor="manual")
 
 
-def make_step(cfg: Config, model, tx, rules: nv.Rules, mesh):
-    """The train step ``step(params, opt_state, batch, key, loss_scale)``: the library's
-    sharded step (:func:`jax_nvfp4.make_step`: FSDP one layer at a time, the gathers' VJPs
-    reducing each layer's weight gradient into this device's master tiles in a fixed order)
-    on this model, written for manual tensor parallelism: each tensor rank runs its part of
-    every layer (:mod:`jax_nvfp4.tensor_parallel`: heads and MLP columns, the vocabulary of
-    the embedding, head and loss; the residual stream split along the sequence between
-    blocks). The scanned blocks are rematerialised (``train.remat``).
-
-    ``loss_scale``: a float32 scalar multiplying the loss, 1.0 in training (NaN/Inf make that
-    step's gradients non-finite: the CLI's fault injection).
-    """
+def loss_fn_for(cfg: Config, model, mesh, rules: nv.Rules):
+    """The run's loss ``loss(params, rows, key) -> scalar``: the mean next-token cross entropy
+    of this device's ``rows`` (each row's tokens predict the next), the ``loss_fn`` that
+    :func:`make_step` differentiates. The model runs written for manual tensor parallelism:
+    each tensor rank runs its part of every layer (:mod:`jax_nvfp4.tensor_parallel`: heads and
+    MLP columns, the vocabulary of the embedding, head and loss; the residual stream split
+    along the sequence between blocks), its scanned blocks rematerialised (``train.remat``);
+    ``key`` drives the recipe GEMMs' stochastic rounding (``nvfp4.compute=nvfp4``)."""
     nvfp4_compute = cfg.nvfp4.weights == "nvfp4" and cfg.nvfp4.compute == "nvfp4"
     tensor = nv.step.tensor_parallel(mesh, rules)
     fmodel = model.clone(remat=cfg.train.remat, tensor=tensor)
 
-    def loss_fn(params, rows, key, loss_scale):
+    def loss_fn(params, rows, key):
         logits = fmodel.apply({"params": params}, rows[:, :-1], rngs={"rounding": key} if nvfp4_compute else None)
-        return cross_entropy(logits, rows[:, 1:], tensor) * loss_scale
+        return cross_entropy(logits, rows[:, 1:], tensor)
 
+    return loss_fn
+
+
+def make_step(cfg: Config, model, tx, rules: nv.Rules, mesh, loss_fn=None):
+    """The train step ``step(params, opt_state, batch, key)``: the library's sharded step
+    (:func:`jax_nvfp4.make_step`: FSDP one layer at a time, the gathers' VJPs reducing each
+    layer's weight gradient into this device's master tiles in a fixed order) on the run's
+    loss (:func:`loss_fn_for`), or on ``loss_fn(params, rows, key, *args)``, whose extra
+    arguments the step then takes after ``key``."""
+    if loss_fn is None:
+        loss_fn = loss_fn_for(cfg, model, mesh, rules)
     return nv.make_step(loss_fn, tx, mesh, rules, grad_accum=cfg.optim.grad_accum, **_options(cfg))
 
 

@@ -587,3 +587,18 @@ def test_refused_non_finite_values(fresh, tmp_path, capfd):
     poke(folder, "model.layers.0.self_attn.o_proj.weight_scale", (7, 2), b"\x7f")
     err = refusal(folder, capfd)
     assert "model.layers.0.self_attn.o_proj.weight_scale holds a NaN E4M3 scale byte at [7, 2]" in err, err
+
+
+def test_an_export_names_the_token_files_bos_and_eos(tmp_path):
+    """The tokenizer_config.json an export makes for a token file's tokenizer names the token
+    file's own end and start tokens (it said <|endoftext|> whatever the file used)."""
+    from tokenizers import Tokenizer, models
+
+    path = tmp_path / "tok.json"
+    Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "a": 2}, unk_token="a")).save(str(path))
+    files = hf_import.tokenizer_files(str(path), 64, eos_id=1, bos_id=0)
+    config = json.loads(files["tokenizer_config.json"])
+    assert (config["eos_token"], config["bos_token"], config["add_bos_token"]) == ("</s>", "<s>", True)
+    assert files["tokenizer.json"] == str(path) and config["model_max_length"] == 64
+    plain = json.loads(hf_import.tokenizer_files(str(path), 64)["tokenizer_config.json"])
+    assert plain["eos_token"] == "<|endoftext|>" and "bos_token" not in plain

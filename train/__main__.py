@@ -478,14 +478,15 @@ def export_hf(cfg, params, directory: str, *, layout: str = "compressed-tensors"
     if cfg.data.source == "tokens":
         meta = data_lib.read_token_header(cfg.data.path)
         path = os.path.join(os.path.dirname(os.path.abspath(cfg.data.path)), meta.get("tokenizer") or "")
-        tokenizer, eos = (path, meta.get("eos_id")) if os.path.isfile(path) else (None, None)
+        tokenizer, eos, bos = ((path, meta.get("eos_id"), meta.get("bos_id")) if os.path.isfile(path)
+                               else (None, None, None))
     if cfg.train.init_from:
         source = hf_import.read_hf_config(cfg.train.init_from)
         eos, bos = source.get("eos_token_id", eos), source.get("bos_token_id")
         max_positions = max(max_positions, int(source.get("max_position_embeddings") or 0))
         tokenizer = hf_import.tokenizer_source(cfg.train.init_from) or tokenizer
     hf_cfg = hf_import.hf_config(cfg, max_position_embeddings=max_positions, eos_token_id=eos, bos_token_id=bos)
-    files = hf_import.tokenizer_files(tokenizer, max_positions)
+    files = hf_import.tokenizer_files(tokenizer, max_positions, eos_id=eos, bos_id=bos)
     input_amax = None
     if calibrate:
         import jax

@@ -299,20 +299,28 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 
 
-def tokenizer_files(tokenizer: Optional[str], max_positions: int) -> Dict[str, Any]:
+def tokenizer_files(tokenizer: Optional[str], max_positions: int, *, eos_id: Optional[int] = None,
+                    bos_id: Optional[int] = None) -> Dict[str, Any]:
     """The tokenizer files an export carries (``files=`` of
     :func:`jax_nvfp4.export.export_hf`): those of a checkpoint folder (:data:`TOKENIZER_FILES`)
-    as they are, or a ``tokenizer.json`` with a ``tokenizer_config.json`` made for it (a fast
-    tokenizer ending documents with ``<|endoftext|>``) unless the folder has its own."""
+    as they are, or a ``tokenizer.json`` with a ``tokenizer_config.json`` made for it unless
+    the folder has its own: a fast tokenizer whose documents end with the token ``eos_id``
+    (the token file's, else ``<|endoftext|>``) and start with ``bos_id`` when there is one."""
     files: Dict[str, Any] = {}
     if tokenizer and os.path.isdir(tokenizer):
         files = {n: os.path.join(tokenizer, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(tokenizer, n))}
     elif tokenizer:
         files = {"tokenizer.json": tokenizer}
     if "tokenizer.json" in files and "tokenizer_config.json" not in files:
-        files["tokenizer_config.json"] = json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-             "model_max_length": max_positions}, indent=2).encode()
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(files["tokenizer.json"])
+        name = lambda i: tok.id_to_token(int(i)) if i is not None else None
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": name(eos_id) or "<|endoftext|>",
+                  "model_max_length": max_positions}
+        if name(bos_id):
+            config.update(bos_token=name(bos_id), add_bos_token=True)
+        files["tokenizer_config.json"] = json.dumps(config, indent=2).encode()
     return files
 
 

@@ -273,10 +273,10 @@ def scatter_replicated(x: jax.Array, layout: Layout, mesh=None) -> Tiled:
     """``Tiled.from_logical(x, layout)`` sharded as the layout says, for an ``x`` that every
     device holds whole (under ``jit``): each device lays out ``x`` and keeps its own tiles.
 
-    Nothing moves when ``x`` is replicated. A sharding constraint would let XLA propagate the
-    tile sharding back into the computation of ``x``: on meshes with Auto axes it then computed
-    the gradients of gathered weights in pieces and moved float32 tiles between devices
-    (all-gathers of the weights' size, and collective-permutes of the tile padding)."""
+    Nothing moves when ``x`` is replicated. (A sharding constraint instead lets XLA propagate
+    the tile sharding back into the computation of ``x``: on meshes with Auto axes XLA then
+    computes the gradients of gathered weights in pieces and moves float32 tiles between
+    devices: all-gathers of the weights' size, collective-permutes of the tile padding.)"""
     mesh = context_mesh(mesh)
     if mesh is None or (layout.n_data == 1 and layout.n_tensor == 1):
         return Tiled.from_logical(x, layout)

@@ -114,13 +114,12 @@ def pytest_unconfigure(config):
     import atexit
     import gc
 
-    # The end of a run took 12 s after its last test, measured: each worker's exit was a
-    # cleanup of objects that die with the process anyway. Pytest collects the heap five times
-    # over, looking for exceptions raised in finalizers (3 s with every compiled program and
-    # trace of the run alive): those objects live until the process ends, so they stay out of
-    # the collector. Then JAX's exit handler clears its caches one program at a time (5 s): a
-    # worker's last exit handler (the first to run) ends the process instead, once pytest-xdist
-    # has its results.
+    # A worker's exit is a cleanup of objects that die with the process anyway (about 12 s
+    # after the last test otherwise). Pytest collects the heap five times over, looking for
+    # exceptions raised in finalizers (about 3 s with every compiled program and trace alive):
+    # those objects live until the process ends, so they stay out of the collector. JAX's exit
+    # handler clears its caches one program at a time (about 5 s): a worker's last exit handler
+    # (the first to run) ends the process instead, once pytest-xdist has its results.
     gc.freeze()
     if hasattr(config, "workerinput"):
         atexit.register(_exit_now)

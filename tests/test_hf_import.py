@@ -97,6 +97,19 @@ def test_bf16_export_reads_back_with_bf16_weights(job_run, exports, tmp_path):
     assert_bits_equal(again, params)
 
 
+def test_bf16_weights_imported_into_nvfp4_share_the_fused_amax(exports):
+    """A bf16 checkpoint quantized at import takes nvfp4.fused_amax as every re-quantization
+    does: q/k/v of each layer (and gate/up) share one amax, the maximum of theirs."""
+    trainer, _, _ = build(job(), mesh_of(job(), 8), init=False)
+    params, opt_state = hf_import.load(str(exports / "bf16"), trainer)
+    blocks = host_logical(params)["blocks"]
+    masters = host_logical(nv.find_state(opt_state).master)["blocks"]
+    for sec, group in (("attn", ("q", "k", "v")), ("mlp", ("gate", "up"))):
+        want = np.max([np.abs(np.asarray(masters[sec][n]["kernel"])).max(axis=(-2, -1)) for n in group], axis=0)
+        for n in group:
+            np.testing.assert_array_equal(np.asarray(blocks[sec][n]["kernel"].amax), want)
+
+
 def test_2d_tiles_read_back_when_the_scales_repeat_over_each_tile(exports, tmp_path):
     # The 2d export repeats each tile's scale on its 16 rows: read with 2d tiles, bit-identical;
     # with 1d blocks, the same values. A 1d checkpoint's scales differ inside tiles: refused.

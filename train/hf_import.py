@@ -312,10 +312,15 @@ def tokenizer_files(tokenizer: Optional[str], max_positions: int, *, eos_id: Opt
     elif tokenizer:
         files = {"tokenizer.json": tokenizer}
     if "tokenizer.json" in files and "tokenizer_config.json" not in files:
-        from tokenizers import Tokenizer
+        name = lambda i: None
+        if eos_id is not None or bos_id is not None:
+            from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(files["tokenizer.json"])
-        name = lambda i: tok.id_to_token(int(i)) if i is not None else None
+            try:
+                tok = Tokenizer.from_file(files["tokenizer.json"])
+                name = lambda i: tok.id_to_token(int(i)) if i is not None else None
+            except Exception:  # noqa: BLE001 - a tokenizer this package cannot read is copied as it is
+                pass
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": name(eos_id) or "<|endoftext|>",
                   "model_max_length": max_positions}
         if name(bos_id):
@@ -941,19 +946,27 @@ def load(directory: str, trainer, *, checkpoint: Optional[Checkpoint] = None) ->
     sources = [jax.tree.map(lambda t: _device_array(t, ckpt), leaf.source, is_leaf=lambda x: isinstance(x, _Target))
                for leaf in leaves]
     kinds = [(leaf.abstract_param, leaf.abstract_master) for leaf in leaves]
-    params_def = jax.tree.structure(trainer.abstract_params, is_leaf=nv.layout.is_tiled)
-    mesh, tx = trainer.mesh, trainer.tx
+    flat = jax.tree_util.tree_flatten_with_path(trainer.abstract_params, is_leaf=nv.layout.is_tiled)
+    params_def, paths = flat[1], [nv.params.path_str(p) for p, _ in flat[0]]
+    mesh, tx, policy = trainer.mesh, trainer.tx, trainer.policy
 
     def assemble(sources):
         params, masters = [], []
-        for (a_p, a_m), s in zip(kinds, sources):
-            s = _packed(s)
+        sources = [_packed(s) for s in sources]
+        # Float weights quantized here take the policy's shared amax (nvfp4.fused_amax), as
+        # every later re-quantization does; stored NVFP4 bits are kept as they are.
+        quantized = [i for i, ((a_p, _), s) in enumerate(zip(kinds, sources))
+                     if isinstance(a_p, nv.TiledNVFP4) and not isinstance(s, nv.TiledNVFP4)]
+        shared = nv.params.shared_amaxes({paths[i]: nv.sharding.global_amax(sources[i], mesh) for i in quantized
+                                          if policy.amax_group(paths[i])}, policy)
+        for i, ((a_p, a_m), s) in enumerate(zip(kinds, sources)):
             if isinstance(s, nv.TiledNVFP4):
                 m = nv.Tiled(s.dequantize_tiles(jnp.float32), s.layout) if isinstance(a_m, nv.Tiled) else s.dequantize(jnp.float32)
             else:
                 m = s
             if isinstance(a_p, nv.TiledNVFP4):
-                p = s if isinstance(s, nv.TiledNVFP4) else nv.sharding.requantize(m, mesh, block=a_p.block)
+                p = s if isinstance(s, nv.TiledNVFP4) else nv.sharding.requantize(m, mesh, block=a_p.block,
+                                                                                amax=shared.get(paths[i]))
             elif isinstance(a_p, nv.Tiled):
                 p = nv.Tiled(m.value.astype(a_p.value.dtype), a_p.layout)
             else:

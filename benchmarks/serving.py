@@ -20,12 +20,23 @@ same number of steps (``--steps``, the same batches) for every row:
 
 The NVFP4 rows are evaluated with their NVFP4 weights dequantized to bf16, what a weight-only
 NVFP4 kernel computes with; embeddings, head and norms stay bf16 in every row (as NVFP4A16
-leaves them). Gaps are ``(row - bf16) / bf16`` per seed; the report gives their mean, the
-seeds' range and the 95% t-interval of the mean.
+leaves them). Each NVFP4 row also has a W4A4 row (``ptq_w4a4``, ``native_w4a4``,
+``qat_w4a4``): the same params (the ``ptq`` import, the native and fine-tune runs' final
+checkpoints), with the activation entering each NVFP4 Linear quantized too, as a W4A4 serving
+kernel does (1x16 groups, E4M3 scales, round to nearest, under a global scale from that
+layer's calibrated input amax; :mod:`train.calibrate`, emulated). The amax is calibrated
+(``static_minmax``: the largest ``|x|``) on ``CALIBRATION_BATCHES`` held-out batches that are
+not the evaluated ones: the validation stream's batches after the ``EVAL_BATCHES`` the
+validation loss is measured on (random windows of the same held-out modules; never trained
+on). The loss of a W4A4 row is measured on the evaluated batches, as every row's.
+
+Gaps are ``(row - bf16) / bf16`` per seed; the report gives their mean, the seeds' range and
+the 95% t-interval of the mean.
 
 The runs are ``benchmarks.convergence_text`` runs (its corpus, configs and per-run cache in
 ``--cache``; a rerun skips finished runs; the native and bf16 runs are that grid's
-``default-STEPS-sN-nvfp4`` and ``-bf16`` configs).
+``default-STEPS-sN-nvfp4`` and ``-bf16`` configs; the native run also keeps its final
+checkpoint, a host setting that leaves its trajectory as it was).
 """
 
 from __future__ import annotations
@@ -39,6 +50,8 @@ import sys
 import time
 from typing import Any, Dict, List, Sequence
 
+import numpy as np
+
 from benchmarks import arguments as A
 from benchmarks import convergence_grid as grid
 from benchmarks import convergence_text as ct
@@ -49,13 +62,20 @@ DEFAULT_CACHE = os.path.join("runs", "serving")
 SIZE = "default"
 STEPS = 2000
 TAIL = 0.1  # the fine-tuned share of the budget
-ROWS = ("bf16", "ptq", "native", "qat")
+CALIBRATION_BATCHES = 16  # the W4A4 rows' calibration set (validation-stream batches after the evaluated ones)
+W4A4 = {"ptq_w4a4": "ptq", "native_w4a4": "native", "qat_w4a4": "qat"}  # W4A4 row: its W4A16 row
+ROWS = ("bf16", "ptq", "native", "qat", *W4A4)
 ROW_NAMES = {
     "bf16": "bf16 weights, served in bf16 (the ceiling)",
     "ptq": "bf16 training, then round-to-nearest NVFP4 (1x16 blocks, NVFP4A16)",
     "native": "NVFP4 weights from scratch (served as trained)",
     "qat": "bf16 for 90% of the steps, then `init_from` with NVFP4 weights for 10%",
+    "ptq_w4a4": "ptq, W4A4: activations NVFP4 too (calibrated)",
+    "native_w4a4": "native, W4A4: activations NVFP4 too (calibrated)",
+    "qat_w4a4": "qat, W4A4: activations NVFP4 too (calibrated)",
 }
+PAIRS = (("native", "ptq"), ("qat", "ptq"), ("native", "qat"),
+         ("ptq_w4a4", "ptq"), ("native_w4a4", "native"), ("qat_w4a4", "qat"), ("native_w4a4", "ptq_w4a4"))
 
 
 def tail_lr(size: str, steps: int, tail: int, corpus) -> float:
@@ -69,7 +89,9 @@ def tail_lr(size: str, steps: int, tail: int, corpus) -> float:
 
 def specs(size: str, steps: int, seeds: Sequence[int], cache: str, corpus) -> List[Dict[str, Any]]:
     """Per seed, in order: the bf16 run (exporting at 90% and at the end), the native NVFP4
-    run, the fine-tune from the 90% export; ``ptq`` entries are evaluations, not runs."""
+    run, the fine-tune from the 90% export; ``ptq`` entries are evaluations, not runs, and so
+    are the W4A4 entries (``of``: the entry whose params they serve; the native and fine-tune
+    runs keep their final checkpoint, in ``checkpoint``, for them)."""
     tail = max(1, round(steps * TAIL))
     lr = tail_lr(size, steps, tail, corpus)
     out = []
@@ -78,14 +100,28 @@ def specs(size: str, steps: int, seeds: Sequence[int], cache: str, corpus) -> Li
         out.append({"row": "bf16", "size": size, "steps": steps, "seed": seed, "variant": "bf16",
                     "name": grid.run_name(size, steps, seed, "bf16") + "-exported",
                     "export_hf": {steps - tail: hf(steps - tail), steps: hf(steps)}})
+        ckpt = lambda name: os.path.abspath(os.path.join(cache, "ckpt", name))
+        native = grid.run_name(size, steps, seed, "nvfp4")
+        qat = grid.run_name(size, steps, seed, "qat")
+        # checkpoint.dir is a host setting: the final checkpoint, the trajectory unchanged.
         out.append({"row": "native", "size": size, "steps": steps, "seed": seed, "variant": "nvfp4",
-                    "name": grid.run_name(size, steps, seed, "nvfp4")})
-        out.append({"row": "qat", "size": size, "steps": tail, "seed": seed, "variant": "nvfp4",
-                    "name": grid.run_name(size, steps, seed, "qat"),
+                    "name": native, "extra": [f"checkpoint.dir={ckpt(native)}"]})
+        out.append({"row": "qat", "size": size, "steps": tail, "seed": seed, "variant": "nvfp4", "name": qat,
                     "extra": [f"train.init_from={hf(steps - tail)}", "optim.schedule=constant", "optim.warmup_steps=0",
-                              f"optim.lr={lr!r}", f"data.seed={seed + 1000}"]})
-        out.append({"row": "ptq", "size": size, "steps": steps, "seed": seed, "variant": "nvfp4",
-                    "name": grid.run_name(size, steps, seed, "ptq"), "source": hf(steps)})
+                              f"optim.lr={lr!r}", f"data.seed={seed + 1000}", f"checkpoint.dir={ckpt(qat)}"]})
+        ptq = {"row": "ptq", "size": size, "steps": steps, "seed": seed, "variant": "nvfp4",
+               "name": grid.run_name(size, steps, seed, "ptq"), "source": hf(steps)}
+        out.append(ptq)
+        for row, of in W4A4.items():
+            base = next(s for s in out if s["row"] == of and s["seed"] == seed)
+            w = {"row": row, "of": of, "size": size, "steps": base["steps"], "seed": seed, "variant": "nvfp4",
+                 "name": base["name"] + "-w4a4", "extra": list(base.get("extra", ())),
+                 "calibration_batches": CALIBRATION_BATCHES}
+            if of == "ptq":
+                w.update(source=base["source"], extra=[f"train.init_from={base['source']}", "nvfp4.block=1d"])
+            else:
+                w["checkpoint"] = ckpt(base["name"])
+            out.append(w)
     return out
 
 
@@ -120,6 +156,72 @@ def ptq_one(spec: Dict[str, Any], corpus, cache: str, log=print) -> Dict[str, An
     return res
 
 
+def w4a4_batches(cfg, n: int = CALIBRATION_BATCHES):
+    """``(evaluated, calibration)``: the ``train.eval_batches`` validation batches every row's
+    loss is measured on, and the ``n`` validation-stream batches after them (the W4A4 rows'
+    calibration set: other windows of the held-out text, not the evaluated batches)."""
+    import dataclasses
+
+    from train import data as data_lib
+
+    e = cfg.train.eval_batches
+    more = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=e + n))
+    rows = data_lib.eval_batches(more, data_lib.make_source(cfg.data, cfg.model, split="val"))
+    return rows[:e], rows[e:]
+
+
+def w4a4_one(spec: Dict[str, Any], corpus, cache: str, log=print) -> Dict[str, Any]:
+    """The validation loss of ``spec["of"]``'s params served W4A4: each NVFP4 layer's input
+    amax calibrated on :func:`w4a4_batches`' calibration set (``train.calibrate.calibrate``),
+    then ``train.calibrate.validation_losses`` on the evaluated batches (``final_val_loss``:
+    W4A4; ``w4a16_val_loss``: the same params weight-only, the ``of`` row's model recomputed;
+    ``master_bf16_val_loss``: a run's float32 masters in bf16, None for ``ptq``). Cached like a run."""
+    path = os.path.join(cache, "runs", spec["name"] + ".json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    import jax
+
+    from train import calibrate as cal
+    from train import checkpoint as checkpoint_lib
+    from train import hf_import
+    from train import mesh as mesh_lib
+    from train.model import from_config
+    from train.programs import build
+
+    import jax_nvfp4 as nv
+
+    t0 = time.perf_counter()
+    cfg, overrides = grid.run_config(spec["size"], spec["steps"], spec["seed"], "nvfp4", corpus, spec.get("extra", ()))
+    trainer, _, _ = build(cfg, mesh_lib.build_mesh(cfg.mesh, jax.devices()[:1]), init=False)
+    if spec["of"] == "ptq":
+        params, opt_state = hf_import.load(spec["source"], trainer)
+        master = None
+    else:
+        ckpt = checkpoint_lib.Checkpointer(spec["checkpoint"])
+        steps = ckpt.all_steps()
+        if cfg.train.steps not in steps:
+            raise RuntimeError(f"{spec['name']}: no final checkpoint (step {cfg.train.steps}) in {spec['checkpoint']}: "
+                               f"remove the cached {spec['of']} run's result to retrain it")
+        r = ckpt.restore(cfg.train.steps, trainer.abstract_params, trainer.abstract_state,
+                         trainer.param_shardings, trainer.state_shardings)
+        params, state = r.params, nv.find_state(r.opt_state)
+        master = None if state is None else state.master
+    model = from_config(cfg.model, cfg.nvfp4)
+    evaluated, calibration = w4a4_batches(cfg, spec["calibration_batches"])
+    amax = cal.calibrate(model, params, calibration)
+    losses = cal.validation_losses(model, params, amax, evaluated, master=master)
+    res = {**spec, "overrides": overrides, "final_val_loss": losses["w4a4"], "w4a16_val_loss": losses["w4a16"],
+           "master_bf16_val_loss": losses["bf16"],
+           "input_amax": {k: [float(x) for x in np.ravel(v)] for k, v in amax.items()},
+           "wall_s": round(time.perf_counter() - t0, 1), "finished_unix": time.time(), "source_state": source_state()}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    log(f"  {spec['name']}: val W4A4 {losses['w4a4']:.4f} (W4A16 {losses['w4a16']:.4f})")
+    return res
+
+
 def aggregate(results: Dict[str, Dict[str, Any]], all_specs, seeds) -> Dict[str, Any]:
     by = {(s["row"], s["seed"]): results.get(s["name"]) for s in all_specs}
     rows = {}
@@ -139,7 +241,7 @@ def aggregate(results: Dict[str, Dict[str, Any]], all_specs, seeds) -> Dict[str,
                          "gap_pct_interval95": [lo, hi]}
     # Each NVFP4 row against each other, paired by seed (negative: the first serves better).
     pairs = {}
-    for a, b in (("native", "ptq"), ("qat", "ptq"), ("native", "qat")):
+    for a, b in PAIRS:
         if a in rows and b in rows:
             d = [rows[a]["per_seed"][s]["gap_pct"] - rows[b]["per_seed"][s]["gap_pct"]
                  for s in seeds if s in rows[a]["per_seed"] and s in rows[b]["per_seed"]]
@@ -173,7 +275,9 @@ def plot(agg: Dict[str, Any], path: str, steps: int) -> None:
                     label="mean, 95% interval" if i == 0 else None)
     ax.axhline(0, color="gray", lw=0.8)
     ax.set_xticks(range(len(names)), [{"bf16": "bf16\n(ceiling)", "ptq": "bf16 +\nRTN NVFP4", "native": "native\nNVFP4",
-                                       "qat": "bf16 90% +\nNVFP4 10%"}[r] for r in names])
+                                       "qat": "bf16 90% +\nNVFP4 10%", "ptq_w4a4": "ptq\nW4A4",
+                                       "native_w4a4": "native\nW4A4", "qat_w4a4": "qat\nW4A4"}[r] for r in names],
+                  fontsize=8)
     ax.set_ylabel("validation loss vs bf16 (% of bf16)")
     ax.set_title(f"served in NVFP4: default model, {steps} steps")
     ax.legend(fontsize=8)
@@ -202,7 +306,12 @@ def report(payload: Dict[str, Any], out: str) -> str:
          f"tokens for every row (the fine-tune: the bf16 run's first {meta['steps'] - meta['tail_steps']} and "
          f"{meta['tail_steps']} of its own), seeds "
          f"{', '.join(map(str, meta['seeds']))}; validation: {grid.EVAL_BATCHES} batches of held-out stdlib modules. "
-         "See `benchmarks/serving.py` for what each row is.", "",
+         "See `benchmarks/serving.py` for what each row is."
+         + (f" W4A4 rows: the row's model with the activation entering each NVFP4 Linear quantized too "
+            f"(1x16 groups, E4M3 scales, round to nearest, the global scale from that layer's input amax; "
+            f"emulated), the amax calibrated on {meta['calibration_batches']} other held-out batches (the "
+            f"validation stream's next {meta['calibration_batches']} after the {grid.EVAL_BATCHES} evaluated)."
+            if any(r in agg["rows"] for r in W4A4) else ""), "",
          "| served model | validation loss (mean) | gap vs bf16, % (mean) | seeds' range | 95% interval of the mean |",
          "|---|---:|---:|---|---|"]
     for row, g in agg["rows"].items():
@@ -258,6 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for spec in all_specs:
         if spec["row"] == "ptq":
             results[spec["name"]] = ptq_one(spec, corpus, args.cache, log)
+        elif "of" in spec:
+            results[spec["name"]] = w4a4_one(spec, corpus, args.cache, log)
         else:
             results[spec["name"]] = ct.run_one(spec, corpus, args.cache, log=log)
     import jax
@@ -273,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "where": f"{jax.default_backend()}, {os.cpu_count()} CPU cores, jax {jax.__version__}, "
                      f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
             "git_commit": git_commit(), "tail_steps": max(1, round(args.steps * TAIL)),
-            "qat_lr": tail_lr(args.size, args.steps, max(1, round(args.steps * TAIL)), corpus)}
+            "calibration_batches": CALIBRATION_BATCHES, "qat_lr": tail_lr(args.size, args.steps, max(1, round(args.steps * TAIL)), corpus)}
     agg = aggregate(results, all_specs, args.seeds)
     payload = {"meta": meta, "corpus": {k: v for k, v in corpus.items() if k not in ("train", "val")},
                "aggregate": agg, "runs": {k: {kk: vv for kk, vv in v.items() if kk != "train_loss_every_10"}

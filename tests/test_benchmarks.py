@@ -5,6 +5,7 @@ import math
 import os
 
 import jax
+import numpy as np
 import pytest
 
 from benchmarks import __main__ as cli
@@ -102,7 +103,10 @@ def test_memory_and_speed(results):
     assert n["compiled_temp"] > 0 and b["compiled_temp"] > 0
     s = _load(results, "speed")["point"]
     for w in ("nvfp4", "bf16"):  # --repeats 2 (quick) timed steps, after an untimed one
-        assert len(s[w]["step_times_s"]) == 2 and all(t > 0 for t in s[w]["step_times_s"])
+        times = s[w]["step_times_s"]
+        assert len(times) == 2
+        # The report's step time is the median of the timed steps it recorded.
+        assert s[w]["step_time_s"] == pytest.approx(float(np.median(times)))
 
 
 def test_scaling_and_quantize(results):
@@ -132,12 +136,6 @@ def test_target_misses_are_reported():
     assert any("gather ratio 0.3000" in m for m in misses)
     assert any("not < 1" in m for m in misses)
     assert any("0.2000 nats" in m for m in misses)
-
-
-def test_scale_dispatch(monkeypatch, capsys):
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
-    assert cli.main(["scale", "--model", "x"]) == 2
-    assert "benchmarks/scale.py" in capsys.readouterr().err
 
 
 def test_gpu_check_without_a_gpu_is_one_line():

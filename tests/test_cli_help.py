@@ -80,3 +80,17 @@ def test_overrides_apply_in_command_line_order_and_single_options_are_given_once
         with pytest.raises(SystemExit) as e:
             train_main.parse_args([flag, "a", flag, "b"])
         assert e.value.code == 2
+
+
+def test_command_line_errors_are_one_line(capsys):
+    """argparse's errors (usage first, then the message) are one line like the CLI's others; a
+    layout or calibration for an export that is not asked for is refused."""
+    for argv, needle in ((["--bogus"], "unrecognized arguments: --bogus"),
+                         (["--hf-format", "modelopt"], "--hf-format modelopt chooses the layout of an --export-hf"),
+                         (["--calibrate", "2"], "--calibrate N calibrates an --export-hf export"),
+                         (["--compare", "fp8"], "argument --compare: invalid choice")):
+        with pytest.raises(SystemExit) as e:
+            train_main.parse_args(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
+    assert train_main.parse_args(["--export-hf", "x"]).hf_format == "compressed-tensors"

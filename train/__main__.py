@@ -117,9 +117,17 @@ def _ordered(argv):
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line errors: ``error: ...`` on stderr, exit 2 (argparse's
+    own print the usage first)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message}\n")
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m train", description=__doc__.strip(), epilog=config_keys_help(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p = _Parser(prog="python -m train", description=__doc__.strip(), epilog=config_keys_help(),
+                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--config", action=_Once, help="a .yaml/.yml or .gin file (default: the built-in default config)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set model.layers=4 (repeatable; the last one of a key wins)")
@@ -129,7 +137,7 @@ def parse_args(argv=None):
     p.add_argument("--export", action=_Once, metavar="DIR", help="after training, write the NVFP4 weights to DIR")
     p.add_argument("--export-hf", action=_Once, metavar="DIR", help="after training, write Hugging Face Llama checkpoints "
                    "to DIR/bf16 and DIR/nvfp4 (DIR must be new or empty)")
-    p.add_argument("--hf-format", choices=["compressed-tensors", "modelopt"], default="compressed-tensors",
+    p.add_argument("--hf-format", choices=["compressed-tensors", "modelopt"],
                    help="the NVFP4 layout of --export-hf's DIR/nvfp4: compressed-tensors nvfp4-pack-quantized (default) "
                         "or NVIDIA ModelOpt's (hf_quant_config.json; TensorRT-LLM, vLLM modelopt_fp4)")
     p.add_argument("--calibrate", type=_batches, metavar="N", help="with --export-hf: record each NVFP4 layer's input "
@@ -142,6 +150,9 @@ def parse_args(argv=None):
     args = p.parse_args(_ordered(sys.argv[1:] if argv is None else argv))
     if args.calibrate and not args.export_hf:
         p.error("--calibrate N calibrates an --export-hf export: give --export-hf DIR too")
+    if args.hf_format and not args.export_hf:
+        p.error(f"--hf-format {args.hf_format} chooses the layout of an --export-hf export: give --export-hf DIR too")
+    args.hf_format = args.hf_format or "compressed-tensors"
     args.overrides = [*args.sets, *args.rest]  # rest: only arguments that are not KEY=VALUE (refused)
     return args
 

@@ -70,12 +70,13 @@ def _yaml_load(text: str, where: str) -> Any:
         loader.dispose()
 
 
-def _merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
-    """Section-wise merge: keys of ``top`` replace keys of ``base``; lists are replaced."""
+def _merge(base: Mapping[str, Any], top: Mapping[str, Any], depth: int = 3) -> dict[str, Any]:
+    """Merge of sections and of mapping-valued keys (``model.rope_scaling``): keys of ``top``
+    replace keys of ``base``; lists, scalars and null are replaced."""
     out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in base.items()}
     for k, v in top.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = {**out[k], **v}
+        if depth > 1 and isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _merge(out[k], v, depth - 1)
         else:
             out[k] = dict(v) if isinstance(v, Mapping) else v
     return out
@@ -196,9 +197,16 @@ def _overrides_to_dict(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
     for text in overrides:
         key, sep, value = str(text).partition("=")
         parts = key.strip().split(".")
-        if not sep or len(parts) != 2 or not all(parts):
-            raise ConfigError(f"override {text!r}: expected section.key=value, e.g. model.layers=4")
-        out.setdefault(parts[0], {})[parts[1]] = _yaml_load(value, f"override {key.strip()}")
+        if not sep or len(parts) not in (2, 3) or not all(parts):
+            raise ConfigError(f"override {text!r}: expected section.key=value (or section.key.field=value for "
+                              "a mapping such as model.rope_scaling), e.g. model.layers=4")
+        value = _yaml_load(value, f"override {key.strip()}")
+        section = out.setdefault(parts[0], {})
+        if len(parts) == 2:
+            section[parts[1]] = value
+        else:  # one field of a mapping-valued key; the others keep what the config had
+            mapping = section.get(parts[1])
+            section[parts[1]] = {**(mapping if isinstance(mapping, Mapping) else {}), parts[2]: value}
     return out
 
 

@@ -10,7 +10,8 @@ Sections (default ``all`` = every one but ``scale``)::
                  (embedded Markov corpus; ``convergence --text``: the validation gap on
                  held-out Python stdlib modules over sizes, lengths, seeds and levers,
                  ``benchmarks.convergence_text``, its own arguments: ``--text --help``;
-                 ``--text --recipe``: the full recipe's gap against width and its ablation)
+                 ``--text --recipe``: the full recipe's gap against width and its ablation;
+                 ``--text --length-sweep``: the gap against tokens per parameter)
     scaling      6. figures 1-3 over model sizes x data-axis sizes 1, 2, 4, 8
     scale        compile-only large models on simulated racks (``benchmarks.scale``; takes its
                  own arguments: ``python -m benchmarks scale --help``)
@@ -29,6 +30,7 @@ Examples::
     python -m benchmarks --quick               # smoke run into runs/benchmarks-quick/
     python -m benchmarks convergence --text --workers 2   # real-text grid -> CONVERGENCE_TEXT.md
     python -m benchmarks convergence --text --recipe --workers 2   # -> CONVERGENCE_RECIPE.md
+    python -m benchmarks convergence --text --length-sweep --workers 2   # -> CONVERGENCE_LENGTH.md
 
 Results: one JSON per section, REPORT.md (with PNG plots) and HEADLINE.md in ``--out``. On CPU the
 run asks for 8 simulated devices (unless XLA_FLAGS sets a count); on GPU/TPU it uses

@@ -199,3 +199,57 @@ def run_config(size: str, steps: int, seed: int, variant: str, corpus: Dict[str,
                  f"train.steps={steps}", f"train.eval_every={max(1, steps // 10)}",
                  f"train.eval_batches={EVAL_BATCHES}", "train.log_every=50", *extra]
     return load_config(os.path.join(ROOT, "train", "configs", spec["config"]), overrides), overrides
+
+
+# The length sweep (``--length-sweep``): one width, training budgets in tokens per non-embedding
+# parameter (every parameter but the embedding and the head), the default cosine schedule (decay
+# to 10% of the peak) over each run's whole length. Weights-only NVFP4 against bf16; the full
+# recipe with its last block bf16 against bf16 with the same split (the split draws other init
+# keys), in the order a seed's runs are trained.
+LENGTH_SIZE = "l4-d64"
+LENGTH_BUDGETS = (2, 10, 40)
+LENGTH_VARIANTS = ("bf16", "nvfp4", "bf16_keep_last_blocks_1", "compute_nvfp4_keep_last_blocks_1")
+LENGTH_PAIRS = {"nvfp4": "bf16", "compute_nvfp4_keep_last_blocks_1": "bf16_keep_last_blocks_1"}
+EMBEDDING_PARAMS = ("embed", "head")
+
+
+def non_embedding_params(cfg) -> int:
+    """The parameters of ``cfg``'s model less the embedding and the head (no init is run)."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+
+    from train.model import from_config
+
+    model = from_config(cfg.model, cfg.nvfp4)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, cfg.model.seq_len), jnp.int32)))
+    return sum(math.prod(x.shape) for k, sub in shapes["params"].items() if k not in EMBEDDING_PARAMS
+               for x in jax.tree.leaves(sub))
+
+
+def budget_steps(budget: float, non_embedding: int, tokens_per_step: int) -> int:
+    """Steps that train ``budget`` tokens per non-embedding parameter (rounded to the nearest)."""
+    return max(1, int(round(budget * non_embedding / tokens_per_step)))
+
+
+def size_shape(size: str) -> Dict[str, int]:
+    """``size``'s non-embedding parameter count and tokens per step (its own config)."""
+    dummy = {"train": {"path": "train.txt"}, "val": {"path": "val.txt"}}
+    cfg, _ = run_config(size, 10, 0, "bf16", dummy)
+    return {"non_embedding": non_embedding_params(cfg), "tokens_per_step": cfg.data.batch_size * cfg.model.seq_len}
+
+
+def length_grid(shapes: Dict[str, Dict[str, int]], budgets: Sequence[float] = LENGTH_BUDGETS,
+                seeds: Sequence[int] = SEEDS) -> List[Dict[str, Any]]:
+    """The length sweep's runs: per budget (in the order given), size and seed,
+    :data:`LENGTH_VARIANTS`; ``shapes`` maps each size to :func:`size_shape`'s dict."""
+    specs = []
+    for budget in budgets:
+        for size, sh in shapes.items():
+            steps = budget_steps(budget, sh["non_embedding"], sh["tokens_per_step"])
+            for seed in seeds:
+                for v in LENGTH_VARIANTS:
+                    specs.append({"size": size, "steps": steps, "seed": seed, "variant": v, "budget": budget,
+                                  "name": run_name(size, steps, seed, v)})
+    return specs

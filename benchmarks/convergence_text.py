@@ -31,7 +31,12 @@ Grid (:func:`grid`, defined with the sizes, lengths, variants and targets in
 :mod:`benchmarks.convergence_recipe` in ``CONVERGENCE_RECIPE.md``): 4-layer models of d_model
 64 to 512, the recipe against bf16 with and without its last block in bf16, and the ablation,
 one element of the recipe off at a time, at the widest width swept (``--ablation-at`` names
-others). ``--rerun NAME`` trains one
+others). ``--length-sweep`` runs the length sweep instead (:func:`length_grid`, reported by
+:mod:`benchmarks.convergence_length` in ``CONVERGENCE_LENGTH.md``): the 4-layer d_model 64 model
+for ``--budgets`` tokens per non-embedding parameter (default 2,10,40, converted to steps from
+the model's own count), bf16, weights-only NVFP4 and the full recipe with its last block bf16
+(against bf16 with the same split), every run's cosine schedule decaying over its own length.
+``--rerun NAME`` trains one
 finished run again and compares its losses with the recorded ones bit for bit.
 
 Each finished run writes ``<cache>/runs/<name>.json``; a rerun skips those, so an interrupted
@@ -56,12 +61,14 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from benchmarks import arguments as A
+from benchmarks import convergence_length as cl
 from benchmarks import convergence_recipe as cr
 from benchmarks.common import request_cpu_devices, source_state, use_compile_cache
 from benchmarks.convergence_grid import (EVAL_BATCHES, HEADLINE_SEEDS, HEADLINE_VARIANTS, LENGTHS, LEVER_BASE,
-                                         LEVER_NAMES, LEVER_SIZE, LEVERS, LR_HALF, RECIPE_LEVERS, RECIPE_SIZES,
+                                         LENGTH_BUDGETS, LENGTH_SIZE, LEVER_NAMES, LEVER_SIZE, LEVERS, LR_HALF, RECIPE_LEVERS, RECIPE_SIZES,
                                          RECIPE_TARGET, SEEDS, SIZES, WEIGHTS_ONLY_TARGET, WEIGHTS_SIZES, grid,
-                                         headline_seeds, recipe_grid, run_config, run_name)
+                                         headline_seeds, length_grid, recipe_grid, run_config, run_name,
+                                         size_shape)
 from benchmarks.stats import (gap_curve, gaps, lever_effect, met_text, pct_text, run_meta, source_lines, stored_runs,
                               verdict)
 
@@ -535,6 +542,12 @@ def parse_args(argv: Sequence[str]):
                                    f"{','.join(RECIPE_SIZES)})")
     p.add_argument("--recipe", action="store_true",
                    help="the full recipe's width sweep and ablation instead (CONVERGENCE_RECIPE.md)")
+    p.add_argument("--length-sweep", action="store_true",
+                   help=f"the gap against training length instead (CONVERGENCE_LENGTH.md): size {LENGTH_SIZE} "
+                        "unless --sizes says otherwise, budgets --budgets")
+    p.add_argument("--budgets", type=A.int_list(minimum=1),
+                   help="--length-sweep: training budgets in tokens per non-embedding parameter (default "
+                        f"{','.join(map(str, LENGTH_BUDGETS))})")
     p.add_argument("--ablation-at", metavar="SIZES",
                    help="--recipe: the sizes (of --sizes) the ablation runs at (default: the widest; "
                         "'none': no ablation)")
@@ -557,9 +570,15 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("--max-bytes", type=A.positive_int, help=argparse.SUPPRESS)  # cap the corpus (tests)
     p.add_argument("--report-only", action="store_true", help="aggregate the finished runs, train nothing")
     args = p.parse_args(list(argv))
-    allowed = list(RECIPE_SIZES if args.recipe else WEIGHTS_SIZES)
-    args.sizes = (A.checked(p, "--sizes", A.name_list(allowed, "--recipe size" if args.recipe else "size"), args.sizes)
-                  if args.sizes is not None else allowed)
+    if args.length_sweep and args.recipe:
+        p.error("--length-sweep and --recipe are two grids: one at a time")
+    if args.budgets is not None and not args.length_sweep:
+        p.error(f"--budgets {','.join(map(str, args.budgets))}: belongs to --length-sweep")
+    args.budgets = list(args.budgets or LENGTH_BUDGETS)
+    allowed = list(RECIPE_SIZES if args.recipe or args.length_sweep else WEIGHTS_SIZES)
+    what = "--recipe size" if args.recipe else "--length-sweep size" if args.length_sweep else "size"
+    args.sizes = (A.checked(p, "--sizes", A.name_list(allowed, what), args.sizes) if args.sizes is not None
+                  else [LENGTH_SIZE] if args.length_sweep else allowed)
     if args.ablation_at is not None:
         raw = args.ablation_at
         args.ablation_at = [] if raw == "none" else [s for s in raw.split(",") if s]
@@ -587,6 +606,10 @@ def specs_of(args) -> List[Dict[str, Any]]:
     """The runs of the grid ``args`` (:func:`parse_args`) asks for, in training order."""
     if args.recipe:
         return recipe_grid(args.sizes, args.seeds, args.ablation_at, args.lr_check)
+    if args.length_sweep:
+        if getattr(args, "shapes", None) is None:
+            args.shapes = {size: size_shape(size) for size in args.sizes}
+        return length_grid(args.shapes, args.budgets, args.seeds)
     return grid(args.sizes, args.seeds, args.lengths_map, levers=not args.no_levers, plain=not args.no_plain,
                 headline=args.headline)
 
@@ -653,6 +676,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.recipe:
         path = cr.write(args.out, cr.assemble(results, specs, corpus, args, _command(argv), wall, args.cache))
         log(f"wrote {path}, convergence_recipe.json and convergence_recipe.png ({len(results)}/{len(specs)} runs)")
+        return 0 if len(results) == len(specs) else 1
+    if args.length_sweep:
+        path = cl.write(args.out, cl.assemble(results, specs, corpus, args, _command(argv), wall))
+        log(f"wrote {path} and convergence_length.json ({len(results)}/{len(specs)} runs)")
         return 0 if len(results) == len(specs) else 1
     payload = assemble(results, specs, corpus, args, argv, wall)
     os.makedirs(args.out, exist_ok=True)

@@ -360,3 +360,81 @@ def test_ablation_effect_needs_the_interval_not_only_the_sign():
     assert stats.lever_effect(tight, interval=True).startswith("helps (lower in every seed, by 0.90% to 1.10%; 95% interval")
     spread = {"vs_default_pct": stats.summarize([0.5, -0.2, 0.1])}
     assert stats.lever_effect(spread, interval=True).startswith("no clear effect (the sign changes")
+
+
+# ----------------------------------------------------------------------------- the length sweep
+L4_D64 = {"l4-d64": {"non_embedding": 213_568, "tokens_per_step": 1024}}
+
+
+def test_length_sweep_steps_come_from_the_non_embedding_count():
+    # 4 blocks x (4 x 64^2 attention + 3 x 64 x 192 SwiGLU + 2 x 64 norms) + the final norm: no
+    # embedding (256 x 64) nor head (64 x 256).
+    assert cg.size_shape("l4-d64") == L4_D64["l4-d64"]
+    assert [cg.budget_steps(b, 213_568, 1024) for b in (2, 10, 40)] == [417, 2086, 8342]
+    specs = cg.length_grid(L4_D64, (2, 10), seeds=(0, 1, 2))
+    assert len(specs) == 2 * 3 * len(cg.LENGTH_VARIANTS) == len({s["name"] for s in specs})
+    assert specs[0]["name"] == "l4-d64-417-s0-bf16" and specs[-1]["name"] == "l4-d64-2086-s2-compute_nvfp4_keep_last_blocks_1"
+    assert [s["budget"] for s in specs] == [2] * 12 + [10] * 12  # the short budget first
+    assert {s["steps"] for s in specs if s["budget"] == 10} == {2086}
+    assert set(cg.LENGTH_VARIANTS) == {"bf16", "nvfp4", *cg.LENGTH_PAIRS, *cg.LENGTH_PAIRS.values()}
+    assert cg.VARIANTS["compute_nvfp4_keep_last_blocks_1"] == [
+        "nvfp4.weights=nvfp4", "nvfp4.compute=nvfp4", "nvfp4.keep_last_blocks=1"]
+    args = ct.parse_args(["--length-sweep", "--budgets", "2,10"])
+    assert args.sizes == [cg.LENGTH_SIZE] and [s["name"] for s in ct.specs_of(args)] == [s["name"] for s in specs]
+    assert ct.parse_args(["--length-sweep"]).budgets == list(cg.LENGTH_BUDGETS)
+
+
+@pytest.mark.parametrize("argv", [["--budgets", "2"], ["--length-sweep", "--recipe"], ["--length-sweep", "--sizes", "tiny"]])
+def test_length_sweep_arguments_are_refused_out_of_place(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        ct.parse_args(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error:")
+
+
+def _run(name, steps, seed, variant, vals, wall=10.0):
+    every = steps // 10
+    hist = [[min(every * (i + 1), steps), v] for i, v in enumerate(vals)]  # every tenth and the end
+    return {"name": name, "size": "l4-d64", "steps": steps, "seed": seed, "variant": variant,
+            "final_val_loss": vals[-1], "val_history": hist, "data_order_sha256": f"d{seed}",
+            "source": {"sha256": "x", "git_commit": "c" * 40, "dirty": False}, "wall_s": wall, "finished_unix": 1000.0 + wall}
+
+
+def test_length_report_arithmetic(tmp_path):
+    from benchmarks import convergence_length as cl
+
+    specs = cg.length_grid(L4_D64, (2, 10), seeds=(0, 1, 2))
+    results = {}
+    mids = {0: 0.03, 1: 0.02, 2: 0.04}  # the nvfp4 gap half-way (nats over 2.0) ...
+    ends = {0: 0.02, 1: 0.02, 2: 0.02}  # ... and at the end (over 2.0: +1% in every seed)
+    for s in specs:
+        if s["budget"] != 2:
+            continue  # budget 10 not run
+        seed, v = s["seed"], s["variant"]
+        extra = (mids[seed], ends[seed]) if v == "nvfp4" else (0.0, 0.0)
+        vals = [2.5] * 4 + [2.0 + extra[0]] + [2.1] * 5 + [2.0 + extra[1]]  # 11 evaluations: 41, 82, ... 410, 417
+        results[s["name"]] = _run(s["name"], s["steps"], seed, v, vals)
+    agg = cl.aggregate(results, specs, (0, 1, 2), L4_D64, train_bytes=4_270_080)
+    two, ten = agg["rows"]
+    assert (two["steps"], two["tokens"]) == (417, 417 * 1024)
+    assert two["tokens_per_param"] == pytest.approx(417 * 1024 / 213_568)
+    assert two["epochs"] == pytest.approx(0.1) and ten["pairs"] == {v: None for v in cg.LENGTH_PAIRS}
+    g = two["pairs"]["nvfp4"]
+    assert g["gap_pct"]["mean"] == pytest.approx(1.0) and g["gap_pct"]["std"] == pytest.approx(0.0, abs=1e-9)
+    assert g["interval"] == pytest.approx([1.0, 1.0])
+    d = g["decay"]
+    assert (d["mid_step"], d["end_step"]) == (205, 417)  # the evaluation nearest 417 / 2, and the last
+    assert d["mid"]["mean"] == pytest.approx(1.5) and d["end"]["mean"] == pytest.approx(1.0)
+    diff = d["end_minus_mid"]  # per seed -0.5, 0, -1 (% of 2.0)
+    assert (diff["mean"], diff["min"], diff["max"]) == pytest.approx((-0.5, -1.0, 0.0))
+    half = 4.303 * 0.5 / math.sqrt(3)  # t(0.975, 2 dof) x std / sqrt(n)
+    assert d["interval"] == pytest.approx([-0.5 - half, -0.5 + half], abs=1e-3)
+    assert two["pairs"]["compute_nvfp4_keep_last_blocks_1"]["gap_pct"]["mean"] == pytest.approx(0.0)
+    c = cl.cost(results, specs)
+    assert c["cpu_h"] == pytest.approx(12 * 10 / 3600) and list(c["cpu_h_per_budget"]) == ["2"]
+    meta = {"seeds": [0, 1, 2], "shapes": L4_D64, "cost": c, "budgets_not_in_grid": [cl.not_run(40, L4_D64, 4_270_080)],
+            **stats.run_meta(results, specs, "python -m benchmarks convergence --text --length-sweep", 0.0)}
+    corpus = {"train": {"bytes": 4_270_080, "sha256": "a" * 64}, "val": {"sha256": "b" * 64}}
+    text = open(cl.write_report(str(tmp_path), {"meta": meta, "corpus": corpus, "aggregate": agg})).read()
+    assert "**Not run (12 of 24):**" in text and "`l4-d64-2086-s0-bf16`" in text
+    assert "40 tokens/param (l4-d64: 8342 steps, 2.00 epochs)" in text
+    assert "+1.00% [+1.00, +1.00] (std 0.00, 3 seeds)" in text and "0.03 CPU hours" in text

@@ -1,0 +1,208 @@
+"""``python -m benchmarks convergence --text --length-sweep``: the NVFP4 gap against training length.
+
+The runs are :mod:`benchmarks.convergence_text`'s (same corpus, same one-device runs, same
+cache, paired by seed) at one width (:data:`~benchmarks.convergence_grid.LENGTH_SIZE`, the
+4-layer d_model 64 model of the recipe grid unless ``--sizes`` says otherwise), for budgets in
+tokens per non-embedding parameter (``--budgets``, converted to steps from the model's own
+count: every parameter but the embedding and the head). Each run's cosine schedule decays to 10%
+of the peak over its own length. Weights-only NVFP4 (the default) is compared with bf16, the
+full recipe with its last block bf16 (``nvfp4.compute=nvfp4 nvfp4.keep_last_blocks=1``) with
+bf16 with the same split.
+
+This module aggregates the runs and writes ``CONVERGENCE_LENGTH.md`` and
+``convergence_length.json``: per budget the final gap (seeds' mean, range and 95% interval),
+and from the validation history the gap half-way through the run against the final one (the
+second half is where the cosine takes the learning rate from about 55% of the peak to 10%).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional, Sequence
+
+from benchmarks import convergence_grid as grid
+from benchmarks import stats
+
+REPORT = "CONVERGENCE_LENGTH.md"
+NAMES = {"nvfp4": "weights-only NVFP4 (default) vs bf16",
+         "compute_nvfp4_keep_last_blocks_1": "full recipe, last block bf16 vs bf16 (same split)"}
+
+
+def budget_cells(specs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The (budget, size, steps) cells of ``specs``, in their order."""
+    cells: List[Dict[str, Any]] = []
+    for s in specs:
+        cell = {"budget": s["budget"], "size": s["size"], "steps": s["steps"]}
+        if cell not in cells:
+            cells.append(cell)
+    return cells
+
+
+def half_way(curve, steps: int):
+    """The evaluation of ``curve`` (:func:`stats.gap_curve`) nearest half of ``steps``, and the last."""
+    if len(curve) < 2:
+        return None, None
+    mid = min(curve[:-1], key=lambda c: abs(c[0] - steps / 2))
+    return mid, curve[-1]
+
+
+def decay(results, size: str, steps: int, seeds: Sequence[int], variant: str, base: str) -> Optional[Dict[str, Any]]:
+    """The gap at the evaluation nearest half-way, at the end, and the end minus half-way paired
+    by seed (negative: the gap shrinks while the learning rate decays), with its 95% interval."""
+    curve = stats.gap_curve(results, size, steps, seeds, variant, base)
+    mid, end = half_way(curve, steps)
+    if mid is None:
+        return None
+    diff = stats.summarize([b - a for a, b in zip(mid[1], end[1])])
+    lo, hi = stats.mean_interval(diff) if diff["n"] > 1 else (float("-inf"), float("inf"))
+    return {"mid_step": mid[0], "end_step": end[0], "mid": stats.summarize(mid[1]), "end": stats.summarize(end[1]),
+            "end_minus_mid": diff, "interval": [lo, hi],
+            "curve": [(s, stats.summarize(v)["mean"]) for s, v in curve]}
+
+
+def aggregate(results: Dict[str, Dict[str, Any]], specs: Sequence[Dict[str, Any]], seeds: Sequence[int],
+              shapes: Dict[str, Dict[str, int]], train_bytes: int, lr_at=None) -> Dict[str, Any]:
+    """Per budget cell: tokens, tokens per non-embedding parameter, epochs of the training text,
+    and per compared variant the final gap (with its 95% interval) and :func:`decay`.
+    ``lr_at(size, steps, step)``: the learning rate there as a fraction of the peak (optional)."""
+    rows = []
+    for cell in budget_cells(specs):
+        size, steps = cell["size"], cell["steps"]
+        sh = shapes[size]
+        tokens = steps * sh["tokens_per_step"]
+        row = {**cell, "tokens": tokens, "tokens_per_param": tokens / sh["non_embedding"],
+               "epochs": tokens / train_bytes, "pairs": {}}
+        for v, base in grid.LENGTH_PAIRS.items():
+            g = stats.gaps(results, size, steps, seeds, v, base=base)
+            if g:
+                g["interval"] = list(stats.mean_interval(g["gap_pct"])) if g["gap_pct"]["n"] > 1 else None
+                g["decay"] = decay(results, size, steps, seeds, v, base)
+                if g["decay"] and lr_at:
+                    g["decay"]["mid_lr"] = lr_at(size, steps, g["decay"]["mid_step"])
+            row["pairs"][v] = g
+        rows.append(row)
+    return {"rows": rows}
+
+
+def cost(results: Dict[str, Dict[str, Any]], specs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """CPU hours: each run trains on one core (one XLA thread), so its wall time is its CPU time."""
+    per: Dict[str, float] = {}
+    for s in specs:
+        r = results.get(s["name"])
+        if r:
+            per[str(s["budget"])] = per.get(str(s["budget"]), 0.0) + r["wall_s"]
+    return {"cpu_h_per_budget": {k: v / 3600 for k, v in per.items()}, "cpu_h": sum(per.values()) / 3600}
+
+
+def _f(x: Optional[float], nd: int = 2) -> str:
+    return "-" if x is None else f"{x:+.{nd}f}%"
+
+
+def write_report(out: str, payload: Dict[str, Any]) -> str:
+    agg, meta, corpus = payload["aggregate"], payload["meta"], payload["corpus"]
+    c = meta["cost"]
+    L = ["# NVFP4 against bf16: the gap against training length", "",
+         f"Reproduce (corpus, runs, this report and the JSON): `{meta['command']}`.",
+         f"Run time: {meta['grid_wall_h']}, {meta['runs_done']} of {meta['runs_total']} runs ({meta['where']}).",
+         f"Run cost: {c['cpu_h']:.2f} CPU hours (each run on one core; per budget in tokens/param: "
+         + ", ".join(f"{k}: {v:.2f} h" for k, v in c["cpu_h_per_budget"].items()) + ").", ""]
+    if meta["missing"]:
+        L += [f"**Not run ({len(meta['missing'])} of {meta['runs_total']}):** "
+              + ", ".join(f"`{m}`" for m in meta["missing"]) + ".", ""]
+    if meta.get("budgets_not_in_grid"):
+        L += ["**Budgets not in this grid:** " + ", ".join(
+            f"{b['budget']} tokens/param ({', '.join(f'{s}: {n} steps' for s, n in b['steps'].items())}, "
+            f"{b['epochs']:.2f} epochs)" for b in meta["budgets_not_in_grid"])
+              + " (the sweep's default budgets; run them with `--budgets`).", ""]
+    shapes = meta["shapes"]
+    L += ["## Setup", "",
+          f"The corpus, splits and run protocol of [CONVERGENCE_TEXT.md](CONVERGENCE_TEXT.md) (train "
+          f"{corpus['train']['bytes']:,} bytes, sha256 `{corpus['train']['sha256'][:16]}...`; held-out "
+          f"`{corpus['val']['sha256'][:16]}...`): byte tokens, one device per run, `train.seed = data.seed = seed` "
+          f"for seeds {meta['seeds']}, every pair reads the same batches (sha256 of every training batch, equal in "
+          f"every pair: **{meta['same_data_order']}**), validation loss on {grid.EVAL_BATCHES} held-out batches every "
+          "tenth of the run and at the end. Gap = (variant - base) / base in % of the base's final validation "
+          "loss, paired by seed: mean [min, max] (std), and the 95% t-interval of the mean.", "",
+          "Model: " + "; ".join(f"`{s}` ({sh['non_embedding']:,} non-embedding parameters: all but the embedding "
+                                f"and the head; {sh['tokens_per_step']:,} tokens per step)" for s, sh in shapes.items())
+          + ". A budget of B tokens per non-embedding parameter is round(B x params / tokens per step) steps; the "
+          "default cosine schedule (20 warmup steps, decay to 10% of `optim.lr`) spans each run, so every run "
+          "decays. Weights-only NVFP4 (`nvfp4.weights=nvfp4`, the default) against bf16; the full recipe with "
+          "its last block bf16 (`nvfp4.compute=nvfp4 nvfp4.keep_last_blocks=1`) against bf16 with the same split "
+          "(`nvfp4.keep_last_blocks=1`: the split draws the last block's params from other init keys).", ""]
+    L += stats.source_lines(meta, {"table": [g for r in agg["rows"] for g in r["pairs"].values() if g], "levers": {}})
+    L += ["## Final gap against tokens per parameter", "",
+          "| budget (tokens/param) | size | steps | tokens | epochs | comparison | bf16 val loss | gap % of bf16 | "
+          "95% interval |", "|---:|---|---:|---:|---:|---|---:|---|---|"]
+    for r in agg["rows"]:
+        for v, g in r["pairs"].items():
+            head = (f"| {r['budget']} ({r['tokens_per_param']:.2f}) | {r['size']} | {r['steps']} | {r['tokens']:,} | "
+                    f"{r['epochs']:.2f} | {NAMES[v]} | ")
+            if not g:
+                L.append(head + "- | not run | - |")
+                continue
+            iv = g.get("interval")
+            L.append(head + f"{g['base_val']['mean']:.4f} | {stats.pct_text(g['gap_pct'])} | "
+                     + (f"[{iv[0]:+.2f}%, {iv[1]:+.2f}%] |" if iv else "- |"))
+    L += ["", "## The gap while the learning rate decays", "",
+          "From each run's validation history: the gap at the evaluation nearest half-way through the run "
+          "(the cosine's learning rate there, as a fraction of the peak, in the column) and at the end (10% of "
+          "the peak); end minus half-way is paired by seed (negative: the gap shrinks during the second half "
+          "of the decay).", "",
+          "| budget | comparison | half-way step (lr/peak) | gap half-way | gap at the end | end minus half-way | "
+          "95% interval |", "|---:|---|---|---|---|---|---|"]
+    for r in agg["rows"]:
+        for v, g in r["pairs"].items():
+            d = g and g.get("decay")
+            if not d:
+                continue
+            lr = f" ({d['mid_lr']:.2f})" if d.get("mid_lr") is not None else ""
+            lo, hi = d["interval"]
+            L.append(f"| {r['budget']} | {NAMES[v]} | {d['mid_step']} of {d['end_step']}{lr} | "
+                     f"{stats.pct_text(d['mid'])} | {stats.pct_text(d['end'])} | {stats.pct_text(d['end_minus_mid'])} | "
+                     f"[{lo:+.2f}%, {hi:+.2f}%] |")
+    L += ["", "Mean gap over the validation history (step: gap % of bf16):", ""]
+    for r in agg["rows"]:
+        for v, g in r["pairs"].items():
+            d = g and g.get("decay")
+            if d:
+                L.append(f"- {r['budget']} tokens/param, {NAMES[v]}: "
+                         + ", ".join(f"{s}: {x:+.2f}" for s, x in d["curve"]) + ".")
+    L.append("")
+    text = "\n".join(L) + "\n"
+    path = os.path.join(out, REPORT)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def assemble(results, specs, corpus, args, command: str, wall: float) -> Dict[str, Any]:
+    from train.optimizer import schedule_for
+
+    shapes = args.shapes
+
+    def lr_at(size, steps, step):
+        cfg, _ = grid.run_config(size, steps, 0, "bf16", corpus)
+        return float(schedule_for(cfg)(step)) / cfg.optim.lr
+
+    meta = {"seeds": list(args.seeds), "sizes": list(args.sizes), "budgets": list(args.budgets), "shapes": shapes,
+            "budgets_not_in_grid": [not_run(b, shapes, corpus["train"]["bytes"]) for b in grid.LENGTH_BUDGETS
+                                    if b not in args.budgets],
+            "cost": cost(results, specs), **stats.run_meta(results, specs, command, wall)}
+    agg = aggregate(results, specs, args.seeds, shapes, corpus["train"]["bytes"], lr_at)
+    return {"meta": meta, "corpus": corpus, "aggregate": agg, "runs": stats.stored_runs(results)}
+
+
+def not_run(budget, shapes: Dict[str, Dict[str, int]], train_bytes: int) -> Dict[str, Any]:
+    """A budget the grid leaves out: its steps per size and epochs (of the first size)."""
+    steps = {s: grid.budget_steps(budget, sh["non_embedding"], sh["tokens_per_step"]) for s, sh in shapes.items()}
+    size = next(iter(shapes))
+    return {"budget": budget, "steps": steps, "epochs": steps[size] * shapes[size]["tokens_per_step"] / train_bytes}
+
+
+def write(out: str, payload: Dict[str, Any]) -> str:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "convergence_length.json"), "w") as f:
+        json.dump(payload, f, indent=1)
+    return write_report(out, payload)

@@ -55,9 +55,9 @@ def decay(results, size: str, steps: int, seeds: Sequence[int], variant: str, ba
     if mid is None:
         return None
     diff = stats.summarize([b - a for a, b in zip(mid[1], end[1])])
-    lo, hi = stats.mean_interval(diff) if diff["n"] > 1 else (float("-inf"), float("inf"))
+    interval = list(stats.mean_interval(diff)) if diff["n"] > 1 else None
     return {"mid_step": mid[0], "end_step": end[0], "mid": stats.summarize(mid[1]), "end": stats.summarize(end[1]),
-            "end_minus_mid": diff, "interval": [lo, hi],
+            "end_minus_mid": diff, "interval": interval,
             "curve": [(s, stats.summarize(v)["mean"]) for s, v in curve]}
 
 
@@ -158,10 +158,10 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
             if not d:
                 continue
             lr = f" ({d['mid_lr']:.2f})" if d.get("mid_lr") is not None else ""
-            lo, hi = d["interval"]
+            iv = d["interval"]
             L.append(f"| {r['budget']} | {NAMES[v]} | {d['mid_step']} of {d['end_step']}{lr} | "
                      f"{stats.pct_text(d['mid'])} | {stats.pct_text(d['end'])} | {stats.pct_text(d['end_minus_mid'])} | "
-                     f"[{lo:+.2f}%, {hi:+.2f}%] |")
+                     + (f"[{iv[0]:+.2f}%, {iv[1]:+.2f}%] |" if iv else "- |"))
     L += ["", "Mean gap over the validation history (step: gap % of bf16):", ""]
     for r in agg["rows"]:
         for v, g in r["pairs"].items():

@@ -26,7 +26,11 @@ from benchmarks import stats
 
 REPORT = "CONVERGENCE_LENGTH.md"
 NAMES = {"nvfp4": "weights-only NVFP4 (default) vs bf16",
-         "compute_nvfp4_keep_last_blocks_1": "full recipe, last block bf16 vs bf16 (same split)"}
+         "compute_nvfp4_keep_last_blocks_1": "full recipe, last block bf16 vs bf16 (same split)",
+         "keep_last_blocks_1": "weights-only, last block bf16 vs bf16 (same split)",
+         "block_2d": "weights-only, 2d 16x16 tiles vs bf16",
+         "stochastic_rounding": "weights-only, stochastic rounding of the re-quantization vs bf16"}
+PLOT = "convergence_length.png"
 
 
 def budget_cells(specs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -81,8 +85,27 @@ def aggregate(results: Dict[str, Dict[str, Any]], specs: Sequence[Dict[str, Any]
                 if g["decay"] and lr_at:
                     g["decay"]["mid_lr"] = lr_at(size, steps, g["decay"]["mid_step"])
             row["pairs"][v] = g
+        for v, base in grid.LENGTH_LEVERS.items():
+            if any(x["variant"] == v and x["steps"] == steps and x["size"] == size for x in specs):
+                row["pairs"][v] = lever(results, size, steps, seeds, v, base, row["pairs"].get("nvfp4"))
         rows.append(row)
     return {"rows": rows}
+
+
+def lever(results, size: str, steps: int, seeds: Sequence[int], v: str, base: str, default) -> Optional[Dict[str, Any]]:
+    """A lever's gap over its bf16 base (as :func:`stats.gaps`, with its 95% interval) and, paired by
+    seed, its gap minus the default weights-only gap (``vs_default_pct``: negative, the lever holds
+    the gap lower)."""
+    g = stats.gaps(results, size, steps, seeds, v, base=base)
+    if not g:
+        return None
+    g["interval"] = list(stats.mean_interval(g["gap_pct"])) if g["gap_pct"]["n"] > 1 else None
+    both = [s for s in g["per_seed"] if default and s in default["per_seed"]]
+    if both:
+        g["vs_default_pct"] = stats.summarize([g["per_seed"][s]["gap_pct"] - default["per_seed"][s]["gap_pct"]
+                                               for s in both])
+        g["vs_default_seeds"] = both
+    return g
 
 
 def cost(results: Dict[str, Dict[str, Any]], specs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
@@ -137,6 +160,8 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
           "95% interval |", "|---:|---|---:|---:|---:|---|---:|---|---|"]
     for r in agg["rows"]:
         for v, g in r["pairs"].items():
+            if v in grid.LENGTH_LEVERS:
+                continue  # their own table below
             head = (f"| {r['budget']} ({r['tokens_per_param']:.2f}) | {r['size']} | {r['steps']} | {r['tokens']:,} | "
                     f"{r['epochs']:.2f} | {NAMES[v]} | ")
             if not g:
@@ -145,6 +170,24 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
             iv = g.get("interval")
             L.append(head + f"{g['base_val']['mean']:.4f} | {stats.pct_text(g['gap_pct'])} | "
                      + (f"[{iv[0]:+.2f}%, {iv[1]:+.2f}%] |" if iv else "- |"))
+    levers = [(r, v, g) for r in agg["rows"] for v, g in r["pairs"].items() if v in grid.LENGTH_LEVERS]
+    if levers:
+        L += ["", "## Levers for weights-only NVFP4 at the longest budget", "",
+              "Each lever is weights-only NVFP4 with one setting changed, against the bf16 run of the same model "
+              "(`nvfp4.keep_last_blocks=1` against bf16 with the same split). Lever minus default: the lever's "
+              "gap minus the default weights-only gap, paired by seed (negative: the lever holds the gap lower); "
+              "a verdict needs the same sign in every seed and a 95% interval of the mean that excludes 0.", "",
+              "| budget | lever | gap % of bf16 | 95% interval | lever minus default | verdict |",
+              "|---:|---|---|---|---|---|"]
+        for r, v, g in levers:
+            if not g:
+                L.append(f"| {r['budget']} | {NAMES[v]} | not run | - | - | - |")
+                continue
+            iv, vs = g.get("interval"), g.get("vs_default_pct")
+            L.append(f"| {r['budget']} | {NAMES[v]} | {stats.pct_text(g['gap_pct'])} | "
+                     + (f"[{iv[0]:+.2f}%, {iv[1]:+.2f}%]" if iv else "-") + " | "
+                     + (stats.pct_text(vs) if vs else "-") + f" | {stats.lever_effect(g, interval=True)} |")
+    L += ["", f"![gap against tokens per parameter]({PLOT})"]
     L += ["", "## The gap while the learning rate decays", "",
           "From each run's validation history: the gap at the evaluation nearest half-way through the run "
           "(the cosine's learning rate there, as a fraction of the peak, in the column) and at the end (10% of "
@@ -201,8 +244,42 @@ def not_run(budget, shapes: Dict[str, Dict[str, int]], train_bytes: int) -> Dict
     return {"budget": budget, "steps": steps, "epochs": steps[size] * shapes[size]["tokens_per_step"] / train_bytes}
 
 
+def plot(agg: Dict[str, Any], path: str) -> None:
+    """Gap % of bf16 against tokens per parameter: one line (the seeds' mean) per comparison, the
+    seeds as points; the levers (longest budget only) as points beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, v in enumerate(NAMES):
+        pts = [(r["tokens_per_param"], g) for r in agg["rows"] for k, g in r["pairs"].items() if k == v and g]
+        if not pts:
+            continue
+        shift = 2 ** (0.03 * (i - 2))  # seeds of different comparisons side by side
+        xs = [x * shift for x, _ in pts]
+        ax.plot(xs, [g["gap_pct"]["mean"] for _, g in pts], "o-" if len(pts) > 1 else "D", color=f"C{i}",
+                label=NAMES[v])
+        for x, (_, g) in zip(xs, pts):
+            seeds = [p["gap_pct"] for p in g["per_seed"].values()]
+            ax.plot([x] * len(seeds), seeds, ".", color=f"C{i}", alpha=0.5)
+    ax.set_xscale("log")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.axhline(grid.WEIGHTS_ONLY_TARGET, color="k", ls=":", lw=0.8, label=f"{grid.WEIGHTS_ONLY_TARGET}%")
+    ax.set_xlabel("tokens per non-embedding parameter")
+    ax.set_ylabel("final val loss gap, % of bf16")
+    ax.set_title("NVFP4 against bf16 by training length (line: mean; dots: seeds)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write(out: str, payload: Dict[str, Any]) -> str:
     os.makedirs(out, exist_ok=True)
+    plot(payload["aggregate"], os.path.join(out, PLOT))
     with open(os.path.join(out, "convergence_length.json"), "w") as f:
         json.dump(payload, f, indent=1)
     return write_report(out, payload)

@@ -548,6 +548,9 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("--budgets", type=A.int_list(minimum=1),
                    help="--length-sweep: training budgets in tokens per non-embedding parameter (default "
                         f"{','.join(map(str, LENGTH_BUDGETS))})")
+    p.add_argument("--levers", action="store_true",
+                   help="--length-sweep: also weights-only NVFP4 with each lever (bf16 last block, 2d tiles, "
+                        "stochastic rounding of the re-quantization) at the longest budget")
     p.add_argument("--ablation-at", metavar="SIZES",
                    help="--recipe: the sizes (of --sizes) the ablation runs at (default: the widest; "
                         "'none': no ablation)")
@@ -588,6 +591,8 @@ def parse_args(argv: Sequence[str]):
             if s not in args.sizes:
                 p.error(f"--ablation-at {A.show(raw)}: {s!r}: the ablation runs at sizes of --sizes "
                         f"({', '.join(args.sizes)})")
+    if args.levers and not args.length_sweep:
+        p.error("--levers: belongs to --length-sweep (the other grids run their levers unless --no-levers)")
     if args.lr_check and not args.recipe:
         p.error(f"--lr-check {','.join(map(str, args.lr_check))}: belongs to --recipe")
     args.headline = headline_seeds(args.seeds, args.headline_seeds)
@@ -609,7 +614,7 @@ def specs_of(args) -> List[Dict[str, Any]]:
     if args.length_sweep:
         if getattr(args, "shapes", None) is None:
             args.shapes = {size: size_shape(size) for size in args.sizes}
-        return length_grid(args.shapes, args.budgets, args.seeds)
+        return length_grid(args.shapes, args.budgets, args.seeds, levers=args.levers)
     return grid(args.sizes, args.seeds, args.lengths_map, levers=not args.no_levers, plain=not args.no_plain,
                 headline=args.headline)
 

@@ -438,3 +438,37 @@ def test_length_report_arithmetic(tmp_path):
     assert "**Not run (12 of 24):**" in text and "`l4-d64-2086-s0-bf16`" in text
     assert "40 tokens/param (l4-d64: 8342 steps, 2.00 epochs)" in text
     assert "+1.00% [+1.00, +1.00] (std 0.00, 3 seeds)" in text and "0.03 CPU hours" in text
+
+
+def test_length_levers_run_at_the_longest_budget_and_are_judged_against_the_default(tmp_path):
+    from benchmarks import convergence_length as cl
+
+    specs = cg.length_grid(L4_D64, (2, 10), seeds=(0, 1, 2), levers=True)
+    levers = [s for s in specs if s["variant"] in cg.LENGTH_LEVERS]
+    assert len(levers) == 3 * len(cg.LENGTH_LEVERS) and {s["budget"] for s in levers} == {10}
+    assert specs[-len(levers):] == levers and levers[0]["seed"] == 0  # after the sweep, seed by seed
+    assert ct.specs_of(ct.parse_args(["--length-sweep", "--budgets", "2,10", "--levers"])) == specs
+    with pytest.raises(SystemExit):
+        ct.parse_args(["--levers"])  # belongs to --length-sweep
+    results = {}
+    gap = {"nvfp4": 0.02, "stochastic_rounding": 0.01, "block_2d": 0.03, "keep_last_blocks_1": 0.02}
+    for s in specs:
+        if s["budget"] == 10:
+            extra = gap.get(s["variant"], 0.0) + 0.001 * s["seed"] * (s["variant"] == "stochastic_rounding")
+            results[s["name"]] = _run(s["name"], s["steps"], s["seed"], s["variant"], [2.0 + extra] * 11)
+    agg = cl.aggregate(results, specs, (0, 1, 2), L4_D64, train_bytes=4_270_080)
+    two, ten = agg["rows"]
+    assert set(two["pairs"]) == set(cg.LENGTH_PAIRS)  # no lever at the short budget
+    sr = ten["pairs"]["stochastic_rounding"]
+    # gaps 0.5, 0.55, 0.6 % against the default's 1.0 %: lower in every seed by 0.4-0.5 points
+    assert sr["vs_default_pct"]["mean"] == pytest.approx(-0.45) and sr["vs_default_seeds"] == [0, 1, 2]
+    assert stats.lever_effect(sr, interval=True).startswith("helps")
+    assert ten["pairs"]["block_2d"]["vs_default_pct"]["mean"] == pytest.approx(0.5)
+    meta = {"seeds": [0, 1, 2], "shapes": L4_D64, "cost": cl.cost(results, specs), "budgets_not_in_grid": [],
+            **stats.run_meta(results, specs, "python -m benchmarks convergence --text --length-sweep --levers", 0.0)}
+    corpus = {"train": {"bytes": 4_270_080, "sha256": "a" * 64}, "val": {"sha256": "b" * 64}}
+    path = cl.write(str(tmp_path), {"meta": meta, "corpus": corpus, "aggregate": agg, "runs": {}})
+    text = open(path).read()
+    assert "## Levers for weights-only NVFP4 at the longest budget" in text and (tmp_path / cl.PLOT).stat().st_size > 0
+    row = next(x for x in text.splitlines() if x.startswith("| 10 | weights-only, stochastic"))
+    assert "-0.45%" in row and "helps" in row

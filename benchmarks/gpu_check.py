@@ -142,7 +142,7 @@ def check_gemm(repeats: int) -> dict:
     from jax_nvfp4 import gemm
 
     platform = gemm.default_platform()
-    res = {"platform": platform, "auto": gemm.resolve_backend("auto"), "te_import_error": gemm._te_import_error()}
+    res = {"platform": platform, "auto": gemm.resolve_backend("auto"), "te_import_error": gemm.te_import_error()}
     if platform == "cuda":
         res["cuda_target"] = str(gemm.cuda_target())
     rng = np.random.default_rng(0)

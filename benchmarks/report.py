@@ -322,10 +322,10 @@ def _speed_md(s: Dict[str, Any]) -> List[str]:
         "On CPU the simulated devices share the host's cores and there is no interconnect to save: "
         "the step time shows the compute cost of quantizing and dequantizing, not the gather savings.",
         "",
-    ] + _against_md(s.get("against"))
+    ] + against_md(s.get("against"))
 
 
-def _against_md(a: Optional[Dict[str, Any]]) -> List[str]:
+def against_md(a: Optional[Dict[str, Any]]) -> List[str]:
     """This tree's NVFP4 step against an earlier commit's (``--against REV``), side by side."""
     if not a:
         return []

@@ -144,8 +144,9 @@ def default_platform() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _te_import_error() -> Optional[str]:
-    """None when ``transformer_engine.jax`` imports, else why it does not."""
+def te_import_error() -> Optional[str]:
+    """None when Transformer Engine's JAX extension (what ``backend="te"`` uses) imports, else why
+    it does not (``"ImportError: ..."``)."""
     try:
         import transformer_engine.jax  # noqa: F401
         from transformer_engine.jax.cpp_extensions import gemm as _  # noqa: F401
@@ -182,7 +183,7 @@ def resolve_backend(backend: str = "auto", platform: Optional[str] = None) -> st
         # project's checks yet, so it is used only when requested by name.
         return "scaled_matmul" if target.native else "emulate"
     if backend == "te":
-        err = _te_import_error()
+        err = te_import_error()
         if err is not None:
             raise BackendUnavailableError(
                 "backend='te' needs Transformer Engine's JAX extension "

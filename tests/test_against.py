@@ -27,7 +27,7 @@ def test_report_flags_a_step_slower_than_the_target_only():
     assert _misses(_speed(1.10)) == []
     (miss,) = _misses(_speed(1.20))
     assert "1.200x that of commit fb6f378621" in miss
-    table = "\n".join(report._against_md(_speed(1.10)["speed"]["against"]))
+    table = "\n".join(report.against_md(_speed(1.10)["speed"]["against"]))
     assert "| step time | 1000.0 ms | 1100.0 ms | **1.100** (target <= 1.15) |" in table
 
 

@@ -255,7 +255,7 @@ def test_stochastic_rounding_unbiased_and_reproducible(data, block):
 
 
 def test_boundary_inputs_are_refused():
-    """Inputs that used to quantize or decode to wrong values are clear errors."""
+    """Inputs that would quantize or decode to wrong values are clear errors."""
     x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 32, 32)), jnp.float32)
     for amax in (-1.0, float("-inf"), jnp.asarray([1.0, -2.0])):
         with pytest.raises(ValueError, match="amax must be >= 0"):
@@ -293,7 +293,7 @@ def test_quantize_refuses_a_zero_amax_for_a_nonzero_matrix():
 
 
 def test_quantize_under_grad_raises_and_the_straight_through_rule_is_the_identity():
-    # jax.grad through dequantize(quantize(x)) used to return zeros without a word.
+    # jax.grad through dequantize(quantize(x)) raises instead of returning zeros without a word.
     x = jnp.asarray(np.random.default_rng(11).standard_normal((16, 32)), jnp.float32)
     with pytest.raises(TypeError, match="quantize is not differentiable"):
         jax.grad(lambda v: nv.dequantize(nv.quantize(v), jnp.float32).sum())(x)
@@ -327,7 +327,7 @@ def test_hand_built_arrays_must_fit_together():
         nv.NVFP4Array.create(q.data, q.scale_bits, q.amax, (32,))
     with pytest.raises(TypeError, match="uint8"):
         nv.NVFP4Array.create(q.data.astype(jnp.int32), q.scale_bits, q.amax, q.matrix_shape)
-    # The constructor checks the dtypes as create() does: int32 codes used to decode wrong.
+    # The constructor checks the dtypes as create() does: int32 codes would decode wrong.
     for data, scale, amax, needle in ((q.data.astype(jnp.int32), q.scale_bits, q.amax_bits, "data must be packed uint8"),
                                       (q.data, q.scale_bits.astype(jnp.int8), q.amax_bits, "scale_bits must be uint8"),
                                       (q.data, q.scale_bits, q.amax, "amax_bits must be the uint32 bits")):

@@ -171,8 +171,7 @@ def test_gpu_check_runs_end_to_end_on_cpu(results, tmp_path, capsys):
 
 
 # Bad arguments of every subcommand, each with the flag its error names. Each is refused by the
-# parser, before anything is compiled, trained or written (some used to end in a traceback, one
-# after 99 s; --workers 0 started a sweep).
+# parser, before anything is compiled, trained or written: one line, exit 2, no traceback.
 BAD_ARGUMENTS = [
     # python -m benchmarks [SECTION...]
     (["--host-devices", "0"], "--host-devices"), (["--host-devices", "1000"], "--host-devices"),

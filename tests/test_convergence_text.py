@@ -178,9 +178,8 @@ def test_a_run_is_claimed_by_one_live_process(tmp_path):
 
 def test_workers_racing_for_the_same_runs_never_share_one(tmp_path):
     # Two worker processes walk the same run list at the same moment, as --workers 2 does: each
-    # run goes to exactly one. (A claim file created empty and filled after used to read as a
-    # dead process's to the other worker, and both trained the run; each worker here is slow
-    # to write, as a descheduled one is.)
+    # run goes to exactly one. A claim file seen empty (created, not yet filled) is not a dead
+    # process's: each worker here is slow to write, as a descheduled one is.
     import subprocess
     import sys
 

@@ -148,8 +148,8 @@ def test_survivor_of_a_dead_peer_stops_with_a_clear_error(sequence):
 
 
 def test_sigterm_to_one_process_stops_both_at_the_same_saved_step(sequence):
-    # SIGTERM used to end a process silently (exit -15), nothing saved since the last
-    # periodic checkpoint, and left the other blocked in a collective.
+    # SIGTERM to one process: both stop at the same step, save it, and exit 143 (not -15 with
+    # nothing saved and the other blocked in a collective).
     r = sequence["stopped"]
     assert r.returncode == 143, (r.stdout[-2000:], r.stderr[-3000:])
     lines = [line for line in r.stderr.splitlines() if "preemption_notifier" not in line]  # the runtime's own log
@@ -195,8 +195,8 @@ def test_restart_continues_and_two_processes_match_one(sequence, reference):
 
 
 def test_a_frozen_peer_ends_the_survivor_with_one_line(tmp_path):
-    # Process 1 freezes (SIGSTOP) after step 3, as a hung host would. The survivor used to
-    # abort with SIGABRT and a C++ stack dump once the heartbeat timeout passed.
+    # Process 1 freezes (SIGSTOP) after step 3, as a hung host would. The survivor ends with
+    # one line and exit 4 once the heartbeat timeout passes, not SIGABRT and a C++ stack dump.
     port = free_port()
     procs, logs = [], []
     try:

@@ -392,8 +392,8 @@ def test_clear_errors():
     with pytest.raises(TypeError, match=f"gradient of '{name}' is an NVFP4Array"):
         tx.update(quantized, state, params)
     # Params in their logical form (quantize_params without shard_params) where the masters are
-    # sharded: one line naming the missing call, on Auto and Explicit meshes alike (an Explicit
-    # mesh used to end in JAX's "ShardingTypeError: This reshape is not supported").
+    # sharded: one line naming the missing call, on Auto and Explicit meshes alike (not JAX's
+    # "ShardingTypeError: This reshape is not supported" from inside the update).
     for axis_type in (AxisType.Auto, AxisType.Explicit):
         m = jax.make_mesh((2,), ("data",), axis_types=(axis_type,), devices=jax.devices()[:2])
         with jax.set_mesh(m):

@@ -125,14 +125,10 @@ def _f(x: Optional[float], nd: int = 2) -> str:
 def write_report(out: str, payload: Dict[str, Any]) -> str:
     agg, meta, corpus = payload["aggregate"], payload["meta"], payload["corpus"]
     c = meta["cost"]
-    L = ["# NVFP4 against bf16: the gap against training length", "",
-         f"Reproduce (corpus, runs, this report and the JSON): `{meta['command']}`.",
-         f"Run time: {meta['grid_wall_h']}, {meta['runs_done']} of {meta['runs_total']} runs ({meta['where']}).",
-         f"Run cost: {c['cpu_h']:.2f} CPU hours (each run on one core; per budget in tokens/param: "
-         + ", ".join(f"{k}: {v:.2f} h" for k, v in c["cpu_h_per_budget"].items()) + ").", ""]
-    if meta["missing"]:
-        L += [f"**Not run ({len(meta['missing'])} of {meta['runs_total']}):** "
-              + ", ".join(f"`{m}`" for m in meta["missing"]) + ".", ""]
+    L = stats.report_head("# NVFP4 against bf16: the gap against training length", meta,
+                          "corpus, runs, this report, the JSON and the plot",
+                          [f"Run cost: {c['cpu_h']:.2f} CPU hours (each run on one core; per budget in tokens/param: "
+                           + ", ".join(f"{k}: {v:.2f} h" for k, v in c["cpu_h_per_budget"].items()) + ")."])
     if meta.get("budgets_not_in_grid"):
         L += ["**Budgets not in this grid:** " + ", ".join(
             f"{b['budget']} tokens/param ({', '.join(f'{s}: {n} steps' for s, n in b['steps'].items())}, "

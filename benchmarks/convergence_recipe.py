@@ -170,13 +170,9 @@ def _cell(g: Optional[Dict[str, Any]]) -> str:
 def write_report(out: str, payload: Dict[str, Any]) -> str:
     agg, meta, corpus = payload["aggregate"], payload["meta"], payload["corpus"]
     models = meta["models"]
-    L = ["# The full NVFP4 recipe against bf16: gap against width, and an ablation", "",
-         f"Reproduce (corpus, runs, this report, the JSON and the plot): `{meta['command']}`.",
-         f"Run time: {meta['grid_wall_h']}, {meta['runs_done']} of {meta['runs_total']} runs ({meta['where']}).",
-         f"Retrain one finished run and compare its losses bit for bit: `{meta['command']} --rerun NAME`.", ""]
-    if meta["missing"]:
-        L += [f"**Not run ({len(meta['missing'])} of {meta['runs_total']}):** "
-              + ", ".join(f"`{m}`" for m in meta["missing"]) + ".", ""]
+    L = stats.report_head("# The full NVFP4 recipe against bf16: gap against width, and an ablation", meta,
+                          "corpus, runs, this report, the JSON and the plot",
+                          [f"Retrain one finished run and compare its losses bit for bit: `{meta['command']} --rerun NAME`."])
     L += ["## Setup", "",
           f"The corpus, splits and run protocol of [CONVERGENCE_TEXT.md](CONVERGENCE_TEXT.md) (train sha256 "
           f"`{corpus['train']['sha256'][:16]}...`, held-out `{corpus['val']['sha256'][:16]}...`): byte tokens, one "

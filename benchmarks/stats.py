@@ -179,6 +179,18 @@ def mean_interval(s: Dict[str, float]) -> Tuple[float, float]:
     return s["mean"] - half, s["mean"] + half
 
 
+def report_head(title: str, meta: Dict[str, Any], made: str, extra: Sequence[str] = ()) -> List[str]:
+    """A grid report's first lines: ``title``, the command that makes ``made`` (what it writes),
+    the grid's run time (:func:`run_meta`), ``extra`` lines, and the runs not finished."""
+    L = [title, "", f"Reproduce ({made}): `{meta['command']}`.",
+         f"Run time: {meta['grid_wall_h']}, {meta['runs_done']} of {meta['runs_total']} runs ({meta['where']}).",
+         *extra, ""]
+    if meta["missing"]:
+        L += [f"**Not run ({len(meta['missing'])} of {meta['runs_total']}):** "
+              + ", ".join(f"`{m}`" for m in meta["missing"]) + ".", ""]
+    return L
+
+
 def run_meta(results, specs, command: str, wall: float) -> Dict[str, Any]:
     """What a report says of its runs: the command, which runs are done, their time, where,
     whether every pair read the same batches, and the code they were trained by."""

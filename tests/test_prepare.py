@@ -202,7 +202,7 @@ def test_a_tokenizer_without_an_end_token_needs_eos(tmp_path, capsys):
     rc, err = run([src, "--out", out, "--tokenizer", tok], capsys)
     assert rc == 2 and len(err) == 1 and "no end-of-document token" in err[0] and "pass --eos" in err[0], err
     rc, err = run([src, "--out", out, "--tokenizer", tok, "--eos", "[NOPE]"], capsys)
-    assert rc == 2 and err == ["error: --eos '[NOPE]': not a token of the tokenizer"], err
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: --eos '[NOPE]': "), err
     # A folder without a config is read like its tokenizer.json.
     folder = tmp_path / "f"
     folder.mkdir()
@@ -324,7 +324,7 @@ def test_prepare_never_replaces_or_deletes_a_file_it_did_not_create(tmp_path, ca
     doc = tmp_path / "doc.txt"
     doc.write_text("the cat sat\n" * 50)
     tok = gap_tokenizer(tmp_path / "tok.json")
-    # The user's D/notes.json: prepare used to overwrite it on success and delete it on failure.
+    # A file of the user's under one of OUT's names (D/notes.json, ...): refused, neither replaced nor deleted.
     for mine in ("notes.json", "notes.tokenizer.json", "notes"):
         d = tmp_path / mine.replace(".", "_")
         d.mkdir()
@@ -334,7 +334,7 @@ def test_prepare_never_replaces_or_deletes_a_file_it_did_not_create(tmp_path, ca
             assert main([*args, "--out", str(d / "notes")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 3 and all(line.startswith("error: ") for line in err), err
-        assert "exists; choose a new name (prepare never replaces a file)" in err[0]
+        assert err[0].startswith("error: --out ") and mine in err[0] and "exists" in err[0], err
         assert os.listdir(d) == [mine] and (d / mine).read_text() == "precious"
     # A failure after writing began (too few tokens: an empty document is its end token alone)
     # removes only what prepare wrote, folders too.
@@ -370,14 +370,14 @@ def test_prepare_records_the_largest_id_and_training_refuses_ids_past_the_model(
     ids = np.memmap(out, dtype=np.uint16, mode="r")
     assert int(ids.max()) == 4000 and read_token_header(out)["vocab"] == 4001
     assert meta["tokenizer_sha256"] == hashlib.sha256(open(out + ".tokenizer.json", "rb").read()).hexdigest()
-    # Training with model.vocab=256 read token 4000 past the embedding table: NaN loss at
-    # every step, 0 skipped, exit 0. Now refused before anything runs.
+    # Training with model.vocab=256 would read token 4000 past the embedding table (NaN loss at
+    # every step): refused before anything runs.
     rc, _, err = main_here(["--set", "data.source=tokens", "--set", f"data.path={out}", "--set", "model.vocab=256",
                             "--out", str(tmp_path / "run")], capfd)
     assert rc == 2 and len(err) == 1, err
-    assert err[0].startswith("config error: model.vocab=256: smaller than the vocabulary") and "4001" in err[0]
+    assert err[0].startswith("config error: model.vocab=256: ") and "4001" in err[0]
     assert not (tmp_path / "run").exists()
-    # A sidecar of the previous format recorded the token count (5): the file is read for its ids.
+    # A version-1 sidecar records the token count (5): the file is read for its largest id.
     legacy = dict(meta, version=1, vocab=5)
     (tmp_path / "c.bin.json").write_text(json.dumps(legacy))
     assert read_token_header(out)["vocab"] == 4001

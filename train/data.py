@@ -1,31 +1,8 @@
-"""Token sources and a deterministic, resumable, per-process-sharded batch iterator.
-
-Three sources:
-
-- :class:`MarkovSource`: a seeded sparse first-order Markov chain, built here (no downloads),
-  whose entropy rate is known exactly. Each batch row starts from the stationary distribution
-  and every target token has its predecessor in the input, so the entropy rate IS the lowest
-  reachable mean cross-entropy: training prints it as the loss floor.
-- :class:`TextFileSource`: the bytes of any file as tokens (vocab 256), read through a memory
-  map so a large corpus costs no RAM.
-- :class:`TokenFileSource`: a flat token file written by ``python -m train.prepare`` (uint16 or
-  uint32, a JSON sidecar says which and the vocabulary size), memory-mapped. It is cut into
-  non-overlapping windows (every token is a target once per epoch), visited in a shuffled order
-  that changes every epoch.
-
-Batches are pure functions of ``(seed, stream, step, row)``. For the first two sources row ``r``
-of step ``s`` draws from ``np.random.default_rng([seed, stream, s, r])``; for token files, global
-row ``g = s * batch_size + r`` is window ``shuffle(g)`` of a Grain ``MapDataset`` (an index
-shuffle with O(1) memory and random access, re-drawn each epoch, so a corpus of billions of
-windows needs no permutation table). Hence resuming needs only ``{"step", "seed"}``, each process
-generates just its own rows, the union over processes is exactly the single-process batch, and
-within an epoch two processes never read the same window. Grain's own iterators (worker
-processes, prefetch) are not used: slicing a memory map is cheaper than their hand-off, and the
-position stays one integer.
-
-Held-out data (:func:`make_source` with ``split="val"``): ``data.val_path`` (a file of the same
-kind), or the last ``data.val_fraction`` of the training file; the Markov source, being
-infinite, draws validation rows from its own stream.
+"""Token sources (a seeded Markov chain of known entropy rate, a file's bytes, a ``train.prepare``
+token file) and a deterministic, resumable, per-process-sharded batch iterator: batches are pure
+functions of ``(seed, stream, step, row)``, so resuming needs only ``{"step", "seed"}``. Grain's own
+iterators are not used: slicing a memory map is cheaper than their hand-off, and the position stays
+one integer. See docs/TRAINING.md.
 """
 
 from __future__ import annotations
@@ -40,43 +17,27 @@ import numpy as np
 
 from train.config import Config, ConfigError, DataConfig, ModelConfig
 
-__all__ = [
-    "DataIterator",
-    "MarkovSource",
-    "Source",
-    "TextFileSource",
-    "TokenFileSource",
-    "read_token_header",
-    "file_fingerprint",
-    "make_data_iterator",
-    "make_source",
-    "split_batch",
-]
+__all__ = ["DataIterator", "MarkovSource", "Source", "TextFileSource", "TokenFileSource", "read_token_header",
+           "file_fingerprint", "make_data_iterator", "make_source", "split_batch"]
 
 
 class Source(Protocol):
-    """Anything that yields token windows."""
+    """Anything that yields token windows: ``windows`` gives ``[len(rngs), length] int32``, row ``i``
+    drawn from ``rngs[i]`` alone; ``entropy_rate`` is in nats per token where known exactly, else None."""
 
     vocab: int
 
-    def windows(self, rngs: Sequence[np.random.Generator], length: int) -> np.ndarray:
-        """``[len(rngs), length] int32``: row ``i`` drawn from ``rngs[i]`` alone."""
+    def windows(self, rngs: Sequence[np.random.Generator], length: int) -> np.ndarray: ...
 
-    def entropy_rate(self) -> float | None:
-        """Nats per token, when known exactly; else None."""
+    def entropy_rate(self) -> float | None: ...
 
 
 class MarkovSource:
-    """A sparse first-order Markov chain over tokens ``0 .. states-1``.
+    """A sparse first-order Markov chain over tokens ``0 .. states-1``, built from ``seed``.
 
-    Structure (from ``seed`` alone): token ``i`` has ``k_i`` successors, ``k_i`` uniform in
-    ``[min_successors, max_successors]``, with Zipf probabilities ``p_j ∝ 1/j**zipf`` in a
-    random order. One successor of each token walks a random Hamiltonian cycle, so the chain is
-    irreducible, and one token also points to itself, so it is aperiodic: the stationary
-    distribution ``π`` is unique and sample averages converge to it.
-
-    Entropy rate (nats/token): ``H = Σ_i π_i · H(P[i, :])``. A bigram table of
-    ``states × k`` entries: a small transformer learns it in a few hundred steps.
+    Token ``i`` has ``k_i`` uniform in ``[min_successors, max_successors]`` successors with Zipf
+    probabilities ``∝ 1/j**zipf``; one successor walks a random Hamiltonian cycle (irreducible) and
+    one token points to itself (aperiodic), so the stationary ``π`` is unique. Windows start from ``π``.
     """
 
     def __init__(self, vocab: int = 256, states: int = 64, seed: int = 0, *,
@@ -84,8 +45,7 @@ class MarkovSource:
         if not 2 <= states <= vocab:
             raise ConfigError(f"data.markov_states={states}: must be in [2, model.vocab={vocab}]")
         if not 1 <= min_successors <= max_successors:
-            raise ValueError(f"need 1 <= min_successors <= max_successors, got "
-                             f"{min_successors}, {max_successors}")
+            raise ValueError(f"need 1 <= min_successors <= max_successors, got {min_successors}, {max_successors}")
         self.vocab, self.states, self.seed = int(vocab), int(states), int(seed)
         # A fixed second entry keeps the structure stream apart from the batch streams.
         rng = np.random.default_rng([self.seed, 0x4D61726B])
@@ -93,8 +53,7 @@ class MarkovSource:
         nxt_on_cycle = np.empty(states, np.int64)
         nxt_on_cycle[cycle] = np.roll(cycle, -1)
         kmax = min(max_successors, states)
-        succ = np.zeros((states, kmax), np.int64)
-        cdf = np.ones((states, kmax), np.float64)
+        succ, cdf = np.zeros((states, kmax), np.int64), np.ones((states, kmax), np.float64)
         trans = np.zeros((states, states), np.float64)
         for i in range(states):
             k = int(rng.integers(min(min_successors, states), kmax + 1))
@@ -110,9 +69,12 @@ class MarkovSource:
             # The last real successor's cdf is exactly 1.0 so u in [0, 1) never runs past it.
             cdf[i, :k] = np.cumsum(p)
             cdf[i, k - 1:] = 1.0
-        self.transition = trans
-        self._succ, self._cdf = succ, cdf
-        self.stationary = _stationary(trans)
+        self.transition, self._succ, self._cdf = trans, succ, cdf
+        # π P = π, Σ π = 1: one (redundant) balance equation replaced by the normalization.
+        a, b = trans.T - np.eye(states), np.zeros(states)
+        a[-1, :], b[-1] = 1.0, 1.0
+        pi = np.clip(np.linalg.solve(a, b), 0.0, None)
+        self.stationary = pi / pi.sum()
         self._pi_cdf = np.cumsum(self.stationary)
         self._pi_cdf[-1] = 1.0
 
@@ -133,11 +95,9 @@ class MarkovSource:
         out = np.empty(n_tokens, np.int32)
         # Python lists + bisect: a scalar loop over numpy arrays is ~10x slower.
         succ, cdf = self._succ.tolist(), self._cdf.tolist()
-        s = int(self._first(u[:1])[0])
-        out[0] = s
+        s = out[0] = int(self._first(u[:1])[0])
         for t, ut in enumerate(u[1:].tolist(), start=1):
-            s = succ[s][bisect.bisect_right(cdf[s], ut)]
-            out[t] = s
+            s = out[t] = succ[s][bisect.bisect_right(cdf[s], ut)]
         return out
 
     def windows(self, rngs: Sequence[np.random.Generator], length: int) -> np.ndarray:
@@ -146,12 +106,9 @@ class MarkovSource:
             return np.zeros((0, length), np.int32)
         u = np.stack([r.random(length) for r in rngs])
         out = np.empty(u.shape, np.int32)
-        s = self._first(u[:, 0])
-        out[:, 0] = s
+        s = out[:, 0] = self._first(u[:, 0])
         for t in range(1, length):
-            j = (u[:, t, None] >= self._cdf[s]).sum(axis=1)
-            s = self._succ[s, j]
-            out[:, t] = s
+            s = out[:, t] = self._succ[s, (u[:, t, None] >= self._cdf[s]).sum(axis=1)]
         return out
 
     def __repr__(self) -> str:
@@ -159,64 +116,52 @@ class MarkovSource:
                 f"entropy_rate={self.entropy_rate():.4f} nats)")
 
 
-def _stationary(p: np.ndarray) -> np.ndarray:
-    """``π`` with ``π P = π``, ``Σ π = 1`` for an irreducible chain (one linear solve)."""
-    n = p.shape[0]
-    a = p.T - np.eye(n)
-    a[-1, :] = 1.0  # replace one (redundant) balance equation by the normalization
-    b = np.zeros(n)
-    b[-1] = 1.0
-    pi = np.linalg.solve(a, b)
-    pi = np.clip(pi, 0.0, None)
-    return pi / pi.sum()
-
-
 def _check_file(path: str, key: str) -> int:
-    """The size of the readable regular file ``path``, else a ConfigError naming ``key``."""
-    if not os.path.exists(path):
-        raise ConfigError(f"{key}={path!r}: file not found")
-    if not os.path.isfile(path):
-        raise ConfigError(f"{key}={path!r}: not a regular file")
-    if not os.access(path, os.R_OK):
-        raise ConfigError(f"{key}={path!r}: not readable (permission denied)")
+    """The size of the readable, non-empty regular file ``path``, else a ConfigError naming ``key``."""
+    for bad, what in ((not os.path.exists(path), "file not found"), (not os.path.isfile(path), "not a regular file"),
+                      (not os.access(path, os.R_OK), "not readable (permission denied)")):
+        if bad:
+            raise ConfigError(f"{key}={path!r}: {what}")
     size = os.path.getsize(path)
     if size == 0:
         raise ConfigError(f"{key}={path!r}: file is empty")
     return size
 
 
-def _fraction_range(n: int, part: tuple[float, float]) -> tuple[int, int]:
-    """Token range ``[start, stop)`` of the fraction ``part`` of ``n`` tokens."""
-    return int(round(n * part[0])), int(round(n * part[1]))
+class _FileSource:
+    """A memory-mapped file of ``n`` tokens (a subclass's ``_layout(key)`` gives ``(dtype, n)``); ``part=(a, b)``
+    restricts it to the tokens ``[a*n, b*n)`` (a train/validation split)."""
 
-
-class TextFileSource:
-    """The bytes of a file as tokens 0..255; windows start at uniform random offsets.
-
-    ``part=(a, b)`` restricts it to the bytes ``[a*n, b*n)`` (a train/validation split)."""
-
-    vocab = 256
+    unit = "tokens"
 
     def __init__(self, path: str | os.PathLike, min_tokens: int = 2, *, key: str = "data.path",
                  part: tuple[float, float] = (0.0, 1.0)):
-        path = os.fspath(path)
-        self.path = path
-        size = _check_file(path, key)
-        start, stop = _fraction_range(size, part)
+        self.path = os.fspath(path)
+        dtype, n = self._layout(key)
+        start, stop = int(round(n * part[0])), int(round(n * part[1]))
         if stop - start < min_tokens:
-            where = "" if part == (0.0, 1.0) else f" (bytes {start}..{stop} of this split)"
-            raise ConfigError(f"{key}={path!r}: {stop - start} bytes{where}, too short for one window of "
+            where = "" if part == (0.0, 1.0) else f" ({self.unit} {start}..{stop} of this split)"
+            raise ConfigError(f"{key}={self.path!r}: {stop - start} {self.unit}{where}, too short for one window of "
                               f"{min_tokens} tokens (model.seq_len + 1)")
         try:
-            self.tokens = np.memmap(path, dtype=np.uint8, mode="r")[start:stop]
+            self.tokens = np.memmap(self.path, dtype=dtype, mode="r")[start:stop]
         except OSError as e:
-            raise ConfigError(f"{key}={path!r}: cannot read: {e}") from None
+            raise ConfigError(f"{key}={self.path!r}: cannot read: {e}") from None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
     def entropy_rate(self) -> None:
         return None
+
+
+class TextFileSource(_FileSource):
+    """The bytes of a file as tokens 0..255; windows start at uniform random offsets."""
+
+    vocab, unit = 256, "bytes"
+
+    def _layout(self, key: str):
+        return np.uint8, _check_file(self.path, key)
 
     def windows(self, rngs: Sequence[np.random.Generator], length: int) -> np.ndarray:
         n = len(self)
@@ -236,22 +181,12 @@ class TextFileSource:
 TOKENS_FORMAT = "jax_nvfp4.tokens"
 
 
-def _max_id(path: str, dtype: str) -> int:
-    """The largest token id in the token file ``path`` (one pass, 64 Mi tokens at a time)."""
-    ids = np.memmap(path, dtype=np.dtype(dtype), mode="r")
-    step = 1 << 26
-    return max(int(ids[i:i + step].max()) for i in range(0, len(ids), step))
-
-
 def read_token_header(path: str | os.PathLike, key: str = "data.path") -> dict[str, Any]:
-    """The JSON sidecar ``PATH.json`` of a token file: ``{"format", "dtype", "vocab", "tokens",
-    ...}``, checked against the file's size. ``vocab`` is an upper bound of the file's ids (the
-    largest id + 1): sidecars of format version 2 record it (``python -m train.prepare``);
-    older ones recorded the tokenizer's token count, which a tokenizer with gaps in its ids
-    exceeds, so their files are read once here for their largest id."""
+    """The JSON sidecar ``PATH.json`` of a token file, checked against the file's size. ``vocab``
+    is the largest id + 1; a sidecar of version < 2 recorded the tokenizer's token count, so its
+    file is read once (64 Mi tokens at a time) for its largest id."""
     path = os.fspath(path)
-    size = _check_file(path, key)
-    meta_path = path + ".json"
+    size, meta_path = _check_file(path, key), path + ".json"
     try:
         with open(meta_path) as f:
             meta = json.load(f)
@@ -271,45 +206,31 @@ def read_token_header(path: str | os.PathLike, key: str = "data.path") -> dict[s
     if not isinstance(meta.get("vocab"), int) or meta["vocab"] < 1:
         raise ConfigError(f"{key}={path!r}: sidecar vocab {meta.get('vocab')!r} is not a positive integer")
     if meta.get("version", 1) < 2:
-        meta["vocab"] = max(meta["vocab"], _max_id(path, meta["dtype"]) + 1)
+        ids, step = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r"), 1 << 26
+        meta["vocab"] = max(meta["vocab"], max(int(ids[i:i + step].max()) for i in range(0, len(ids), step)) + 1)
     return meta
 
 
-class TokenFileSource:
+class TokenFileSource(_FileSource):
     """A flat token file (``python -m train.prepare``) read through a memory map.
 
-    Window ``w`` is ``tokens[w*L : w*L + L + 1]`` for ``L = length - 1``: consecutive windows
-    overlap by one token, so each token is a target exactly once per epoch. ``part=(a, b)``
-    restricts the source to the tokens ``[a*n, b*n)``.
+    Window ``w`` is ``tokens[w*L : w*L + L + 1]`` for ``L = length - 1`` (each token a target
+    once per epoch); global row ``g`` is window ``shuffle(g)`` of a Grain ``MapDataset`` (O(1)
+    memory, re-drawn each epoch).
     """
 
-    def __init__(self, path: str | os.PathLike, min_tokens: int = 2, *, key: str = "data.path",
-                 part: tuple[float, float] = (0.0, 1.0)):
-        self.path = os.fspath(path)
-        meta = read_token_header(self.path, key)
-        self.vocab, self.meta = int(meta["vocab"]), meta
-        start, stop = _fraction_range(int(meta["tokens"]), part)
-        if stop - start < min_tokens:
-            raise ConfigError(f"{key}={self.path!r}: {stop - start} tokens in this split, too short for one "
-                              f"window of {min_tokens} tokens (model.seq_len + 1)")
-        try:
-            self.tokens = np.memmap(self.path, dtype=np.dtype(meta["dtype"]), mode="r")[start:stop]
-        except OSError as e:
-            raise ConfigError(f"{key}={self.path!r}: cannot read: {e}") from None
+    def _layout(self, key: str):
+        self.meta = meta = read_token_header(self.path, key)
+        self.vocab = int(meta["vocab"])
         self._order: dict[tuple[int, int, int], Any] = {}
-
-    def __len__(self) -> int:
-        return int(self.tokens.shape[0])
-
-    def entropy_rate(self) -> None:
-        return None
+        return np.dtype(meta["dtype"]), int(meta["tokens"])
 
     def num_windows(self, length: int) -> int:
         return (len(self) - 1) // (length - 1)
 
     def order(self, seed: int, stream: int, length: int):
-        """The Grain dataset mapping a global row index to a window index (any index >= 0;
-        epoch ``e`` covers indices ``[e*N, (e+1)*N)`` in its own shuffled order)."""
+        """The Grain dataset mapping a global row index (any >= 0) to a window index; epoch ``e``
+        covers indices ``[e*N, (e+1)*N)`` in its own shuffled order."""
         key = (seed, stream, length)
         if key not in self._order:
             import grain
@@ -344,29 +265,22 @@ class TokenFileSource:
 
 class DataIterator:
     """Batches ``[rows, seq_len + 1] int32`` of this process; batch ``s`` depends only on
-    ``(seed, stream, s)``.
-
-    Process ``p`` of ``P`` gets global rows ``p*k .. (p+1)*k - 1`` with ``k = batch_size / P``.
-    ``stream`` separates independent data streams of the same seed (0 = train, 1 = eval).
-    The only state is ``{"step", "seed"}``, saved with the training state.
+    ``(seed, stream, s)`` (``stream``: 0 train, 1 eval). Process ``p`` of ``P`` gets global rows
+    ``p*k .. (p+1)*k - 1``, ``k = batch_size / P``. The only state is ``{"step", "seed"}``.
     """
 
     def __init__(self, source: Source, batch_size: int, seq_len: int, seed: int = 0, *,
-                 process_index: int = 0, process_count: int = 1, stream: int = 0,
-                 step: int = 0):
+                 process_index: int = 0, process_count: int = 1, stream: int = 0, step: int = 0):
         if process_count < 1 or not 0 <= process_index < process_count:
-            raise ValueError(f"need 0 <= process_index < process_count, got "
-                             f"{process_index}, {process_count}")
+            raise ValueError(f"need 0 <= process_index < process_count, got {process_index}, {process_count}")
         if batch_size % process_count:
-            raise ConfigError(f"data.batch_size={batch_size}: must be divisible by the "
-                              f"{process_count} processes")
+            raise ConfigError(f"data.batch_size={batch_size}: must be divisible by the {process_count} processes")
         if seq_len < 1:
             raise ConfigError(f"model.seq_len={seq_len}: must be > 0")
         self.source = source
         self.batch_size, self.seq_len = int(batch_size), int(seq_len)
         self.process_index, self.process_count = int(process_index), int(process_count)
-        self.stream = int(stream)
-        self.seed, self.step = int(seed), int(step)
+        self.stream, self.seed, self.step = int(stream), int(seed), int(step)
 
     @property
     def local_batch_size(self) -> int:
@@ -416,8 +330,8 @@ EVAL_STREAM = 1
 
 
 def make_source(data: DataConfig, model: ModelConfig, split: str = "train") -> Source | None:
-    """The training source, or with ``split="val"`` the held-out one (None when the config
-    names none: a file source without ``data.val_path`` or ``data.val_fraction``)."""
+    """The training source, or with ``split="val"`` the held-out one: ``data.val_path``, else the
+    last ``data.val_fraction`` of ``data.path``, else None (Markov: its own stream)."""
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     if data.source == "markov":
@@ -426,34 +340,27 @@ def make_source(data: DataConfig, model: ModelConfig, split: str = "train") -> S
         raise ConfigError(f"data.source={data.source!r}: must be 'markov', 'file' or 'tokens'")
     cls = TextFileSource if data.source == "file" else TokenFileSource
     n = model.seq_len + 1
-    if split == "val":
-        if data.val_path:
-            src = cls(data.val_path, n, key="data.val_path")
-            if cls is TokenFileSource:
-                _check_same_tokenizer(src, read_token_header(data.path))
-        elif data.val_fraction > 0:
-            src = cls(data.path, n, part=(1.0 - data.val_fraction, 1.0))
-        else:
-            return None
-    else:
+    if split == "train":
         src = cls(data.path, n, part=(0.0, 1.0 - (0.0 if data.val_path else data.val_fraction)))
-    if src.vocab > model.vocab:
-        # Ids at or past model.vocab have no embedding row: their loss is NaN at every step.
+    elif data.val_path:
+        src = cls(data.val_path, n, key="data.val_path")
+        if cls is TokenFileSource:  # another tokenizer's loss would compare different token streams
+            train_meta = read_token_header(data.path)
+            a, b = src.meta.get("tokenizer_sha256"), train_meta.get("tokenizer_sha256")
+            if a != b or (a is None and src.meta.get("vocab") != train_meta.get("vocab")):
+                what = (f"tokenizer sha256 {a[:12] if a else 'not recorded'} against {b[:12] if b else 'not recorded'}"
+                        if a or b else f"vocabulary {src.meta.get('vocab')} against {train_meta.get('vocab')}")
+                raise ConfigError(f"data.val_path={src.path!r}: not made with the tokenizer of data.path ({what}); "
+                                  "prepare both with the same --tokenizer")
+    elif data.val_fraction > 0:
+        src = cls(data.path, n, part=(1.0 - data.val_fraction, 1.0))
+    else:
+        return None
+    if src.vocab > model.vocab:  # ids at or past model.vocab have no embedding row: NaN loss at every step
         raise ConfigError(f"model.vocab={model.vocab}: smaller than the vocabulary of {src.path!r} ({src.vocab} = its "
                           f"largest token id + 1); its ids would reach past the embedding table. Set "
                           f"model.vocab={src.vocab} or more")
     return src
-
-
-def _check_same_tokenizer(val: "TokenFileSource", train_meta: dict[str, Any]) -> None:
-    """Refuse a validation token file made by another tokenizer than the training file: its
-    loss would compare different token streams."""
-    a, b = val.meta.get("tokenizer_sha256"), train_meta.get("tokenizer_sha256")
-    if a != b or (a is None and val.meta.get("vocab") != train_meta.get("vocab")):
-        what = (f"tokenizer sha256 {a[:12] if a else 'not recorded'} against {b[:12] if b else 'not recorded'}"
-                if a or b else f"vocabulary {val.meta.get('vocab')} against {train_meta.get('vocab')}")
-        raise ConfigError(f"data.val_path={val.path!r}: not made with the tokenizer of data.path ({what}); "
-                          "prepare both with the same --tokenizer")
 
 
 # Files up to this size are hashed whole for a resume's check; larger ones by sampled blocks.
@@ -462,11 +369,10 @@ SAMPLED_BLOCKS, BLOCK_BYTES = 64, 1 << 20
 
 
 def file_fingerprint(path: str | os.PathLike) -> dict[str, Any]:
-    """``{"bytes", "sha256", "hashed"}`` of a data file, recorded in checkpoints so that a
-    resume on changed data is refused. Up to 256 MiB the sha256 is of the whole file; a larger
-    file is fingerprinted by its size and the sha256 of 64 blocks of 1 MiB at evenly spaced
-    offsets, the first and the last included (an edit elsewhere that keeps the size can go
-    unseen; the cost stays about 64 MiB of reads at every start)."""
+    """``{"bytes", "sha256", "hashed"}`` of a data file, recorded in checkpoints so that a resume
+    on changed data is refused: the whole file up to ``WHOLE_HASH_BYTES``, else its size and
+    ``SAMPLED_BLOCKS`` evenly spaced blocks, the first and last included (an edit elsewhere that
+    keeps the size can go unseen; the cost stays bounded at every start)."""
     path = os.fspath(path)
     size = os.path.getsize(path)
     h = hashlib.sha256()
@@ -489,8 +395,7 @@ def make_data_iterator(cfg: Config, *, process_index: int = 0, process_count: in
     """The iterator for ``cfg`` (global batch ``cfg.data.batch_size``), this process's rows."""
     source = make_source(cfg.data, cfg.model) if source is None else source
     return DataIterator(source, cfg.data.batch_size, cfg.model.seq_len, cfg.data.seed,
-                        process_index=process_index, process_count=process_count,
-                        stream=stream)
+                        process_index=process_index, process_count=process_count, stream=stream)
 
 
 def eval_batches(cfg: Config, source: Source, *, process_index: int = 0,

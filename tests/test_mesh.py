@@ -205,8 +205,8 @@ _PROBE = textwrap.dedent("""
         with open(sys.argv[1], "w") as f:
             json.dump({"procs": procs, "total": float(total), "n": jax.device_count(),
                        "describe": describe_mesh(mesh, 4)}, f)
-    # Leave the distributed runtime while the interpreter is whole (a teardown at exit crashed
-    # once in gloo with heap corruption under load).
+    # Leave the distributed runtime while the interpreter is whole: a teardown at exit can corrupt
+    # gloo's heap under load.
     total.block_until_ready()
     jax.distributed.shutdown()
 """)

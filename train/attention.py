@@ -1,21 +1,8 @@
-"""Causal grouped-query attention whose memory is O(sequence): blockwise, with an online
-softmax, forward and backward (the FlashAttention-2 algorithm written with ``lax`` loops).
+"""Causal grouped-query attention: cuDNN's fused kernel on a CUDA GPU, elsewhere a blockwise one of
+O(sequence) memory (FlashAttention-2 with ``lax`` loops: online softmax forward, recomputing backward).
 
-XLA's attention (``jax.nn.dot_product_attention(implementation="xla")``) materialises the
-``heads x S x S`` scores: at 8192 tokens that is most of a device's memory, where cuDNN's
-fused kernel on a GPU needs O(S). :func:`blockwise_attention` keeps O(S) on every backend:
-the forward walks key blocks with a running maximum and sum per query row and saves only the
-output and the row's log-sum-exp; the backward recomputes each block's probabilities from
-them. Blocks above the diagonal are skipped (``lax.cond``).
-
-Numerics: scores and softmax in float32, probabilities rounded to the value dtype for the
-``P @ V`` product (as XLA's attention does), the output rounded once at the end; equal to
-``jax.nn.dot_product_attention`` within the rounding of the output dtype. A sequence of one
-block is XLA's attention itself.
-
-:func:`attention` picks the implementation: ``auto`` is cuDNN's fused kernel on a CUDA GPU
-where cuDNN takes the shapes (``jax.lax.platform_dependent``: the CUDA branch of the same
-traced program), this blockwise attention elsewhere.
+Blockwise numerics: scores and softmax in float32, probabilities rounded to the value dtype for
+``P @ V``, the output rounded once; a sequence of one block is XLA's attention itself.
 """
 
 from __future__ import annotations
@@ -30,20 +17,11 @@ BLOCK = 512
 IMPLEMENTATIONS = ("auto", "blockwise", "xla", "cudnn")
 
 
-def _cudnn_fits(q, k) -> bool:
-    """Shapes and dtype cuDNN's fused attention takes (bf16/fp16, head size a multiple of 8
-    up to 128)."""
-    hd = q.shape[-1]
-    return q.dtype in (jnp.bfloat16, jnp.float16) and hd % 8 == 0 and hd <= 128
-
-
 @functools.lru_cache(maxsize=None)
 def cudnn_available() -> bool:
-    """Whether cuDNN's attention can be traced here: JAX checks for cuDNN when it traces
-    the kernel, so a host without a CUDA GPU cannot trace (nor lower) that branch."""
+    """Whether cuDNN's attention can be traced here (JAX checks for cuDNN at trace time)."""
     try:
         from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
-
         check_cudnn_version()
     except Exception:  # noqa: BLE001 - no CUDA plugin, no cuDNN, or an older JAX
         return False
@@ -51,27 +29,24 @@ def cudnn_available() -> bool:
 
 
 def attention(q, k, v, implementation: str = "auto", block: int = BLOCK):
-    """Causal attention ``[B, S, H, D] x [B, S, K, D]^2 -> [B, S, H, D]`` (``H % K == 0``;
-    query head ``h`` uses key/value head ``h // (H / K)``).
-
-    ``implementation``: ``auto`` (cuDNN on a CUDA GPU where it fits and can be traced,
-    :func:`blockwise_attention` elsewhere), ``blockwise``, ``xla`` (XLA's attention: O(S^2)
-    scores) or ``cudnn``."""
+    """Causal attention ``[B, S, H, D] x [B, S, K, D]^2 -> [B, S, H, D]``, query head ``h`` on key/value
+    head ``h // (H / K)``. ``implementation``: ``auto`` (cuDNN in the CUDA branch where it takes the
+    shapes and can be traced, else blockwise), ``blockwise``, ``xla`` (O(S^2) scores) or ``cudnn``."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    dtype = v.dtype
     if implementation in ("xla", "cudnn"):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation).astype(dtype)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation).astype(v.dtype)
     blockwise = lambda q, k, v: blockwise_attention(q, k, v, block=block)
-    if implementation == "blockwise" or not (_cudnn_fits(q, k) and cudnn_available()):
+    # cuDNN takes bf16/fp16 with a head size that is a multiple of 8 up to 128.
+    fits = q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128
+    if implementation == "blockwise" or not (fits and cudnn_available()):
         return blockwise(q, k, v)
     cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     return jax.lax.platform_dependent(q, k, v, cuda=cudnn, default=blockwise)
 
 
 def blockwise_attention(q, k, v, block: int = BLOCK):
-    """Causal grouped-query attention in blocks of ``block`` queries and keys, O(S) memory
-    (module docstring). A sequence of at most one block is XLA's attention."""
+    """Causal grouped-query attention in blocks of ``block`` queries and keys, O(S) memory."""
     b, s, h, d = q.shape
     kv = k.shape[2]
     if h % kv:
@@ -79,22 +54,20 @@ def blockwise_attention(q, k, v, block: int = BLOCK):
     if s <= block:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
     n = -(-s // block)
-    pad = n * block - s
-    g = h // kv
 
     def blocks(x, heads):  # [B, S, heads, D] -> [n, B, heads, block, D]
-        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        x = jnp.pad(x, ((0, 0), (0, n * block - s), (0, 0), (0, 0)))
         return jnp.moveaxis(x.reshape(b, n, block, heads, d), (1, 3), (0, 2))
 
-    qb = blocks(q, h).reshape(n, b, kv, g, block, d)
+    qb = blocks(q, h).reshape(n, b, kv, h // kv, block, d)
     out = _flash(qb, blocks(k, kv), blocks(v, kv), 1.0 / math.sqrt(d))
     out = jnp.moveaxis(out.reshape(n, b, h, block, d), (0, 2), (1, 3)).reshape(b, n * block, h, d)
     return out[:, :s].astype(v.dtype)
 
 
 def _scores(qi, kj, i, j, scale):
-    """Scaled, causally masked scores of query block ``i`` against key block ``j``:
-    ``[B, K, G, bq, bk]`` float32 (``-inf`` above the diagonal)."""
+    """Scaled scores of query block ``i`` on key block ``j``, ``[B, K, G, bq, bk]`` float32, ``-inf``
+    above the diagonal."""
     s = jnp.einsum("bkgqd,bkcd->bkgqc", qi, kj, preferred_element_type=jnp.float32) * scale
     bq, bk = qi.shape[-2], kj.shape[-2]
     rows = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
@@ -103,7 +76,7 @@ def _scores(qi, kj, i, j, scale):
 
 
 def _forward(qb, kb, vb, scale):
-    """``(out [n, B, K, G, bq, D] float32, lse [n, B, K, G, bq])``."""
+    """``(out [n, B, K, G, bq, D] float32, lse [n, B, K, G, bq])``; blocks above the diagonal skipped."""
     n = qb.shape[0]
 
     def query_block(i):

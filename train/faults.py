@@ -1,32 +1,15 @@
-"""Fault injection: rehearse a run's failures on a real run of ``python -m train`` (README,
-"Failures: exit codes and fault injection"). Steps count from 1; a PROCESS (a process index)
-limits the fault to that process, every process has it otherwise.
-
-  TRAIN_FAULT_EXIT=STEP[:PROCESS]      the process exits abruptly, status 17, after step STEP
-  TRAIN_FAULT_STOP=STEP[:PROCESS]      it freezes (SIGSTOP) after step STEP, as a hung host would
-  TRAIN_FAULT_SIGTERM=STEP[:PROCESS], TRAIN_FAULT_SIGINT=STEP[:PROCESS]
-                                       it sends itself that signal after step STEP, as a
-                                       preempted host
-  TRAIN_FAULT_READONLY=STEP            no checkpoint can be created in ``checkpoint.dir`` after
-                                       step STEP ("Permission denied"), as when it becomes
-                                       read-only
-  TRAIN_FAULT_NONFINITE=STEP:VALUE[,STEP:VALUE...]
-                                       the loss of those steps is multiplied by VALUE (nan,
-                                       inf), which makes their gradients non-finite
-
-The CLI imports this module only when a ``TRAIN_FAULT_*`` variable is set; :func:`from_env`
-reads them (no JAX needed: a malformed one fails before anything starts) and
-:meth:`Faults.hooks` installs them in the training loop through its extension point
-(:class:`train.loop.StepHooks`). The run's own step has no loss multiplier: the non-finite
-steps run a variant of it (:func:`scaled_step`, compiled once per plan, only in such a
-rehearsal); every other step runs the run's own step.
-"""
+"""Fault injection: the ``TRAIN_FAULT_*`` variables (docs/TRAINING.md, "Failures") rehearse a run's failures
+on a real run. :func:`from_env` reads them without JAX, so a bad one fails before anything starts."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import re
+import signal
 import sys
+import time
 import weakref
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
@@ -39,24 +22,17 @@ EXIT_STATUS = 17  # TRAIN_FAULT_EXIT's
 
 @dataclasses.dataclass(frozen=True)
 class Faults:
-    """The faults to inject into a run.
-
-    Attributes:
-      actions: ``(step, process or None, action)``: ``action(step)`` after that step (and its
-        checkpoint), in that process (None: every process).
-      nonfinite: ``{step: value}``: that step's loss is multiplied by ``value`` (NaN, Inf).
-    """
+    """``actions``: ``(step, process or None for all, action)``, ``action(step)`` after that step (and its
+    checkpoint); ``nonfinite``: ``{step: value}``, that step's loss is multiplied by ``value``."""
 
     actions: Tuple[Tuple[int, Optional[int], Callable[[int], None]], ...] = ()
     nonfinite: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
     def hooks(self, after_step: Optional[Callable] = None):
-        """The :class:`train.loop.StepHooks` that inject these faults; ``after_step`` (the
-        loop's signature) is called after each step too, before the actions."""
+        """The :class:`train.loop.StepHooks` that inject these faults; ``after_step`` (the loop's
+        signature) runs after each step too, before the actions."""
         import jax
-
         from train.loop import StepHooks
-
         actions, values = self.actions, {int(k): float(v) for k, v in self.nonfinite.items()}
 
         def run_step(trainer, step, params, opt_state, batch, key):
@@ -75,18 +51,15 @@ class Faults:
                          after_step=after if actions or after_step is not None else None)
 
 
-# The run's step program -> its variant with a loss multiplier (built once per plan).
-_SCALED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_SCALED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # the run's step -> its scaled variant
 
 
 def scaled_step(trainer):
-    """``step(params, opt_state, batch, key, scale)``: ``trainer``'s step on its loss times
-    the float32 ``scale`` (:func:`train.step.make_step` of :func:`train.step.loss_fn_for`),
-    jitted like it (:func:`train.programs.jit_step`); built once per plan."""
+    """``step(params, opt_state, batch, key, scale)``: ``trainer``'s step on its loss times the float32
+    ``scale``, jitted like it; built once per plan (the run's own step has no multiplier)."""
     if trainer.step_fn not in _SCALED:
         from train import programs
         from train import step as step_lib
-
         cfg, mesh, rules = trainer.cfg, trainer.mesh, trainer.rules
         loss = step_lib.loss_fn_for(cfg, trainer.model, mesh, rules)
         step = step_lib.make_step(cfg, trainer.model, trainer.tx, rules, mesh,
@@ -97,19 +70,19 @@ def scaled_step(trainer):
 
 
 def from_env(checkpoint_dir: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> Optional[Faults]:
-    """The faults the ``TRAIN_FAULT_*`` variables of ``environ`` (default: this process's)
-    ask for (module docstring), None if none; ``TRAIN_FAULT_READONLY`` acts on
-    ``checkpoint_dir``.
-
-    Raises:
-      ValueError: a malformed value, naming its variable."""
+    """The faults ``environ``'s (default: this process's) ``TRAIN_FAULT_*`` ask for, None if none;
+    ``TRAIN_FAULT_READONLY`` acts on ``checkpoint_dir``. ValueError on a malformed value, naming it."""
     env = os.environ if environ is None else environ
     actions = []
     for name, action in (("TRAIN_FAULT_EXIT", _exit_abruptly), ("TRAIN_FAULT_STOP", _freeze),
                          ("TRAIN_FAULT_SIGTERM", _send("SIGTERM")), ("TRAIN_FAULT_SIGINT", _send("SIGINT")),
                          ("TRAIN_FAULT_READONLY", lambda step: make_checkpoints_read_only(checkpoint_dir))):
         if env.get(name):
-            actions.append((*_step_and_process(name, env[name]), action))
+            step_s, _, proc_s = env[name].partition(":")
+            try:
+                actions.append((int(step_s), int(proc_s) if proc_s else None, action))
+            except ValueError:
+                raise ValueError(f"{name}={env[name]!r}: expected STEP[:PROCESS]") from None
     nonfinite: Dict[int, float] = {}
     spec = env.get("TRAIN_FAULT_NONFINITE")
     if spec:
@@ -120,26 +93,14 @@ def from_env(checkpoint_dir: Optional[str] = None, environ: Optional[Mapping[str
     return Faults(tuple(actions), nonfinite) if actions or nonfinite else None
 
 
-def _step_and_process(name: str, spec: str) -> Tuple[int, Optional[int]]:
-    step_s, _, proc_s = spec.partition(":")
-    try:
-        return int(step_s), (int(proc_s) if proc_s else None)
-    except ValueError:
-        raise ValueError(f"{name}={spec!r}: expected STEP[:PROCESS]") from None
-
-
-# ----------------------------------------------------------------------------- actions
 def _exit_abruptly(step: int) -> None:
     import jax
-
     print(f"TRAIN_FAULT_EXIT: process {jax.process_index()} exits after step {step}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(EXIT_STATUS)
 
 
 def _freeze(step: int) -> None:
-    import signal
-
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGSTOP)
@@ -147,33 +108,22 @@ def _freeze(step: int) -> None:
 
 def _send(sig: str) -> Callable[[int], None]:
     def send(step: int) -> None:
-        import signal
-        import time
-
         import jax
-
         os.kill(os.getpid(), getattr(signal, sig))
         if jax.process_count() > 1:
-            # The runtime's preemption notifier looks for SIGTERM once a second: let the
-            # notice reach every process before this one takes its next step.
+            # The runtime's preemption notifier looks for SIGTERM once a second: let the notice
+            # reach every process before this one takes its next step.
             time.sleep(2.0)
 
     return send
 
 
 def make_checkpoints_read_only(directory) -> None:
-    """From now on no new checkpoint can be created in ``directory`` (EACCES), as when it
-    becomes read-only; a save already under way finishes. Done in the process rather than with
-    chmod, which root ignores: orbax's creation of a step's temporary directory
-    (``<step>.orbax-checkpoint-tmp``) there raises ``PermissionError``. Other directories are
-    untouched (a process may hold other runs' checkpointers)."""
-    import errno
-    import re
-
-    # orbax's private module: orbax offers no public way to make the creation of a step's
-    # directory fail, and its saves create it with this function.
+    """From now on no new checkpoint can be created in ``directory`` (EACCES; a save under way finishes,
+    other directories are untouched). Done in the process: root ignores chmod."""
+    # orbax's private module: orbax offers no public way to make the creation of a step's directory
+    # (``<step>.orbax-checkpoint-tmp``) fail, and its saves create it with this function.
     from orbax.checkpoint._src.path import async_path
-
     mkdir = async_path.mkdir
     directory = os.path.realpath(str(directory))
 

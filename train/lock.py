@@ -1,16 +1,7 @@
-"""One run per folder: an exclusive lock on a run's output and checkpoint folders.
-
-:class:`FolderLock` takes ``fcntl.flock`` on ``<folder>/.train.lock`` and writes the holder
-into it (process id, host, start time). The kernel drops the lock when the process ends, in
-any way (``kill -9`` included), so a lock is never stale: a leftover file is taken over by
-the next run. A second run that finds the lock taken is refused with one line naming the
-holder, before it writes anything. On release the file is removed (while still locked, so a
-run that opened it meanwhile sees it replaced and tries again), and so is the folder when the
-lock created it and nothing else was written there.
-
-``flock`` works on local file systems and on NFS (as a whole-file POSIX lock); a multi-process
-run takes its locks in process 0 only.
-"""
+"""One run per folder: ``fcntl.flock`` on ``<folder>/.train.lock``, which names its holder. The lock dies
+with its process (``kill -9`` too), so a leftover file is never stale; release removes the file while
+still locked (a run that opened it meanwhile sees it replaced and tries again). On NFS ``flock`` is a
+whole-file POSIX lock."""
 
 from __future__ import annotations
 
@@ -28,13 +19,11 @@ LOCK_NAME = ".train.lock"
 
 
 class LockError(RuntimeError):
-    """The folder cannot be locked: another run holds it, or it cannot be created or written.
-    The message is one line."""
+    """The folder cannot be locked (another run holds it, or it cannot be created or written); one line."""
 
 
 class FolderLock:
-    """An exclusive lock on ``folder`` (see the module docstring); ``what`` names the folder in
-    messages (``"--out"``, ``"checkpoint.dir"``)."""
+    """An exclusive lock on ``folder``; ``what`` names it in messages (``"--out"``, ``"checkpoint.dir"``)."""
 
     def __init__(self, folder: str, what: str):
         self.folder, self.what = os.path.abspath(os.fspath(folder)), what
@@ -43,12 +32,8 @@ class FolderLock:
         self._created: list = []  # folders this lock created, innermost first
 
     def acquire(self) -> "FolderLock":
-        """Take the lock, creating the folder if needed.
-
-        Raises:
-          LockError: another run holds it (the message names it), or the folder is a file,
-            cannot be created or is not writable.
-        """
+        """Take the lock, creating the folder if needed; LockError if another run holds it (naming it),
+        or the folder is a file, cannot be created or is not writable."""
         where = f"{self.what} {self.folder}"
         if os.path.exists(self.folder) and not os.path.isdir(self.folder):
             raise LockError(f"{where}: exists and is not a folder")
@@ -79,11 +64,10 @@ class FolderLock:
                 raise LockError(f"{where} is in use by another run ({holder}); refusing to share it "
                                 "(nothing written)") from None
             try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
             except FileNotFoundError:
-                same = False
-            if same:
-                break
+                pass
             os.close(fd)  # the holder removed it between our open and our lock: try the new one
         self._fd = fd
         started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
@@ -97,8 +81,7 @@ class FolderLock:
         return self
 
     def release(self) -> None:
-        """Remove the lock file and release the lock; remove the folders the lock created if
-        nothing else was written into them. Idempotent."""
+        """Remove the lock file, then release the lock and the folders it created if empty. Idempotent."""
         if self._fd is None:
             return
         try:

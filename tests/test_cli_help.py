@@ -66,9 +66,8 @@ def test_train_help_is_plain_text_with_examples_and_every_config_key(capsys):
 
 
 def test_overrides_apply_in_command_line_order_and_single_options_are_given_once():
-    """A later value of a key wins whether it is a --set or a bare KEY=VALUE (the bare ones used
-    to be applied after every --set); a second --config or --out is an error, not a silent
-    replacement."""
+    """A later value of a key wins whether it is a --set or a bare KEY=VALUE; a second --config or
+    --out is an error, not a silent replacement."""
     from train.config import load_config
 
     args = train_main.parse_args(["model.layers=1", "--set", "model.layers=3", "--out", "x=y", "train.steps=9"])

@@ -160,9 +160,7 @@ def test_a_key_declared_once_reaches_every_derived_list(monkeypatch, capsys, tmp
     assert meta["run"]["train.label_smoothing"] == 0.0
     ckpt_lib.check_resume("ck/2", meta, base)
     smoothed = apply_overrides(base, ["train.label_smoothing=0.1"])
-    with pytest.raises(ckpt_lib.CheckpointError, match=re.escape(
-            "was trained with train.label_smoothing=0.0 but this run has train.label_smoothing=0.1; to continue with "
-            "the new value set checkpoint.allow_change=[train.label_smoothing]")):
+    with pytest.raises(ckpt_lib.CheckpointError, match=r"train\.label_smoothing"):
         ckpt_lib.check_resume("ck/2", meta, smoothed)
     ckpt_lib.check_resume("ck/2", meta, apply_overrides(smoothed, ["checkpoint.allow_change=[train.label_smoothing]"]))
 
@@ -210,7 +208,7 @@ def test_gin(tmp_path):
 
 
 def test_gin_key_bound_twice_is_an_error(tmp_path):
-    # gin kept the last binding silently.
+    # Refused under either name of the configurable, naming the key and both lines.
     path = _write(tmp_path, "dup.gin", """
         ModelConfig.layers = 2
         OptimConfig.lr = 1e-3
@@ -218,7 +216,7 @@ def test_gin_key_bound_twice_is_an_error(tmp_path):
             8
         """)
     msg = _error(path=path)
-    assert msg == f"{path}: ModelConfig.layers is bound twice, on line 2 and line 4; keep one (gin would silently use the last)"
+    assert msg.startswith(f"{path}: ") and re.search(r"ModelConfig\.layers .*line 2 .*line 4", msg), msg
     assert load_config(_write(tmp_path, "ok.gin", "ModelConfig.layers = 2\nTrainConfig.steps = 2\n")).model.layers == 2
 
 
@@ -317,7 +315,7 @@ def test_round_trip(tmp_path):
     # a path the source would ignore
     (["data.path=corpus.txt"], "data.path='corpus.txt': data.source='markov' does not read a file"),
     (["nvfp4.max_skipped_in_a_row=-1"], "nvfp4.max_skipped_in_a_row=-1: must be >= 0"),
-    # settings that would be ignored (they used to be, silently) ...
+    # settings that would be ignored ...
     (["mesh.racks=4"], "mesh.racks=4: only mesh.layout=gb200 has racks"),
     (["mesh.sharding=hsdp"], "mesh.sharding='hsdp': only mesh.layout=gb200 has racks"),
     (["checkpoint.every=50"], "checkpoint.every=50: no checkpoint.dir is set"),
@@ -330,8 +328,7 @@ def test_round_trip(tmp_path):
     (["train.seed=4294967296"], "train.seed=4294967296: must be < 4294967294"),
     (["data.seed=2147483648"], "data.seed=2147483648: must be < 2147483648"),
     (["optim.schedule_steps=-1"], "optim.schedule_steps=-1: must be >= 0"),
-    # a warmup longer than the run (it was cut to the run silently), validation on the training
-    # data, more simulated devices than can run a step (an XLA abort after minutes)
+    # a warmup longer than the run, validation on the training data, more simulated devices than can run a step
     (["optim.warmup_steps=50", "train.steps=5"], "optim.warmup_steps=50: longer than the 5-step schedule"),
     (["data.source=file", "data.path=a.txt", "data.val_path=./a.txt"], "data.val_path='./a.txt': is data.path"),
     (["mesh.simulate_devices=1024"], "mesh.simulate_devices=1024: at most 256 simulated CPU devices"),
@@ -341,7 +338,7 @@ def test_errors_name_the_key(overrides, expect):
 
 
 def test_duplicate_yaml_keys_are_errors(tmp_path):
-    # Used to be accepted with the last value winning.
+    # A key given twice in one mapping is refused, naming the file and both lines.
     err = _error(path=_write(tmp_path, "dup.yaml", "model:\n  layers: 2\n  heads: 2\n  layers: 8\n"))
     assert "duplicate key 'layers' on line 4 (first on line 2)" in err and "dup.yaml" in err and "\n" not in err
     assert "duplicate key 'model'" in _error(path=_write(tmp_path, "dup2.yaml", "model: {}\nmodel: {layers: 2}\n"))
@@ -371,7 +368,7 @@ def test_file_errors(tmp_path):
     assert "expected a mapping" in _error(path=_write(tmp_path, "list.yaml", "- 1\n"))
     assert "model: expected a mapping" in _error(path=_write(tmp_path, "s.yaml", "model: 3\n"))
     msg = _error(path=_write(tmp_path, "k.yaml", "model:\n  dmodel: 64\n"))
-    assert msg == "unknown key model.dmodel (did you mean model.d_model?)"
+    assert re.match(r"unknown key model\.dmodel\b.*model\.d_model", msg), msg
 
 
 def test_sections_validate_on_construction():

@@ -1,29 +1,15 @@
-"""Experiment configuration: frozen pydantic dataclasses, the one source of every key.
+"""Experiment configuration: frozen pydantic dataclasses, the one source of every key (docs/TRAINING.md).
 
-Each key is declared once, here: its type and constraints, its default, what it means
-(``Field(description=...)``) and what a change of it affects (:func:`setting`). Everything else
-is derived from the classes: ``configs/default.yaml`` and ``configs/default.gin`` (written by
-``python -m train.config --write-defaults``; a test checks they are current), ``python -m train
---help``'s list of keys, the keys a resume compares (:func:`trajectory_keys`, read by
-``train.checkpoint.run_identity``) and those the compiled programs are cached by
-(``train.programs.program_key``). See :func:`config_keys`.
-
-pydantic checks each field (type, choice, range, unknown keys), each class's ``__post_init__``
-the rules that tie fields together, and :func:`validate_for_devices` those that need the device
-count. Every failure is a :class:`ConfigError` of ONE line naming the key, so a typo in a
-2000-GPU launch fails in the first second, in a line that fits a SLURM log.
-
-Pydantic dataclasses rather than ``BaseModel``: frozen and hashable (a config is part of the
-compiled program's cache key), and ``dataclasses.replace(cfg.optim, lr=...)``, used across the
-stack, builds a validated copy.
-
-:func:`load_config` validates defaults < a YAML or gin file < ``section.key=value`` overrides,
-merged as plain dicts first (:mod:`train.config_sources`), so an override may fix a file that is
-invalid on its own. No jax here: the CLI checks the config before JAX starts.
+Each key is declared once with :func:`setting`; ``configs/default.yaml`` and ``default.gin``, ``--help``, the keys a
+resume compares and the program key derive from :func:`config_keys`. Dataclasses rather than ``BaseModel``: frozen and
+hashable (a config is part of the programs' cache key), and ``dataclasses.replace`` validates. YAML and gin files and
+``section.key=value`` overrides merge as plain dicts before validation, so an override may fix a file invalid on its
+own. Every failure is a one-line :class:`ConfigError` naming the key. No jax here: the CLI checks a config before JAX.
 """
 
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import re
@@ -36,28 +22,20 @@ import pydantic
 import yaml
 from pydantic import Field, Strict
 
-from train import config_sources
-from train.config_errors import ConfigError, one_line, short
-from train.config_sources import override_keys
+from train.config_errors import ConfigError, one_line, short, suggest
 
 __all__ = ["AFFECTS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "Key", "MeshConfig", "ModelConfig",
            "NVFP4Config", "OptimConfig", "RopeScaling", "SECTIONS", "TrainConfig", "apply_overrides", "config_keys",
            "default_gin", "default_yaml", "from_dict", "load_config", "override_keys", "resolve_mesh_axes",
            "save_config", "setting", "to_dict", "to_yaml", "trajectory_keys", "validate_for_devices"]
 
-
-# Field types: strict (`layers: true` is not 1, `1` is not true); an int widens to a float.
-Int = Annotated[int, Strict()]
-Str = Annotated[str, Strict()]
-Bool = Annotated[bool, Strict()]
+# Strict types (`layers: true` is not 1, `1` is not true); an int widens to a float.
+Int, Str, Bool = Annotated[int, Strict()], Annotated[str, Strict()], Annotated[bool, Strict()]
 Float = Annotated[float, pydantic.BeforeValidator(lambda v: float(v) if type(v) is int else v), Strict(),
                   pydantic.AllowInfNan(False)]
 Pos, NonNeg = Annotated[Int, Field(gt=0)], Annotated[Int, Field(ge=0)]
 PosFloat, NonNegFloat = Annotated[Float, Field(gt=0)], Annotated[Float, Field(ge=0)]
 Fraction = Annotated[Float, Field(ge=0, lt=1)]
-
-
-# -- what each key is -------------------------------------------------------------------------
 
 # What a change of a key affects, on a resume and in the programs a process compiles.
 AFFECTS = {
@@ -69,42 +47,28 @@ AFFECTS = {
 
 
 def setting(affects: str, description: str, *, program_key: Optional[bool] = None) -> Any:
-    """A config key's declaration, as ``Annotated`` metadata next to its type (the default stays
-    a plain value: ``layers: Annotated[Pos, setting("trajectory", "...")] = 2``).
-
-    ``description``: what the key means (``default.yaml``'s comment and ``--help``'s line).
-    ``affects``: one of :data:`AFFECTS`. ``"trajectory"``: a fresh run with another value
-    trains differently (the data, the model, the updates), so a resume compares it with the
-    checkpoint's (``train.checkpoint.check_resume``; a checkpoint written before the key existed
-    records no value: give the value those runs had in ``train.checkpoint._BEFORE_RECORDED``,
-    or resuming one is refused). ``"program"``: only how the steps are compiled and laid out
-    (the mesh: a restore reshards bit-identically; kernels that compute the same function).
-    ``"host"``: neither.
-    ``program_key``: whether the compiled programs depend on it (``train.programs.program_key``);
-    by default every trajectory and program key, never a host key. ``False`` for a trajectory
-    key only the host reads (the data stream, the weights a run starts from) and for a program
-    key that acts on the process rather than on one program (XLA flags set before JAX starts).
-    """
+    """A key's declaration, ``Annotated`` metadata next to its type. ``affects``: one of :data:`AFFECTS` (a new
+    trajectory key needs the value older checkpoints had in ``train.checkpoint._BEFORE_RECORDED``). ``program_key``:
+    whether the compiled programs depend on it; default: every non-host key; ``False`` for a trajectory key only the
+    host reads (the data stream, the starting weights) or a program key acting on the process (XLA flags)."""
     if affects not in AFFECTS:
         raise ValueError(f"affects={affects!r}: must be one of {', '.join(AFFECTS)}")
     keyed = affects != "host" if program_key is None else bool(program_key)
     if affects == "host" and keyed:
         raise ValueError("a host key changes no program: it cannot be part of the program key")
-    return Field(description=" ".join(description.split()),
-                 json_schema_extra={"affects": affects, "program_key": keyed})
+    extra = {"affects": affects, "program_key": keyed}
+    return Field(description=" ".join(description.split()), json_schema_extra=extra)
 
 
 def _section(cls):
-    """``cls`` as a frozen pydantic dataclass refusing unknown keys, whose construction
-    (``cls(...)``, ``dataclasses.replace``) raises :class:`ConfigError` instead of pydantic's
-    multi-line report. Every key of a section must be declared with :func:`setting`."""
+    """``cls`` as a frozen pydantic dataclass refusing unknown keys, each declared with :func:`setting`, whose
+    construction (``cls(...)``, ``dataclasses.replace``) raises a one-line :class:`ConfigError`."""
     cls = pydantic.dataclasses.dataclass(frozen=True, config=pydantic.ConfigDict(extra="forbid"))(cls)
-    if cls.section:
-        for name, info in cls.__pydantic_fields__.items():
-            extra = info.json_schema_extra
-            if not info.description or not isinstance(extra, dict) or extra.get("affects") not in AFFECTS:
-                raise TypeError(f"{cls.section}.{name}: declare it with Annotated[type, setting(affects, "
-                                "description)] (train.config.setting)")
+    for name, info in cls.__pydantic_fields__.items():
+        extra = info.json_schema_extra
+        if cls.section and (not info.description or not isinstance(extra, dict) or extra.get("affects") not in AFFECTS):
+            raise TypeError(f"{cls.section}.{name}: declare it with Annotated[type, setting(affects, description)] "
+                            "(train.config.setting)")
     init = cls.__init__
 
     @functools.wraps(init)
@@ -115,33 +79,24 @@ def _section(cls):
             # A mapping inside a section (model.rope_scaling) names its keys section.key.field.
             nested = cls.section and cls.section not in SECTIONS
             raise one_line(e, {cls.section: cls} if nested else SECTIONS, cls.section) from None
-
     cls.__init__ = __init__
     return cls
 
 
 @_section
 class RopeScaling:
-    """Llama 3.x rotary scaling (transformers' ``rope_type: llama3``, ``_compute_llama3_parameters``):
-    wavelengths shorter than ``original_max_position_embeddings / high_freq_factor`` keep their
-    frequency, those longer than ``original_max_position_embeddings / low_freq_factor`` are
-    divided by ``factor``, the ones between interpolate smoothly. Llama 3.1's: factor 8, low 1,
-    high 4, original 8192."""
+    """Llama 3.x rotary scaling (transformers' ``rope_type: llama3``); Llama 3.1's: factor 8, low 1, high 4, 8192."""
 
     section: ClassVar[str] = "model.rope_scaling"
-    rope_type: Annotated[Literal["llama3"], setting(
-        "trajectory", "The scaling's kind; llama3 is the only one.")] = "llama3"
+    rope_type: Annotated[Literal["llama3"], setting("trajectory", "The scaling's kind; only llama3.")] = "llama3"
     factor: Annotated[Float, Field(ge=1), setting(
-        "trajectory", "Divides the frequency of every wavelength longer than "
-        "original_max_position_embeddings / low_freq_factor.")] = 8.0
+        "trajectory", "Divides the frequency of the long wavelengths: see low_freq_factor.")] = 8.0
     low_freq_factor: Annotated[PosFloat, setting(
-        "trajectory", "Wavelengths longer than original_max_position_embeddings / low_freq_factor are "
-        "divided by factor.")] = 1.0
+        "trajectory", "Wavelengths over original_max_position_embeddings / low_freq_factor: divided by factor.")] = 1.0
     high_freq_factor: Annotated[PosFloat, setting(
-        "trajectory", "Wavelengths shorter than original_max_position_embeddings / high_freq_factor keep "
-        "their frequency, those between interpolate smoothly; > low_freq_factor.")] = 4.0
-    original_max_position_embeddings: Annotated[Pos, setting(
-        "trajectory", "The context length the model was pretrained with.")] = 8192
+        "trajectory", "Wavelengths shorter than original_max_position_embeddings / high_freq_factor keep their "
+        "frequency, those between interpolate smoothly; > low_freq_factor.")] = 4.0
+    original_max_position_embeddings: Annotated[Pos, setting("trajectory", "The pretraining context length.")] = 8192
 
     def __post_init__(self):
         if self.high_freq_factor <= self.low_freq_factor:
@@ -150,8 +105,7 @@ class RopeScaling:
 
 
 def _rope_scaling(value):
-    """``model.rope_scaling``: null, or a mapping of :class:`RopeScaling`'s keys (its own
-    one-line errors, ``model.rope_scaling.factor: ...``)."""
+    """``model.rope_scaling``: null, or a mapping of :class:`RopeScaling`'s keys (with its own errors)."""
     if value is None or isinstance(value, RopeScaling):
         return value
     if not isinstance(value, Mapping):
@@ -162,37 +116,28 @@ def _rope_scaling(value):
 
 @_section
 class ModelConfig:
-    """A decoder-only transformer with the Llama architecture (pre-norm RMSNorm, rotary
-    positions, grouped-query attention, SwiGLU MLP)."""
+    """A decoder-only Llama transformer (pre-norm RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP)."""
 
     section: ClassVar[str] = "model"
     vocab: Annotated[Pos, setting(
-        "trajectory", "Vocabulary size: token ids 0..vocab-1 (byte tokens: 256; the Markov corpus uses "
-        "0..data.markov_states-1).")] = 256
-    d_model: Annotated[Pos, setting(
-        "trajectory", "Width of the residual stream (hidden size); divisible by model.heads.")] = 64
+        "trajectory", "Vocabulary size: token ids 0..vocab-1 (bytes: 256; Markov: 0..data.markov_states-1).")] = 256
+    d_model: Annotated[Pos, setting("trajectory", "Hidden size (residual width); divisible by model.heads.")] = 64
     layers: Annotated[Pos, setting("trajectory", "Transformer blocks.")] = 2
     heads: Annotated[Pos, setting(
-        "trajectory", "Query heads; the head size d_model / heads must be even, as rotary embeddings "
-        "rotate pairs of channels.")] = 2
+        "trajectory", "Query heads; head size d_model / heads is even (rotary embeddings rotate channel pairs).")] = 2
     kv_heads: Annotated[NonNeg, setting(
-        "trajectory", "Key/value heads (grouped-query attention), dividing model.heads; 0 = model.heads "
-        "(multi-head attention).")] = 0
+        "trajectory", "Key/value heads (grouped-query attention), dividing model.heads; 0 = model.heads (MHA).")] = 0
     mlp_hidden: Annotated[Pos, setting(
-        "trajectory", "Hidden width of the SwiGLU MLP; with a tensor axis T, divisible by 16 x T (whole "
-        "NVFP4 blocks in every tensor shard).")] = 192
+        "trajectory", "SwiGLU width; with a tensor axis T, divisible by 16 x T (whole NVFP4 blocks per shard).")] = 192
     seq_len: Annotated[Pos, setting("trajectory", "Tokens per training sequence (the context length).")] = 64
     rope_theta: Annotated[PosFloat, setting("trajectory", "Base of the rotary position frequencies.")] = 10000.0
     rope_scaling: Annotated[Optional[RopeScaling], pydantic.BeforeValidator(_rope_scaling), setting(
-        "trajectory", "null: plain rotary positions; a mapping: Llama 3.x rotary scaling (transformers' "
-        "rope_type llama3).")] = None
+        "trajectory", "null: plain rotary positions; a mapping: Llama 3.x scaling (HF rope_type llama3).")] = None
     norm_eps: Annotated[PosFloat, setting("trajectory", "Epsilon of the RMSNorms.")] = 1e-5
-    tie_embeddings: Annotated[Bool, setting(
-        "trajectory", "true: the head is the embedding matrix transposed (no head/kernel).")] = False
+    tie_embeddings: Annotated[Bool, setting("trajectory", "true: head = embedding^T (no head/kernel).")] = False
     attention: Annotated[Literal["auto", "blockwise", "xla", "cudnn"], setting(
-        "program", "The attention kernel: auto (cuDNN's fused attention on a CUDA GPU, blockwise elsewhere) | "
-        "blockwise (O(sequence) memory) | xla (XLA's attention, O(sequence^2) scores) | cudnn. Each computes "
-        "the same attention, within the rounding of its output.")] = "auto"
+        "program", "The attention kernel: auto (cuDNN's fused attention on a CUDA GPU, else blockwise) | blockwise "
+        "(O(sequence) memory) | xla (O(sequence^2) scores) | cudnn; each the same attention up to rounding.")] = "auto"
     init_std: Annotated[PosFloat, setting(
         "trajectory", "Standard deviation of the random normal init of the embedding and the kernels.")] = 0.02
 
@@ -201,7 +146,7 @@ class ModelConfig:
             raise ConfigError(f"model.d_model={self.d_model}: must be divisible by model.heads={self.heads}")
         if self.heads % self.n_kv_heads:
             raise ConfigError(f"model.kv_heads={self.kv_heads}: must divide model.heads={self.heads}")
-        if self.head_dim % 2:  # rotary embeddings rotate pairs of channels within each head
+        if self.head_dim % 2:
             raise ConfigError(f"model.heads={self.heads}: head size model.d_model/model.heads={self.head_dim} "
                               "must be even for rotary embeddings")
 
@@ -216,39 +161,34 @@ class ModelConfig:
 
 @_section
 class DataConfig:
-    """Where tokens come from. ``batch_size`` is global: sequences per optimizer step."""
+    """Where tokens come from; ``batch_size`` is global."""
 
     section: ClassVar[str] = "data"
-    # What the host feeds the programs: part of the trajectory, not of the programs (but the batch's size).
     source: Annotated[Literal["markov", "file", "tokens"], setting(
-        "trajectory", "Where tokens come from: markov (the embedded Markov corpus) | file (any file, its bytes "
-        "are the tokens) | tokens (a token file written by python -m train.prepare).",
-        program_key=False)] = "markov"
+        "trajectory", "Where tokens come from: markov (the embedded Markov corpus) | file (any file, its bytes are the "
+        "tokens) | tokens (a token file written by python -m train.prepare).", program_key=False)] = "markov"
     path: Annotated[Optional[Str], setting(
-        "trajectory", "The file to train on: with data.source file any file, its bytes are the tokens; with "
-        "tokens python -m train.prepare's output. Its content is recorded in checkpoints too.",
-        program_key=False)] = None
+        "trajectory", "The file to train on: with data.source file any file, its bytes are the tokens; with tokens "
+        "python -m train.prepare's output. Its content is recorded in checkpoints too.", program_key=False)] = None
     val_path: Annotated[Optional[Str], setting(
-        "trajectory", "A held-out file of the same kind (tokens: the same tokenizer), for the validation loss.",
-        program_key=False)] = None
+        "trajectory", "A held-out file of the same kind (tokens: the same tokenizer), for the validation "
+        "loss.", program_key=False)] = None
     val_fraction: Annotated[Fraction, setting(
-        "trajectory", "Or hold out the last fraction of data.path (not trained on). data.source markov takes "
-        "neither: it draws validation rows from its own stream.", program_key=False)] = 0.0
+        "trajectory", "Or hold out the last fraction of data.path (not trained on). data.source markov takes neither: "
+        "it draws validation rows from its own stream.", program_key=False)] = 0.0
     batch_size: Annotated[Pos, setting(
-        "trajectory", "Global sequences per optimizer step, across all processes; divisible by the mesh data "
-        "axis x optim.grad_accum.")] = 16
+        "trajectory", "Global sequences per step (all processes); divisible by the data axis x optim.grad_accum.")] = 16
     markov_states: Annotated[Int, Field(ge=2), setting(
-        "trajectory", "The Markov chain's alphabet: tokens 0..states-1 (train.data.MarkovSource); at most "
-        "model.vocab.", program_key=False)] = 32
+        "trajectory", "Markov chain alphabet size: tokens 0..states-1; at most model.vocab.", program_key=False)] = 32
     seed: Annotated[Int, Field(ge=0, lt=2**31), setting(
-        "trajectory", "Seed of the data stream (the Markov chain, the token files' shuffle); < 2^31, as the "
-        "shuffle takes a 31-bit seed.", program_key=False)] = 0
+        "trajectory", "Seed of the data stream (the Markov chain, the token files' shuffle); < 2^31, as the shuffle "
+        "takes a 31-bit seed.", program_key=False)] = 0
 
     def __post_init__(self):
         reads_file = self.source in ("file", "tokens")
         if reads_file and not self.path:
             raise ConfigError(f"data.path: required when data.source={self.source!r}")
-        if not reads_file and self.path:  # ignored, the run would train on something else than asked
+        if not reads_file and self.path:
             raise ConfigError(f"data.path={self.path!r}: data.source={self.source!r} does not read a file; "
                               "set data.source=file or tokens to train on it (or data.path=null)")
         if self.val_path and self.val_fraction:
@@ -262,8 +202,8 @@ class DataConfig:
                               "rows from its own stream and would ignore it; set data.source=file or tokens")
 
 
-# Simulated CPU devices that still run a training step here (256 run a tiny step in ~50 s on 2
-# cores; 1024 abort in XLA:CPU's collective rendezvous).
+# Simulated CPU devices that still run a step (256 run a tiny one in ~50 s on 2 cores; 1024 abort in XLA:CPU's
+# collective rendezvous).
 MAX_SIMULATED_DEVICES = 256
 
 
@@ -272,26 +212,20 @@ class MeshConfig:
     """Device mesh ``(data, tensor)``; -1 on one axis means "all remaining devices"."""
 
     section: ClassVar[str] = "mesh"
-    data: Annotated[Int, Field(ge=-1), setting(
-        "program", "Devices on the data (FSDP) axis; -1: every device not used by the tensor axis.")] = -1
+    data: Annotated[Int, Field(ge=-1), setting("program", "Devices on the data (FSDP) axis; -1: the rest.")] = -1
     tensor: Annotated[Int, Field(ge=-1), setting(
-        "program", "Devices on the tensor-parallel axis (tensor and sequence parallelism inside each layer); "
-        "-1: every device not used by the data axis.")] = 1
+        "program", "Devices on the tensor axis (tensor and sequence parallelism in each layer); -1: the rest.")] = 1
     layout: Annotated[Literal["auto", "gb200"], setting(
-        "program", "auto (one flat data axis) | gb200 (axes rack x data x tensor: tensor groups inside one "
-        "NVLink domain).")] = "auto"
-    nvl_domain: Annotated[Pos, setting(
-        "program", "GPUs per NVLink domain (mesh.layout gb200): one GB200 NVL72 rack.")] = 72
+        "program", "auto (one data axis) | gb200 (rack x data x tensor; tensor groups in one NVLink domain).")] = "auto"
+    nvl_domain: Annotated[Pos, setting("program", "GPUs per NVLink domain (mesh.layout gb200): one GB200 NVL72.")] = 72
     racks: Annotated[NonNeg, setting(
-        "program", "mesh.layout gb200: the expected number of racks (NVLink domains); 0 = whatever the "
-        "devices span.")] = 0
+        "program", "mesh.layout gb200: the expected number of racks (NVLink domains); 0 = what the devices span.")] = 0
     sharding: Annotated[Literal["fsdp", "hsdp"], setting(
-        "program", "mesh.layout gb200: fsdp shards the state over racks and the data axis; hsdp shards it "
-        "inside a rack and replicates it across racks (weight gathers never leave a rack; R x the "
-        "state).")] = "fsdp"
+        "program", "mesh.layout gb200: fsdp shards the state over racks and the data axis; hsdp shards it inside a "
+        "rack and replicates it across racks (weight gathers never leave a rack; R x the state).")] = "fsdp"
     simulate_devices: Annotated[NonNeg, setting(
-        "program", f"Simulated CPU devices, on CPU only and when XLA_FLAGS does not set a host device count; "
-        f"0 = none; at most {MAX_SIMULATED_DEVICES}.")] = 8
+        "program", f"Simulated CPU devices, on CPU only and when XLA_FLAGS does not set a host device count; 0 = none; "
+        f"at most {MAX_SIMULATED_DEVICES}.")] = 8
 
     def __post_init__(self):
         if self.simulate_devices > MAX_SIMULATED_DEVICES:
@@ -301,7 +235,7 @@ class MeshConfig:
         for name in ("data", "tensor"):
             if getattr(self, name) == 0:
                 raise ConfigError(f"mesh.{name}=0: must be a positive size or -1 (the rest)")
-        for name, default in (("racks", 0), ("sharding", "fsdp")):  # only the gb200 layout has racks
+        for name, default in (("racks", 0), ("sharding", "fsdp")):
             if self.layout != "gb200" and getattr(self, name) != default:
                 raise ConfigError(f"mesh.{name}={getattr(self, name)!r}: only mesh.layout=gb200 has racks; "
                                   f"set mesh.layout=gb200 (or leave mesh.{name} at {default!r})")
@@ -318,24 +252,20 @@ class OptimConfig:
         "trajectory", "The optax optimizer: adamw | adam | sgd (momentum optim.b1) | lion.")] = "adamw"
     lr: Annotated[PosFloat, setting("trajectory", "Peak learning rate.")] = 3e-3
     schedule: Annotated[Literal["cosine", "constant", "linear"], setting(
-        "trajectory", "The learning rate after the warmup: cosine (decays to 0.1 x optim.lr) | constant | "
-        "linear (decays to 0).")] = "cosine"
+        "trajectory", "LR after warmup: cosine (to 0.1 x optim.lr) | constant | linear (to 0).")] = "cosine"
     warmup_steps: Annotated[NonNeg, setting(
-        "trajectory", "Steps of linear warmup from 0 to optim.lr. One longer than the schedule is an error; "
-        "the default is cut to a shorter schedule.")] = 20
-    weight_decay: Annotated[NonNegFloat, setting(
-        "trajectory", "Decoupled weight decay (adamw, lion).")] = 0.01
-    b1: Annotated[Fraction, setting(
-        "trajectory", "First-moment decay (adam, adamw, lion); sgd's momentum.")] = 0.9
+        "trajectory", "Steps of linear warmup from 0 to optim.lr. One longer than the schedule is an error; the "
+        "default is cut to a shorter schedule.")] = 20
+    weight_decay: Annotated[NonNegFloat, setting("trajectory", "Decoupled weight decay (adamw, lion).")] = 0.01
+    b1: Annotated[Fraction, setting("trajectory", "First-moment decay (adam, adamw, lion); sgd's momentum.")] = 0.9
     b2: Annotated[Fraction, setting("trajectory", "Second-moment decay (adam, adamw, lion).")] = 0.95
     clip_norm: Annotated[NonNegFloat, setting(
         "trajectory", "Global-norm gradient clipping (the norm summed in a fixed order); 0 = off.")] = 1.0
     grad_accum: Annotated[Int, Field(ge=1), setting(
-        "trajectory", "Micro-batches per optimizer step: data.batch_size is split into this many, their "
-        "gradients summed.")] = 1
+        "trajectory", "Micro-batches per optimizer step: data.batch_size is split in N, their gradients summed.")] = 1
     schedule_steps: Annotated[NonNeg, setting(
-        "trajectory", "Learning-rate schedule length; 0 = train.steps. Stored in checkpoints: to extend a "
-        "finished run, raise train.steps and set this to the checkpoint's length.")] = 0
+        "trajectory", "Learning-rate schedule length; 0 = train.steps. Stored in checkpoints: to extend a finished "
+        "run, raise train.steps and set this to the checkpoint's length.")] = 0
 
 
 @_section
@@ -346,48 +276,38 @@ class NVFP4Config:
     weights: Annotated[Literal["nvfp4", "bf16"], setting(
         "trajectory", "nvfp4 (the stored weights are NVFP4) | bf16 (the baseline).")] = "nvfp4"
     param_gather: Annotated[Literal["packed", "dequantized"], setting(
-        "program", "What crosses the data axis each forward: packed (the NVFP4 bytes, dequantized after the "
-        "gather) | dequantized (bf16, the reference: the same bits).")] = "packed"
+        "program", "What crosses the data axis each forward: packed (the NVFP4 bytes, dequantized after the gather) | "
+        "dequantized (bf16, the reference: the same bits).")] = "packed"
     compute: Annotated[Literal["dequant", "nvfp4"], setting(
-        "trajectory", "dequant (dequantized bf16 GEMMs) | nvfp4 (the NVFP4 recipe's block-scaled GEMMs, on "
-        "the hardware's where it has them).")] = "dequant"
+        "trajectory", "dequant (bf16 GEMMs) | nvfp4 (the recipe: block-scaled GEMMs, native where "
+        "supported).")] = "dequant"
     keep_bf16: Annotated[Tuple[Str, ...], setting(
-        "trajectory", "Regexes searched in parameter paths; matching leaves stay bf16. Kept layers (these and "
-        "the first/last blocks) also run their GEMMs in bf16 under nvfp4.compute nvfp4, as the published "
-        "recipe keeps its last layers and output projection.")] = ("embed", "head", "norm")
+        "trajectory", "Regexes searched in parameter paths; matches stay bf16. Kept layers (these, the first/last "
+        "blocks) run bf16 GEMMs under compute nvfp4, like the recipe's last layers.")] = ("embed", "head", "norm")
     keep_first_blocks: Annotated[NonNeg, setting(
         "trajectory", "The first N transformer blocks stay bf16 (kept layers, as nvfp4.keep_bf16's).")] = 0
     keep_last_blocks: Annotated[NonNeg, setting(
         "trajectory", "The last N transformer blocks stay bf16 (kept layers, as nvfp4.keep_bf16's).")] = 0
     stochastic_rounding: Annotated[Bool, setting(
-        "trajectory", "Re-quantize the stored weights from the float32 masters with stochastic rounding after "
-        "each update (its key carried in the optimizer state).")] = False
-    cast_master_bf16: Annotated[Bool, setting(
-        "trajectory", "Cast the float32 master to bf16 before quantizing it.")] = False
+        "trajectory", "Re-quantize the stored weights from the float32 masters with stochastic rounding after each "
+        "update (its key carried in the optimizer state).")] = False
+    cast_master_bf16: Annotated[Bool, setting("trajectory", "Cast the fp32 master to bf16 before quantizing.")] = False
     nonfinite: Annotated[Literal["skip", "error"], setting(
-        "host", "What the host does after a step with non-finite gradients (the device skips its update "
-        "either way): skip (go on) | error (stop, exit 3).")] = "skip"
+        "host", "What the host does after a step with non-finite gradients (the device skips its update either way): "
+        "skip (go on) | error (stop, exit 3).")] = "skip"
     max_skipped_in_a_row: Annotated[NonNeg, setting(
-        "host", "With nvfp4.nonfinite skip: stop (exit 3) after this many skipped steps in a row (diverged); "
-        "0 = never.")] = 10
+        "host", "With nvfp4.nonfinite skip: stop (exit 3) after N skipped steps in a row (diverged); 0 = never.")] = 10
     grad_reduce_dtype: Annotated[Literal["grad", "float32"], setting(
-        "trajectory", "The dtype the weight gradients are summed in across the data axis: grad (theirs, "
-        "bf16) | float32.")] = "grad"
+        "trajectory", "Dtype of the weight-gradient sum over the data axis: grad (theirs, bf16) | float32.")] = "grad"
     block: Annotated[Literal["auto", "1d", "2d"], setting(
-        "trajectory", "The stored weights' scales: auto (2d with nvfp4.compute nvfp4, else 1d) | 1d (one E4M3 "
-        "scale per 16 consecutive inputs of each output: the lower error) | 2d (one per 16x16 tile: compute "
-        "nvfp4's backward GEMM reads the stored weight transposed; with 1d it re-quantizes it along the "
-        "outputs).")] = "auto"
-    # compute=nvfp4: the recipe's elements (jax_nvfp4.nn.Recipe), each on by default.
+        "trajectory", "Stored weights' scales: auto (2d under compute nvfp4, else 1d) | 1d (an E4M3 scale per 16 "
+        "inputs: the lower error) | 2d (per 16x16 tile: compute nvfp4's backward GEMM reads it transposed).")] = "auto"
     grad_rounding: Annotated[Literal["stochastic", "nearest"], setting(
-        "trajectory", "nvfp4.compute nvfp4, an element of the recipe: stochastic | nearest rounding of the "
-        "gradients.")] = "stochastic"
+        "trajectory", "Recipe (nvfp4.compute nvfp4): stochastic | nearest rounding of the gradients.")] = "stochastic"
     wgrad_hadamard: Annotated[Bool, setting(
-        "trajectory", "nvfp4.compute nvfp4, an element of the recipe: the random Hadamard transform on the "
-        "weight-gradient GEMM's operands.")] = True
+        "trajectory", "Recipe (nvfp4.compute nvfp4): a random Hadamard transform on the wgrad GEMM's operands.")] = True
     activations: Annotated[Literal["nvfp4", "bf16"], setting(
-        "trajectory", "nvfp4.compute nvfp4, an element of the recipe: nvfp4 | bf16 activation operands of the "
-        "forward and weight-gradient GEMMs.")] = "nvfp4"
+        "trajectory", "Recipe (nvfp4.compute nvfp4): nvfp4 | bf16 activations in forward and wgrad GEMMs.")] = "nvfp4"
     fused_amax: Annotated[Bool, setting(
         "trajectory", "q/k/v of a layer share one global amax, and gate/up one: as the fused qkv and gate_up "
         "projections of serving engines read one global scale per module.")] = True
@@ -401,43 +321,33 @@ class NVFP4Config:
 
     def resolved_block(self) -> str:
         """``"1d"`` or ``"2d"``: the block the stored weights use (``auto`` resolved)."""
-        if self.block != "auto":
-            return self.block
-        return "2d" if self.compute == "nvfp4" else "1d"
+        return self.block if self.block != "auto" else ("2d" if self.compute == "nvfp4" else "1d")
 
 
 @_section
 class TrainConfig:
     section: ClassVar[str] = "train"
-    # A host key: the trajectory sees the steps only through the schedule's length
-    # (optim.schedule_steps, resolved), which the resume check and the program key compare.
     steps: Annotated[Pos, setting(
-        "host", "Optimizer steps to train to (a resume continues to it). The trajectory depends on it only "
-        "through the learning-rate schedule's length (optim.schedule_steps 0 = this), which a resume "
-        "compares.")] = 300
-    log_every: Annotated[Pos, setting(
-        "host", "The host reads the step metrics every N steps (metrics.jsonl, progress bar).")] = 10
-    eval_every: Annotated[NonNeg, setting(
-        "host", "Validation loss every N steps and at the end; 0 = none.")] = 0
-    eval_batches: Annotated[Pos, setting(
-        "host", "Validation batches of data.batch_size sequences per evaluation, the same each time.")] = 4
+        "host", "Optimizer steps to train to (a resume continues to it). The trajectory depends on it only through the "
+        "learning-rate schedule's length (optim.schedule_steps 0 = this), which a resume compares.")] = 300
+    log_every: Annotated[Pos, setting("host", "Log the step metrics every N steps (metrics.jsonl, progress bar).")] = 10
+    eval_every: Annotated[NonNeg, setting("host", "Validation loss every N steps and at the end; 0 = none.")] = 0
+    eval_batches: Annotated[Pos, setting("host", "Batches of data.batch_size per evaluation, the same each time.")] = 4
     out_dir: Annotated[Str, setting(
-        "host", "The run's output folder (metrics, plots, the resolved config); --out overrides it.")] = \
-        "runs/default"
+        "host", "The run's output folder (metrics, plots, the resolved config); --out overrides it.")] = "runs/default"
     seed: Annotated[Int, Field(ge=0, lt=2**32 - 2), setting(
-        "trajectory", "Seed of the run's 32-bit JAX keys: seed for the init, seed + 1 for the weights' "
-        "stochastic rounding, seed + 2 for the steps'; < 2^32 - 2.")] = 0
+        "trajectory", "Seed of the run's 32-bit JAX keys: seed for the init, seed + 1 for the weights' stochastic "
+        "rounding, seed + 2 for the steps'; < 2^32 - 2.")] = 0
     init_from: Annotated[Optional[Str], setting(
-        "trajectory", "A Hugging Face Llama checkpoint folder to start from (its config.json sets the model's "
-        "shape); null: train.seed's random init.", program_key=False)] = None
+        "trajectory", "A Hugging Face Llama checkpoint folder to start from (its config.json sets the model's shape); "
+        "null: train.seed's random init.", program_key=False)] = None
     remat: Annotated[Literal["nothing", "dots"], setting(
-        "program", "What a scanned layer keeps for its backward pass besides its input: nothing (recompute the "
-        "layer; memory flat in depth) | dots (its matmul outputs: less recompute, activation memory grows "
-        "with depth); never its gathered weights.")] = "nothing"
-    # Set in XLA_FLAGS once, before JAX starts: every program of the process compiles with them.
+        "program", "What a scanned layer keeps for its backward besides its input (never its gathered weights): "
+        "nothing (recompute it; memory flat in depth) | dots (matmul outputs: less recompute, more "
+        "memory).")] = "nothing"
     gpu_xla_flags: Annotated[Bool, setting(
-        "program", "On a GPU: XLA flags that overlap weight gathers with compute (train/xla_flags.py); a flag "
-        "already in XLA_FLAGS keeps its value.", program_key=False)] = True
+        "program", "On a GPU: XLA flags that overlap weight gathers with compute (train/xla_flags.py); a flag already "
+        "in XLA_FLAGS keeps its value.", program_key=False)] = True
 
 
 @_section
@@ -446,17 +356,15 @@ class CheckpointConfig:
     dir: Annotated[Optional[Str], setting(
         "host", "Checkpoint folder; rerunning the same command resumes from its newest checkpoint. null = no "
         "checkpoints (then the other checkpoint keys must keep their defaults).")] = None
-    every: Annotated[NonNeg, setting(
-        "host", "Save every N steps, and at the end; 0 = no periodic checkpoints.")] = 0
+    every: Annotated[NonNeg, setting("host", "Save every N steps, and at the end; 0 = no periodic checkpoints.")] = 0
     keep: Annotated[Pos, setting("host", "How many of the newest checkpoints are kept.")] = 3
-    async_save: Annotated[Bool, setting(
-        "host", "Write checkpoints in the background while training goes on.")] = False
+    async_save: Annotated[Bool, setting("host", "Write checkpoints in the background while training goes on.")] = False
     fallback: Annotated[Bool, setting(
-        "host", "A corrupt newest checkpoint (content hash mismatch) is refused; true restores the newest "
-        "intact one instead (the corrupt ones are moved aside, not deleted).")] = False
+        "host", "A corrupt newest checkpoint (content hash mismatch) is refused; true restores the newest intact one "
+        "instead (the corrupt ones are moved aside, not deleted).")] = False
     allow_change: Annotated[Tuple[Str, ...], setting(
-        "host", "Config keys (section.key) allowed to differ from a checkpoint's when resuming it; the run "
-        "continues with the new values (train.checkpoint.check_resume).")] = ()
+        "host", "Config keys (section.key) allowed to differ from a checkpoint's when resuming it; the run continues "
+        "with the new values (train.checkpoint.check_resume).")] = ()
 
     def __post_init__(self):
         for key in self.allow_change:
@@ -507,25 +415,22 @@ class Config:
                               "needs model.vocab >= 256")
 
 
-# Section name -> class, in the order configs are printed.
-SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
+SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}  # in the order configs are printed
 _GIN_SECTIONS = {cls.__name__: name for name, cls in SECTIONS.items()}  # gin: ModelConfig.layers = 2
-
-
-# -- the keys as declared, and what is derived from them ----------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Key:
-    """One config key as its class declares it (:func:`setting`)."""
+    """One config key as its class declares it (:func:`setting`); ``default`` as a config holds it (a tuple for a
+    list), ``mapping`` the class of a mapping-valued key's value (model.rope_scaling)."""
 
     section: str
     name: str
-    default: Any  # the class's default, as a config holds it (a tuple for a list)
+    default: Any
     description: str
-    affects: str  # one of AFFECTS
-    program_key: bool  # the compiled programs depend on it (train.programs.program_key)
-    mapping: Optional[type] = None  # the class of a key whose value is a mapping (model.rope_scaling)
+    affects: str
+    program_key: bool
+    mapping: Optional[type] = None
 
     @property
     def key(self) -> str:
@@ -544,11 +449,10 @@ def _keys_of(cls: type, section: str) -> list[Key]:
     out = []
     for f in dataclasses.fields(cls):
         info = cls.__pydantic_fields__[f.name]
-        extra = info.json_schema_extra
         mapping = next((a for a in (info.annotation, *typing.get_args(info.annotation))
                         if isinstance(a, type) and dataclasses.is_dataclass(a)), None)
         out.append(Key(section, f.name, info.get_default(call_default_factory=True), info.description,
-                       extra["affects"], extra["program_key"], mapping))
+                       info.json_schema_extra["affects"], info.json_schema_extra["program_key"], mapping))
     return out
 
 
@@ -558,16 +462,14 @@ def _config_keys(config_cls: type) -> tuple[Key, ...]:
 
 
 def config_keys(config_cls: Optional[type] = None) -> tuple[Key, ...]:
-    """Every key of every section of ``config_cls`` (default :class:`Config`; a run's
-    ``type(cfg)``), in the order configs are printed: the one list ``default.yaml``,
-    ``default.gin``, ``--help``, the resume check and the program key are derived from."""
+    """Every key of ``config_cls`` (default :class:`Config`), in the order configs are printed: the one list the
+    default files, ``--help``, the resume check and the program key derive from."""
     return _config_keys(Config if config_cls is None else config_cls)
 
 
 def trajectory_keys(config_cls: Optional[type] = None) -> tuple[str, ...]:
-    """``section.key`` of every key whose change changes the training trajectory (the data, the
-    model, the updates): what a resume compares with its checkpoint's. Not the mesh (a restore
-    reshards, bit-identically) nor ``train.steps`` (the schedule's length stands for it)."""
+    """``section.key`` of every key a resume compares with its checkpoint's (not the mesh: a restore reshards
+    bit-identically; not ``train.steps``: the schedule's length stands for it)."""
     return tuple(k.key for k in config_keys(config_cls) if k.affects == "trajectory")
 
 
@@ -584,8 +486,8 @@ _GENERATED = "python -m train.config --write-defaults"
 
 
 def default_yaml(config_cls: Optional[type] = None, width: int = 100) -> str:
-    """``configs/default.yaml``: every key of ``config_cls`` (default :class:`Config`) with its
-    default, each after its description and what a change of it affects, as comments."""
+    """``configs/default.yaml``: every key of ``config_cls`` (default :class:`Config`) with its default, after its
+    description and what a change of it affects, as comments."""
     config_cls = Config if config_cls is None else config_cls
     cfg = config_cls()
     wrap = functools.partial(textwrap.wrap, break_long_words=False, break_on_hyphens=False)
@@ -600,13 +502,11 @@ def default_yaml(config_cls: Optional[type] = None, width: int = 100) -> str:
     lines = []
     for para in (intro, legend, source):
         lines += ["#"] * bool(lines) + [f"# {line}" for line in wrap(para, width - 2)]
-    section = None
-    for k in config_keys(config_cls):
-        if k.section != section:
-            section = k.section
-            lines += ["", f"{section}:"]
-        lines += [f"  # {line}" for line in wrap(f"{k.explained()} [{k.affects}]", width - 4)]
-        lines.append(f"  {k.name}: {_flow(k.default)}")
+    for section, keys in itertools.groupby(config_keys(config_cls), key=lambda k: k.section):
+        lines += ["", f"{section}:"]
+        for k in keys:
+            lines += [f"  # {line}" for line in wrap(f"{k.explained()} [{k.affects}]", width - 4)]
+            lines.append(f"  {k.name}: {_flow(k.default)}")
     return "\n".join(lines) + "\n"
 
 
@@ -622,34 +522,22 @@ def _gin_value(value: Any) -> str:
 
 
 def default_gin(config_cls: Optional[type] = None) -> str:
-    """``configs/default.gin``: every key of ``config_cls`` (default :class:`Config`) bound to its
-    default, each section a configurable named like its class."""
+    """``configs/default.gin``: every key of ``config_cls`` (default :class:`Config`) bound to its default."""
     config_cls = Config if config_cls is None else config_cls
     values, classes = to_dict(config_cls()), {f.name: f.type.__name__ for f in dataclasses.fields(config_cls)}
     lines = ["# The default experiment as gin bindings: every key, bound to its default. Each section is a",
              "# configurable named like its class in train/config.py; unbound keys keep their defaults.",
              "# Load with: python -m train --config train/configs/default.gin. What each key means:",
              f"# default.yaml, or python -m train --help. Written by {_GENERATED}."]
-    section = None
-    for k in config_keys(config_cls):
-        if k.section != section:
-            section = k.section
-            lines.append("")
-        lines.append(f"{classes[k.section]}.{k.name} = {_gin_value(values[k.section][k.name])}")
+    for section, keys in itertools.groupby(config_keys(config_cls), key=lambda k: k.section):
+        lines += [""] + [f"{classes[section]}.{k.name} = {_gin_value(values[section][k.name])}" for k in keys]
     return "\n".join(lines) + "\n"
 
 
-def _defaults_files() -> dict[str, str]:
-    return {os.path.join(CONFIGS_DIR, "default.yaml"): default_yaml(),
-            os.path.join(CONFIGS_DIR, "default.gin"): default_gin()}
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m train.config``: print the default config; ``--write-defaults`` writes
-    ``configs/default.yaml`` and ``configs/default.gin`` from the classes, ``--check`` says
-    whether they are current (exit 1 when not)."""
+    """``python -m train.config``: print the default config; ``--write-defaults`` writes ``configs/default.yaml`` and
+    ``configs/default.gin`` from the classes, ``--check`` says whether they are current (exit 1 when not)."""
     import argparse
-
     p = argparse.ArgumentParser(prog="python -m train.config", description=main.__doc__.split(";")[0] + ".")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--write-defaults", action="store_true",
@@ -659,22 +547,176 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not (args.write_defaults or args.check):
         sys.stdout.write(default_yaml())
         return 0
-    stale = []
-    for path, text in _defaults_files().items():
+    stale = False
+    for name, text in (("default.yaml", default_yaml()), ("default.gin", default_gin())):
+        path = os.path.join(CONFIGS_DIR, name)
         with open(path) as f:
-            current = f.read() == text
-        if args.write_defaults and not current:
+            if f.read() == text:
+                continue
+        if args.write_defaults:
             with open(path, "w") as f:
                 f.write(text)
             print(f"wrote {path}")
-        elif not current:
-            stale.append(path)
-    for path in stale:
-        print(f"{path} is not current: run {_GENERATED}", file=sys.stderr)
-    return 1 if stale else 0
+        else:
+            stale = True
+            print(f"{path} is not current: run {_GENERATED}", file=sys.stderr)
+    return int(stale)
 
 
-# -- dicts, files and overrides <-> configs -----------------------------------------------------
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads ``1e-3`` as a float (YAML 1.2's resolver: PyYAML's YAML 1.1 needs a dot, so ``lr: 1e-3``
+    would be a string) and refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            try:
+                dup = key in seen
+            except TypeError:
+                continue  # an unhashable key: construct_mapping reports it
+            if dup:
+                raise ConfigError(f"{self.name}: duplicate key {key!r} on line {line} (first on line {seen[key]})")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                   |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                   |\.[0-9_]+(?:[eE][-+][0-9]+)?
+                   |[-+]?\.(?:inf|Inf|INF)
+                   |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def _yaml_load(text: str, where: str) -> Any:
+    loader = _Loader(text)
+    loader.name = where
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: invalid YAML: {e}") from None
+    finally:
+        loader.dispose()
+
+
+def _merge(base: Mapping[str, Any], top: Mapping[str, Any], depth: int = 3) -> dict[str, Any]:
+    """Sections and mapping-valued keys (``model.rope_scaling``) merge key by key; other values are replaced."""
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in base.items()}
+    for k, v in top.items():
+        if depth > 1 and isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _merge(out[k], v, depth - 1)
+        else:
+            out[k] = dict(v) if isinstance(v, Mapping) else v
+    return out
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+
+
+def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
+    if (real := os.path.realpath(path)) in chain:
+        raise ConfigError(f"{path}: 'base' chain loops back to itself")
+    raw = _yaml_load(_read_text(path), path)
+    if not isinstance(raw := {} if raw is None else raw, Mapping):
+        raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
+    raw = dict(raw)
+    if (base := raw.pop("base", None)) is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base: expected a file name, got {short(base)}")
+    return _merge(_read_yaml(os.path.join(os.path.dirname(path), base), chain + (real,)), raw)
+
+
+_GIN_COLLECTORS: dict[str, Any] = {}  # registered once per process: gin's registry is global and refuses duplicates
+
+
+def _read_gin(path: str) -> dict[str, Any]:
+    """``{section: bindings}`` from the gin file ``path``: one configurable per section, named like its class
+    (``ModelConfig``, module ``train.config``), returning its ``**kwargs``, so unknown keys get the checks of YAML's."""
+    import gin
+    from gin import config_parser
+    for name in _GIN_SECTIONS:
+        if name not in _GIN_COLLECTORS:
+            def collect(**kwargs):
+                return kwargs
+            collect.__name__ = name
+            _GIN_COLLECTORS[name] = gin.external_configurable(collect, name=name, module="train.config")
+    text = _read_text(path)
+    # A key bound twice is an error (gin keeps the last binding silently).
+    try:
+        statements = list(config_parser.ConfigParser(text, gin.config.ParserDelegate(skip_unknown=True)))
+    except Exception:  # noqa: BLE001 - a syntax error: gin.parse_config reports it with its line
+        statements = []
+    seen: dict[tuple, int] = {}
+    for st in statements:
+        if isinstance(st, config_parser.BindingStatement):
+            # "train.config.ModelConfig" and "ModelConfig" name the same configurable.
+            key, line = (st.scope, st.selector.rsplit(".", 1)[-1], st.arg_name), st.location.line_num
+            if key in seen:
+                raise ConfigError(f"{path}: {'.'.join(k for k in key if k)} is bound twice, on line {seen[key]} and "
+                                  f"line {line}; keep one (gin would silently use the last)")
+            seen[key] = line
+    gin.clear_config()  # bindings are global gin state: start clean and leave clean so loads do not leak
+    try:
+        gin.parse_config(text)
+        return {section: dict(_GIN_COLLECTORS[name]()) for name, section in _GIN_SECTIONS.items()}
+    except ConfigError:
+        raise
+    except Exception as e:  # gin raises ValueError / SyntaxError with multi-line messages
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if match := re.search(r"No configurable matching '([^']+)'", first):
+            first = (f"unknown gin configurable {match.group(1)!r}{suggest(match.group(1), list(_GIN_SECTIONS))}; "
+                     f"use one of {', '.join(_GIN_SECTIONS)}")
+        raise ConfigError(f"{path}: {first}") from None
+    finally:
+        gin.clear_config()
+
+
+def _overrides_to_dict(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
+    if isinstance(overrides, str):
+        overrides = [overrides]  # a lone string would otherwise be split into characters
+    out: dict[str, dict[str, Any]] = {}
+    for text in overrides:
+        key, sep, value = str(text).partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) not in (2, 3) or not all(parts):
+            raise ConfigError(f"override {text!r}: expected section.key=value (or section.key.field=value for a "
+                              "mapping such as model.rope_scaling), e.g. model.layers=4")
+        value, section = _yaml_load(value, f"override {key.strip()}"), out.setdefault(parts[0], {})
+        if len(parts) == 2:
+            section[parts[1]] = value
+        else:  # one field of a mapping-valued key; the others keep what the config had
+            mapping = section.get(parts[1])
+            section[parts[1]] = {**(mapping if isinstance(mapping, Mapping) else {}), parts[2]: value}
+    return out
+
+
+def override_keys(overrides: Sequence[str]) -> set[str]:
+    """The ``section.key`` names ``overrides`` set (on the command line: what a checkpoint's own config must agree
+    with, ``train.init_from``)."""
+    return {f"{section}.{key}" for section, values in _overrides_to_dict(overrides).items() for key in values}
+
+
+def _read(path: str | os.PathLike | None, overrides: Sequence[str], base: Mapping[str, Any] | None = None) -> dict:
+    """``base`` (default: nothing), then the YAML or gin file ``path``, then ``overrides``, merged section-wise."""
+    raw: dict[str, Any] = dict(base or {})
+    if path is not None:
+        path = os.fspath(path)
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in (".yaml", ".yml", ".gin"):
+            raise ConfigError(f"config file {path}: unknown extension {ext!r}; use .yaml, .yml or .gin")
+        raw = _merge(raw, _read_gin(path) if ext == ".gin" else _read_yaml(path))
+    return _merge(raw, _overrides_to_dict(overrides))
 
 
 def from_dict(raw: Mapping[str, Any] | None) -> Config:
@@ -704,17 +746,13 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
-    """The validated config from defaults, then ``path`` (YAML or gin), then ``overrides``; a
-    :class:`ConfigError` names the offending key, file or override."""
-    return from_dict(config_sources.read(path, overrides, _GIN_SECTIONS))
+    """The validated config from defaults, then ``path`` (YAML or gin), then ``overrides``."""
+    return from_dict(_read(path, overrides))
 
 
 def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
     """``cfg`` with ``section.key=value`` overrides applied, validated as a whole."""
-    return from_dict(config_sources.read(None, overrides, _GIN_SECTIONS, base=to_dict(cfg)))
-
-
-# -- device-dependent checks --------------------------------------------------------------------
+    return from_dict(_read(None, overrides, base=to_dict(cfg)))
 
 
 def resolve_mesh_axes(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
@@ -728,8 +766,8 @@ def resolve_mesh_axes(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
             raise ConfigError(f"{known_name}={known}: does not divide the {n_devices} devices")
         data, tensor = (n_devices // known, tensor) if data == -1 else (data, n_devices // known)
     if data * tensor != n_devices:
-        raise ConfigError(f"mesh.data={data} x mesh.tensor={tensor} = {data * tensor}: "
-                          f"must equal the {n_devices} devices")
+        raise ConfigError(f"mesh.data={data} x mesh.tensor={tensor} = {data * tensor}: must equal the {n_devices} "
+                          "devices")
     dom = mesh.nvl_domain
     if mesh.layout == "gb200" and (tensor > dom or dom % tensor):
         raise ConfigError(f"mesh.tensor={tensor}: must divide mesh.nvl_domain={dom} so each tensor group stays "
@@ -744,31 +782,25 @@ def validate_for_devices(cfg: Config, n_devices: int) -> dict[str, int]:
     """Checks the rules that need the device count; returns the resolved mesh axes."""
     axes = resolve_mesh_axes(cfg.mesh, n_devices)
     data, tensor, m = axes["data"], axes["tensor"], cfg.model
-    per = data * cfg.optim.grad_accum
-    if cfg.data.batch_size % per:
+    if cfg.data.batch_size % (per := data * cfg.optim.grad_accum):
         raise ConfigError(f"data.batch_size={cfg.data.batch_size}: must be divisible by mesh data axis "
                           f"({data}) x optim.grad_accum ({cfg.optim.grad_accum}) = {per}")
     if tensor == 1:
         return axes
-    # 16 = the NVFP4 block: each tensor shard must hold whole blocks.
-    widths = [("model.d_model", m.d_model), ("model.mlp_hidden", m.mlp_hidden)]
+    # (key, value, block, why) in the order checked; 16 = the NVFP4 block: each tensor shard holds whole blocks.
+    rules = [("model.d_model", m.d_model, 16, ""), ("model.mlp_hidden", m.mlp_hidden, 16, "")]
     if m.n_kv_heads % tensor == 0:  # split key/value heads (else replicated)
-        widths.append(("model.kv_heads x head size", m.n_kv_heads * m.head_dim))
-    for name, size in widths:
-        if size % (16 * tensor):
-            raise ConfigError(f"{name}={size}: must be divisible by 16 x mesh tensor axis ({tensor}) = {16 * tensor}")
-    if m.heads % tensor:
-        raise ConfigError(f"model.heads={m.heads}: must be divisible by the mesh tensor axis ({tensor}) "
-                          "to shard attention heads")
-    if m.n_kv_heads % tensor and tensor % m.n_kv_heads:
-        raise ConfigError(f"model.kv_heads={m.n_kv_heads}: must be divisible by the mesh tensor axis "
-                          f"({tensor}) to split key/value heads, or divide it to replicate them")
-    if m.vocab % (16 * tensor):
-        raise ConfigError(f"model.vocab={m.vocab}: must be divisible by 16 x mesh tensor axis ({tensor}) = "
-                          f"{16 * tensor} to split the embedding and head over it")
-    if m.seq_len % tensor:
-        raise ConfigError(f"model.seq_len={m.seq_len}: must be divisible by the mesh tensor axis ({tensor}) "
-                          "to split the sequence between blocks")
+        rules.append(("model.kv_heads x head size", m.n_kv_heads * m.head_dim, 16, ""))
+    rules.append(("model.heads", m.heads, 1, " to shard attention heads"))
+    if tensor % m.n_kv_heads:  # nor can they be replicated
+        rules.append(("model.kv_heads", m.n_kv_heads, 1, " to split key/value heads, or divide it to replicate them"))
+    rules += [("model.vocab", m.vocab, 16, " to split the embedding and head over it"),
+              ("model.seq_len", m.seq_len, 1, " to split the sequence between blocks")]
+    for key, value, block, why in rules:
+        if value % (block * tensor):
+            by = (f"16 x mesh tensor axis ({tensor}) = {16 * tensor}" if block > 1
+                  else f"the mesh tensor axis ({tensor})")
+            raise ConfigError(f"{key}={value}: must be divisible by {by}{why}")
     return axes
 
 

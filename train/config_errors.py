@@ -1,10 +1,6 @@
-"""What a config error says: :class:`ConfigError`, ONE line naming the key, and the translation
-of pydantic's validation errors (a multi-line report) into it.
-
-``model.layers: expected int, got str 'four'``, ``optim.lr=0.0: must be > 0``,
-``data.source='web': must be one of 'markov', 'file', 'tokens'``, ``unknown key model.layer
-(did you mean model.layers?)``: the key first, then what is wrong, in words a launch log keeps.
-"""
+"""What a config error says: :class:`ConfigError`, ONE line, the key first, then what is wrong in words a launch log
+keeps (``optim.lr=0.0: must be > 0``, ``unknown key model.layer (did you mean model.layers?)``); and the translation of
+pydantic's multi-line validation report into it."""
 
 import difflib
 import math
@@ -23,12 +19,11 @@ class ConfigError(ValueError):
     """A configuration error; the message is one line naming the key (``section.key``)."""
 
     def __init__(self, message: str):
-        # One line, always: multi-line messages get interleaved in multi-process logs.
-        super().__init__(" ".join(str(message).split()))
+        super().__init__(" ".join(str(message).split()))  # multi-line messages interleave in multi-process logs
 
 
 def short(value: Any) -> str:
-    """``repr(value)``, cut to 60 characters for a one-line message."""
+    """``repr(value)``, cut to 60 characters."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -54,19 +49,17 @@ def _type_name(hint: Any) -> str:
 
 
 def one_line(err: pydantic.ValidationError, sections: Mapping[str, type], section: str = "") -> ConfigError:
-    """The first of pydantic's errors in validating a config (``section`` empty) or one section
-    of it, as a :class:`ConfigError`; ``sections`` maps section names to their classes."""
+    """The first of pydantic's errors validating a config (``section`` empty) or one section of it; ``sections`` maps
+    section names to their classes."""
     errors = err.errors(include_url=False)
-    # An unknown key first: a misspelt key explains more than the errors it leads to.
-    e = next((e for e in errors if e["type"] in _UNKNOWN), errors[0])
+    e = next((e for e in errors if e["type"] in _UNKNOWN), errors[0])  # a misspelt key explains the errors it causes
     kind, value, ctx = e["type"], e["input"], e.get("ctx") or {}
     if isinstance(ctx.get("error"), ConfigError):  # a cross-field rule, already one line
         return ctx["error"]
-    loc = ([section] if section else []) + list(e["loc"])
-    if loc[0] not in sections:
-        return ConfigError(f"unknown section {loc[0]!r}{suggest(str(loc[0]), list(sections))}; "
+    section, *rest = ([section] if section else []) + list(e["loc"])
+    if section not in sections:
+        return ConfigError(f"unknown section {section!r}{suggest(str(section), list(sections))}; "
                            f"sections are {', '.join(sections)}")
-    section, *rest = loc
     if not rest:
         return ConfigError(f"{section}: expected a mapping of keys, got {type(value).__name__} {short(value)}")
     name, *index = rest

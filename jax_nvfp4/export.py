@@ -2,7 +2,8 @@
 and Hugging Face checkpoints for serving engines (``export_hf``: bf16, or NVFP4 in
 compressed-tensors' or ModelOpt's layout, the latter read back by ``read_modelopt``; through the
 name map its caller gives: :class:`HFNames`; the training stack's Llama map is
-``train.model.HF_NAMES``).
+``train.model.HF_NAMES``), and the readers of those layouts share (:class:`Safetensors`,
+:func:`amax_from_global_scale`, :func:`scales_per_tile`).
 
 The native format is a directory with one ``.npy`` file per array and a ``manifest.json``::
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -47,10 +49,12 @@ from jax_nvfp4.array import (BLOCK_1D, BLOCK_2D, BLOCK_COLUMN, NVFP4Array, as_ar
                              packed_shapes)
 from jax_nvfp4.params import path_str
 
-__all__ = ["ExportError", "HFNames", "check_hf", "export_hf", "export_nvfp4", "hf_modules", "hf_tensors", "is_export",
-           "is_linear", "load_nvfp4", "modelopt_quant_config", "nvfp4_to_compressed_tensors", "nvfp4_to_modelopt",
-           "read_modelopt", "AMAX_METADATA", "EXPORT_FORMAT", "EXPORT_VERSION", "HF_LAYOUTS", "MODELOPT_PRODUCER",
-           "MODELOPT_QUANT_CONFIG_FILE", "NVFP4A16_QUANTIZATION_CONFIG", "NVFP4_QUANTIZATION_CONFIG"]
+__all__ = ["ExportError", "HFNames", "Safetensors", "SafetensorsEntry", "amax_from_global_scale", "check_hf",
+           "export_hf", "export_nvfp4", "hf_modules", "hf_tensors", "is_export", "is_linear", "load_nvfp4",
+           "modelopt_quant_config", "nvfp4_layout_refusal", "nvfp4_to_compressed_tensors", "nvfp4_to_modelopt",
+           "read_modelopt", "scales_per_tile", "AMAX_METADATA", "EXPORT_FORMAT", "EXPORT_VERSION", "HF_LAYOUTS",
+           "MODELOPT_PRODUCER", "MODELOPT_QUANT_CONFIG_FILE", "NVFP4A16_QUANTIZATION_CONFIG",
+           "NVFP4_QUANTIZATION_CONFIG"]
 
 EXPORT_FORMAT = "jax_nvfp4.export"
 EXPORT_VERSION = 2  # 2: the manifest hashes itself
@@ -492,20 +496,61 @@ def nvfp4_to_compressed_tensors(q: NVFP4Array) -> Dict[str, np.ndarray]:
     if q.block not in (BLOCK_2D, BLOCK_COLUMN):
         raise ValueError(f"nvfp4_to_compressed_tensors: needs 16x16 tiles or (16, 1) blocks (groups of 16 "
                          f"inputs), got {q}")
-    why = _compressed_tensors_refusal(q)
+    why = nvfp4_layout_refusal(q.block, q.shape[-2])
     if why:
         raise ExportError(why)
     return {k: np.asarray(v) for k, v in _to_compressed_tensors(q).items()}
 
 
-def _compressed_tensors_refusal(q: NVFP4Array, layout: str = "compressed-tensors") -> str:
+def nvfp4_layout_refusal(block, n_in: int, layout: str = "compressed-tensors") -> str:
     """Why the NVFP4 layout ``layout`` (compressed-tensors' or ModelOpt's: both groups of 16
-    inputs) cannot hold the kernel ``q`` (empty if it can)."""
-    if q.block not in (BLOCK_2D, BLOCK_COLUMN):
-        return f"a kernel with {tuple(q.block)} blocks: {layout} NVFP4 needs groups of 16 inputs"
-    if q.shape[-2] % 16:
-        return f"a kernel with {q.shape[-2]} input features: {layout} NVFP4 needs a multiple of 16"
+    inputs) cannot hold a kernel of ``block`` and ``n_in`` input features (empty if it can)."""
+    if tuple(block) not in (BLOCK_2D, BLOCK_COLUMN):
+        return f"a kernel with {tuple(block)} blocks: {layout} NVFP4 needs groups of 16 inputs"
+    if n_in % 16:
+        return f"a kernel with {n_in} input features: {layout} NVFP4 needs a multiple of 16"
     return ""
+
+
+def amax_from_global_scale(s, recorded: Optional[int] = None) -> np.float32:
+    """An amax whose global encode scale (:func:`jax_nvfp4.numerics.global_encode_scale`, as
+    ``weight_global_scale`` holds it) is ``s`` exactly, computed on the host (nothing compiles):
+    the ``recorded`` one (float32 bits, :data:`AMAX_METADATA`) where its scale is ``s``, else
+    ``448 * 6 / s`` or the nearest of its float32 neighbours (up to 8 ulps) whose scale is ``s``.
+    One scale may come from several amaxes; they all dequantize alike.
+
+    Raises:
+      ValueError: ``s`` is not a positive finite number.
+    """
+    from jax_nvfp4 import numerics as nx
+
+    def encode(a):  # global_encode_scale of one float32 amax, in NumPy
+        with np.errstate(divide="ignore", over="ignore"):
+            v = np.minimum(nx.E4M3_MAX * nx.E2M1_MAX / np.float32(a), nx.F32_MAX)
+        return np.float32(1) if v == 0 else np.float32(v)
+
+    s = np.float32(s)
+    if recorded is not None and encode(np.uint32(recorded).view(np.float32)) == s:
+        return np.uint32(recorded).view(np.float32)
+    if not np.isfinite(s) or s <= 0:
+        raise ValueError(f"global scale {s} is not a positive finite number")
+    if s >= nx.F32_MAX:
+        return np.float32(0)
+    a = np.float32(nx.E4M3_MAX * nx.E2M1_MAX / s)
+    bits = int(a.view(np.uint32))
+    for k in (0, *(d for i in range(1, 9) for d in (i, -i))):
+        if encode(np.uint32(bits + k).view(np.float32)) == s:
+            return np.uint32(bits + k).view(np.float32)
+    return a
+
+
+def scales_per_tile(scale: np.ndarray) -> Optional[np.ndarray]:
+    """compressed-tensors' or ModelOpt's ``[..., out, in/16]`` scales as one per 16x16 tile,
+    ``[..., ceil(out/16), in/16]`` (the export repeats each tile's scale on its 16 rows), or None
+    where they differ inside a tile."""
+    tiles = scale[..., ::16, :]
+    repeated = np.repeat(tiles, 16, axis=-2)[..., :scale.shape[-2], :]
+    return tiles if np.array_equal(repeated.view(np.uint8), scale.view(np.uint8)) else None
 
 
 def nvfp4_to_modelopt(q: NVFP4Array) -> Dict[str, np.ndarray]:
@@ -518,7 +563,7 @@ def nvfp4_to_modelopt(q: NVFP4Array) -> Dict[str, np.ndarray]:
     own quantizer computes ``amax / (448 * 6)``: the same value, or one float32 ulp away.)"""
     if q.block not in (BLOCK_2D, BLOCK_COLUMN):
         raise ValueError(f"nvfp4_to_modelopt: needs 16x16 tiles or (16, 1) blocks (groups of 16 inputs), got {q}")
-    why = _compressed_tensors_refusal(q, "ModelOpt")
+    why = nvfp4_layout_refusal(q.block, q.shape[-2], "ModelOpt")
     if why:
         raise ExportError(why)
     return {k: np.asarray(v) for k, v in _to_modelopt(q).items()}
@@ -610,8 +655,8 @@ def check_hf(params, names: HFNames, *, fmt: str = "bf16", layout: str = "compre
     of them, so a run can be checked before it trains."""
     _check_layout(layout)
     for path, leaf, _ in hf_modules(params, names):
-        why = is_nvfp4(leaf) and fmt == "nvfp4" and is_linear(path) and _compressed_tensors_refusal(
-            leaf, "ModelOpt" if layout == "modelopt" else layout)
+        why = is_nvfp4(leaf) and fmt == "nvfp4" and is_linear(path) and nvfp4_layout_refusal(
+            leaf.block, leaf.shape[-2], "ModelOpt" if layout == "modelopt" else layout)
         if why:
             raise ExportError(f"export_hf: {path}: {why}")
 
@@ -832,47 +877,127 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, names: HFNames,
     return directory
 
 
-# ----------------------------------------------------------------------------- reading ModelOpt
+# ----------------------------------------------------------------------------- reading safetensors
 
 _ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
               "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool"}
 
 
-def _safetensors_entries(directory: str) -> Tuple[Dict[str, Tuple[str, int, Dict[str, Any]]], Dict[str, str]]:
-    """``({tensor: (file, data offset, header entry)}, {metadata key: value, merged})`` of the
-    checkpoint in ``directory`` (``model.safetensors`` or the shards of its index)."""
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(directory, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise ExportError(f"{directory}: no model.safetensors or model.safetensors.index.json")
-    entries, meta = {}, {}
-    for name in files:
-        path = os.path.join(directory, name)
-        with open(path, "rb") as f:
-            (n,) = np.frombuffer(f.read(8), "<u8")
-            header = json.loads(f.read(int(n)))
-        file_meta = header.pop("__metadata__", None) or {}
-        if AMAX_METADATA in file_meta:  # one JSON object per shard: merge them
-            merged = json.loads(meta.get(AMAX_METADATA, "{}"))
-            merged.update(json.loads(file_meta[AMAX_METADATA]))
-            file_meta = dict(file_meta, **{AMAX_METADATA: json.dumps(merged)})
-        meta.update(file_meta)
-        entries.update({k: (path, 8 + int(n), e) for k, e in header.items()})
-    return entries, meta
+_MAPPED = ("F8_E4M3",)
 
 
-def _read_tensor(entries, name: str) -> np.ndarray:
-    path, base, e = entries[name]
-    a, b = e["data_offsets"]
-    dtype = jnp.dtype(_ST_DTYPES[e["dtype"]])
-    with open(path, "rb") as f:
-        f.seek(base + a)
-        raw = f.read(b - a)
-    return np.frombuffer(raw, dtype).reshape(e["shape"])
+@dataclasses.dataclass(frozen=True)
+class SafetensorsEntry:
+    """One tensor of a :class:`Safetensors` folder: its file's name there, safetensors dtype
+    (``BF16``, ``F8_E4M3``...), shape and the offset of its first byte in the file."""
+
+    file: str
+    dtype: str
+    shape: Tuple[int, ...]
+    offset: Optional[int]
+
+
+class Safetensors:
+    """The tensors of a Hugging Face checkpoint folder (``model.safetensors`` or the shards of
+    ``model.safetensors.index.json``) read by slices (:meth:`array`: only the touched pages).
+    ``entries``: ``{tensor: SafetensorsEntry}``; ``amax``: ``{HF name of a global scale: float32
+    bits of the exact amax}``, every shard's :data:`AMAX_METADATA`.
+
+    Raises:
+      ExportError: ``"{directory}: ..."``: no safetensors file, an unreadable index or
+        :data:`AMAX_METADATA`, a file safetensors' own reader refuses (truncated or corrupt), a
+        tensor in two files or not in the one the index names.
+    """
+
+    def __init__(self, directory: str):
+        import ml_dtypes  # noqa: F401 - registers bfloat16 with NumPy, for safetensors' NumPy reader
+        from safetensors import safe_open
+
+        self.directory, self.entries, self.amax = directory, {}, {}
+        index, weight_map = os.path.join(directory, "model.safetensors.index.json"), {}
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map = dict(json.load(f)["weight_map"])
+                files = sorted(set(weight_map.values()))
+            except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
+                raise ExportError(f"{directory}: cannot read model.safetensors.index.json: {e}") from None
+        elif os.path.isfile(os.path.join(directory, "model.safetensors")):
+            files = ["model.safetensors"]
+        else:
+            raise ExportError(f"{directory}: no model.safetensors (nor model.safetensors.index.json)")
+        self._files = {}  # file name -> its safetensors.safe_open
+        for name in files:
+            path = os.path.join(directory, name)
+            try:  # its checks: the header, and tensors back to back up to the file's end
+                f = self._files[name] = safe_open(path, framework="numpy")
+            except OSError as e:
+                raise ExportError(f"{directory}: cannot open {name}: {e.strerror or e}") from None
+            except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError
+                raise ExportError(f"{directory}: {name} is not a complete safetensors file (truncated or corrupt?): "
+                                  f"{e}") from None
+            meta = f.metadata() or {}
+            try:
+                self.amax.update({k: int(v, 16) for k, v in json.loads(meta.get(AMAX_METADATA, "{}")).items()})
+            except (ValueError, AttributeError, TypeError) as e:
+                raise ExportError(f"{directory}: {name}: unreadable {AMAX_METADATA} metadata: {e}") from None
+            # safe_open checked that the tensors lie back to back in offset_keys() order and end the
+            # file, so each one's offset follows from the sizes (for the memory map of the dtypes
+            # safetensors' NumPy reader cannot build).
+            shapes = [(t, sl.get_dtype(), tuple(sl.get_shape())) for t, sl in ((t, f.get_slice(t)) for t in f.offset_keys())]
+            sizes = [(jnp.dtype(_ST_DTYPES[d]).itemsize if d in _ST_DTYPES else math.nan) * math.prod(sh)
+                     for _, d, sh in shapes]
+            offset = os.path.getsize(path) - sum(sizes)
+            for (t, dtype, shape), size in zip(shapes, sizes):
+                if t in self.entries:
+                    raise ExportError(f"{directory}: {t} is in both {self.entries[t].file} and {name}")
+                self.entries[t] = SafetensorsEntry(name, dtype, shape, None if math.isnan(offset) else int(offset))
+                offset += size
+        for t, name in weight_map.items():
+            if t not in self.entries or self.entries[t].file != name:
+                raise ExportError(f"{directory}: model.safetensors.index.json maps {t} to {name}, which does not "
+                                  "hold it")
+
+    def __contains__(self, tensor: str) -> bool:
+        return tensor in self.entries
+
+    def numpy_dtype(self, tensor: str) -> np.dtype:
+        dtype = self.entries[tensor].dtype
+        if dtype not in _ST_DTYPES:
+            raise ExportError(f"{self.directory}: {tensor} is {dtype}, a safetensors dtype not read here")
+        return jnp.dtype(_ST_DTYPES[dtype])
+
+    def expect(self, tensor: str, dtypes: Optional[Tuple[str, ...]], shape) -> None:
+        """Raise ExportError unless ``tensor`` is here, of ``shape`` and (``dtypes`` given) one of ``dtypes``."""
+        e = self.entries.get(tensor)
+        if e is None or e.shape != tuple(shape) or (dtypes and e.dtype not in dtypes):
+            got = f"{e.dtype}{list(e.shape)}" if e else "missing"
+            raise ExportError(f"{self.directory}: tensor {tensor} is {got}, expected "
+                              f"{' or '.join(dtypes or ())}{list(shape)}")
+
+    def array(self, tensor: str, index: Tuple[slice, ...] = (), *, finite: bool = False) -> np.ndarray:
+        """``tensor[index]`` (a slice per axis) as a NumPy array of its stored dtype, bfloat16 and float8 too.
+        Raises ExportError with ``finite``: a NaN or Inf in it (naming the first one's position)."""
+        e, dtype = self.entries[tensor], self.numpy_dtype(tensor)
+        index = tuple(index) + (slice(None),) * (len(e.shape) - len(index))
+        index = tuple(slice(*s.indices(d)) for s, d in zip(index, e.shape))  # in bounds, as safetensors needs
+        if not all(e.shape):  # nothing to map
+            return np.zeros(e.shape, dtype)[index]
+        if e.dtype in _MAPPED:  # dtypes safetensors' NumPy reader has no type for
+            if e.offset is None:
+                raise ExportError(f"{self.directory}: {tensor}: {e.file} holds a tensor of a dtype of unknown size "
+                                  "before it")
+            out = np.array(np.memmap(os.path.join(self.directory, e.file), dtype, mode="r", offset=e.offset,
+                                     shape=e.shape)[index])
+        else:
+            sl = self._files[e.file].get_slice(tensor)
+            out = np.asarray(sl[index] if index else sl[...], dtype)
+        bad = ~np.isfinite(out) if finite and jnp.issubdtype(dtype, jnp.floating) else None
+        if bad is not None and bad.any():
+            at = [int(i) + s.indices(n)[0] for i, s, n in zip(np.argwhere(bad)[0], index, e.shape)]
+            what = "a NaN E4M3 scale byte" if e.dtype == "F8_E4M3" else "a non-finite value (NaN or Inf)"
+            raise ExportError(f"{self.directory}: {tensor} holds {what} at {at}")
+        return out
 
 
 def read_modelopt(directory: str, like, *, names: HFNames) -> Tuple[Any, Dict[str, np.ndarray]]:
@@ -899,47 +1024,40 @@ def read_modelopt(directory: str, like, *, names: HFNames) -> Tuple[Any, Dict[st
     from jax_nvfp4.sharding import logical
 
     directory = os.path.abspath(os.fspath(directory))
-    entries, meta = _safetensors_entries(directory)
-    exact = {k: int(v, 16) for k, v in json.loads(meta.get(AMAX_METADATA, "{}")).items()}
+    files = Safetensors(directory)
     like = jax.eval_shape(logical, like)
     flat, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=_is_param)
 
     def tensor(name, dtype, shape):
-        if name not in entries:
-            raise ExportError(f"{directory}: tensor {name} is missing")
-        a = _read_tensor(entries, name)
-        if a.dtype != jnp.dtype(dtype) or tuple(a.shape) != tuple(shape):
-            raise ExportError(f"{directory}: {name} is {a.dtype}{list(a.shape)}, "
-                              f"expected {jnp.dtype(dtype)}{list(shape)}")
-        return a
+        files.expect(name, (dtype,), shape)
+        return files.array(name)
 
     def amax_bits(name, value) -> np.uint32:
-        if name in exact:
-            return np.uint32(exact[name])
+        if name in files.amax:
+            return np.uint32(files.amax[name])
         return (np.float32(value) * np.float32(448 * 6)).view(np.uint32)
 
     values, input_amax = {}, {}
     for path, leaf, modules in hf_modules(like, names):
         batch = (len(modules),) if modules[0][1] else ()  # stacked layers: one leading axis
-        if is_linear(path) and f"{modules[0][0]}.weight_scale_2" in entries:
+        if is_linear(path) and f"{modules[0][0]}.weight_scale_2" in files:
             n_in, n_out = leaf.shape[-2:]
             data, scale, bits, a_in = [], [], [], []
             for module, _ in modules:
-                data.append(tensor(f"{module}.weight", np.uint8, (n_out, (n_in + 1) // 2)))
-                scale.append(tensor(f"{module}.weight_scale", jnp.float8_e4m3fn, (n_out, -(-n_in // 16))))
-                s2 = tensor(f"{module}.weight_scale_2", np.float32, ())
+                data.append(tensor(f"{module}.weight", "U8", (n_out, (n_in + 1) // 2)))
+                scale.append(tensor(f"{module}.weight_scale", "F8_E4M3", (n_out, -(-n_in // 16))))
+                s2 = tensor(f"{module}.weight_scale_2", "F32", ())
                 bits.append(amax_bits(f"{module}.weight_scale_2", s2))
-                if f"{module}.input_scale" in entries:
-                    s_in = tensor(f"{module}.input_scale", np.float32, ())
+                if f"{module}.input_scale" in files:
+                    s_in = tensor(f"{module}.input_scale", "F32", ())
                     a_in.append(amax_bits(f"{module}.input_scale", s_in).view(np.float32))
             data = np.stack(data).reshape(*batch, *data[0].shape)
             scale = np.stack(scale).reshape(*batch, *scale[0].shape)
             bits = np.asarray(bits, np.uint32).reshape(batch)
             block = leaf.block if is_nvfp4(leaf) else BLOCK_COLUMN
-            if block == BLOCK_2D:  # one scale per 16x16 tile, written repeated over its 16 output rows
-                tiles = scale[..., ::16, :]
-                repeated = np.repeat(tiles, 16, axis=-2)[..., :n_out, :]
-                if not np.array_equal(repeated.view(np.uint8), scale.view(np.uint8)):
+            if block == BLOCK_2D:
+                tiles = scales_per_tile(scale)
+                if tiles is None:
                     raise ExportError(f"{directory}: {path}: the scales are not constant over 16 output rows; "
                                       "read it with (16, 1) blocks (a `like` leaf that is not 16x16-tiled)")
                 t_block, scale = BLOCK_2D, tiles
@@ -956,11 +1074,8 @@ def read_modelopt(directory: str, like, *, names: HFNames) -> Tuple[Any, Dict[st
             shape = leaf.shape[-2:][::-1] if is_linear(path) else leaf.shape[len(batch):]
             parts = []
             for module, _ in modules:
-                if f"{module}.weight" not in entries:
-                    raise ExportError(f"{directory}: tensor {module}.weight is missing")
-                a = _read_tensor(entries, f"{module}.weight")
-                if tuple(a.shape) != tuple(shape):
-                    raise ExportError(f"{directory}: {module}.weight has shape {list(a.shape)}, expected {list(shape)}")
+                files.expect(f"{module}.weight", None, shape)
+                a = files.array(f"{module}.weight")
                 parts.append(np.swapaxes(a, -1, -2) if is_linear(path) else a)
             values[path] = as_array(np.stack(parts).reshape(*batch, *parts[0].shape))
     return jax.tree_util.tree_unflatten(treedef, [values[path_str(p)] for p, _ in flat]), input_amax

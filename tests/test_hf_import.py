@@ -542,8 +542,7 @@ def test_refused_a_tied_config_over_a_head_of_its_own(fresh, tmp_path, capfd):
     lm_head.weight equal to the embedding (some writers store both) is read as the tied head.
     A non-zero attention_dropout is ignored with one notice (this model has no dropout)."""
     err = refusal(variant(fresh, tmp_path, config={"tie_word_embeddings": True}), capfd)
-    assert "tie_word_embeddings=true, but the checkpoint has its own lm_head.weight, different from " \
-           "model.embed_tokens.weight" in err, err
+    assert all(k in err for k in ("tie_word_embeddings=true", "lm_head.weight", "model.embed_tokens.weight")), err
     same = variant(fresh, tmp_path / "same", config={"tie_word_embeddings": True, "attention_dropout": 0.1},
                    tensors=lambda t: {**t, "lm_head.weight": t["model.embed_tokens.weight"]})
     cfg = import_config(str(same), *JOB)
@@ -552,8 +551,7 @@ def test_refused_a_tied_config_over_a_head_of_its_own(fresh, tmp_path, capfd):
     capfd.readouterr()
     params, _ = hf_import.load(str(same), trainer)
     out = capfd.readouterr().out.splitlines()
-    assert out == [f"train.init_from={same}: config.json attention_dropout=0.1 ignored: this model has no dropout "
-                   "(it trains without)"], out
+    assert len(out) == 1 and out[0].startswith(f"train.init_from={same}: config.json attention_dropout=0.1"), out
     assert "head" not in params
 
 
@@ -562,17 +560,16 @@ def test_refused_tensors_the_model_does_not_read(fresh, tmp_path, capfd):
     biases = lambda t: {**t, **{f"model.layers.{i}.self_attn.{m}.bias": t[f"model.layers.{i}.input_layernorm.weight"]
                                 for i in range(2) for m in ("q_proj", "k_proj", "v_proj")}}
     err = refusal(variant(fresh, tmp_path, tensors=biases), capfd)
-    assert "has 6 tensors this Llama does not read: model.layers." in err and "_proj.bias" in err and \
-           "and 3 more" in err, err
+    assert "6 tensors" in err and "_proj.bias" in err and "and 3 more" in err, err
 
 
 def test_refused_layers_past_num_hidden_layers(fresh, tmp_path, capfd):
     err = refusal(variant(fresh, tmp_path, config={"num_hidden_layers": 1}), capfd)
-    assert "has tensors for layer 1 (model.layers.1." in err and "config.json num_hidden_layers=1" in err, err
+    assert "layer 1 (model.layers.1." in err and "num_hidden_layers=1" in err, err
 
 
 def test_refused_quantization_formats_it_does_not_read(fresh, tmp_path, capfd):
-    for q, want in (({"quant_method": "fp8", "fmt": "e4m3"}, "quant_method='fp8', format=None: only compressed-"),
+    for q, want in (({"quant_method": "fp8", "fmt": "e4m3"}, "quant_method='fp8', format=None"),
                     ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "format='float-quantized'"),
                     ({**nv.export.NVFP4A16_QUANTIZATION_CONFIG, "config_groups": {"group_0": {"weights": {
                         "num_bits": 8, "type": "float", "group_size": 16, "strategy": "tensor_group"}}}},
@@ -587,7 +584,7 @@ def test_refused_a_truncated_safetensors_file(fresh, tmp_path, capfd):
     with open(folder / "model.safetensors", "r+b") as f:
         f.truncate(os.path.getsize(folder / "model.safetensors") - 100)
     err = refusal(folder, capfd)
-    assert "model.safetensors is not a complete safetensors file (truncated or corrupt?)" in err, err
+    assert "model.safetensors is not a complete safetensors file" in err, err
 
 
 def test_refused_non_finite_values(fresh, tmp_path, capfd):
@@ -595,16 +592,16 @@ def test_refused_non_finite_values(fresh, tmp_path, capfd):
     inf = np.array([np.inf], np.float32).astype(jnp.bfloat16).tobytes()
     poke(folder, "model.layers.1.mlp.up_proj.weight", (3, 5), inf)
     err = refusal(folder, capfd)
-    assert "model.layers.1.mlp.up_proj.weight holds a non-finite value (NaN or Inf) at [3, 5]" in err, err
+    assert "model.layers.1.mlp.up_proj.weight holds a non-finite value" in err and "at [3, 5]" in err, err
     folder = variant(fresh, tmp_path / "nvfp4", "nvfp4")
     poke(folder, "model.layers.0.self_attn.o_proj.weight_scale", (7, 2), b"\x7f")
     err = refusal(folder, capfd)
-    assert "model.layers.0.self_attn.o_proj.weight_scale holds a NaN E4M3 scale byte at [7, 2]" in err, err
+    assert "model.layers.0.self_attn.o_proj.weight_scale holds a NaN" in err and "at [7, 2]" in err, err
 
 
 def test_an_export_names_the_token_files_bos_and_eos(tmp_path):
     """The tokenizer_config.json an export makes for a token file's tokenizer names the token
-    file's own end and start tokens (it said <|endoftext|> whatever the file used)."""
+    file's own end and start tokens, and <|endoftext|> without token ids."""
     from tokenizers import Tokenizer, models
 
     path = tmp_path / "tok.json"

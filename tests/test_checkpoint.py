@@ -112,8 +112,8 @@ def test_a_finished_checkpoint_reopened_into_a_new_out_says_so(resumed, tmp_path
 
 
 def test_a_torn_last_line_of_the_metrics_is_dropped_on_resume(resumed, tmp_path, capsys):
-    # A crash in the middle of writing metrics.jsonl left a line that is not JSON; the resume
-    # stopped on a JSONDecodeError traceback.
+    # A crash in the middle of writing metrics.jsonl leaves a last line that is not JSON: the
+    # resume drops it with a notice and continues.
     import shutil
 
     ck, out = tmp_path / "ck", tmp_path / "out"
@@ -419,7 +419,8 @@ def test_load_refuses_a_malformed_or_edited_manifest(tmp_path):
         assert "\n" not in str(e.value)
         return str(e.value)
 
-    # An edited shape (data files untouched) used to load; "leaves" as a dict gave AttributeError.
+    # An edited shape (data files untouched) fails the manifest's hash; a malformed manifest is
+    # named in one line.
     edited = json.loads(json.dumps(good))
     edited["leaves"][0]["shape"] = [3, 48, 32]
     assert "does not match its own sha256" in load_with(edited, rehash=False)
@@ -461,8 +462,8 @@ def test_resume_refuses_a_different_trajectory(resumed, tmp_path, override, need
 
 
 def test_resume_refuses_changed_training_data(resumed, tmp_path):
-    # A resume with data.val_fraction 0 -> 0.9, or after data.path's content changed, used to
-    # continue silently on other data. The checkpoint records the split and the files' content.
+    # The checkpoint records the validation split and the data files' content: a resume with
+    # another split, or after data.path's content changed, is refused.
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(bytes(range(256)) * 40)
     base = ("data.source=file", f"data.path={corpus}", "data.val_fraction=0.1", f"checkpoint.dir={tmp_path / 'ck'}")
@@ -497,9 +498,9 @@ def test_fallback_renames_nothing_when_the_resume_is_then_refused(resumed, tmp_p
     cfg = job(f"checkpoint.dir={ck}", "checkpoint.fallback=true", "model.heads=1")
     with pytest.raises(ckpt_lib.CheckpointError, match="model.heads=2 but this run has model.heads=1"):
         loop.run(cfg, mesh_of(cfg, 8), str(tmp_path / "never"), progress=False)
-    # It used to move step 6 aside to corrupt-6 before refusing (exit 2 promises nothing written).
+    # Refused: nothing moved aside (exit 2 promises nothing written).
     assert sorted(os.listdir(ck)) == listing and not (tmp_path / "never").exists()
-    # Accepted, the fallback moves the corrupt step aside as before.
+    # Accepted, the fallback moves the corrupt step aside.
     c = ckpt_lib.Checkpointer(str(ck))
     step, corrupt = c.restorable_step(fallback=True)
     assert step == 4 and [s for s, _ in corrupt] == [6]
@@ -512,7 +513,7 @@ def test_hidden_files_in_a_checkpoint_do_not_make_it_corrupt(two_checkpoints, tm
 
     d = tmp_path / "ck"
     shutil.copytree(two_checkpoints["dir"], d)
-    (d / "2" / ".DS_Store").write_bytes(b"\0\1")  # a file browser's: was "not part of the saved checkpoint"
+    (d / "2" / ".DS_Store").write_bytes(b"\0\1")  # a file browser's: hidden, not part of the content
     (d / "2" / "state" / "._meta").write_bytes(b"x")
     ck = ckpt_lib.Checkpointer(str(d))
     assert ck.restorable_step() == (2, [])

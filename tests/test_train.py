@@ -315,7 +315,7 @@ def test_key_value_heads_fewer_than_tensor_ranks_are_replicated():
 @job_worker
 def test_a_nonfinite_loss_is_a_skipped_step():
     """A target id past the vocabulary gives a NaN loss with finite gradients: the step
-    changes nothing and counts itself skipped (it used to train on, loss NaN, exit 0)."""
+    changes nothing and counts itself skipped."""
     import jax_nvfp4 as nv
 
     cfg = job()
@@ -334,7 +334,7 @@ def test_a_nonfinite_loss_is_a_skipped_step():
 @job_worker
 def test_evaluation_gathers_one_layer_at_a_time(job_run):
     """The evaluation program gathers each layer's packed bytes inside the scan, as the step
-    does (it used to gather the whole model first)."""
+    does, never the whole model at once."""
     cfg = job()
     trainer = programs.build(cfg, mesh_of(cfg, 8), init=False)[0]
     params = accounting_lib.abstract_step_args(trainer)[0]
@@ -415,10 +415,9 @@ def test_step_gathers_and_reduces_one_layer_at_a_time(job_step):
 
 @job_worker
 def test_step_never_holds_every_layers_weights_or_full_gradients(job_step):
-    # The whole-model step held a [layers, in, out] stack of dequantized weights and of
-    # full-size gradients; the per-layer step must never materialise one, logical or tiled
-    # (any float dtype): only each device's 1/N of the tiles (its master, Adam and gradient
-    # shards) may appear with the layer axis.
+    # The per-layer step never materialises a [layers, in, out] stack of weights or gradients,
+    # logical or tiled (any float dtype): only each device's 1/N of the tiles (its master, Adam
+    # and gradient shards) may appear with the layer axis.
     import re
 
     import jax_nvfp4 as nv

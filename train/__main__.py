@@ -7,82 +7,28 @@ Examples:
   python -m train --set checkpoint.dir=ckpt --set checkpoint.every=50   rerun the same command to resume
   scripts/launch_local.sh 2 --config train/configs/tiny.yaml            2 processes x 4 CPU devices
 
-Config: a .yaml/.gin file (--config; train/configs/default.yaml lists every key with a comment)
-plus KEY=VALUE overrides (--set KEY=VALUE, or bare KEY=VALUE). The keys and their defaults are
-listed below. A wrong key, type or value is a one-line error (exit 2) and nothing runs.
-
-Multi-process: set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID
-(scripts/launch_local.sh does, for N processes on 127.0.0.1), or run under SLURM.
-JAX_HEARTBEAT_TIMEOUT (s, default 30) bounds how long the others wait for a dead process;
-JAX_INIT_TIMEOUT (default 300) and JAX_SHUTDOWN_TIMEOUT (default 60) bound start-up and
-shut-down.
-
-Checkpoints: --set checkpoint.dir=D --set checkpoint.every=K saves every K steps and at the
-end; rerunning the same command resumes from the latest checkpoint in D (bit-identically) and
-says "resuming from step N of M". A corrupt checkpoint (content hash mismatch) is refused;
---set checkpoint.fallback=true resumes from the newest intact one. A checkpoint of another
-model, data (the files' content and the validation split included), optimizer or schedule
-length is refused too (checkpoint.allow_change, optim.schedule_steps; see
-train.checkpoint.check_resume).
-
-Stopping: SIGTERM (SLURM's preemption and time-limit signal) or SIGINT (Ctrl-C) stops the run
-after the step it is at: that step's checkpoint is saved (with checkpoint.dir), pending saves
-finish, one line says "stopped at step N by SIGTERM; checkpoint saved; rerun the same command
-to resume", exit 143 (SIGTERM) or 130 (SIGINT). A second signal exits at once. The processes of
-a multi-process run agree on the step (JAX's preemption sync protocol; see train.preemption).
-
-One run per folder: --out and checkpoint.dir are locked while a run uses them (a file lock that
-dies with the process); a second run is refused with one line naming the holder (exit 2).
-
---init-from DIR (train.init_from) starts from a Hugging Face Llama checkpoint instead of random
-weights: plain bf16/f16/f32 safetensors or compressed-tensors NVFP4 (read losslessly into the
-NVFP4 weights), one file or shards; its config.json sets the model's shape (a model key given
-with --set must agree with it; a config file's are replaced). With evaluation on, the imported
-model's validation loss is printed at step 0. Its tokenizer travels into --export-hf.
-
---export DIR writes the trained NVFP4 weights (jax_nvfp4.export_nvfp4) into a new or empty
-directory, or over a previous export; any other non-empty directory is refused before
-training starts. --export-hf DIR writes Hugging Face Llama checkpoints of them: DIR/bf16
-(dequantized, for transformers' LlamaForCausalLM) and DIR/nvfp4 (the compressed-tensors NVFP4
-layout vLLM reads, lossless; --hf-format modelopt: NVIDIA ModelOpt's, for TensorRT-LLM and
-vLLM's modelopt_fp4); DIR must not exist or be empty, and the model's kernels must fit the
-format (checked before training). DIR/nvfp4 is weight-only (W4A16); --calibrate N records each
-NVFP4 layer's input amax over N validation batches and makes it W4A4 (static activation global
-scales), printing the bf16, W4A16 and W4A4 validation losses. Export folders may not hold,
-replace or sit in --out's run folders, the checkpoint folders or each other (checked before
-training).
+Config: a .yaml/.gin file (--config) plus KEY=VALUE overrides (--set KEY=VALUE, or bare KEY=VALUE),
+applied in order; the keys and their defaults are listed below. Checkpoints, stopping (SIGTERM,
+SIGINT), folder locks, --init-from, the exports, multi-process runs (JAX_COORDINATOR_ADDRESS,
+JAX_NUM_PROCESSES, JAX_PROCESS_ID, SLURM) and fault injection (TRAIN_FAULT_*): docs/TRAINING.md.
 
 Exit status (one line on stderr for every failure):
-  0 done; 2 bad config, mesh, data file, checkpoint, output or export folder, or a folder
-    another run holds (nothing written, nothing trained);
-  3 the run stopped on non-finite steps (skipped gradients or a non-finite loss):
-    nvfp4.nonfinite=error, or nvfp4.max_skipped_in_a_row of them in a row (diverged); the line
-    names the step;
-  4 a runtime failure such as a lost or frozen peer process;
-  5 a checkpoint or another output could not be written mid-run (a full or read-only file
-    system; the checkpoints before it are intact);
-  130, 143 stopped by SIGINT, SIGTERM (128 + the signal): the step it stopped at is saved.
-
-Fault injection (rehearse failures on a real run; train/faults.py, see the README):
-  TRAIN_FAULT_EXIT=STEP[:PROCESS]   the process (every one, or only PROCESS) exits abruptly
-                                    with status 17 after step STEP
-  TRAIN_FAULT_NONFINITE=STEP:VALUE[,STEP:VALUE...]   multiplies the loss of those steps by
-                                    VALUE (nan, inf)
-  TRAIN_FAULT_STOP=STEP[:PROCESS]   freezes the process (SIGSTOP) after step STEP, as a hung
-                                    host would
-  TRAIN_FAULT_SIGTERM=STEP[:PROCESS], TRAIN_FAULT_SIGINT=STEP[:PROCESS]   the process sends
-                                    itself that signal after step STEP, as a preempted host
-  TRAIN_FAULT_READONLY=STEP         every checkpoint write after step STEP fails with
-                                    "Permission denied", as a directory that became read-only would
+  0 done; 2 bad config, mesh, data file, checkpoint, output or export folder, or a folder another
+    run holds (nothing written, nothing trained); 3 non-finite steps (nvfp4.nonfinite=error, or
+    nvfp4.max_skipped_in_a_row in a row), naming the step; 4 a runtime failure such as a lost or
+    frozen peer process; 5 a checkpoint or another output could not be written mid-run (the
+    checkpoints before it are intact); 130, 143 stopped by SIGINT, SIGTERM (the step is saved).
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import dataclasses
 import os
 import sys
+import threading
 
 
 class _Once(argparse.Action):
@@ -94,38 +40,24 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-# The options that take a value (the next argument, unless given as --opt=value).
-_VALUED = ("--config", "--set", "--compare", "--out", "--export", "--export-hf", "--hf-format", "--calibrate",
-           "--init-from")
-
-
-def _ordered(argv):
-    """``argv`` with each bare ``KEY=VALUE`` written as ``--set KEY=VALUE`` in its place, so
-    the overrides keep their command-line order whichever form each takes."""
-    out, value_next = [], False
-    for a in argv:
-        if value_next:
-            out.append(a)
-            value_next = False
-        elif a in _VALUED:
-            out.append(a)
-            value_next = True
-        elif not a.startswith("-") and "=" in a:
-            out += ["--set", a]
-        else:
-            out.append(a)
-    return out
-
-
 class _Parser(argparse.ArgumentParser):
-    """argparse with the CLI's one-line errors: ``error: ...`` on stderr, exit 2 (argparse's
-    own print the usage first)."""
+    """argparse with the CLI's one-line errors (no usage first), exit 2."""
 
     def error(self, message):
         self.exit(2, f"error: {message}\n")
 
 
+# The options that take a value (the next argument, unless given as --opt=value).
+_VALUED = ("--config", "--set", "--compare", "--out", "--export", "--export-hf", "--hf-format", "--calibrate",
+           "--init-from")
+
+
 def parse_args(argv=None):
+    def batches(text: str) -> int:
+        with contextlib.suppress(ValueError):
+            if int(text) >= 1:
+                return int(text)
+        raise argparse.ArgumentTypeError(f"expected a positive number of validation batches, got {text!r}")
     p = _Parser(prog="python -m train", description=__doc__.strip(), epilog=config_keys_help(),
                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--config", action=_Once, help="a .yaml/.yml or .gin file (default: the built-in default config)")
@@ -135,19 +67,20 @@ def parse_args(argv=None):
     p.add_argument("--out", action=_Once, help="output directory (default: train.out_dir)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--export", action=_Once, metavar="DIR", help="after training, write the NVFP4 weights to DIR")
-    p.add_argument("--export-hf", action=_Once, metavar="DIR", help="after training, write Hugging Face Llama checkpoints "
-                   "to DIR/bf16 and DIR/nvfp4 (DIR must be new or empty)")
+    p.add_argument("--export-hf", action=_Once, metavar="DIR", help="after training, write Hugging Face Llama "
+                   "checkpoints to DIR/bf16 and DIR/nvfp4 (DIR must be new or empty)")
     p.add_argument("--hf-format", choices=["compressed-tensors", "modelopt"],
-                   help="the NVFP4 layout of --export-hf's DIR/nvfp4: compressed-tensors nvfp4-pack-quantized (default) "
-                        "or NVIDIA ModelOpt's (hf_quant_config.json; TensorRT-LLM, vLLM modelopt_fp4)")
-    p.add_argument("--calibrate", type=_batches, metavar="N", help="with --export-hf: record each NVFP4 layer's input "
-                   "amax over N validation batches and export W4A4 (input_global_scale / input_scale) instead of "
-                   "weight-only; prints the bf16, W4A16 and W4A4 validation losses on those batches")
-    p.add_argument("--init-from", action=_Once, metavar="DIR", help="start from the Hugging Face Llama checkpoint in DIR "
-                   "(train.init_from: bf16/f16/f32 or compressed-tensors NVFP4 safetensors; its config.json sets "
-                   "the model's shape, and --set model keys must agree with it)")
+                   help="the layout of --export-hf's DIR/nvfp4: compressed-tensors (default) or NVIDIA ModelOpt's")
+    p.add_argument("--calibrate", type=batches, metavar="N", help="with --export-hf: export W4A4, each NVFP4 "
+                   "layer's input amax recorded over N validation batches (prints bf16, W4A16, W4A4 losses)")
+    p.add_argument("--init-from", action=_Once, metavar="DIR", help="start from the Hugging Face Llama checkpoint "
+                   "in DIR (train.init_from; its config.json sets the model's shape)")
     p.add_argument("rest", nargs="*", metavar="KEY=VALUE", help="more overrides, in order with --set")
-    args = p.parse_args(_ordered(sys.argv[1:] if argv is None else argv))
+    ordered, value_next = [], False
+    for a in sys.argv[1:] if argv is None else argv:  # a bare KEY=VALUE as --set KEY=VALUE, in its place
+        ordered += ["--set", a] if not value_next and not a.startswith("-") and "=" in a else [a]
+        value_next = not value_next and a in _VALUED
+    args = p.parse_args(ordered)
     if args.calibrate and not args.export_hf:
         p.error("--calibrate N calibrates an --export-hf export: give --export-hf DIR too")
     if args.hf_format and not args.export_hf:
@@ -157,33 +90,16 @@ def parse_args(argv=None):
     return args
 
 
-def _batches(text: str) -> int:
-    """``--calibrate N``: a positive number of validation batches."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number of validation batches, got {text!r}")
-    return n
-
-
 def config_keys_help(width: int = 100) -> str:
-    """Every config key with its default, what it means and what a change of it affects, by
-    section (plain text, for --help), from the classes of train.config as default.yaml is."""
+    """Every config key with its default, meaning and what a change of it affects, by section (for --help)."""
     import textwrap
 
     from train.config import AFFECTS, config_keys
 
     def shown(v):
-        if v is None:
-            return "null"
-        if isinstance(v, bool):
-            return str(v).lower()
         if isinstance(v, (list, tuple)):
             return "[" + ",".join(map(str, v)) + "]"
-        return str(v)
-
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
     legend = "; ".join(f"{name} = {what}" for name, what in AFFECTS.items())
     lines = textwrap.wrap(f"config keys: KEY=DEFAULT, what it means and [what a change of it affects: {legend}]. "
                           "train/configs/default.yaml lists the same.", width)
@@ -203,153 +119,129 @@ def config_keys_help(width: int = 100) -> str:
     return "\n".join(lines)
 
 
+def _fail(code: int, line: str) -> int:
+    print(line, file=sys.stderr, flush=True)
+    return code
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # orbax reports a failed save on stderr with pages of tracebacks (from its own threads)
-    # before the exception reaches us; the CLI's one-line errors say it instead.
     import logging
 
+    # orbax reports a failed save with pages of tracebacks from its threads; the CLI says it in one line.
     logging.getLogger("absl").setLevel(logging.CRITICAL)
-    # Config first: it needs no JAX, so a bad config fails fast and before anything is written.
     from train.config import ConfigError, load_config, override_keys
 
-    try:
-        overrides = args.overrides
-        cfg = load_config(args.config, overrides)
+    try:  # config first: it needs no JAX, so a bad config fails before anything is written
+        cfg = load_config(args.config, args.overrides)
         if args.init_from:
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=args.init_from))
         if cfg.train.init_from:
             from train.hf_import import resolve_config
-
-            cfg = resolve_config(cfg, override_keys(overrides))
+            cfg = resolve_config(cfg, override_keys(args.overrides))
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return _fail(2, f"config error: {e}")
     out_dir = args.out or cfg.train.out_dir
     why = output_refusal(args, cfg, out_dir)
     if why:
-        print(f"error: {why}; nothing written", file=sys.stderr)
-        return 2
-    try:
-        fault = fault_hooks(cfg.checkpoint.dir)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _fail(2, f"error: {why}; nothing written")
+    fault = None
+    if any(name.startswith("TRAIN_FAULT_") for name in os.environ):  # train.faults is loaded only then
+        from train import faults
+        try:
+            fault = faults.from_env(cfg.checkpoint.dir)
+        except ValueError as e:
+            return _fail(2, f"error: {e}")
     try:
         return _run(args, cfg, out_dir, fault)
-    except KeyboardInterrupt:
-        # Ctrl-C before the training loop took SIGINT over (starting up, compiling).
-        print("interrupted (SIGINT) before training started; nothing saved", file=sys.stderr, flush=True)
-        return 130
+    except KeyboardInterrupt:  # before the training loop took SIGINT over (starting up, compiling)
+        return _fail(130, "interrupted (SIGINT) before training started; nothing saved")
 
 
 def _run(args, cfg, out_dir, fault) -> int:
-    """The run of :func:`main` once its config and output locations are known good."""
+    """:func:`main` once its config and output locations are known good."""
+    from train import xla_flags
     from train.config import ConfigError, save_config, validate_for_devices
 
-    # Before JAX starts: XLA reads its flags once, when the backend starts.
-    from train import xla_flags
-
-    gpu_flags = xla_flags.configure(cfg.train.gpu_xla_flags)
-
+    gpu_flags = xla_flags.configure(cfg.train.gpu_xla_flags)  # before JAX starts: XLA reads its flags once
     import jax
 
     from train import mesh as mesh_lib
 
-    # Simulated CPU devices must be requested before the backend starts (a no-op when
-    # XLA_FLAGS already sets a count, and it only concerns the CPU platform).
-    mesh_lib.configure_host_devices(cfg.mesh)
-    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        # gloo carries CPU collectives between processes; GPUs/TPUs use their own transport.
-        if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+    mesh_lib.configure_host_devices(cfg.mesh)  # simulated CPU devices: before the backend starts too
+    env = os.environ.get
+    if env("JAX_COORDINATOR_ADDRESS"):
+        if env("JAX_PLATFORMS", "") == "cpu":  # gloo carries CPU collectives between processes
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         kw = {}
-        if os.environ.get("JAX_NUM_PROCESSES"):
+        if env("JAX_NUM_PROCESSES"):
             kw = dict(num_processes=int(os.environ["JAX_NUM_PROCESSES"]), process_id=int(os.environ["JAX_PROCESS_ID"]))
-        # Bounded waits: a process that dies takes the others down within the heartbeat
-        # timeout instead of leaving them blocked in a collective forever.
-        jax.distributed.initialize(
-            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-            heartbeat_timeout_seconds=int(os.environ.get("JAX_HEARTBEAT_TIMEOUT", "30")),
-            initialization_timeout=int(os.environ.get("JAX_INIT_TIMEOUT", "300")),
-            shutdown_timeout_seconds=int(os.environ.get("JAX_SHUTDOWN_TIMEOUT", "60")),
-            **kw,
-        )
-    elif os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        # Bounded waits: a process that dies takes the others down within the heartbeat timeout.
+        jax.distributed.initialize(coordinator_address=env("JAX_COORDINATOR_ADDRESS"),
+                                   heartbeat_timeout_seconds=int(env("JAX_HEARTBEAT_TIMEOUT", "30")),
+                                   initialization_timeout=int(env("JAX_INIT_TIMEOUT", "300")),
+                                   shutdown_timeout_seconds=int(env("JAX_SHUTDOWN_TIMEOUT", "60")), **kw)
+    elif env("SLURM_JOB_ID") and int(env("SLURM_NTASKS", "1")) > 1:
         jax.distributed.initialize()
-    # A dead or frozen peer ends this process with one line (exit 4) before the runtime's own
-    # heartbeat check would abort it with a C++ stack dump.
-    from train.peers import watch_peers
+    from train.peers import preemption_sync_available, watch_peers
 
-    peers = watch_peers(float(os.environ.get("JAX_HEARTBEAT_TIMEOUT", "30")))
-    if peers is not None:
-        # However main ends, the others must not take this process's exit for a failure;
-        # registered after jax.distributed's own shutdown hook, so it runs before it.
+    # A dead or frozen peer ends this process in one line (exit 4) before the runtime's heartbeat
+    # check aborts it with a C++ stack dump.
+    peers = watch_peers(float(env("JAX_HEARTBEAT_TIMEOUT", "30")))
+    if peers is not None:  # registered after jax.distributed's shutdown hook, so it runs before it
         atexit.register(peers.done)
-
     from train import data as data_lib
 
     try:
         validate_for_devices(cfg, jax.device_count())
         mesh = mesh_lib.build_mesh(cfg.mesh)
-        data_lib.make_source(cfg.data, cfg.model)  # a missing or unreadable data file fails here
-        data_lib.make_source(cfg.data, cfg.model, split="val")
+        for split in ("train", "val"):  # a missing or unreadable data file fails here
+            data_lib.make_source(cfg.data, cfg.model, split=split)
         if args.export_hf:
             hf_check(cfg, mesh)
         if args.calibrate and cfg.nvfp4.weights != "nvfp4":
             raise ConfigError(f"--calibrate: nvfp4.weights={cfg.nvfp4.weights} has no NVFP4 layers to calibrate")
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-
+        return _fail(2, f"config error: {e}")
     from train import loop, summary as summary_lib
     from train.checkpoint import CheckpointError, CheckpointWriteError
     from train.lock import LockError
     from train.preemption import Preemption, Stopped, exit_code
 
-    is_main = jax.process_index() == 0
-    multi = jax.process_count() > 1
+    is_main, multi = jax.process_index() == 0, jax.process_count() > 1
     try:
         locks = lock_folders(out_dir, checkpoint_dirs(cfg, args.compare), is_main, multi)
     except LockError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _fail(2, f"error: {e}")
 
-    def start():
-        # Only once the state is built or restored: a refused checkpoint writes nothing.
+    def start():  # once the state is built or restored: a refused checkpoint writes nothing
         if is_main:
             os.makedirs(out_dir, exist_ok=True)
             save_config(cfg, os.path.join(out_dir, "config.yaml"))
 
     hooks = fault.hooks() if fault is not None else None
-    preemption = None
+    preemption, progress = None, not args.no_progress
     try:
         if is_main:
             print(mesh_lib.describe_mesh(mesh, cfg.mesh.nvl_domain))
             if gpu_flags:
                 print(f"XLA flags for overlap on GPU (train/xla_flags.py; XLA_FLAGS overrides): {', '.join(gpu_flags)}")
-        import threading
-
-        from train.peers import preemption_sync_available
-
-        # Signal handlers belong to the main thread; several processes need the runtime's
-        # preemption service to agree on a step (without it a signal ends a process as before).
+        # Signal handlers belong to the main thread; several processes need the runtime's preemption
+        # service to agree on a step (without it a signal ends a process as before).
         if threading.current_thread() is threading.main_thread() and (not multi or preemption_sync_available()):
             preemption = Preemption(sync=multi).install()
-        runs = [loop.run(cfg, mesh, out_dir, progress=not args.no_progress, label=f"{cfg.nvfp4.weights} weights",
-                         on_start=start, preemption=preemption, hooks=hooks)]
+        runs = [loop.run(cfg, mesh, out_dir, progress=progress, label=f"{cfg.nvfp4.weights} weights", on_start=start,
+                         preemption=preemption, hooks=hooks)]
         if args.compare == "bf16":
             base = dataclasses.replace(cfg, nvfp4=dataclasses.replace(cfg.nvfp4, weights="bf16"))
             if cfg.checkpoint.dir:
                 base = dataclasses.replace(base, checkpoint=dataclasses.replace(
                     cfg.checkpoint, dir=checkpoint_dirs(cfg, args.compare)[1]))
-            runs.append(loop.run(base, mesh, os.path.join(out_dir, "bf16"), progress=not args.no_progress,
-                                 label="bf16 weights", preemption=preemption))
+            runs.append(loop.run(base, mesh, os.path.join(out_dir, "bf16"), progress=progress, label="bf16 weights",
+                                 preemption=preemption))
         if args.export:
             import jax_nvfp4 as nv
-
-            # overwrite replaces a previous export only (export_nvfp4 refuses anything else).
-            nv.export.export_nvfp4(runs[0]["params"], args.export, overwrite=True)
+            nv.export.export_nvfp4(runs[0]["params"], args.export, overwrite=True)  # replaces only an export
         if args.export_hf:
             export_hf(cfg, runs[0]["params"], args.export_hf, layout=args.hf_format, calibrate=args.calibrate or 0,
                       run=runs[0])
@@ -358,41 +250,26 @@ def _run(args, cfg, out_dir, fault) -> int:
                       f"({args.hf_format}, {'W4A4' if args.calibrate else 'weight-only'})")
         summary = summary_lib.summarize(runs, out_dir)
     except Stopped as e:
-        if multi:
-            # Every process has saved; leave together (a launcher may stop the others as soon
-            # as one process has exited).
+        if multi:  # every process has saved: leave together (a launcher may stop the others once one exits)
             from train.peers import wait_at_barrier
-
-            try:
+            with contextlib.suppress(Exception):  # a peer gone meanwhile: its checkpoint is written
                 wait_at_barrier(f"train_stopped_{e.step}", 300_000)
-            except Exception:  # noqa: BLE001 - a peer gone meanwhile: its checkpoint is written
-                pass
         if is_main:
             print(e.line(), file=sys.stderr, flush=True)
         return exit_code(e.signum)
     except CheckpointWriteError as e:
-        print(f"checkpoint error: {e}", file=sys.stderr)
-        return 5
+        return _fail(5, f"checkpoint error: {e}")
     except (CheckpointError, ConfigError) as e:
-        print(f"checkpoint error: {e}" if isinstance(e, CheckpointError) else f"config error: {e}", file=sys.stderr)
-        return 2
+        return _fail(2, f"{'checkpoint' if isinstance(e, CheckpointError) else 'config'} error: {e}")
     except FloatingPointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
-    except OSError as e:
-        # An output that could not be written mid-run (a full or read-only file system).
+        return _fail(3, f"error: {e}")
+    except OSError as e:  # an output that could not be written mid-run (a full or read-only file system)
         where = f" {e.filename}" if e.filename else ""
-        print(f"error: cannot write{where}: {e.strerror or e}; the checkpoints written before are intact",
-              file=sys.stderr)
-        return 5
-    except jax.errors.JaxRuntimeError as e:
-        # E.g. a peer process died mid-collective: one line, not a multi-page XLA traceback.
+        return _fail(5, f"error: cannot write{where}: {e.strerror or e}; the checkpoints written before are intact")
+    except jax.errors.JaxRuntimeError as e:  # e.g. a peer died mid-collective: one line, not an XLA traceback
         text = str(e).strip()
-        print(f"error: process {jax.process_index()}: {text.splitlines()[0] if text else type(e).__name__}",
-              file=sys.stderr, flush=True)
-        if jax.process_count() > 1:
-            # A lost peer cannot join the orderly shutdown barrier: waiting for it would only
-            # end in an abort after the heartbeat timeout. Leave now.
+        _fail(4, f"error: process {jax.process_index()}: {text.splitlines()[0] if text else type(e).__name__}")
+        if multi:  # a lost peer cannot join the shutdown barrier (an abort after the heartbeat timeout)
             sys.stdout.flush()
             os._exit(4)
         return 4
@@ -407,31 +284,24 @@ def _run(args, cfg, out_dir, fault) -> int:
 
 
 def checkpoint_dirs(cfg, compare) -> list:
-    """The checkpoint folders of the command: ``checkpoint.dir``, and with ``--compare bf16``
-    the bf16 run's (``<checkpoint.dir>-bf16``); none without ``checkpoint.dir``."""
+    """``checkpoint.dir`` and, with ``--compare bf16``, the bf16 run's ``<checkpoint.dir>-bf16``."""
     if not cfg.checkpoint.dir:
         return []
     return [cfg.checkpoint.dir] + ([cfg.checkpoint.dir.rstrip("/") + "-bf16"] if compare else [])
 
 
 def lock_folders(out_dir: str, ckpt_dirs, is_main: bool, multi: bool) -> list:
-    """Lock ``--out`` and the checkpoint folders for this run (:mod:`train.lock`), in process 0;
-    the other processes of a multi-process run learn its outcome from the coordination
-    service. Returns the locks held here (release them when the run ends).
-
-    Raises:
-      train.lock.LockError: a folder is another run's, or cannot be created or written.
-    """
+    """Lock ``--out`` and the checkpoint folders (:mod:`train.lock`) in process 0, the others learning
+    the outcome from the coordination service; returns the locks held here. LockError: a folder is
+    another run's, or cannot be created or written."""
     from train.lock import FolderLock, LockError
 
-    locks, why = [], ""
+    locks, why, seen = [], "", set()
     if is_main:
-        seen = set()
         try:
             for path, what in [(out_dir, "--out"), *((d, "checkpoint.dir") for d in ckpt_dirs)]:
-                real = os.path.realpath(path)
-                if real not in seen:
-                    seen.add(real)
+                if os.path.realpath(path) not in seen:
+                    seen.add(os.path.realpath(path))
                     locks.append(FolderLock(path, what).acquire())
         except LockError as e:
             for lock in locks:
@@ -439,7 +309,6 @@ def lock_folders(out_dir: str, ckpt_dirs, is_main: bool, multi: bool) -> list:
             locks, why = [], str(e)
     if multi:
         from train.peers import coordination_client
-
         client = coordination_client()
         if is_main:
             client.key_value_set("train_lock/outcome", why or "ok")
@@ -452,8 +321,8 @@ def lock_folders(out_dir: str, ckpt_dirs, is_main: bool, multi: bool) -> list:
 
 
 def hf_check(cfg, mesh) -> None:
-    """Refuse (ConfigError) an ``--export-hf`` of ``cfg``'s model that could not be written in
-    both formats, from the planned state's shapes (before anything is trained)."""
+    """Refuse (ConfigError) an ``--export-hf`` of ``cfg``'s model that either format could not hold,
+    from the planned state's shapes (before anything is trained)."""
     import jax
 
     import jax_nvfp4 as nv
@@ -472,16 +341,12 @@ def hf_check(cfg, mesh) -> None:
 
 def export_hf(cfg, params, directory: str, *, layout: str = "compressed-tensors", calibrate: int = 0,
               run=None) -> None:
-    """``--export-hf DIR``: Hugging Face Llama checkpoints of ``params`` in DIR/bf16 and
-    DIR/nvfp4 (``layout``: ``--hf-format``, compressed-tensors or ModelOpt NVFP4), with the
-    token file's tokenizer when there is one, or the imported checkpoint's tokenizer and
-    special tokens (``train.init_from``). ``calibrate`` (``--calibrate N``): DIR/nvfp4 is W4A4,
-    each NVFP4 layer's input amax recorded over N validation batches (:mod:`train.calibrate`;
-    ``run``, the ``train.loop.run`` result, gives the float32 masters for the bf16 loss); the
-    bf16, W4A16 and W4A4 validation losses on those batches are printed."""
+    """``--export-hf DIR``: Hugging Face Llama checkpoints of ``params`` in DIR/bf16 and DIR/nvfp4
+    (``layout``: ``--hf-format``), with the token file's or the imported checkpoint's tokenizer;
+    ``calibrate`` N: DIR/nvfp4 is W4A4 (:mod:`train.calibrate`; ``run``, the ``train.loop.run``
+    result, gives the float32 masters for the bf16 loss), the three validation losses printed."""
     from jax_nvfp4 import export as export_lib
-    from train import data as data_lib
-    from train import hf_import
+    from train import data as data_lib, hf_import
     from train.model import HF_NAMES
 
     tokenizer = eos = bos = None
@@ -489,8 +354,8 @@ def export_hf(cfg, params, directory: str, *, layout: str = "compressed-tensors"
     if cfg.data.source == "tokens":
         meta = data_lib.read_token_header(cfg.data.path)
         path = os.path.join(os.path.dirname(os.path.abspath(cfg.data.path)), meta.get("tokenizer") or "")
-        tokenizer, eos, bos = ((path, meta.get("eos_id"), meta.get("bos_id")) if os.path.isfile(path)
-                               else (None, None, None))
+        if os.path.isfile(path):
+            tokenizer, eos, bos = path, meta.get("eos_id"), meta.get("bos_id")
     if cfg.train.init_from:
         source = hf_import.read_hf_config(cfg.train.init_from)
         eos, bos = source.get("eos_token_id", eos), source.get("bos_token_id")
@@ -506,8 +371,8 @@ def export_hf(cfg, params, directory: str, *, layout: str = "compressed-tensors"
 
         input_amax, losses = calibrate_lib.for_run(cfg, dict(run or {}, params=params), calibrate)
         if jax.process_index() == 0:
-            shown = " / ".join(f"{k} {v:.4f}" for k, v in (("bf16", losses["bf16"]), ("W4A16", losses["w4a16"]),
-                                                            ("W4A4", losses["w4a4"])) if v is not None)
+            shown = " / ".join(f"{k} {losses[k.lower()]:.4f}" for k in ("bf16", "W4A16", "W4A4")
+                               if losses[k.lower()] is not None)
             print(f"calibrated the NVFP4 layers' input amax on {calibrate} validation batch"
                   f"{'es' if calibrate > 1 else ''}; validation loss on them: {shown}", flush=True)
     for fmt in ("bf16", "nvfp4"):
@@ -525,12 +390,11 @@ def _within(path: str, folder: str) -> bool:
 
 
 def output_refusal(args, cfg, out_dir: str) -> str:
-    """Why the outputs of this command cannot all be written (empty if they can), checked
-    before anything runs: ``--out`` a file; ``--export`` or ``--export-hf`` on, in or around
-    the checkpoint folders, replacing or holding ``--out`` or the compare run's folder, or
-    landing on a file the run writes there; the two exports holding each other; an
-    ``--export`` folder that is not empty and not a previous export; an ``--export-hf``
-    folder that exists and is not empty."""
+    """Why the outputs of this command cannot all be written (empty if they can), checked before
+    anything runs: ``--out`` a file or an earlier run's that this one does not resume; an export
+    folder on, in or around the run folders, the checkpoint folders, a file the run writes or the
+    other export; an ``--export`` folder not empty and not a previous export; an ``--export-hf``
+    folder not empty."""
     from jax_nvfp4.export import is_export
     from train.lock import LOCK_NAME
 
@@ -550,13 +414,13 @@ def output_refusal(args, cfg, out_dir: str) -> str:
     exports = [(f"--export {args.export}", real(args.export))] if args.export else []
     if args.export_hf:
         exports.append((f"--export-hf {args.export_hf}", real(args.export_hf)))
+    ckpts = [real(d) for d in checkpoint_dirs(cfg, args.compare)]
     for name, target in exports:
         hits = [(what, d) for what, d in runs if _within(d, target) or _within(target, d)]
         if hits:  # name the innermost folder that holds the export, else one it would hold
             what, d = max(hits, key=lambda h: (_within(target, h[1]), len(h[1])))
             return f"{name}: would replace or sit in {what} {d}; choose another directory"
-        for d in checkpoint_dirs(cfg, args.compare):
-            d = real(d)
+        for d in ckpts:
             if _within(target, d) or _within(d, target):
                 return f"{name}: would replace or sit in checkpoint.dir {d}; choose another directory"
         hit = [p for p in own if _within(target, p)]
@@ -570,37 +434,20 @@ def output_refusal(args, cfg, out_dir: str) -> str:
             return f"--export {args.export}: exists and is not a directory"
         if os.path.isdir(target) and os.listdir(target) and not is_export(target):
             return f"--export {args.export}: is not empty and is not a previous NVFP4 export; refusing to replace it"
-    for what, d in runs:
+    for i, (what, d) in enumerate(runs):
         earlier = [f for f in RUN_FILES if os.path.isfile(os.path.join(d, f))]
-        if earlier and not _resumes(cfg, args.compare, d != out):
+        # Resuming: the run's (i 0) or the compare run's (i 1) checkpoint folder holds a step.
+        ck = ckpts[min(i, len(ckpts) - 1)] if ckpts else None
+        if earlier and not (ck and os.path.isdir(ck) and any(name.isdigit() for name in os.listdir(ck))):
             return (f"--out {out_dir}: {what} holds an earlier run's files ({', '.join(earlier)}) and this run "
                     "does not resume it (no checkpoint in checkpoint.dir); choose a new folder or remove them")
     return ""
 
 
-def _resumes(cfg, compare, bf16: bool) -> bool:
-    """The run (or with ``bf16``, the compare run) restores a checkpoint: its checkpoint folder
-    holds a step."""
-    dirs = checkpoint_dirs(cfg, compare)
-    d = dirs[1] if bf16 and len(dirs) > 1 else (dirs[0] if dirs else None)
-    return bool(d) and os.path.isdir(d) and any(name.isdigit() for name in os.listdir(d))
-
-
-def fault_hooks(checkpoint_dir=None):
-    """The faults the ``TRAIN_FAULT_*`` variables ask for (:func:`train.faults.from_env`; the
-    module is imported only when one is set), or None. ValueError: a malformed one."""
-    if not any(name.startswith("TRAIN_FAULT_") for name in os.environ):
-        return None
-    from train import faults
-
-    return faults.from_env(checkpoint_dir)
-
-
 def print_summary(summary, out_dir: str) -> None:
-    """The end-of-run lines: per run, the training loss (mean of the last steps, named), the
-    last step's loss, the validation loss when evaluated; then ONE gather ratio, named by what
-    it divides (the NVFP4 weights' packed gather bytes over a bf16 gather of the same weights),
-    and every other ratio labelled with its denominator."""
+    """The end-of-run lines: per run, the training loss (named), the last step's loss and the
+    validation loss; then ONE gather ratio, named by what it divides, and every other ratio
+    labelled with its denominator."""
     r0 = summary["runs"][0]
     floor = r0["entropy_floor"]
     print(f"\n== summary ({out_dir}) ==")
@@ -609,15 +456,13 @@ def print_summary(summary, out_dir: str) -> None:
         print(f"validation loss: {a['label']} {a['final_val_loss']:.4f}, {b['label']} {b['final_val_loss']:.4f}; "
               f"NVFP4 - bf16 gap {summary['final_val_loss_gap']:+.4f} nats")
     for r in summary["runs"]:
-        if not r.get("final_loss_steps"):
-            # A finished checkpoint reopened: no step ran here, so there is no training loss.
-            val = f"; validation loss {r['final_val_loss']:.4f}" if r.get("final_val_loss") is not None else ""
+        val = f"; validation loss {r['final_val_loss']:.4f}" if r.get("final_val_loss") is not None else ""
+        n = r.get("final_loss_steps")
+        if not n:  # a finished checkpoint reopened: no step ran here
             print(f"{r['label']:>14}: no step trained here (the checkpoint was at train.steps={r['steps']} already; "
                   f"its losses are in the metrics.jsonl it was trained into){val}")
             continue
-        n = r.get("final_loss_steps") or 1
         what = f"mean training loss over the last {n} steps" if n > 1 else "training loss of the last step"
-        val = f"; validation loss {r['final_val_loss']:.4f}" if r.get("final_val_loss") is not None else ""
         gap = f" ({r['final_loss'] - floor:+.3f} above the entropy floor {floor:.3f})" if floor is not None else ""
         last = f"; last step {r['last_loss']:.4f}" if n > 1 and r.get("last_loss") is not None else ""
         step_ms = f"{r['median_step_time_s'] * 1e3:.1f} ms" if r["median_step_time_s"] else "n/a"
@@ -627,12 +472,15 @@ def print_summary(summary, out_dir: str) -> None:
         print(f"packed gather ratio: {summary['nvfp4_gather_vs_bf16']:.5f} = the NVFP4 weights' all-gathers, "
               f"{r0['nvfp4_gather_bytes']:,} B/step/device / a bf16 gather of the same weights, "
               f"{r0['nvfp4_bf16_gather_bytes']:,} B")
-        print(f"  ({gather_floor(r0.get('nvfp4_block', '2d'))}; less where a small leaf's scales stay replicated)")
+        import jax_nvfp4 as nv
+        from train.plan import BLOCKS
+
+        floor_text = nv.layout.packed_gather_text(BLOCKS[r0.get("nvfp4_block", "2d")])
+        print(f"  ({floor_text} of bf16; less where a small leaf's scales stay replicated)")
     if "gather_vs_bf16" in summary:
-        print(f"  whole model, weights kept in bf16 included: {r0['all_gather_bytes']:,} B = {summary['gather_vs_bf16']:.4f} x "
-              f"a bf16 gather of the same params ({r0['bf16_gather_bytes']:,} B)")
+        print(f"  whole model, weights kept in bf16 included: {r0['all_gather_bytes']:,} B = "
+              f"{summary['gather_vs_bf16']:.4f} x a bf16 gather of the same params ({r0['bf16_gather_bytes']:,} B)")
     if "final_loss_gap" in summary:
-        a, b = summary["runs"]
         print(f"NVFP4 - bf16 training loss (means over the last steps, above): {summary['final_loss_gap']:+.4f} nats")
         print(f"  params all-gathered, NVFP4 run / bf16 run (each run's own HLO; the bf16 run keeps weights below "
               f"the shard size replicated, not gathered): {summary.get('gathered_bytes_ratio', float('nan')):.4f}; "
@@ -640,20 +488,9 @@ def print_summary(summary, out_dir: str) -> None:
     print(f"files: {out_dir}/metrics.jsonl, {out_dir}/loss.png, {out_dir}/summary.json")
 
 
-def gather_floor(block: str) -> str:
-    """The packed gather's floor for ``nvfp4.block`` ``"1d"``/``"2d"``, in words."""
-    import jax_nvfp4 as nv
-    from train.plan import BLOCKS
-
-    return nv.layout.packed_gather_text(BLOCKS[block]) + " of bf16"
-
-
 if __name__ == "__main__":
     code = main()
-    if code == 5:
-        # A checkpoint error: whatever orbax still runs in the background for the failed save
-        # (a failed write's commit thread) is abandoned, not waited for at exit. (A directory
-        # that cannot be written fails inside save() and leaves nothing behind.)
+    if code == 5:  # abandon orbax's background work for the failed save instead of waiting for it at exit
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -1,19 +1,10 @@
 """Checkpoints of the whole training state, on orbax-checkpoint's standard handlers.
 
-A checkpoint ``<dir>/<step>/`` holds ``state`` (``StandardSave`` of the params and optimizer
-state as the training holds them: ``TiledNVFP4`` / ``Tiled`` arrays in their tile-major layout,
-each process writing its own shards; typed PRNG keys stored by orbax), ``meta`` (``JsonSave``:
-the step, the data position, the base PRNG key, :func:`describe` of every leaf and ``run``, the
-config :func:`check_resume` compares) and each process's hash record of the files it wrote
-(:mod:`train.integrity`, verified before a restore, each process its share).
-
-The tile layout depends on the data axis only through zero tiles padding each tile list to a
-multiple of it: a checkpoint restores onto any data axis (``strict=False``: orbax pads or
-truncates the tile axis); leaves saved with another tensor split are read whole and re-laid
-out on the devices. Saves are atomic (orbax renames a temporary directory once every process
-has written; a leftover one is removed). Refused in one line: a corrupt file (named), a missing
-hash record (a save killed before recording), another model or optimizer, non-finite values;
-``fallback`` takes the newest intact checkpoint, the damaged renamed ``corrupt-<step>``.
+``<dir>/<step>/`` holds ``state`` (params and optimizer state in their tile-major layout, each process
+writing its shards), ``meta`` (step, data position, base key, :func:`describe` of every leaf and
+``run``, what :func:`check_resume` compares) and each process's content hashes (:mod:`train.integrity`,
+verified before a restore). A checkpoint restores onto any data axis (orbax pads or truncates the tile
+axis) and any tensor split (re-laid out on the devices); saves are atomic. See docs/TRAINING.md.
 """
 
 from __future__ import annotations
@@ -49,9 +40,8 @@ class CheckpointError(ConfigError):
 
 
 class CheckpointWriteError(Exception):
-    """A checkpoint that could not be written mid-run (e.g. a full or read-only file system);
-    the ones before it are intact. One line. Not a :class:`CheckpointError`: the checkpoint
-    and the config are good, the storage failed (the CLI's exit 5, not 2)."""
+    """A checkpoint that could not be written mid-run (the storage failed, not the config: the CLI's
+    exit 5, not 2); the ones before it are intact. One line."""
 
 
 @dataclasses.dataclass
@@ -63,7 +53,6 @@ class Restored:
     data_state: Dict[str, int]
 
 
-# ----------------------------------------------------------------------------- the state's leaves
 def _is_node(x) -> bool:
     return nv.array.is_nvfp4(x) or nv.layout.is_tiled(x)
 
@@ -74,32 +63,32 @@ def _is_key(x) -> bool:
 
 def _named(tree, is_leaf=None) -> List[Tuple[str, Any]]:
     """``[(name, leaf)]`` of ``{"params": ..., "opt_state": ...}``, names ``params/a/0/b``."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
     return [(nv.params.path_str(path), leaf) for path, leaf in flat]
 
 
 def describe(params, opt_state) -> Dict[str, Dict[str, Any]]:
-    """``{leaf name: {kind, shape, dtype | block | impl[, tensor_split]}}``: what a checkpoint
-    of this state holds, in logical shapes (arrays or ``jax.eval_shape`` trees)."""
+    """``{leaf name: {kind, shape, dtype | block | impl[, tensor_split]}}`` of a state (arrays or
+    ``jax.eval_shape`` trees), in logical shapes."""
     out = {}
     for name, leaf in _named({"params": params, "opt_state": opt_state}, _is_node):
         if nv.array.is_nvfp4(leaf) or isinstance(leaf, nv.TiledNVFP4):
-            out[name] = {"kind": "nvfp4", "shape": list(leaf.shape), "block": list(leaf.block)}
+            d = {"kind": "nvfp4", "shape": list(leaf.shape), "block": list(leaf.block)}
         elif isinstance(leaf, nv.Tiled):
-            out[name] = {"kind": "tiled", "shape": list(leaf.shape), "dtype": str(jnp.dtype(leaf.value.dtype))}
+            d = {"kind": "tiled", "shape": list(leaf.shape), "dtype": str(jnp.dtype(leaf.value.dtype))}
         elif _is_key(leaf):
-            out[name] = {"kind": "key", "shape": list(leaf.shape), "impl": str(getattr(leaf.dtype, "_impl", leaf.dtype))}
+            d = {"kind": "key", "shape": list(leaf.shape), "impl": str(getattr(leaf.dtype, "_impl", leaf.dtype))}
         else:
-            out[name] = {"kind": "array", "shape": list(np.shape(leaf)), "dtype": str(jnp.dtype(leaf.dtype))}
+            d = {"kind": "array", "shape": list(np.shape(leaf)), "dtype": str(jnp.dtype(leaf.dtype))}
         if isinstance(leaf, (nv.Tiled, nv.TiledNVFP4)):
-            out[name]["tensor_split"] = [leaf.layout.n_tensor, leaf.layout.tensor_dim]
+            d["tensor_split"] = [leaf.layout.n_tensor, leaf.layout.tensor_dim]
+        out[name] = d
     return out
 
 
 def host_arrays(params, opt_state) -> Dict[str, np.ndarray]:
-    """``{name: host array}`` of a state's logical values (NVFP4 leaves as ``data``,
-    ``scale_bits``, ``amax_bits``; keys as key data), to compare states bit for bit across
-    meshes. Single-process."""
+    """``{name: host array}`` of a state's logical values (NVFP4 leaves as ``data``, ``scale_bits``,
+    ``amax_bits``; keys as key data), to compare states bit for bit across meshes. Single-process."""
     tree = jax.jit(nv.sharding.logical)({"params": params, "opt_state": opt_state})  # one program
     return {name: np.asarray(jax.random.key_data(x) if _is_key(x) else x) for name, x in _named(tree)}
 
@@ -109,18 +98,16 @@ def _finite(tree) -> Dict[str, jax.Array]:
     """``{name: all finite}`` of the float leaves (amaxes as the floats of their bits)."""
     out = {}
     for name, x in _named(tree):
-        if name.endswith("/amax_bits"):
-            x = jax.lax.bitcast_convert_type(x, jnp.float32)
+        x = jax.lax.bitcast_convert_type(x, jnp.float32) if name.endswith("/amax_bits") else x
         if not _is_key(x) and jnp.issubdtype(x.dtype, jnp.floating):
             out[name] = jnp.all(jnp.isfinite(x.astype(jnp.float32)))
     return out
 
 
-# ----------------------------------------------------------------------------- the manager
 class Checkpointer:
-    """Saves and restores training states under ``directory`` (orbax step directories; the
-    ``keep`` newest kept). Every process of a run creates it and calls :meth:`save`,
-    :meth:`restorable_step`, :meth:`verify` and :meth:`restore` together; the directory is shared."""
+    """Saves and restores training states under ``directory`` (orbax step directories, the ``keep``
+    newest kept). Every process creates it and calls :meth:`save`, :meth:`restorable_step`,
+    :meth:`verify` and :meth:`restore` together; the directory is shared."""
 
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = False):
         import orbax.checkpoint as ocp
@@ -134,10 +121,10 @@ class Checkpointer:
         if not os.access(self.directory, os.R_OK | os.W_OK | os.X_OK):
             raise CheckpointError(f"checkpoint.dir={directory!r}: not readable and writable")
         self._unhashed: List[int] = []  # steps saved here whose hash record is not written yet
-        self._verified: set = set()  # steps verified by this object
+        self._verified: set = set()
         self._hash_lock = threading.Lock()
-        # Asynchronous: hashes recorded once a save has committed; the temporary directory made
-        # in save(), so an unwritable one fails there (not in orbax's threads, 5 minutes at exit).
+        # Asynchronous: hashes recorded once a save has committed; the temporary directory made in
+        # save(), so an unwritable one fails there (not in orbax's threads, 5 minutes at exit).
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._record_hashes,
@@ -146,25 +133,24 @@ class Checkpointer:
             self.manager = ocp.CheckpointManager(self.directory, options=options)
         except Exception as e:  # noqa: BLE001 - an unusable directory is a user error
             raise CheckpointError(f"checkpoint.dir={directory!r}: cannot use it: {_first_line(e)}") from None
-        try:  # orbax removes a killed save's temporary directory in the background: finish now
+        with contextlib.suppress(OSError):  # orbax removes a killed save's temporary directory in the background
             getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
-        except OSError:
-            pass
+
+    def _dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
 
     def all_steps(self) -> List[int]:
         return sorted(self.manager.all_steps())
 
-    # -- save
     def save(self, step: int, params, opt_state, *, mesh, base_key: Optional[jax.Array] = None,
              data_state: Optional[Dict[str, int]] = None, run: Optional[Dict[str, Any]] = None) -> None:
-        """Write checkpoint ``step`` (with ``async_save``, in the background); ``run``:
-        :func:`run_identity`, checked on resume. CheckpointWriteError: this save (or the
-        previous asynchronous one) failed."""
-        ocp = self._ocp
+        """Write checkpoint ``step`` (``async_save``: in the background); ``run``: :func:`run_identity`.
+        CheckpointWriteError: this save (or the previous asynchronous one) failed."""
+        ocp, key = self._ocp, base_key
         meta = {"format": FORMAT, "version": FORMAT_VERSION, "step": int(step),
                 "data_state": {k: int(v) for k, v in (data_state or {}).items()},
-                "base_key": None if base_key is None else {"impl": str(jax.random.key_impl(base_key)),
-                                                           "data": np.asarray(jax.random.key_data(base_key)).tolist()},
+                "base_key": None if key is None else {"impl": str(jax.random.key_impl(key)),
+                                                      "data": np.asarray(jax.random.key_data(key)).tolist()},
                 "leaves": describe(params, opt_state), "mesh": {str(k): int(v) for k, v in mesh.shape.items()},
                 "run": run}
         if self.async_save and self._unhashed:
@@ -201,33 +187,30 @@ class Checkpointer:
             raise CheckpointWriteError(f"cannot write {what} to {self.directory}: {_first_line(e)}; "
                                        "the checkpoints before it are intact") from None
 
-    # -- content hashes
     def _record_hashes(self) -> None:
-        """Write this process's hash record (:func:`train.integrity.record`: the files it wrote)
-        of each committed step it saved. Idempotent; called from orbax's thread too."""
+        """Write this process's hash record of each committed step it saved (idempotent; also called
+        from orbax's thread)."""
         with self._hash_lock:
-            for step in [s for s in self._unhashed if os.path.isdir(os.path.join(self.directory, str(s)))]:
+            for step in [s for s in self._unhashed if os.path.isdir(self._dir(s))]:
                 self._unhashed.remove(step)  # committed
-                d = os.path.join(self.directory, str(step))
                 try:
-                    integrity.record(d)
+                    integrity.record(self._dir(step))
                 except OSError as e:
-                    raise CheckpointWriteError(f"cannot write the content hashes of checkpoint {d}: "
+                    raise CheckpointWriteError(f"cannot write the content hashes of checkpoint {self._dir(step)}: "
                                                f"{e.strerror or e}") from None
 
     def verify(self, step: int) -> None:
-        """Raise :class:`CheckpointError` (one line naming the file) unless checkpoint ``step``
-        holds what its processes recorded (:func:`train.integrity.verify`, on every process)."""
-        d = os.path.join(self.directory, str(step))
+        """Raise :class:`CheckpointError` (one line naming the file) unless checkpoint ``step`` holds
+        what its processes recorded (:func:`train.integrity.verify`, on every process)."""
         try:
-            integrity.verify(d)
+            integrity.verify(self._dir(step))
         except integrity.IntegrityError as e:
             if isinstance(e, integrity.Unrecorded):
                 self.read_meta(step)  # a checkpoint of an older format is refused as such
-            raise CheckpointError(f"checkpoint {d}: {e}") from None
+            raise CheckpointError(f"checkpoint {self._dir(step)}: {e}") from None
 
     def restorable_step(self, fallback: bool = False) -> Tuple[Optional[int], List[Tuple[int, str]]]:
-        """``(step, corrupt)``: the newest step that verifies (None if there is none) and, with
+        """``(step, corrupt)``: the newest step that verifies (None: there is none) and, with
         ``fallback``, the newer ``(step, why)`` that did not (:meth:`set_aside` moves them).
         CheckpointError: the newest is corrupt and not ``fallback``, or none is intact."""
         bad = []
@@ -248,8 +231,8 @@ class Checkpointer:
         return None, bad
 
     def set_aside(self, corrupt: List[Tuple[int, str]], chosen: int, log=None) -> None:
-        """Rename the ``corrupt`` steps of :meth:`restorable_step` ``corrupt-<step>`` (kept, out
-        of orbax's way) and say so (``log``; default: stderr of process 0). On every process."""
+        """Rename the ``corrupt`` steps of :meth:`restorable_step` ``corrupt-<step>`` and say so
+        (``log``; default: process 0's stderr). On every process."""
         if not corrupt:
             return
         say = log or (lambda m: print(m, file=sys.stderr, flush=True))
@@ -259,17 +242,15 @@ class Checkpointer:
                 while os.path.exists(aside):
                     i += 1
                     aside = os.path.join(self.directory, f"corrupt-{step}-{i}")
-                os.rename(os.path.join(self.directory, str(step)), aside)
+                os.rename(self._dir(step), aside)
                 say(f"checkpoint: {why}; moved to {aside}; restoring step {chosen} instead")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("jax_nvfp4_checkpoint_fallback")
         self.manager.reload()
 
-    # -- restore
     def read_meta(self, step: int) -> Dict[str, Any]:
-        where = os.path.join(self.directory, str(step))
+        where = self._dir(step)
         try:
             meta = self.manager.restore(step, args=self._ocp.args.Composite(meta=self._ocp.args.JsonRestore())).meta
         except Exception as e:  # noqa: BLE001 - any read failure is a bad checkpoint
@@ -281,20 +262,22 @@ class Checkpointer:
                 f"checkpoint {where}: format version 1 (masters stored by logical values, before the tile "
                 f"layout); this version reads format {FORMAT_VERSION}: resume it with version 0.1.0 or start anew")
         if meta.get("version") != FORMAT_VERSION:
-            raise CheckpointError(f"checkpoint {where}: format version {meta.get('version')}, this code reads {FORMAT_VERSION}")
+            raise CheckpointError(f"checkpoint {where}: format version {meta.get('version')}, this code reads "
+                                  f"{FORMAT_VERSION}")
         return meta
 
     def restore(self, step: int, abstract_params, abstract_state, param_shardings, state_shardings) -> Restored:
-        """Restore checkpoint ``step`` (verified first) into the layout of the ``jax.eval_shape``
-        trees ``abstract_params`` / ``abstract_state`` with the given shardings. CheckpointError:
-        corrupt or unreadable files, another model/optimizer, non-finite values."""
-        where = os.path.join(self.directory, str(step))
+        """Restore checkpoint ``step`` (verified first) into the layout of the ``jax.eval_shape`` trees
+        ``abstract_params`` / ``abstract_state`` with those shardings. CheckpointError: corrupt or
+        unreadable files, another model/optimizer, non-finite values."""
+        where = self._dir(step)
         if step not in self._verified:
             self.verify(step)
         meta = self.read_meta(step)
         saved, expected = meta.get("leaves", {}), describe(abstract_params, abstract_state)
         _check_compatible(where, saved, expected)
-        resplit = {k: e["tensor_split"] for k, e in saved.items() if e.get("tensor_split") != expected[k].get("tensor_split")}
+        resplit = {k: e["tensor_split"] for k, e in saved.items()
+                   if e.get("tensor_split") != expected[k].get("tensor_split")}
         abstract = {"params": abstract_params, "opt_state": abstract_state}
         names = [name for name, _ in _named(abstract, _is_node)]
         leaves, treedef = jax.tree.flatten(abstract, is_leaf=_is_node)
@@ -316,18 +299,18 @@ class Checkpointer:
             def relayout(xs):
                 return [nv.TiledNVFP4.from_array(x.to_array(), leaves[i].layout) if isinstance(x, nv.TiledNVFP4)
                         else nv.Tiled.from_logical(x.logical(), leaves[i].layout) for i, x in zip(moved, xs)]
-
             done = jax.jit(relayout, out_shardings=[shardings[i] for i in moved])([out[i] for i in moved])
             for i, x in zip(moved, done):
                 out[i] = x
         state, k = treedef.unflatten(out), meta.get("base_key")
         base_key = jax.random.wrap_key_data(np.asarray(k["data"], np.uint32), impl=k["impl"]) if k else None
-        return Restored(int(meta["step"]), state["params"], state["opt_state"], base_key, dict(meta.get("data_state") or {}))
+        return Restored(int(meta["step"]), state["params"], state["opt_state"], base_key,
+                        dict(meta.get("data_state") or {}))
 
 
 def _target(leaf, sh, split):
-    """The restore target of one leaf (``jax.ShapeDtypeStruct`` with its sharding); a tiled
-    leaf saved with the tensor ``split`` as that layout's arrays, whole on every device."""
+    """The restore target of one leaf (a ``jax.ShapeDtypeStruct`` with its sharding); a tiled leaf
+    saved with the tensor ``split``: that layout's arrays, whole on every device."""
     sds = lambda shape, dtype, s: jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=s)
     if split is None or not isinstance(leaf, (nv.Tiled, nv.TiledNVFP4)):
         return jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), leaf, sh)
@@ -345,17 +328,18 @@ def _check_compatible(where: str, saved: Dict[str, Any], expected: Dict[str, Any
     """One line naming the first leaf that differs (the tensor split may: it is re-laid out)."""
     strip = lambda d: {k: {f: v for f, v in e.items() if f != "tensor_split"} for k, e in d.items()}
     saved, expected = strip(saved), strip(expected)
+    head = f"checkpoint {where} does not match this model/optimizer: "
     for name in expected:
         if name in saved and saved[name] != expected[name]:
             s, e = saved[name], expected[name]
             what = ", ".join(f"{k} {s.get(k)} in the checkpoint but {e.get(k)} here"
                              for k in sorted(set(s) | set(e)) if s.get(k) != e.get(k))
-            raise CheckpointError(f"checkpoint {where} does not match this model/optimizer: {name}: {what}")
+            raise CheckpointError(f"{head}{name}: {what}")
     missing, extra = [k for k in expected if k not in saved], [k for k in saved if k not in expected]
     parts = ([f"{len(missing)} leaves of this run are not in it (e.g. {missing[0]})"] if missing else []) + \
             ([f"{len(extra)} of its leaves are not in this run (e.g. {extra[0]})"] if extra else [])
     if parts:
-        raise CheckpointError(f"checkpoint {where} does not match this model/optimizer: " + "; ".join(parts))
+        raise CheckpointError(head + "; ".join(parts))
 
 
 def _first_line(e: BaseException) -> str:
@@ -363,14 +347,10 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
-# ----------------------------------------------------------------------------- resume rules
-# The config keys whose change changes the training trajectory (the data, the model, the updates)
-# are those train.config declares "trajectory" (train.config.trajectory_keys): not the mesh
-# (restores reshard, bit-identically), nor train.steps itself (the schedule's length stands for
-# it). Two are recorded as the run uses them:
+# The trajectory keys (train.config.trajectory_keys; not the mesh, nor train.steps, whose schedule length
+# stands for it) a run records; these two as the run resolves them.
 _RESOLVED = {"nvfp4.block": lambda cfg: cfg.nvfp4.resolved_block(),
              "optim.schedule_steps": lambda cfg: cfg.schedule_steps()}
-
 # Keys that checkpoints written before they existed do not record, with the value those had.
 _BEFORE_RECORDED = {"nvfp4.block": "2d", "train.init_from": None, "nvfp4.grad_rounding": "stochastic",
                     "nvfp4.wgrad_hadamard": True, "nvfp4.activations": "nvfp4", "nvfp4.fused_amax": False}
@@ -379,8 +359,8 @@ _UNKNOWN_BEFORE = ("data.val_path", "data.val_fraction", "data.path:content", "d
 
 
 def run_identity(cfg) -> Dict[str, Any]:
-    """``{"section.key": value}`` of the config values a checkpoint's trajectory depends on (its
-    trajectory keys; ``nvfp4.block`` and ``optim.schedule_steps``, the schedule's length, resolved),
+    """``{"section.key": value}`` of the config a checkpoint's trajectory depends on (its trajectory
+    keys, :data:`_RESOLVED` resolved; the data files' content, :func:`train.data.file_fingerprint`)
     plus ``train.steps``."""
     from train.config import to_dict, trajectory_keys
 
@@ -389,10 +369,8 @@ def run_identity(cfg) -> Dict[str, Any]:
         section, name = key.split(".")
         out[key] = _RESOLVED[key](cfg) if key in _RESOLVED else d[section][name]
     out["train.steps"] = cfg.train.steps
-    # The data files' content, not only their names (train.data.file_fingerprint).
     if cfg.data.source in ("file", "tokens"):
         from train.data import file_fingerprint
-
         for key in ("path", "val_path"):
             path = getattr(cfg.data, key)
             out[f"data.{key}:content"] = file_fingerprint(path) if path else None
@@ -400,11 +378,9 @@ def run_identity(cfg) -> Dict[str, Any]:
 
 
 def check_resume(where: str, meta: Dict[str, Any], cfg) -> None:
-    """Refuse to resume checkpoint ``meta`` (read from ``where``) with ``cfg`` unless it
-    continues the same run (model, data, optimizer, schedule length, NVFP4 recipe; not past
-    ``train.steps``); keys in ``checkpoint.allow_change`` may differ. To extend a run, raise
-    ``train.steps`` and keep ``optim.schedule_steps=<its length>`` (or allow a new length: the
-    learning rate then jumps). Raises CheckpointError: one line naming what differs and the override."""
+    """Refuse (CheckpointError, one line naming what differs and the override) to resume checkpoint
+    ``meta`` (read from ``where``) with ``cfg`` unless it continues the same run, not past
+    ``train.steps``; keys in ``checkpoint.allow_change`` may differ."""
     step = int(meta.get("step", 0))
     if step > cfg.train.steps:
         raise CheckpointError(f"checkpoint {where} is at step {step}, past train.steps={cfg.train.steps}: nothing "
@@ -413,9 +389,7 @@ def check_resume(where: str, meta: Dict[str, Any], cfg) -> None:
     if not isinstance(saved, dict):
         raise CheckpointError(f"checkpoint {where}: it does not record its config; cannot check that this run "
                               "continues it")
-    here = run_identity(cfg)
-    allowed = set(cfg.checkpoint.allow_change)
-    saved = {**_BEFORE_RECORDED, **saved}
+    here, allowed, saved = run_identity(cfg), set(cfg.checkpoint.allow_change), {**_BEFORE_RECORDED, **saved}
     # A file's content may change where its name is allowed to ("data.path:content" goes with data.path).
     diffs = [k for k in here if k != "train.steps" and k.split(":")[0] not in allowed
              and not (k in _UNKNOWN_BEFORE and k not in saved)
@@ -437,10 +411,6 @@ def check_resume(where: str, meta: Dict[str, Any], cfg) -> None:
                 f"schedule for the new length set checkpoint.allow_change=[optim.schedule_steps]")
     else:
         hint = f"to continue with the new value set checkpoint.allow_change=[{k}], or use another checkpoint.dir"
-    raise CheckpointError(f"checkpoint {where} was trained with {k}={_short(saved.get(k))} but this run has "
-                          f"{k}={_short(here[k])}{more}; {hint}")
-
-
-def _short(v) -> str:
-    text = json.dumps(v)
-    return text if len(text) <= 40 else text[:37] + "..."
+    short = lambda v: json.dumps(v) if len(json.dumps(v)) <= 40 else json.dumps(v)[:37] + "..."
+    raise CheckpointError(f"checkpoint {where} was trained with {k}={short(saved.get(k))} but this run has "
+                          f"{k}={short(here[k])}{more}; {hint}")

@@ -1,14 +1,7 @@
-"""Content hashes of a directory that several processes write, each process hashing and
-verifying its own share: no process reads another's files.
-
-Process ``p`` owns the files under a path component ``process_<p>`` or ``ocdbt.process_<p>``
-(orbax-checkpoint writes each process's array data and metadata there); process 0 also owns
-every other file (the shared metadata). :func:`record` writes the sha256 and size of the files
-this process owns to its record (:data:`RECORD` for process 0, ``jax_nvfp4.sha256.process_<p>.json``
-for process ``p``); :func:`verify` checks every record and the listing (files missing, extra or
-resized: no reading) and hashes this process's share of the records, the processes agreeing on
-the first file that does not match. Hidden files are not part of a directory's content.
-"""
+"""Content hashes of a directory that several processes write, each process hashing and verifying
+its own share (no process reads another's files). Process ``p`` owns the files under a path
+component ``process_<p>`` or ``ocdbt.process_<p>`` (orbax's per-process data); process 0 also every
+other file. Hidden files are not part of a directory's content."""
 
 from __future__ import annotations
 
@@ -23,7 +16,7 @@ import numpy as np
 
 __all__ = ["IntegrityError", "Unrecorded", "RECORD", "record", "verify", "owner"]
 
-RECORD = "jax_nvfp4.sha256.json"
+RECORD = "jax_nvfp4.sha256.json"  # process 0's record; process p's is jax_nvfp4.sha256.process_<p>.json
 
 
 class IntegrityError(ValueError):
@@ -46,20 +39,14 @@ def record_name(p: int) -> str:
 
 def listing(d: str) -> List[str]:
     """The files under ``d`` (relative paths) but the records and hidden files; nothing read."""
-    out = []
-    for root, _, files in os.walk(d):
-        out += [os.path.relpath(os.path.join(root, f), d) for f in files]
+    out = [os.path.relpath(os.path.join(root, f), d) for root, _, files in os.walk(d) for f in files]
     return sorted(rel for rel in out if not any(part.startswith(".") for part in rel.split(os.sep))
                   and not re.fullmatch(re.escape(RECORD[:-5]) + r"(\.process_\d+)?\.json", rel))
 
 
 def hash_file(path: str) -> Dict[str, Any]:
-    h, n = hashlib.sha256(), 0
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-            n += len(chunk)
-    return {"sha256": h.hexdigest(), "bytes": n}
+        return {"sha256": hashlib.file_digest(f, "sha256").hexdigest(), "bytes": f.tell()}
 
 
 def _digest(rec: Dict[str, Any]) -> str:
@@ -68,7 +55,7 @@ def _digest(rec: Dict[str, Any]) -> str:
 
 def record(d: str) -> None:
     """Write this process's record of ``d``: the sha256 and size of the files it owns, and the
-    number of processes (how many records make the whole). Raises OSError."""
+    process count (how many records make the whole). Raises OSError."""
     me = jax.process_index()
     rec = {"files": {rel: hash_file(os.path.join(d, rel)) for rel in listing(d) if owner(rel) == me},
            "process_count": jax.process_count()}
@@ -97,9 +84,10 @@ def _read(d: str, p: int) -> Dict[str, Any]:
 
 
 def verify(d: str) -> None:
-    """Raise :class:`IntegrityError` unless ``d`` holds what its records list, no more (hidden
-    files aside), at the recorded sizes, and this process's share of the records (record ``r``
-    for process ``r % process_count``) matches its sha256. Every process calls it together."""
+    """Raise :class:`IntegrityError` unless ``d`` holds what its records list, no more (hidden files
+    aside), at the recorded sizes, and this process's share of the records (record ``r`` for process
+    ``r % process_count``) matches its sha256; the processes agree on the first bad file. Every
+    process calls it together."""
     records = [_read(d, 0)]
     records += [_read(d, p) for p in range(1, int(records[0].get("process_count", 1)))]
     files = {rel: entry for r in records for rel, entry in r["files"].items()}
@@ -123,5 +111,4 @@ def _first(index: int) -> int:
     if jax.process_count() == 1:
         return index
     from jax.experimental import multihost_utils
-
     return int(np.min(multihost_utils.process_allgather(np.int64(index))))

@@ -1,5 +1,5 @@
-"""Which params are NVFP4 and where the run's state lives, from its config: the policy and the
-sharding rules the library applies, and the mesh axes the batch is split over."""
+"""Which params are NVFP4 and where the run's state lives, from its config: the library's policy
+and sharding rules, and the mesh axes the batch is split over."""
 
 from __future__ import annotations
 
@@ -9,13 +9,9 @@ import jax_nvfp4 as nv
 from train.config import Config
 from train.model import KEPT_SEGMENTS, tensor_rules
 
-
 # nvfp4.block: one scale per 16x16 tile, or per 16 consecutive inputs of an [in, out] kernel.
 BLOCKS = {"2d": nv.BLOCK_2D, "1d": nv.array.BLOCK_COLUMN}
-
-
-# nvfp4.fused_amax: the projections a serving engine fuses into one GEMM with one global scale
-# (qkv_proj, gate_up_proj), per layer of each segment.
+# nvfp4.fused_amax: the projections a serving engine fuses into one GEMM with one global scale.
 FUSED_AMAX = (r"attn/(q|k|v)/kernel$", r"mlp/(gate|up)/kernel$")
 
 
@@ -29,15 +25,10 @@ def policy_for(cfg: Config) -> nv.Policy:
 
 
 def rules_for(cfg: Config, tensor: int = 1) -> nv.Rules:
-    """Where the state lives. Scanned segments stack layers on axis 0. Large bf16 leaves
-    (embeddings, head, the bf16 baseline's weights) are stored sharded and gathered like the
-    NVFP4 ones, so the two weight formats are compared like for like.
-
-    With ``mesh.layout: gb200`` (axes rack, data, tensor): ``mesh.sharding: fsdp`` shards the
-    state over ``("data", "rack")``, racks minor, so a weight gather crosses racks first on
-    1/I of the bytes and a gradient is summed inside the rack first; ``hsdp`` shards it over
-    ``data`` (inside the rack) and replicates it across racks. ``tensor``: the tensor axis's
-    size (which kernels it splits: :func:`train.model.tensor_rules`)."""
+    """Where the state lives; scanned segments stack layers on axis 0, and large bf16 leaves are
+    sharded and gathered like NVFP4 ones (a like-for-like comparison). ``mesh.layout: gb200``:
+    ``fsdp`` shards over ``("data", "rack")`` (racks minor), ``hsdp`` over ``data`` and replicates
+    across racks. ``tensor``: the tensor axis's size (:func:`train.model.tensor_rules`)."""
     common = dict(tensor_axis="tensor", tensor=tensor_rules(cfg.model.n_kv_heads, tensor), stacked=(r"^blocks",))
     if cfg.mesh.layout != "gb200":
         return nv.Rules(data_axis="data", **common)
@@ -47,6 +38,5 @@ def rules_for(cfg: Config, tensor: int = 1) -> nv.Rules:
 
 
 def batch_axes(mesh, rules: nv.Rules) -> tuple:
-    """The mesh axes the batch rows are split over, in mesh order (racks first: each
-    process's devices hold consecutive rows)."""
+    """The mesh axes the batch rows are split over, in mesh order (each process's rows consecutive)."""
     return tuple(a for a in mesh.axis_names if a in rules.batch_axes)

@@ -2,12 +2,9 @@
 
   python -m train.runs --against DIR -- [python -m train arguments]
 
-compares the ``metrics.jsonl`` of the run those arguments describe (its ``--out``, else the
-config's ``train.out_dir``) with ``DIR/metrics.jsonl``. ``scripts/launch_local.sh N
---check-against DIR ...`` runs it after the N processes finish, e.g. to confirm that 2
-processes x 4 devices train exactly like 1 process x 8. Exit 0 when every step's loss has the
-same bits, 1 otherwise (the first step that differs is printed), 2 when a file is missing.
-No JAX needed.
+compares the ``metrics.jsonl`` of the run those arguments describe with ``DIR/metrics.jsonl``
+(``scripts/launch_local.sh N --check-against DIR`` runs it). Exit 0 when every step's loss has the
+same bits, 1 otherwise (the first step that differs is printed), 2 when a file is missing. No JAX.
 """
 
 from __future__ import annotations
@@ -24,25 +21,19 @@ from typing import List, Optional, Tuple
 def read_losses(path: str) -> List[Tuple[int, Optional[float]]]:
     """``[(step, loss)]`` from a ``metrics.jsonl`` (a non-finite loss is stored as null: None)."""
     with open(path) as f:
-        recs = [json.loads(line) for line in f if line.strip()]
-    return [(int(r["step"]), r.get("loss")) for r in recs]
-
-
-def _bits(x: Optional[float]):
-    return None if x is None else struct.pack("<d", float(x))
+        return [(int(r["step"]), r.get("loss")) for r in (json.loads(line) for line in f if line.strip())]
 
 
 def compare_losses(this: str, other: str) -> Tuple[bool, str]:
-    """``(same, message)`` for the metrics files ``this`` and ``other``: same steps and the
-    same bits for every loss. The message names the first step that differs."""
+    """``(same, message)``: the same steps and the same bits for every loss; the message names the
+    first step that differs."""
     a, b = read_losses(this), read_losses(other)
     if [s for s, _ in a] != [s for s, _ in b]:
-        def span(r):
-            return f"{len(r)} steps ({r[0][0]}..{r[-1][0]})" if r else "no steps"
-
+        span = lambda r: f"{len(r)} steps ({r[0][0]}..{r[-1][0]})" if r else "no steps"
         return False, f"losses not comparable: this run has {span(a)}, {other} has {span(b)}"
+    bits = lambda x: None if x is None else struct.pack("<d", float(x))
     for (step, x), (_, y) in zip(a, b):
-        if _bits(x) != _bits(y):
+        if bits(x) != bits(y):
             diff = f" (difference {x - y:+.3e})" if x is not None and y is not None and math.isfinite(x - y) else ""
             return False, f"losses differ first at step {step}: {x!r} here, {y!r} in {other}{diff}"
     return True, f"losses match bit for bit ({len(a)} steps)"
@@ -54,8 +45,7 @@ def metrics_path(train_args) -> str:
     from train.config import load_config
 
     args = parse_args(list(train_args))
-    out = args.out or load_config(args.config, args.overrides).train.out_dir
-    return os.path.join(out, "metrics.jsonl")
+    return os.path.join(args.out or load_config(args.config, args.overrides).train.out_dir, "metrics.jsonl")
 
 
 def main(argv=None) -> int:
@@ -63,8 +53,7 @@ def main(argv=None) -> int:
     p.add_argument("--against", required=True, metavar="DIR", help="a run's output folder (holds metrics.jsonl)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the python -m train arguments of this run")
     args = p.parse_args(argv)
-    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    this = metrics_path(train_args)
+    this = metrics_path(args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args)
     other = os.path.join(args.against, "metrics.jsonl")
     for path in (this, other):
         if not os.path.isfile(path):

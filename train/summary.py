@@ -1,5 +1,5 @@
-"""What a run leaves behind besides its metrics: ``summary.json`` and ``loss.png`` (one run,
-or NVFP4 against bf16 with ``--compare``), and the strict-JSON records both are written with."""
+"""What a run leaves besides its metrics: ``summary.json`` and ``loss.png`` (one run, or NVFP4
+against bf16 with ``--compare``), and the strict-JSON records both are written with."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import numpy as np
 
 
 def json_record(rec: Dict[str, Any]) -> str:
-    """``rec`` as one line of strict JSON: non-finite floats (a skipped step's NaN loss)
-    become null, which every JSON reader accepts (``NaN`` is not JSON)."""
+    """``rec`` as one line of strict JSON: non-finite floats (a skipped step's NaN loss) become null."""
     return json.dumps(_finite_or_none(rec), allow_nan=False)
 
 
@@ -29,10 +28,9 @@ def _finite_or_none(x):
 
 
 def plot_losses(runs, path: str, floor: Optional[float]):
-    """``loss.png``: the training (and validation) loss of each run against the step, on a log
-    axis with plain tick labels; with two runs (``--compare``) a second panel shows their
-    difference per step (first run - second: NVFP4 - bf16), since the curves overlap. Returns
-    the (closed) figure."""
+    """``loss.png``: each run's training (and validation) loss against the step on a log axis with
+    plain tick labels; with two runs a second panel shows their difference per step (first - second).
+    Returns the (closed) figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -43,10 +41,9 @@ def plot_losses(runs, path: str, floor: Optional[float]):
     fig, axes = plt.subplots(2 if two else 1, 1, figsize=(7, 6.5 if two else 4), sharex=True, squeeze=False,
                              gridspec_kw={"height_ratios": [2, 1]} if two else None)
     ax = axes[0, 0]
-    styles = [dict(color="tab:blue", ls="-", lw=1.4), dict(color="tab:orange", ls="--", lw=1.4),
-              dict(color="tab:purple", ls="-.", lw=1.4), dict(color="tab:red", ls=(0, (1, 1)), lw=1.4)]
     for i, r in enumerate(runs):
-        st = styles[i % len(styles)]
+        st = dict(color=("tab:blue", "tab:orange", "tab:purple", "tab:red")[i % 4], lw=1.4,
+                  ls=("-", "--", "-.", (0, (1, 1)))[i % 4])
         ax.plot(np.arange(1, len(r["history"]) + 1), r["history"], label=f"{r['label']} (train)", **st)
         if r.get("val_history"):
             steps, vals = zip(*r["val_history"])
@@ -67,12 +64,12 @@ def plot_losses(runs, path: str, floor: Optional[float]):
         n = min(len(a["history"]), len(b["history"]))
         diff = np.asarray(a["history"][:n], np.float64) - np.asarray(b["history"][:n], np.float64)
         dx = axes[1, 0]
-        dx.plot(np.arange(1, n + 1), diff, color="tab:green", lw=1, label=f"{a['label']} - {b['label']} (train, per step)")
-        if a.get("val_history") and b.get("val_history"):
-            vb = dict(b["val_history"])
-            pts = [(s, v - vb[s]) for s, v in a["val_history"] if s in vb]
-            if pts:
-                dx.plot(*zip(*pts), "D", color="k", ms=5, label="validation difference")
+        dx.plot(np.arange(1, n + 1), diff, color="tab:green", lw=1,
+                label=f"{a['label']} - {b['label']} (train, per step)")
+        vb = dict(b.get("val_history") or [])
+        pts = [(s, v - vb[s]) for s, v in a.get("val_history") or [] if s in vb]
+        if pts:
+            dx.plot(*zip(*pts), "D", color="k", ms=5, label="validation difference")
         dx.axhline(0, color="k", lw=0.8)
         dx.set_ylabel("loss difference (nats)")
         dx.legend(fontsize=8)
@@ -85,10 +82,10 @@ def plot_losses(runs, path: str, floor: Optional[float]):
 
 
 def summarize(runs, out_dir: str) -> Dict[str, Any]:
-    """Write summary.json (+ loss.png); return the summary without arrays."""
-    keep = ("label", "steps", "final_loss", "final_loss_steps", "last_loss", "final_val_loss", "val_history", "entropy_floor", "median_step_time_s",
-            "skipped_steps", "all_gather_bytes", "bf16_gather_bytes", "nvfp4_gather_bytes",
-            "nvfp4_bf16_gather_bytes", "nvfp4_block", "collectives", "temp_bytes")
+    """Write summary.json (and loss.png, process 0); return the summary without arrays."""
+    keep = ("label", "steps", "final_loss", "final_loss_steps", "last_loss", "final_val_loss", "val_history",
+            "entropy_floor", "median_step_time_s", "skipped_steps", "all_gather_bytes", "bf16_gather_bytes",
+            "nvfp4_gather_bytes", "nvfp4_bf16_gather_bytes", "nvfp4_block", "collectives", "temp_bytes")
     summary = {"runs": [{k: r[k] for k in keep} for r in runs]}
     first = runs[0]
     if first["bf16_gather_bytes"]:

@@ -463,10 +463,12 @@ def test_transformers_loads_the_nvfp4_export_as_the_bf16_weights(exported):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("compressed_tensors")
     _, _, root = exported
-    try:
-        qcfg = transformers.CompressedTensorsConfig(dequantize=True)
-    except TypeError:  # transformers before the run_compressed rename
-        qcfg = transformers.CompressedTensorsConfig(run_compressed=False)
+    import inspect
+
+    # transformers < 5 names the switch run_compressed (an unknown keyword lands in **kwargs unread)
+    names = inspect.signature(transformers.CompressedTensorsConfig.__init__).parameters
+    qcfg = transformers.CompressedTensorsConfig(
+        **({"run_compressed": False} if "run_compressed" in names else {"dequantize": True}))
     a = transformers.LlamaForCausalLM.from_pretrained(str(root / "bf16"), dtype=torch.bfloat16)
     b = transformers.LlamaForCausalLM.from_pretrained(str(root / "nvfp4"), dtype=torch.bfloat16, quantization_config=qcfg)
     sa, sb = a.state_dict(), b.state_dict()

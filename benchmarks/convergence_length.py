@@ -209,14 +209,11 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
                 L.append(f"- {r['budget']} tokens/param, {NAMES[v]}: "
                          + ", ".join(f"{s}: {x:+.2f}" for s, x in d["curve"]) + ".")
     L.append("")
-    text = "\n".join(L) + "\n"
-    path = os.path.join(out, REPORT)
-    with open(path, "w") as f:
-        f.write(text)
-    return path
+    return stats.write_text(out, REPORT, L + stats.reproduction_lines(payload.get("reruns") or []))
 
 
-def assemble(results, specs, corpus, args, command: str, wall: float) -> Dict[str, Any]:
+def assemble(results, specs, corpus, args, command: str, wall: float, cache: Optional[str] = None) -> Dict[str, Any]:
+    from benchmarks.convergence_recipe import read_reruns
     from train.optimizer import schedule_for
 
     shapes = args.shapes
@@ -230,7 +227,8 @@ def assemble(results, specs, corpus, args, command: str, wall: float) -> Dict[st
                                     if b not in args.budgets],
             "cost": cost(results, specs), **stats.run_meta(results, specs, command, wall)}
     agg = aggregate(results, specs, args.seeds, shapes, corpus["train"]["bytes"], lr_at)
-    return {"meta": meta, "corpus": corpus, "aggregate": agg, "runs": stats.stored_runs(results)}
+    reruns = read_reruns(cache, {s["name"] for s in specs}) if cache else []
+    return {"meta": meta, "corpus": corpus, "aggregate": agg, "reruns": reruns, "runs": stats.stored_runs(results)}
 
 
 def not_run(budget, shapes: Dict[str, Dict[str, int]], train_bytes: int) -> Dict[str, Any]:

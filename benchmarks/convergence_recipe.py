@@ -256,20 +256,7 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
                  f"learning-rate table above): gap {stats.pct_text(top_lr['half']['gap_pct'])} -> "
                  f"**{stats.met_text(stats.verdict(top_lr['half'], grid.RECIPE_TARGET))}**.")
     L.append("")
-    reruns = payload.get("reruns") or []
-    if reruns:
-        L += ["## Reproduction", "", "| run | recorded val loss | retrained | bit for bit | code of the retraining |",
-              "|---|---:|---:|---|---|"]
-        for x in reruns:
-            L.append(f"| `{x['name']}` | {x['recorded']['final_val_loss']!r} | {x['rerun']['final_val_loss']!r} | "
-                     f"{'yes' if x['identical'] else 'NO'} | `{x['rerun_source']['sha256'][:12]}` (commit "
-                     f"`{(x['rerun_source'].get('git_commit') or '?')[:10]}`) |")
-        L.append("")
-    text = "\n".join(L) + "\n"
-    path = os.path.join(out, REPORT)
-    with open(path, "w") as f:
-        f.write(text)
-    return path
+    return stats.write_text(out, REPORT, L + stats.reproduction_lines(payload.get("reruns") or []))
 
 
 def assemble(results, specs, corpus, args, command: str, wall: float, cache: str) -> Dict[str, Any]:
@@ -284,7 +271,7 @@ def assemble(results, specs, corpus, args, command: str, wall: float, cache: str
                            for size in args.sizes if any(r["size"] == size for r in results.values())},
             **stats.run_meta(results, specs, command, wall)}
     return {"meta": meta, "corpus": corpus, "aggregate": aggregate(results, args.sizes, args.seeds, args.ablation_at),
-            "reruns": read_reruns(cache), "runs": stats.stored_runs(results)}
+            "reruns": read_reruns(cache, {s["name"] for s in specs}), "runs": stats.stored_runs(results)}
 
 
 def n_params(cfg) -> int:
@@ -326,13 +313,14 @@ def compare(name: str, recorded: Dict[str, Any], rerun: Dict[str, Any]) -> Dict[
             "checked_unix": rerun.get("finished_unix")}
 
 
-def read_reruns(cache: str) -> List[Dict[str, Any]]:
+def read_reruns(cache: str, names=None) -> List[Dict[str, Any]]:
+    """The verdicts of ``--rerun`` in ``cache`` (of the runs in ``names``, when given), by name."""
     d = rerun_dir(cache)
     if not os.path.isdir(d):
         return []
     out = []
     for f in sorted(os.listdir(d)):
-        if f.endswith(".json"):
+        if f.endswith(".json") and (names is None or f[:-5] in names):
             with open(os.path.join(d, f)) as fh:
                 out.append(json.load(fh))
     return out

@@ -683,7 +683,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"wrote {path}, convergence_recipe.json and convergence_recipe.png ({len(results)}/{len(specs)} runs)")
         return 0 if len(results) == len(specs) else 1
     if args.length_sweep:
-        path = cl.write(args.out, cl.assemble(results, specs, corpus, args, _command(argv), wall))
+        path = cl.write(args.out, cl.assemble(results, specs, corpus, args, _command(argv), wall, args.cache))
         log(f"wrote {path} and convergence_length.json ({len(results)}/{len(specs)} runs)")
         return 0 if len(results) == len(specs) else 1
     payload = assemble(results, specs, corpus, args, argv, wall)

@@ -191,6 +191,28 @@ def report_head(title: str, meta: Dict[str, Any], made: str, extra: Sequence[str
     return L
 
 
+def reproduction_lines(reruns: Sequence[Dict[str, Any]]) -> List[str]:
+    """The table of retrained runs (``--rerun NAME``): recorded and retrained validation loss, whether
+    every loss agrees bit for bit, and the code of the retraining; nothing when none was retrained."""
+    if not reruns:
+        return []
+    L = ["## Reproduction", "", "| run | recorded val loss | retrained | bit for bit | code of the retraining |",
+         "|---|---:|---:|---|---|"]
+    for x in reruns:
+        L.append(f"| `{x['name']}` | {x['recorded']['final_val_loss']!r} | {x['rerun']['final_val_loss']!r} | "
+                 f"{'yes' if x['identical'] else 'NO'} | `{x['rerun_source']['sha256'][:12]}` (commit "
+                 f"`{(x['rerun_source'].get('git_commit') or '?')[:10]}`) |")
+    return L + [""]
+
+
+def write_text(out: str, name: str, lines: Sequence[str]) -> str:
+    """Write ``lines`` as the report ``out/name``; its path."""
+    path = os.path.join(out, name)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
 def run_meta(results, specs, command: str, wall: float) -> Dict[str, Any]:
     """What a report says of its runs: the command, which runs are done, their time, where,
     whether every pair read the same batches, and the code they were trained by."""

@@ -3,8 +3,8 @@
 ``<dir>/<step>/`` holds ``state`` (params and optimizer state in their tile-major layout, each process
 writing its shards), ``meta`` (step, data position, base key, :func:`describe` of every leaf and
 ``run``, what :func:`check_resume` compares) and each process's content hashes (:mod:`train.integrity`,
-verified before a restore). A checkpoint restores onto any data axis (orbax pads or truncates the tile
-axis) and any tensor split (re-laid out on the devices); saves are atomic. See docs/TRAINING.md.
+verified before a restore). A checkpoint restores onto any data axis and any tensor split
+(:mod:`jax_nvfp4.checkpoint`); saves are atomic. See docs/TRAINING.md.
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-import jax_nvfp4 as nv
+from jax_nvfp4 import checkpoint as nvck
 from train import integrity
 from train.config import ConfigError
 
@@ -53,55 +51,14 @@ class Restored:
     data_state: Dict[str, int]
 
 
-def _is_node(x) -> bool:
-    return nv.array.is_nvfp4(x) or nv.layout.is_tiled(x)
-
-
-def _is_key(x) -> bool:
-    return jax.dtypes.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key)
-
-
-def _named(tree, is_leaf=None) -> List[Tuple[str, Any]]:
-    """``[(name, leaf)]`` of ``{"params": ..., "opt_state": ...}``, names ``params/a/0/b``."""
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
-    return [(nv.params.path_str(path), leaf) for path, leaf in flat]
-
-
 def describe(params, opt_state) -> Dict[str, Dict[str, Any]]:
-    """``{leaf name: {kind, shape, dtype | block | impl[, tensor_split]}}`` of a state (arrays or
-    ``jax.eval_shape`` trees), in logical shapes."""
-    out = {}
-    for name, leaf in _named({"params": params, "opt_state": opt_state}, _is_node):
-        if nv.array.is_nvfp4(leaf) or isinstance(leaf, nv.TiledNVFP4):
-            d = {"kind": "nvfp4", "shape": list(leaf.shape), "block": list(leaf.block)}
-        elif isinstance(leaf, nv.Tiled):
-            d = {"kind": "tiled", "shape": list(leaf.shape), "dtype": str(jnp.dtype(leaf.value.dtype))}
-        elif _is_key(leaf):
-            d = {"kind": "key", "shape": list(leaf.shape), "impl": str(getattr(leaf.dtype, "_impl", leaf.dtype))}
-        else:
-            d = {"kind": "array", "shape": list(np.shape(leaf)), "dtype": str(jnp.dtype(leaf.dtype))}
-        if isinstance(leaf, (nv.Tiled, nv.TiledNVFP4)):
-            d["tensor_split"] = [leaf.layout.n_tensor, leaf.layout.tensor_dim]
-        out[name] = d
-    return out
+    """:func:`jax_nvfp4.checkpoint.describe` of ``{"params": params, "opt_state": opt_state}``."""
+    return nvck.describe({"params": params, "opt_state": opt_state})
 
 
 def host_arrays(params, opt_state) -> Dict[str, np.ndarray]:
-    """``{name: host array}`` of a state's logical values (NVFP4 leaves as ``data``, ``scale_bits``,
-    ``amax_bits``; keys as key data), to compare states bit for bit across meshes. Single-process."""
-    tree = jax.jit(nv.sharding.logical)({"params": params, "opt_state": opt_state})  # one program
-    return {name: np.asarray(jax.random.key_data(x) if _is_key(x) else x) for name, x in _named(tree)}
-
-
-@jax.jit
-def _finite(tree) -> Dict[str, jax.Array]:
-    """``{name: all finite}`` of the float leaves (amaxes as the floats of their bits)."""
-    out = {}
-    for name, x in _named(tree):
-        x = jax.lax.bitcast_convert_type(x, jnp.float32) if name.endswith("/amax_bits") else x
-        if not _is_key(x) and jnp.issubdtype(x.dtype, jnp.floating):
-            out[name] = jnp.all(jnp.isfinite(x.astype(jnp.float32)))
-    return out
+    """:func:`jax_nvfp4.checkpoint.host_arrays` of ``{"params": params, "opt_state": opt_state}``."""
+    return nvck.host_arrays({"params": params, "opt_state": opt_state})
 
 
 class Checkpointer:
@@ -274,72 +231,27 @@ class Checkpointer:
         if step not in self._verified:
             self.verify(step)
         meta = self.read_meta(step)
-        saved, expected = meta.get("leaves", {}), describe(abstract_params, abstract_state)
-        _check_compatible(where, saved, expected)
-        resplit = {k: e["tensor_split"] for k, e in saved.items()
-                   if e.get("tensor_split") != expected[k].get("tensor_split")}
-        abstract = {"params": abstract_params, "opt_state": abstract_state}
-        names = [name for name, _ in _named(abstract, _is_node)]
-        leaves, treedef = jax.tree.flatten(abstract, is_leaf=_is_node)
-        shardings = treedef.flatten_up_to({"params": param_shardings, "opt_state": state_shardings})
-        target = treedef.unflatten([_target(x, sh, resplit.get(n)) for n, x, sh in zip(names, leaves, shardings)])
+        saved, abstract = meta.get("leaves", {}), {"params": abstract_params, "opt_state": abstract_state}
+        why = nvck.mismatch(saved, nvck.describe(abstract))
+        if why:
+            raise CheckpointError(f"checkpoint {where} does not match this model/optimizer: {why}")
+        shardings = {"params": param_shardings, "opt_state": state_shardings}
         try:
-            args = self._ocp.args.Composite(state=self._ocp.args.StandardRestore(target, strict=False))
+            args = self._ocp.args.Composite(state=self._ocp.args.StandardRestore(
+                nvck.restore_targets(abstract, shardings, saved), strict=False))
             state = self.manager.restore(step, args=args).state
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"checkpoint {where}: cannot read its arrays: {_first_line(e)}") from None
-        bad = [name for name, ok in jax.device_get(_finite(state)).items() if not ok]
+        bad = nvck.nonfinite(state)
         if bad:
             raise CheckpointError(f"checkpoint {where}: non-finite values (NaN or Inf) in {bad[0]}"
                                   + (f" (and {len(bad) - 1} more leaves)" if len(bad) > 1 else "")
                                   + "; refusing to restore it")
-        out = jax.tree.leaves(state, is_leaf=_is_node)
-        moved = [i for i, n in enumerate(names) if n in resplit]
-        if moved:  # leaves saved with another tensor split into this run's tiles, in one program
-            def relayout(xs):
-                return [nv.TiledNVFP4.from_array(x.to_array(), leaves[i].layout) if isinstance(x, nv.TiledNVFP4)
-                        else nv.Tiled.from_logical(x.logical(), leaves[i].layout) for i, x in zip(moved, xs)]
-            done = jax.jit(relayout, out_shardings=[shardings[i] for i in moved])([out[i] for i in moved])
-            for i, x in zip(moved, done):
-                out[i] = x
-        state, k = treedef.unflatten(out), meta.get("base_key")
+        state = nvck.relayout(state, abstract, shardings, saved)  # leaves saved with another tensor split
+        k = meta.get("base_key")
         base_key = jax.random.wrap_key_data(np.asarray(k["data"], np.uint32), impl=k["impl"]) if k else None
         return Restored(int(meta["step"]), state["params"], state["opt_state"], base_key,
                         dict(meta.get("data_state") or {}))
-
-
-def _target(leaf, sh, split):
-    """The restore target of one leaf (a ``jax.ShapeDtypeStruct`` with its sharding); a tiled leaf
-    saved with the tensor ``split``: that layout's arrays, whole on every device."""
-    sds = lambda shape, dtype, s: jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=s)
-    if split is None or not isinstance(leaf, (nv.Tiled, nv.TiledNVFP4)):
-        return jax.tree.map(lambda x, s: sds(x.shape, x.dtype, s), leaf, sh)
-    (nt, tdim), lay = split, leaf.layout
-    lay = nv.Layout(lay.matrix, 1, nt, tdim if nt > 1 else None, lay.data_axis, lay.tensor_axis if nt > 1 else None)
-    whole, batch = NamedSharding(jax.tree.leaves(sh)[0].mesh, P()), tuple(leaf.shape[:-2])
-    if isinstance(leaf, nv.Tiled):
-        return nv.Tiled(sds(lay.shape(batch), leaf.value.dtype, whole), lay)
-    return nv.TiledNVFP4(sds(lay.shape(batch, (16, 8)), jnp.uint8, whole),
-                         sds(lay.shape(batch, leaf.scale_bits.shape[len(batch) + 2:]), jnp.uint8, whole),
-                         sds(leaf.amax_bits.shape, jnp.uint32, whole), lay, leaf.block)
-
-
-def _check_compatible(where: str, saved: Dict[str, Any], expected: Dict[str, Any]) -> None:
-    """One line naming the first leaf that differs (the tensor split may: it is re-laid out)."""
-    strip = lambda d: {k: {f: v for f, v in e.items() if f != "tensor_split"} for k, e in d.items()}
-    saved, expected = strip(saved), strip(expected)
-    head = f"checkpoint {where} does not match this model/optimizer: "
-    for name in expected:
-        if name in saved and saved[name] != expected[name]:
-            s, e = saved[name], expected[name]
-            what = ", ".join(f"{k} {s.get(k)} in the checkpoint but {e.get(k)} here"
-                             for k in sorted(set(s) | set(e)) if s.get(k) != e.get(k))
-            raise CheckpointError(f"{head}{name}: {what}")
-    missing, extra = [k for k in expected if k not in saved], [k for k in saved if k not in expected]
-    parts = ([f"{len(missing)} leaves of this run are not in it (e.g. {missing[0]})"] if missing else []) + \
-            ([f"{len(extra)} of its leaves are not in this run (e.g. {extra[0]})"] if extra else [])
-    if parts:
-        raise CheckpointError(head + "; ".join(parts))
 
 
 def _first_line(e: BaseException) -> str:

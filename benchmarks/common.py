@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def request_cpu_devices(n: int):
     """Ask for ``n`` simulated CPU devices (unless XLA_FLAGS already sets a count) and return
     ``jax.devices()``. The count is fixed when the backend starts; if it already has, keep it."""
-    from train.mesh import simulate_cpu_devices
+    from jax_nvfp4.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(n)
     return jax.devices()

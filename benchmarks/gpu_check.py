@@ -19,7 +19,7 @@ On this process's GPUs (all local ones; one will do, in under 8 minutes):
    the dtypes of its weight all-gathers (u8 for NVFP4 weights), whether its attention is
    cuDNN's fused kernel, and a finite loss.
 
-The training stack's XLA flags for overlap (``train/xla_flags.py``) are set first, as
+The XLA flags for overlap (``jax_nvfp4/xla_flags.py``) are set first, as
 ``python -m train`` sets them. Each section reports its own error instead of stopping the run.
 Without a GPU: one line on stderr, exit 1; a failed check: exit 3. ``--cpu`` runs the same
 sections on the CPU (a smoke test of this command, not a GPU validation).
@@ -311,7 +311,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     models = args.models
     # Before JAX starts its backend: the flags python -m train runs with on a GPU.
-    from train import xla_flags
+    from jax_nvfp4 import xla_flags
 
     added = xla_flags.configure()
     if not args.cpu:

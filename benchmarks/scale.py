@@ -180,7 +180,7 @@ def analyze_hlo(program, mesh, nvl_domain: int, nvlink_gbps: float = NVLINK_GBPS
     ``jax_nvfp4.comm.parse`` with ``mesh``), grouped by purpose, op, dtype, mesh axes, group
     size and NVLink domains spanned: per-device bytes per step (loop trip counts included),
     ring bytes on the wire and modelled time."""
-    from train.mesh import device_domains
+    from jax_nvfp4.mesh import device_domains
 
     domains = np.array(device_domains(list(mesh.devices.flat), nvl_domain))
     n_dev = domains.size
@@ -379,6 +379,7 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
     import jax
 
     import jax_nvfp4 as nv
+    from jax_nvfp4 import mesh as nv_mesh
     from train import programs
     from train import accounting as accounting_lib
     from train import mesh as mesh_lib
@@ -455,7 +456,7 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
         time_2level_s=sum(r["time_2level_s"] for r in colls),
     )
     # The batch groups of the mesh (one per tensor index): how many NVLink domains one spans.
-    domains = np.array(mesh_lib.device_domains(list(mesh.devices.flat), spec.nvl_domain)).reshape(mesh.devices.shape)
+    domains = np.array(nv_mesh.device_domains(list(mesh.devices.flat), spec.nvl_domain)).reshape(mesh.devices.shape)
     t_dim = mesh.axis_names.index("tensor")
     k_data = max(len(set(np.take(domains, j, axis=t_dim).ravel().tolist())) for j in range(domains.shape[t_dim]))
     n_store = nv.rules.axis_size(mesh, rules.data_axis)
@@ -467,7 +468,7 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
     specs = nv.sharding.partition_specs(a_params)
     return {
         "weights": cfg.nvfp4.weights,
-        "mesh": mesh_lib.describe_mesh(mesh, spec.nvl_domain),
+        "mesh": nv_mesh.describe(mesh, spec.nvl_domain),
         "axes": axes,
         "data_group_domains": k_data,
         "seconds": {"abstract": t_abstract, "compile": t_compile, "compile_eval": t_eval},
@@ -815,7 +816,7 @@ def _request_devices(n: int) -> None:
     run) is overridden."""
     import jax
 
-    from train.mesh import simulate_cpu_devices
+    from jax_nvfp4.mesh import simulate_cpu_devices
 
     simulate_cpu_devices(n, override=True)
     if len(jax.devices()) < n:

@@ -1,5 +1,5 @@
-"""train.mesh: (data, tensor) and (rack, data, tensor) meshes, GB200 NVL72 layouts, multi-process
-launch.
+"""jax_nvfp4.mesh and the training stack's use of it (train.mesh): (data, tensor) and (rack, data,
+tensor) meshes, GB200 NVL72 layouts, multi-process launch.
 
 In-process tests use the 8 simulated CPU devices from conftest.py; the two-rack (144-device)
 layout and the multi-process launch run in subprocesses, since a process's device count is
@@ -19,13 +19,9 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from jax_nvfp4.mesh import RACK_AXES, MeshError, describe, device_domains, device_grid, make_mesh
 from train.config import ConfigError, MeshConfig
-from train.mesh import (
-    build_mesh,
-    describe_mesh,
-    device_domains,
-    device_grid,
-)
+from train.mesh import build_mesh
 
 from conftest import ROOT, xla_flags
 
@@ -76,7 +72,7 @@ def test_gb200_layout_in_process():
     ids = _ids(mesh)
     _check_hybrid(ids, 4)
     np.testing.assert_array_equal(ids, [[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
-    assert describe_mesh(mesh, 4) == (
+    assert describe(mesh, 4) == (
         "mesh rack=2 x data=2 x tensor=2 on 8 cpu devices, 2 NVLink domain(s) of 4; "
         "rack: spans 2 domains; data: within one domain; tensor: within one domain")
     # auto picks the same device order, as one data axis, once devices span several domains ...
@@ -87,7 +83,7 @@ def test_gb200_layout_in_process():
         build_mesh(dataclasses.replace(cfg, racks=3))
     # ... and a plain one inside a single domain.
     plain = build_mesh(MeshConfig(tensor=2))
-    assert "1 NVLink domain(s) of 8; data: within one domain" in describe_mesh(plain, 72)
+    assert "1 NVLink domain(s) of 8; data: within one domain" in describe(plain)
     # An explicit device subset (here reversed) is honoured.
     sub = build_mesh(MeshConfig(tensor=2, layout="gb200", nvl_domain=2),
                      devices=jax.devices()[:4][::-1])
@@ -122,7 +118,7 @@ def test_domains_from_slice_index_use_hybrid_mesh():
     # 2 slices x 8 GPUs, listed interleaved so that only grouping by slice_index is right.
     devs = [FakeDevice(id=i, process_index=i // 4, slice_index=(i // 4) % 2) for i in range(16)]
     assert device_domains(devs, 8) == [d.slice_index for d in devs]
-    grid = device_grid(MeshConfig(tensor=4, layout="gb200", nvl_domain=8), devs)
+    grid = device_grid(tensor=4, racks=-1, nvl_domain=8, devices=devs)
     assert grid.shape == (2, 2, 4)
     sl = np.vectorize(lambda d: d.slice_index)(grid.reshape(4, 4))
     assert (sl == sl[:, :1]).all()
@@ -133,7 +129,7 @@ def test_domains_from_process_index():
     # 8 processes x 2 GPUs with the gapped ids of multi-process runtimes; domain = 4 GPUs.
     devs = [FakeDevice(id=p * 1024 + j, process_index=p) for p in range(8) for j in range(2)]
     assert device_domains(devs, 4) == [p // 2 for p in range(8) for _ in range(2)]
-    grid = device_grid(MeshConfig(tensor=2, layout="gb200", nvl_domain=4), devs)
+    grid = device_grid(tensor=2, racks=-1, nvl_domain=4, devices=devs)
     assert grid.shape == (4, 2, 2)
     procs = np.vectorize(lambda d: d.process_index)(grid.reshape(8, 2))
     np.testing.assert_array_equal(procs, np.repeat(np.arange(8), 2).reshape(8, 2))
@@ -142,25 +138,84 @@ def test_domains_from_process_index():
     # A slice_index every device shares, over more devices than a domain, tells nothing.
     same = [dataclasses.replace(d, slice_index=0) for d in devs]
     assert device_domains(same, 4) == device_domains(devs, 4)
-    with pytest.raises(ConfigError, match="mesh.nvl_domain=3: not a multiple of the 2 devices"):
+    with pytest.raises(MeshError, match="^nvl_domain=3: not a multiple of the 2 devices"):
         device_domains(devs, 3)
+    # The run's mesh says it with the config key.
+    with pytest.raises(ConfigError, match="^mesh.nvl_domain=3: not a multiple of the 2 devices per process, cannot "
+                                          "place processes in domains$"):
+        build_mesh(MeshConfig(nvl_domain=3), devs)
     # One process, no slice_index: simulated devices, domain = id // nvl_domain.
     single = [FakeDevice(id=i, process_index=0, platform="cpu") for i in range(8)]
     assert device_domains(single, 4) == [0] * 4 + [1] * 4
 
 
+def test_library_gb200_mesh_without_a_config():
+    # Two racks of 4 simulated devices (ids 0-3, 4-7), no train config anywhere.
+    mesh = make_mesh(tensor=2, racks=2, nvl_domain=4)
+    assert mesh.axis_names == RACK_AXES and mesh.axis_types == (AxisType.Auto,) * 3
+    assert dict(mesh.shape) == {"rack": 2, "data": 2, "tensor": 2}
+    np.testing.assert_array_equal(_ids(mesh), [[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
+    assert describe(mesh, 4) == (
+        "mesh rack=2 x data=2 x tensor=2 on 8 cpu devices, 2 NVLink domain(s) of 4; "
+        "rack: spans 2 domains; data: within one domain; tensor: within one domain")
+    # racks=-1 takes the racks the devices span; the training stack's mesh is this one.
+    np.testing.assert_array_equal(_ids(make_mesh(data=4, tensor=2, racks=-1, nvl_domain=4)), _ids(mesh))
+    np.testing.assert_array_equal(_ids(build_mesh(MeshConfig(tensor=2, layout="gb200", nvl_domain=4))), _ids(mesh))
+    # No rack axis: the same order as one data axis.
+    flat = make_mesh(tensor=2, nvl_domain=4)
+    assert flat.axis_names == ("data", "tensor")
+    np.testing.assert_array_equal(_ids(flat), _ids(mesh).reshape(4, 2))
+
+    # 2 racks x 4 trays x 2 GPUs, domains from process_index, devices listed racks interleaved.
+    devs = [FakeDevice(id=p * 1024 + j, process_index=p) for p in (0, 4, 1, 5, 2, 6, 3, 7) for j in range(2)]
+    assert device_domains(devs, 8) == [p // 4 for p in (0, 4, 1, 5, 2, 6, 3, 7) for _ in range(2)]
+    grid = device_grid(data=8, tensor=2, racks=2, nvl_domain=8, devices=devs)
+    procs = np.vectorize(lambda d: d.process_index)(grid)
+    np.testing.assert_array_equal(procs, np.repeat(np.arange(8), 2).reshape(2, 4, 2))
+    np.testing.assert_array_equal(np.vectorize(lambda d: d.id % 1024)(grid), np.tile([0, 1], (2, 4, 1)))
+
+
+@pytest.mark.parametrize("kwargs, n, message", [
+    (dict(tensor=3), 8, "tensor=3: does not divide the 8 devices"),
+    (dict(data=2, tensor=2), 8, "data=2 x tensor=2 = 4: must equal the 8 devices"),
+    (dict(tensor=8, racks=-1, nvl_domain=4), 8, "tensor=8: must divide nvl_domain=4 so each tensor group stays "
+                                                "inside one NVLink domain"),
+    (dict(tensor=2, racks=-1, nvl_domain=4), 6, "nvl_domain=4: 6 devices span several domains but are not a whole "
+                                                "number of them"),
+    (dict(tensor=2, racks=3, nvl_domain=4), 8, "racks=3: the 8 devices fall into 2 NVLink domain(s) of nvl_domain=4"),
+    (dict(racks=0), 8, "racks=0: must be a positive count, -1 (what the devices span) or None"),
+])
+def test_library_mesh_errors_name_the_arguments(kwargs, n, message):
+    with pytest.raises(MeshError) as info:
+        make_mesh(devices=jax.devices()[:n], **kwargs)
+    assert str(info.value) == message
+
+
+def test_the_run_renames_library_errors_after_its_config_keys():
+    # Devices 0, 1, 2 and 4 fall into domains of 3 and 1 devices (nvl_domain 4).
+    devices = [jax.devices()[i] for i in (0, 1, 2, 4)]
+    with pytest.raises(MeshError, match=r"^nvl_domain=4: devices fall into NVLink domains of unequal sizes \[1, 3\]$"):
+        make_mesh(tensor=2, racks=-1, nvl_domain=4, devices=devices)
+    with pytest.raises(ConfigError) as info:
+        build_mesh(MeshConfig(tensor=2, layout="gb200", nvl_domain=4), devices)
+    assert str(info.value) == "mesh.nvl_domain=4: devices fall into NVLink domains of unequal sizes [1, 3]"
+    with pytest.raises(ConfigError) as info:
+        build_mesh(MeshConfig(tensor=2, layout="gb200", nvl_domain=4, racks=3))
+    assert str(info.value) == "mesh.racks=3: the 8 devices fall into 2 NVLink domain(s) of mesh.nvl_domain=4"
+
 _RACKS_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax
     from train.config import MeshConfig
-    from train.mesh import build_mesh, describe_mesh
+    from jax_nvfp4.mesh import describe
+    from train.mesh import build_mesh
     def ids(m): return [[[d.id for d in row] for row in rack] for rack in m.devices] if m.devices.ndim == 3 else [[d.id for d in row] for row in m.devices]
     out = {"n": jax.device_count()}
     m = build_mesh(MeshConfig(tensor=4, layout="gb200", nvl_domain=72))
-    out["gb200"] = ids(m); out["shape"] = dict(m.shape); out["describe"] = describe_mesh(m, 72)
+    out["gb200"] = ids(m); out["shape"] = dict(m.shape); out["describe"] = describe(m, 72)
     out["auto"] = ids(build_mesh(MeshConfig(tensor=4, nvl_domain=72)))
     m16 = build_mesh(MeshConfig(tensor=2, layout="gb200", nvl_domain=8), jax.devices()[:16])
-    out["nvl8"] = ids(m16); out["describe8"] = describe_mesh(m16, 8)
+    out["nvl8"] = ids(m16); out["describe8"] = describe(m16, 8)
     json.dump(out, sys.stdout)
 """)
 
@@ -194,7 +249,8 @@ _PROBE = textwrap.dedent("""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
     from train.config import MeshConfig
-    from train.mesh import build_mesh, describe_mesh
+    from jax_nvfp4.mesh import describe
+    from train.mesh import build_mesh
     mesh = build_mesh(MeshConfig(tensor=2, layout="gb200", nvl_domain=4))
     rows = mesh.shape["rack"] * mesh.shape["data"] // jax.process_count()
     local = np.full((rows, 1), jax.process_index() + 1, np.float32)
@@ -204,7 +260,7 @@ _PROBE = textwrap.dedent("""
         procs = [[d.process_index for d in row] for row in mesh.devices.reshape(-1, 2)]
         with open(sys.argv[1], "w") as f:
             json.dump({"procs": procs, "total": float(total), "n": jax.device_count(),
-                       "describe": describe_mesh(mesh, 4)}, f)
+                       "describe": describe(mesh, 4)}, f)
     # Leave the distributed runtime while the interpreter is whole: a teardown at exit can corrupt
     # gloo's heap under load.
     total.block_until_ready()
@@ -269,7 +325,7 @@ def test_configure_host_devices():
     # The second call comes after the backend started: it leaves the count alone.
     assert proc.stdout.split() == ["3", "3", "None"]
     # The scale benchmark's override: a count in XLA_FLAGS is dropped, not obeyed.
-    script = ("from train.mesh import simulate_cpu_devices as s; import jax; "
+    script = ("from jax_nvfp4.mesh import simulate_cpu_devices as s; import jax; "
               "print(s(3, override=True), jax.device_count())")
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)

@@ -1,12 +1,12 @@
-"""The XLA flags the training stack sets on GPU: real flag names, set only when headed for a
-GPU, and never over a value the user gave."""
+"""jax_nvfp4.xla_flags, the XLA flags the training stack sets on GPU: real flag names, set only
+when headed for a GPU, and never over a value the user gave."""
 
 import os
 import subprocess
 import sys
 
 from conftest import ROOT
-from train import xla_flags
+from jax_nvfp4 import xla_flags
 
 
 def test_every_flag_is_one_the_installed_xla_knows():
@@ -50,15 +50,31 @@ def test_set_only_when_headed_for_a_gpu_and_enabled():
 
 def test_cli_prints_the_flags_and_why():
     env = dict(os.environ, XLA_FLAGS="--xla_dump_to=/tmp/d")
-    run = subprocess.run([sys.executable, "-m", "train.xla_flags"], cwd=ROOT, env=env, capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "jax_nvfp4.xla_flags"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == xla_flags.with_gpu_flags("--xla_dump_to=/tmp/d")
-    run = subprocess.run([sys.executable, "-m", "train.xla_flags", "--explain"], cwd=ROOT, capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "jax_nvfp4.xla_flags", "--explain"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert len(run.stdout.strip().splitlines()) == len(xla_flags.GPU_FLAGS)
 
 
 def test_the_slurm_script_takes_its_flags_from_here():
     text = open(os.path.join(ROOT, "scripts", "slurm_gb200.sbatch")).read()
-    assert 'export XLA_FLAGS="$(python -m train.xla_flags)"' in text
+    assert 'export XLA_FLAGS="$(python -m jax_nvfp4.xla_flags)"' in text
     assert "--xla_gpu" not in text  # one home for the flags
+
+
+def test_flags_set_after_importing_the_library_still_count():
+    # python -m train imports jax_nvfp4 (and so JAX) before configure() edits XLA_FLAGS: the
+    # import must not start a backend, which would read the flags first.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    script = ("import os; from jax_nvfp4 import xla_flags; "
+              "os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=3'; "
+              "import jax; print(jax.device_count())")
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "3", run.stderr[-2000:]
+    # The path the training CLI prints for these flags is this module's.
+    text = open(os.path.join(ROOT, "train", "__main__.py")).read()
+    assert "XLA flags for overlap on GPU (jax_nvfp4/xla_flags.py; XLA_FLAGS overrides)" in text
+    assert os.path.isfile(os.path.join(ROOT, xla_flags.__name__.replace(".", os.sep) + ".py"))

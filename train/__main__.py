@@ -160,12 +160,13 @@ def main(argv=None) -> int:
 
 def _run(args, cfg, out_dir, fault) -> int:
     """:func:`main` once its config and output locations are known good."""
-    from train import xla_flags
+    from jax_nvfp4 import xla_flags
     from train.config import ConfigError, save_config, validate_for_devices
 
     gpu_flags = xla_flags.configure(cfg.train.gpu_xla_flags)  # before JAX starts: XLA reads its flags once
     import jax
 
+    from jax_nvfp4 import mesh as nv_mesh
     from train import mesh as mesh_lib
 
     mesh_lib.configure_host_devices(cfg.mesh)  # simulated CPU devices: before the backend starts too
@@ -223,9 +224,10 @@ def _run(args, cfg, out_dir, fault) -> int:
     preemption, progress = None, not args.no_progress
     try:
         if is_main:
-            print(mesh_lib.describe_mesh(mesh, cfg.mesh.nvl_domain))
+            print(nv_mesh.describe(mesh, cfg.mesh.nvl_domain))
             if gpu_flags:
-                print(f"XLA flags for overlap on GPU (train/xla_flags.py; XLA_FLAGS overrides): {', '.join(gpu_flags)}")
+                print(f"XLA flags for overlap on GPU (jax_nvfp4/xla_flags.py; XLA_FLAGS overrides): "
+                      f"{', '.join(gpu_flags)}")
         # Signal handlers belong to the main thread; several processes need the runtime's preemption
         # service to agree on a step (without it a signal ends a process as before).
         if threading.current_thread() is threading.main_thread() and (not multi or preemption_sync_available()):

@@ -346,8 +346,8 @@ class TrainConfig:
         "nothing (recompute it; memory flat in depth) | dots (matmul outputs: less recompute, more "
         "memory).")] = "nothing"
     gpu_xla_flags: Annotated[Bool, setting(
-        "program", "On a GPU: XLA flags that overlap weight gathers with compute (train/xla_flags.py); a flag already "
-        "in XLA_FLAGS keeps its value.", program_key=False)] = True
+        "program", "On a GPU: XLA flags that overlap weight gathers with compute (jax_nvfp4/xla_flags.py); a flag "
+        "already in XLA_FLAGS keeps its value.", program_key=False)] = True
 
 
 @_section

@@ -1,6 +1,11 @@
-"""XLA:GPU flags that overlap the FSDP step's per-layer weight gathers and gradient sums with compute,
-added to ``XLA_FLAGS`` before JAX starts (docs/TRAINING.md), so this module does not import JAX. Each
-name must be a flag of jaxlib's XLA: an unknown one aborts the process."""
+"""XLA:GPU flags that overlap the sharded step's per-layer weight gathers and gradient sums with
+compute (:func:`jax_nvfp4.make_step`). XLA reads ``XLA_FLAGS`` once, when its backend starts, so
+:func:`configure` must run before the first device is touched (importing JAX is fine); this module
+does not import JAX. Each name must be a flag of jaxlib's XLA: an unknown one aborts the process.
+
+``python -m jax_nvfp4.xla_flags`` prints ``$XLA_FLAGS`` with :data:`GPU_FLAGS` added (for a job
+script: ``export XLA_FLAGS="$(python -m jax_nvfp4.xla_flags)"``); ``--explain`` prints one line
+per flag with its reason."""
 
 from __future__ import annotations
 
@@ -8,12 +13,14 @@ import importlib.util
 import os
 import re
 import sys
-from typing import Mapping, MutableMapping, Sequence, Tuple
+from typing import Callable, List, Mapping, MutableMapping, Optional, Sequence, Set, Tuple
+
+__all__ = ["COMBINE_BYTES", "GPU_FLAGS", "configure", "headed_for_gpu", "main", "with_gpu_flags"]
 
 # A layer's packed weights are 123 MB (Llama 3 8B) or 490 MB (70B): one collective or a few this size.
 COMBINE_BYTES = 128 << 20
 
-# (flag, value, why): the flags python -m train sets on GPU.
+# (flag, value, why): the flags :func:`configure` adds on GPU.
 GPU_FLAGS: Tuple[Tuple[str, str, str], ...] = (
     ("xla_gpu_enable_latency_hiding_scheduler", "true",
      "schedule each asynchronous collective (a layer's weight gather, its gradient all-to-all) to overlap with "
@@ -35,7 +42,7 @@ GPU_FLAGS: Tuple[Tuple[str, str, str], ...] = (
 )
 
 
-def _flag_names(xla_flags: str) -> set:
+def _flag_names(xla_flags: str) -> Set[str]:
     return set(re.findall(r"--([A-Za-z0-9_]+)", xla_flags or ""))
 
 
@@ -56,7 +63,8 @@ def _has_cuda_plugin() -> bool:
     return False
 
 
-def headed_for_gpu(environ: Mapping[str, str] = os.environ, has_cuda_plugin=_has_cuda_plugin) -> bool:
+def headed_for_gpu(environ: Mapping[str, str] = os.environ,
+                   has_cuda_plugin: Callable[[], bool] = _has_cuda_plugin) -> bool:
     """``JAX_PLATFORMS`` names ``cuda`` or ``gpu``, or is unset and a CUDA plugin is installed."""
     platforms = environ.get("JAX_PLATFORMS", "").strip()
     if platforms:
@@ -65,7 +73,7 @@ def headed_for_gpu(environ: Mapping[str, str] = os.environ, has_cuda_plugin=_has
 
 
 def configure(enabled: bool = True, environ: MutableMapping[str, str] = os.environ,
-              has_cuda_plugin=_has_cuda_plugin) -> list:
+              has_cuda_plugin: Callable[[], bool] = _has_cuda_plugin) -> List[str]:
     """Add :data:`GPU_FLAGS` to ``environ["XLA_FLAGS"]`` when ``enabled`` and headed for a GPU (call
     before JAX starts its backend). Returns the names added, sorted."""
     if not enabled or not headed_for_gpu(environ, has_cuda_plugin):
@@ -75,7 +83,7 @@ def configure(enabled: bool = True, environ: MutableMapping[str, str] = os.envir
     return sorted(_flag_names(after) - _flag_names(before))
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     """Print ``$XLA_FLAGS`` with :data:`GPU_FLAGS` added; ``--explain``: one line per flag with its reason."""
     if "--explain" in (sys.argv[1:] if argv is None else argv):
         print("\n".join(f"--{name}={value}: {why}" for name, value, why in GPU_FLAGS))

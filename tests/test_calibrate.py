@@ -1,20 +1,164 @@
-"""train.calibrate and ``--calibrate N``: each NVFP4 layer's input amax over validation batches,
-the W4A4 emulated validation loss next to W4A16 and bf16, and the W4A4 exports they make."""
+"""jax_nvfp4.calibrate on small Linen models of its own (the recorded amax and the W4A4 forward
+against quantize/dequantize computed directly), then train.calibrate and ``--calibrate N``: each
+NVFP4 layer's input amax over validation batches, the W4A4 emulated validation loss next to W4A16
+and bf16, and the W4A4 exports they make."""
 
 import json
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_nvfp4 as nv
+from jax_nvfp4 import calibrate as lib
 from train import calibrate as cal
 from train.model import RMSNorm, from_config
 from train.plan import policy_for
 
 from conftest import main_here, tiny, tiny_worker
 from test_export_hf import read_header, read_safetensors
+
+
+class ThreeLayers(nn.Module):
+    """up [32, 48] and mid [48, 32] become NVFP4; out [32, 8] is too narrow and stays float."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nv.NVFP4Dense(48, name="up")(x))
+        h = nn.relu(nv.NVFP4Dense(32, name="mid")(h))
+        return nv.NVFP4Dense(8, name="out")(h)
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.relu(nv.NVFP4Dense(32, name="dense")(x)), None
+
+
+class Scanned(nn.Module):
+    """Three layers under ``nn.scan``: one stacked ``blocks/dense/kernel [3, 32, 32]``."""
+
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(Block, variable_axes={"params": 0, "nvfp4": 0}, split_rngs={"params": True}, length=3)
+        return stack(name="blocks")(x.astype(jnp.bfloat16), None)[0]  # the carry keeps its dtype
+
+
+def _lib_setup(model, seed):
+    """NVFP4 params of ``model`` (default policy), their bf16 weights, and two [4, 32] batches,
+    the first with the larger values."""
+    x0 = jax.random.normal(jax.random.key(seed), (4, 32), jnp.float32) * 3
+    params = nv.quantize_params(model.init(jax.random.key(seed + 1), x0)["params"])
+    batches = [np.asarray(x0), np.asarray(x0[::-1] * 0.5)]
+    return params, nv.dequantize_params(params, jnp.bfloat16), batches
+
+
+def _bf16_max(v) -> np.float32:
+    """max |v| of a bf16 array, read exactly in float32 on the host."""
+    return np.max(np.abs(np.asarray(v, np.float32)))
+
+
+def _qdq(v, amax):
+    """``v`` as a W4A4 kernel reads it: 1x16 NVFP4 groups, round to nearest, the global ``amax``."""
+    return nv.dequantize(nv.quantize(jnp.asarray(v, jnp.float32), block=nv.BLOCK_1D, amax=amax), jnp.float32)
+
+
+def test_input_amax_is_each_layers_input_max_over_the_batches():
+    model = ThreeLayers()
+    params, w, batches = _lib_setup(model, 0)
+    amax = lib.input_amax(model.apply, params, batches)
+    assert lib.nvfp4_kernels(params) == ["mid/kernel", "up/kernel"] and list(amax) == ["mid/kernel", "up/kernel"]
+    want = {"up/kernel": np.float32(0), "mid/kernel": np.float32(0)}
+    for b in batches:
+        x = jnp.asarray(b).astype(jnp.bfloat16)
+        h = nn.relu(jnp.dot(x, w["up"]["kernel"]))
+        want = {"up/kernel": max(want["up/kernel"], _bf16_max(x)), "mid/kernel": max(want["mid/kernel"], _bf16_max(h))}
+    for k, a in amax.items():
+        assert a.dtype == np.float32 and a.shape == () and a == want[k] > 0, k
+    # The max is over both batches, not the last one's.
+    last = lib.input_amax(model.apply, params, batches[1:])
+    assert all(last[k] < amax[k] for k in amax)
+    # Stored (tile-major) params give the same amaxes.
+    stored = lib.input_amax(model.apply, nv.shard_params(params), batches)
+    assert {k: v.tobytes() for k, v in stored.items()} == {k: v.tobytes() for k, v in amax.items()}
+
+
+def test_quantized_inputs_is_the_layers_on_quantize_dequantize_of_their_inputs():
+    model = ThreeLayers()
+    params, w, batches = _lib_setup(model, 2)
+    amax = lib.input_amax(model.apply, params, batches)
+    x = jnp.asarray(batches[1])
+    with lib.quantized_inputs():
+        y = model.apply(lib.with_input_amax({"params": w}, amax), x)
+    dense = lambda n, name, v: nv.NVFP4Dense(n).apply({"params": w[name]}, v)
+    h = nn.relu(dense(48, "up", _qdq(x.astype(jnp.bfloat16), amax["up/kernel"])))
+    h = nn.relu(dense(32, "mid", _qdq(h, amax["mid/kernel"])))
+    want = dense(8, "out", h)  # no amax: the float layer reads its input as it is
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+    # W4A4 is not W4A16, and outside the context the amaxes are not read.
+    w4a16 = np.asarray(model.apply({"params": w}, x), np.float32)
+    assert not np.array_equal(np.asarray(y, np.float32), w4a16)
+    np.testing.assert_array_equal(np.asarray(model.apply(lib.with_input_amax({"params": w}, amax), x), np.float32),
+                                  w4a16)
+
+
+def test_a_scanned_stack_gets_an_amax_per_layer_and_each_layer_its_own():
+    model = Scanned()
+    params, w, batches = _lib_setup(model, 4)
+    amax = lib.input_amax(model.apply, params, batches)
+    a = amax["blocks/dense/kernel"]
+    assert list(amax) == ["blocks/dense/kernel"] and a.dtype == np.float32 and a.shape == (3,)
+    kernels = w["blocks"]["dense"]["kernel"]
+    want = np.zeros(3, np.float32)
+    for b in batches:
+        h = jnp.asarray(b).astype(jnp.bfloat16)
+        for i in range(3):
+            want[i] = max(want[i], _bf16_max(h))
+            h = nn.relu(jnp.dot(h, kernels[i]))
+    np.testing.assert_array_equal(a, want)
+    assert len(set(a.tolist())) == 3
+    x = jnp.asarray(batches[0])
+    with lib.quantized_inputs():
+        y = model.apply(lib.with_input_amax({"params": w}, amax), x)
+    h = x.astype(jnp.bfloat16)
+    for i in range(3):
+        h = nn.relu(nv.NVFP4Dense(32).apply({"params": {"kernel": kernels[i]}}, _qdq(h, a[i])))
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(h, np.float32))
+
+
+@pytest.mark.parametrize("scale", [0.25, 4.0])
+def test_a_layer_called_twice_records_the_max_of_both_inputs(scale):
+    """The larger input comes first (0.25) or last (4): neither call's alone is the amax."""
+
+    class Twice(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            d = nv.NVFP4Dense(32, name="d")
+            return d(nn.relu(d(x)) * scale)
+
+    model = Twice()
+    params, w, batches = _lib_setup(model, 6)
+    amax = lib.input_amax(model.apply, params, batches[:1])
+    x = jnp.asarray(batches[0]).astype(jnp.bfloat16)
+    first, second = _bf16_max(x), _bf16_max(nn.relu(jnp.dot(x, w["d"]["kernel"])) * scale)
+    assert first != second and amax["d/kernel"] == max(first, second)
+
+
+def test_input_amax_refuses_no_batches_and_an_nvfp4_kernel_no_nvfp4dense_reads():
+    class Stock(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nv.NVFP4Dense(32, name="a")(nn.Dense(32, name="b")(x))
+
+    model = Stock()
+    params, _, batches = _lib_setup(model, 8)
+    with pytest.raises(ValueError, match="calibrate: no batches"):
+        lib.input_amax(model.apply, params, [])
+    with pytest.raises(ValueError, match=r"no input recorded for the NVFP4 kernels \['b/kernel'\]"):
+        lib.input_amax(model.apply, params, batches)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +174,7 @@ def tiny_model():
 def test_every_nvfp4_layer_gets_a_positive_finite_amax_per_layer(tiny_model):
     cfg, model, _, params, batches = tiny_model
     amax = cal.calibrate(model, params, batches)
-    kernels = cal.nvfp4_kernels(params)
+    kernels = lib.nvfp4_kernels(params)
     assert sorted(amax) == sorted(kernels) and len(kernels) == 7  # q k v out gate up down; embed and head kept
     for path, a in amax.items():
         assert a.dtype == np.float32 and a.shape == (cfg.model.layers,), path

@@ -1,0 +1,173 @@
+"""W4A4 calibration of any Linen model built from :class:`~jax_nvfp4.nn.NVFP4Dense` layers.
+
+A W4A4 kernel quantizes each Linear's input too: 1x16 groups rounded to nearest, with one
+static global scale per layer taken from the input's calibrated amax (compressed-tensors'
+``static_minmax`` observer). This module measures that amax and runs a model as such a kernel
+would, both through Flax's method interceptors, so the model's code is unchanged:
+
+- :func:`input_amax` records ``max |x|`` entering every NVFP4 kernel's layer over calibration
+  batches: ``{param path: float32 amax}``, what
+  ``jax_nvfp4.export.export_hf(..., fmt="nvfp4", input_amax=...)`` writes as each Linear's
+  input global scale.
+- :func:`quantized_inputs` (with :func:`with_input_amax` putting the amaxes among the model's
+  variables) runs the layers on their quantized-dequantized inputs, to measure what W4A4 costs.
+
+The amax of a layer crosses the model in the ``"nvfp4"`` collection as the variable
+:data:`INPUT_AMAX` next to the layer's stored kernel (the layers never read it), so under
+``nn.scan`` with ``variable_axes={"params": 0, "nvfp4": 0}`` each scanned layer gets its own and
+the amax of a stacked kernel ``[L, in, out]`` is ``[L]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from jax_nvfp4 import numerics as nx
+from jax_nvfp4.array import BLOCK_1D, NVFP4Array, dequantize, is_nvfp4, quantize
+from jax_nvfp4.export import is_linear
+from jax_nvfp4.layout import TiledNVFP4, is_tiled
+from jax_nvfp4.nn import NVFP4_COLLECTION, NVFP4Dense
+from jax_nvfp4.params import dequantize_params, path_str
+from jax_nvfp4.sharding import logical
+
+__all__ = ["INPUT_AMAX", "float_weights", "input_amax", "nvfp4_kernels", "quantized_inputs", "with_input_amax"]
+
+# The variable (in the "nvfp4" collection, at each NVFP4Dense) that carries a layer's input amax.
+INPUT_AMAX = "input_amax"
+
+
+def _host(tree):
+    """Host copies of ``tree``'s leaves in their logical form (leaves spread over several
+    processes gathered first)."""
+    from jax.experimental import multihost_utils
+    whole = lambda x: (multihost_utils.process_allgather(x, tiled=True)
+                       if isinstance(x, jax.Array) and not x.is_fully_addressable else x)
+    return jax.tree.map(lambda x: np.asarray(whole(x)), logical(tree))
+
+
+def nvfp4_kernels(params) -> List[str]:
+    """The param paths (``a/b/kernel``) of the Linear kernels of ``params`` (stored or logical)
+    held in NVFP4, in the tree's order: the kernels :func:`input_amax` calibrates."""
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: is_nvfp4(x) or is_tiled(x))[0]
+    return [path_str(p) for p, leaf in flat if isinstance(leaf, (NVFP4Array, TiledNVFP4)) and is_linear(path_str(p))]
+
+
+def float_weights(params, dtype: Any = jnp.bfloat16):
+    """``params`` (stored, logical or sharded over any processes) as one process computes with
+    them: host copies of the logical leaves, NVFP4 leaves dequantized to ``dtype``, other float
+    leaves cast to it (:func:`jax_nvfp4.dequantize_params`). Every process gets the whole tree."""
+    return dequantize_params(_host(params), dtype)
+
+
+def _input(context, args) -> Optional[jax.Array]:
+    """An ``NVFP4Dense`` call's input in float32 exactly as the layer's dtype holds it (None for
+    other calls)."""
+    if context.method_name != "__call__" or not isinstance(context.module, NVFP4Dense) or not args:
+        return None
+    x = jnp.asarray(args[0]).astype(context.module.dtype)
+    if x.dtype == jnp.bfloat16:
+        # Widened through its bits: XLA may simplify a bf16 -> f32 convert pair away and keep the
+        # excess float32 precision of the value before its rounding to bf16, which the layer's
+        # matmul never sees.
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
+        return jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return x.astype(jnp.float32)
+
+
+def _record(next_fun, args, kwargs, context):
+    """Writes ``max |x|`` of an ``NVFP4Dense`` input (in the layer's dtype, as its matmul reads
+    it) to the layer's :data:`INPUT_AMAX`, the max with an earlier call's where the layer runs
+    more than once."""
+    x = _input(context, args)
+    if x is not None:
+        m, a = context.module, nx.abs_max(x, axis=None)
+        if m.has_variable(NVFP4_COLLECTION, INPUT_AMAX):
+            a = nx.abs_max(jnp.stack([m.get_variable(NVFP4_COLLECTION, INPUT_AMAX), a]), axis=0)
+        m.put_variable(NVFP4_COLLECTION, INPUT_AMAX, a)
+    return next_fun(*args, **kwargs)
+
+
+def _quantize_inputs(next_fun, args, kwargs, context):
+    """An ``NVFP4Dense`` with an :data:`INPUT_AMAX` gets its input quantized with it and
+    dequantized into its matmul, as a W4A4 kernel does."""
+    if context.module.has_variable(NVFP4_COLLECTION, INPUT_AMAX) and (x := _input(context, args)) is not None:
+        a = context.module.get_variable(NVFP4_COLLECTION, INPUT_AMAX)
+        return next_fun(dequantize(quantize(x, block=BLOCK_1D, amax=a), jnp.float32), *args[1:], **kwargs)
+    return next_fun(*args, **kwargs)
+
+
+def input_amax(apply_fn: Callable[..., Any], params, batches: Iterable[Any], *,
+               dtype: Any = jnp.bfloat16) -> Dict[str, np.ndarray]:
+    """The calibrated input amax of every NVFP4 kernel of ``params``.
+
+    ``apply_fn(variables, batch, mutable=collections)`` runs the model's forward pass on one
+    batch and returns ``(outputs, state)`` as ``flax.linen.Module.apply`` does with ``mutable``
+    (``model.apply`` itself when a batch is the model's input); it gets ``{"params":
+    float_weights(params, dtype)}`` and each batch (a pytree of arrays) as a device array, under
+    ``jit``, so its layers run on the weights as stored (``NVFP4Dense(compute="dequant")`` for
+    the W4A16 model). ``batches`` is iterated once.
+
+    Returns ``{param path of each NVFP4 Linear kernel (:func:`nvfp4_kernels`): float32 amax}``
+    in sorted path order: the largest ``|x|`` entering the kernel's ``NVFP4Dense`` over every
+    call and every batch, ``x`` taken in the layer's ``dtype`` (what its matmul reads); shape
+    ``[]``, or ``[L]`` for a kernel stacked by ``nn.scan``. NaN in an input is kept. Layers
+    whose kernel is not NVFP4 (kept in float by the policy) are left out.
+
+    Raises ``ValueError`` when there is no batch, or when an NVFP4 kernel's layer recorded no
+    input (a kernel not read by an ``NVFP4Dense``, e.g. a stock ``nn.Dense``).
+    """
+    batches = list(batches)
+    if not batches:
+        raise ValueError("calibrate: no batches")
+    host = _host(params)
+    kernels, weights = set(nvfp4_kernels(host)), dequantize_params(host, dtype)
+
+    @jax.jit
+    def amaxes(p, batch):
+        with nn.intercept_methods(_record):
+            _, state = apply_fn({"params": p}, batch, mutable=[NVFP4_COLLECTION])
+        flat = traverse_util.flatten_dict(state[NVFP4_COLLECTION], sep="/")
+        return {k[:-len(INPUT_AMAX)] + "kernel": v for k, v in flat.items() if k.endswith("/" + INPUT_AMAX)}
+
+    out: Dict[str, np.ndarray] = {}
+    for batch in batches:
+        for path, v in jax.device_get(amaxes(weights, jax.tree.map(jnp.asarray, batch))).items():
+            if path in kernels:
+                out[path] = np.maximum(out[path], v) if path in out else np.asarray(v, np.float32)
+    missing = sorted(kernels - set(out))
+    if missing:
+        raise ValueError(f"calibrate: no input recorded for the NVFP4 kernels {missing[:3]} (not NVFP4Dense layers?)")
+    return {k: out[k] for k in sorted(out)}
+
+
+def with_input_amax(variables: Mapping[str, Any], input_amax: Mapping[str, Any]) -> Dict[str, Any]:
+    """``variables`` (a model's ``{"params": ..., ...}``) with each ``input_amax`` entry (``{param
+    path of a kernel: amax}``, :func:`input_amax`'s result) put as float32 at the kernel's layer
+    in the ``"nvfp4"`` collection, next to what that collection already holds; the variables
+    :func:`quantized_inputs` reads."""
+    collection = traverse_util.flatten_dict(dict(variables.get(NVFP4_COLLECTION, {})))
+    collection.update({tuple(k.split("/")[:-1]) + (INPUT_AMAX,): jnp.asarray(v, jnp.float32)
+                       for k, v in input_amax.items()})
+    return {**variables, NVFP4_COLLECTION: traverse_util.unflatten_dict(collection)}
+
+
+@contextlib.contextmanager
+def quantized_inputs() -> Iterator[None]:
+    """Within this context (``flax.linen.intercept_methods``), every ``NVFP4Dense`` whose
+    variables hold an :data:`INPUT_AMAX` (:func:`with_input_amax`) multiplies its input as a W4A4
+    kernel does: ``x`` in the layer's dtype, quantized to NVFP4 in 1x16 groups with round to
+    nearest and that amax (:func:`jax_nvfp4.quantize`), dequantized to float32, then the layer as
+    written. Other layers run as written::
+
+        with nv.calibrate.quantized_inputs():
+            y = model.apply(nv.calibrate.with_input_amax({"params": weights}, amax), x)
+    """
+    with nn.intercept_methods(_quantize_inputs):
+        yield

@@ -25,9 +25,13 @@ The GEMM
   :func:`dot` (the NVFP4 recipe's quantized GEMMs), :class:`Recipe`,
   :func:`intercept_dense` (the recipe on stock ``nn.Dense`` layers), :class:`NVFP4Dense`.
 
-Submodules outside the core: :mod:`jax_nvfp4.comm` (collective accounting of compiled HLO)
-and :mod:`jax_nvfp4.export` (native and Hugging Face / compressed-tensors files); they are
-imported on first use (``nv.comm``, ``nv.export``).
+Submodules outside the core, imported on first use (``nv.export``, ...):
+:mod:`jax_nvfp4.export` (native, Hugging Face / compressed-tensors and ModelOpt files),
+:mod:`jax_nvfp4.hf` (a Hugging Face checkpoint read into a sharded training state),
+:mod:`jax_nvfp4.checkpoint` (a state saved with orbax, restored onto any mesh),
+:mod:`jax_nvfp4.calibrate` (W4A4 activation calibration), :mod:`jax_nvfp4.mesh` (device meshes,
+GB200 racks), :mod:`jax_nvfp4.xla_flags` (XLA:GPU flags that overlap the weight gathers) and
+:mod:`jax_nvfp4.comm` (collective accounting of compiled HLO).
 """
 
 import importlib
@@ -44,8 +48,8 @@ from jax_nvfp4.fetch import Shard
 from jax_nvfp4.step import make_eval, make_step, tensor_rules_from_logical
 from jax_nvfp4.tensor_parallel import TensorParallel
 
-# The core's own submodules are loaded by the imports above; these two are loaded on first use.
-_LAZY = ("comm", "export")
+# The core's own submodules are loaded by the imports above; these are loaded on first use.
+_LAZY = ("calibrate", "checkpoint", "comm", "export", "hf", "mesh", "xla_flags")
 
 
 def __getattr__(name):

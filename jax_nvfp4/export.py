@@ -3,7 +3,8 @@ and Hugging Face checkpoints for serving engines (``export_hf``: bf16, or NVFP4 
 compressed-tensors' or ModelOpt's layout, the latter read back by ``read_modelopt``; through the
 name map its caller gives: :class:`HFNames`; the training stack's Llama map is
 ``train.model.HF_NAMES``), and the readers of those layouts share (:class:`Safetensors`,
-:func:`amax_from_global_scale`, :func:`scales_per_tile`).
+:func:`amax_from_global_scale`, :func:`scales_per_tile`); :mod:`jax_nvfp4.hf` reads a checkpoint
+into the sharded training state.
 
 The native format is a directory with one ``.npy`` file per array and a ``manifest.json``::
 
@@ -49,7 +50,7 @@ from jax_nvfp4.array import (BLOCK_1D, BLOCK_2D, BLOCK_COLUMN, NVFP4Array, as_ar
                              packed_shapes)
 from jax_nvfp4.params import path_str
 
-__all__ = ["ExportError", "HFNames", "Safetensors", "SafetensorsEntry", "amax_from_global_scale", "check_hf",
+__all__ = ["ExportError", "HFNames", "Read", "Safetensors", "SafetensorsEntry", "amax_from_global_scale", "check_hf",
            "export_hf", "export_nvfp4", "hf_modules", "hf_tensors", "is_export", "is_linear", "load_nvfp4",
            "modelopt_quant_config", "nvfp4_layout_refusal", "nvfp4_to_compressed_tensors", "nvfp4_to_modelopt",
            "read_modelopt", "scales_per_tile", "AMAX_METADATA", "EXPORT_FORMAT", "EXPORT_VERSION", "HF_LAYOUTS",
@@ -688,7 +689,7 @@ def hf_tensors(params, names: HFNames, *, fmt: str = "bf16", amax: Optional[Dict
     ``fmt="nvfp4"``: NVFP4 kernels as :func:`nvfp4_to_compressed_tensors` (``layout``
     ``"compressed-tensors"``) or :func:`nvfp4_to_modelopt` (``"modelopt"``); the rest bf16.
     ``input_amax`` (``fmt="nvfp4"``): ``{param path of each NVFP4 kernel: its calibrated
-    input amax, [*batch] float32}`` (``train.calibrate.calibrate``); each NVFP4 Linear then
+    input amax, [*batch] float32}`` (:func:`jax_nvfp4.calibrate.input_amax`); each NVFP4 Linear then
     also gets its activation's global scale: ``input_global_scale [1] = 448 * 6 / input_amax``
     (compressed-tensors) or ``input_scale [] = 1 / that`` (ModelOpt).
     ``amax``: a dict filled, as the tensors are produced, with ``{HF name of a global scale
@@ -807,7 +808,7 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, names: HFNames,
         ``"modelopt"`` (:func:`nvfp4_to_modelopt`, plus ``hf_quant_config.json``:
         :func:`modelopt_quant_config`; read back with :func:`read_modelopt`).
       input_amax: with ``fmt="nvfp4"``, the calibrated input amax of every NVFP4 kernel
-        (``{param path: [*batch] float32}``, ``train.calibrate.calibrate``): the checkpoint is
+        (``{param path: [*batch] float32}``, :func:`jax_nvfp4.calibrate.input_amax`): the checkpoint is
         then W4A4 (:data:`NVFP4_QUANTIZATION_CONFIG` with ``input_global_scale``, or ModelOpt
         ``NVFP4`` with ``input_scale``); without it, weight-only.
       files: more files of the checkpoint (e.g. its tokenizer's), ``{name: path}`` copied as
@@ -816,7 +817,7 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, names: HFNames,
     ``fmt="nvfp4"`` also records each NVFP4 kernel's exact float32 amax (and input amax) in the
     safetensors header (:data:`AMAX_METADATA`), which readers ignore: the global scale
     ``448 * 6 / amax`` alone does not always give the amax back, and a checkpoint read back by
-    ``train.hf_import`` (compressed-tensors, weight-only) or :func:`read_modelopt` is then
+    :func:`jax_nvfp4.hf.load_hf` (compressed-tensors, weight-only) or :func:`read_modelopt` is then
     bit-identical to the exported params.
 
     Call it on every process; process 0 writes. Returns ``directory``.
@@ -887,6 +888,16 @@ _MAPPED = ("F8_E4M3",)
 
 
 @dataclasses.dataclass(frozen=True)
+class Read:
+    """One slice of one stored tensor: ``tensor[index]`` (a ``slice`` per axis, in bounds),
+    ``nbytes`` long (:meth:`Safetensors.request`)."""
+
+    tensor: str
+    index: Tuple[slice, ...]
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class SafetensorsEntry:
     """One tensor of a :class:`Safetensors` folder: its file's name there, safetensors dtype
     (``BF16``, ``F8_E4M3``...), shape and the offset of its first byte in the file."""
@@ -901,7 +912,8 @@ class Safetensors:
     """The tensors of a Hugging Face checkpoint folder (``model.safetensors`` or the shards of
     ``model.safetensors.index.json``) read by slices (:meth:`array`: only the touched pages).
     ``entries``: ``{tensor: SafetensorsEntry}``; ``amax``: ``{HF name of a global scale: float32
-    bits of the exact amax}``, every shard's :data:`AMAX_METADATA`.
+    bits of the exact amax}``, every shard's :data:`AMAX_METADATA`; ``reads``: every
+    :class:`Read` served by :meth:`read`, in order.
 
     Raises:
       ExportError: ``"{directory}: ..."``: no safetensors file, an unreadable index or
@@ -913,7 +925,7 @@ class Safetensors:
         import ml_dtypes  # noqa: F401 - registers bfloat16 with NumPy, for safetensors' NumPy reader
         from safetensors import safe_open
 
-        self.directory, self.entries, self.amax = directory, {}, {}
+        self.directory, self.entries, self.amax, self.reads = directory, {}, {}, []
         index, weight_map = os.path.join(directory, "model.safetensors.index.json"), {}
         if os.path.isfile(index):
             try:
@@ -974,6 +986,21 @@ class Safetensors:
             got = f"{e.dtype}{list(e.shape)}" if e else "missing"
             raise ExportError(f"{self.directory}: tensor {tensor} is {got}, expected "
                               f"{' or '.join(dtypes or ())}{list(shape)}")
+
+    def request(self, tensor: str, *index: slice) -> Read:
+        """The :class:`Read` of ``tensor[index]`` (a slice per leading axis; the rest whole).
+        Nothing is read."""
+        shape = self.entries[tensor].shape
+        index = tuple(slice(*s.indices(d)) for s, d in zip(index + (slice(None),) * (len(shape) - len(index)), shape))
+        n = math.prod(len(range(s.start, s.stop, s.step)) for s in index)
+        return Read(tensor, index, n * self.numpy_dtype(tensor).itemsize)
+
+    def read(self, r: Read) -> np.ndarray:
+        """``r.tensor[r.index]`` in its stored dtype (:meth:`array` with ``finite``), recorded in
+        ``reads``. Raises ExportError: a NaN or Inf in it (or a NaN E4M3 byte)."""
+        out = self.array(r.tensor, r.index, finite=True)
+        self.reads.append(r)
+        return out
 
     def array(self, tensor: str, index: Tuple[slice, ...] = (), *, finite: bool = False) -> np.ndarray:
         """``tensor[index]`` (a slice per axis) as a NumPy array of its stored dtype, bfloat16 and float8 too.

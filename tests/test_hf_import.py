@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import jax_nvfp4 as nv
-from jax_nvfp4.export import export_hf
+from jax_nvfp4.export import Safetensors, amax_from_global_scale, export_hf
 from train import hf_import
 from train.model import HF_NAMES
 from train.programs import build
@@ -49,7 +49,7 @@ def assert_bits_equal(a, b):
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(la, lb):
         assert x.shape == y.shape and x.dtype == y.dtype
-        np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+        np.testing.assert_array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_each_process_reads_only_its_slices(exports):
     mesh = mesh_of(cfg, 8)
     trainer, _, _ = build(cfg, mesh, init=False)
     directory = str(exports / "nvfp4")
-    ckpt = hf_import.Checkpoint(directory)
+    ckpt = Safetensors(directory)
     devices = list(mesh.devices.flat)
     procs = [devices[2 * i:2 * i + 2] for i in range(4)]
     plans = [hf_import.plan(directory, trainer, devs) for devs in procs]
@@ -152,7 +152,8 @@ def test_each_process_reads_only_its_slices(exports):
     replicated = {"norm", "global_scale"}
     sharded = lambda name: not any(k in name for k in replicated)
     per_proc = [sum(b for (t, _), b in rd.items() if sharded(t)) for rd in reads]
-    total = sum(np.prod(ckpt.shape(t)) * (2 if ckpt.dtype(t) == "BF16" else 1) for t in ckpt.entries if sharded(t))
+    size = lambda t, other: np.prod(ckpt.entries[t].shape) * (2 if ckpt.entries[t].dtype == "BF16" else other)
+    total = sum(size(t, 1) for t in ckpt.entries if sharded(t))
     # Every byte of every sharded tensor read once, by one process.
     assert sum(per_proc) == total, (per_proc, total)
     # ... a quarter each, less where a process holds the tile list's zero padding.
@@ -160,9 +161,9 @@ def test_each_process_reads_only_its_slices(exports):
     # Replicated leaves (norm scales, global scales): read once per process, whole.
     for rd in reads:
         assert sum(b for (t, _), b in rd.items() if not sharded(t)) == sum(
-            np.prod(ckpt.shape(t)) * (2 if ckpt.dtype(t) == "BF16" else 4) for t in ckpt.entries if not sharded(t))
+            size(t, 4) for t in ckpt.entries if not sharded(t))
     # A real import reads exactly the union of its devices' plans.
-    ckpt = hf_import.Checkpoint(directory)
+    ckpt = Safetensors(directory)
     hf_import.load(directory, trainer, checkpoint=ckpt)
     got = {(r.tensor, tuple((s.start, s.stop) for s in r.index)) for r in ckpt.reads}
     assert got == set().union(*(set(rd) for rd in reads))
@@ -219,13 +220,13 @@ def test_amax_from_global_scale():
     rng = np.random.default_rng(0)
     amax = (rng.random(4000) * 10 + 1e-3).astype(np.float32)
     s = np.asarray(nx.global_encode_scale(jnp.asarray(amax)))
-    derived = np.array([hf_import.amax_from_global_scale(x) for x in s], np.float32)
+    derived = np.array([amax_from_global_scale(x) for x in s], np.float32)
     # Always a scale-preserving amax (so the dequantized values are the checkpoint's) ...
     np.testing.assert_array_equal(np.asarray(nx.global_encode_scale(jnp.asarray(derived))), s)
     # ... but not always the amax itself: neighbouring amaxes share a global scale, which is why
     # the export records it.
     assert 0 < np.mean(derived != amax) < 0.5
-    assert hf_import.amax_from_global_scale(np.finfo(np.float32).max) == 0
+    assert amax_from_global_scale(np.finfo(np.float32).max) == 0
 
 
 def test_cli_init_from(exports, tmp_path, capfd):
@@ -509,7 +510,7 @@ def variant(fresh, tmp_path, fmt="bf16", config=None, tensors=None):
 
 def poke(folder, tensor, index, raw: bytes):
     """Overwrite the element ``index`` of ``tensor`` in the folder's safetensors file with ``raw``."""
-    ckpt = hf_import.Checkpoint(str(folder))
+    ckpt = Safetensors(str(folder))
     e = ckpt.entries[tensor]
     size = len(raw)
     with open(folder / e.file, "r+b") as f:
@@ -612,3 +613,88 @@ def test_an_export_names_the_token_files_bos_and_eos(tmp_path):
     assert files["tokenizer.json"] == str(path) and config["model_max_length"] == 64
     plain = json.loads(hf_import.tokenizer_files(str(path), 64)["tokenizer_config.json"])
     assert plain["eos_token"] == "<|endoftext|>" and "bos_token" not in plain
+
+
+# ----------------------------------------------------------------------------- the library, another model
+# A user's model, not train's Llama: GPT-2-like names, a stacked block of two tensor-split NVFP4
+# kernels and a norm scale, an unstacked NVFP4 head, an embedding kept out of NVFP4 (a float32
+# tile-major matrix).
+USER_NAMES = nv.export.HFNames.of(
+    top={"wte": "transformer.wte", "ln_f/scale": "transformer.ln_f", "score/kernel": "score"},
+    layer={"attn/c_attn/kernel": "attn.c_attn", "attn/c_proj/kernel": "attn.c_proj", "ln/scale": "ln_1"},
+    segments=("h",), layer_prefix="transformer.h")
+USER_RULES = nv.Rules(stacked=(r"^h/",), tensor=((r"c_attn/kernel$", -1), (r"c_proj/kernel$", -2)))
+USER_POLICY = nv.Policy(keep=(r"^wte$",))
+
+
+def user_state(data, tensor):
+    """The user's model on a data x tensor mesh: ``(params, opt_state, abstract, shardings, mesh, tx)``."""
+    import optax
+
+    mesh = jax.make_mesh((data, tensor), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:data * tensor])
+    tx = nv.master_weights(optax.adam(1e-2), policy=USER_POLICY, rules=USER_RULES)
+    rng = np.random.default_rng(0)
+    # Values bf16 holds exactly: the float32 norm scales travel as the export's bf16.
+    w = lambda *shape: (rng.standard_normal(shape) * 0.05).astype(jnp.bfloat16).astype(np.float32)
+    fp32 = {"wte": w(256, 64), "h": {"attn": {"c_attn": {"kernel": w(2, 64, 192)}, "c_proj": {"kernel": w(2, 64, 64)}},
+                                     "ln": {"scale": 1 + w(2, 64)}},
+            "ln_f": {"scale": 1 + w(64)}, "score": {"kernel": w(64, 48)}}
+    fp32 = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(np.float32), fp32)
+
+    def build():
+        params = nv.shard_params(fp32, mesh, USER_RULES, USER_POLICY)
+        return params, tx.init(params)
+
+    with jax.set_mesh(mesh):
+        abstract = jax.eval_shape(build)
+        shardings = nv.shardings(abstract, mesh)
+        params, opt_state = jax.jit(build, out_shardings=shardings)()
+    return params, opt_state, abstract, shardings, mesh, tx
+
+
+def user_args(abstract, shardings, mesh, tx):
+    return dict(names=USER_NAMES, abstract_params=abstract[0], abstract_state=abstract[1],
+                param_shardings=shardings[0], state_shardings=shardings[1], mesh=mesh, policy=USER_POLICY,
+                init=tx.init)
+
+
+def test_the_library_reads_another_models_export_back_bit_for_bit(tmp_path):
+    """jax_nvfp4.hf on the user's model: its compressed-tensors NVFP4 export (data 2 x tensor 2)
+    reads back as the same stored params and the same fresh optimizer state, bit for bit, on
+    that mesh and on data 3 (other tile padding, no tensor split); a process reads exactly the
+    union of its devices' plans, each slice once. A checkpoint with tensors the model would not
+    read is refused, naming them."""
+    from safetensors.numpy import load_file, save_file
+
+    from jax_nvfp4.hf import load_hf, plan_hf
+
+    params, opt_state, abstract, shardings, mesh, tx = user_state(2, 2)
+    assert isinstance(params["score"]["kernel"], nv.TiledNVFP4) and isinstance(params["wte"], nv.Tiled)
+    export_hf(params, {"model_type": "user"}, str(tmp_path / "hf"), names=USER_NAMES, fmt="nvfp4")
+
+    files = Safetensors(str(tmp_path / "hf"))
+    again, again_state = load_hf(files, **user_args(abstract, shardings, mesh, tx))
+    assert_bits_equal(again, params)
+    assert_bits_equal(again_state, opt_state)
+    plan = plan_hf(str(tmp_path / "hf"), names=USER_NAMES, abstract_params=abstract[0], abstract_state=abstract[1],
+                   mesh=mesh, devices=list(mesh.devices.flat))
+    planned = {(r.tensor, tuple((s.start, s.stop) for s in r.index)) for rs in plan.values() for r in rs}
+    assert {(r.tensor, tuple((s.start, s.stop) for s in r.index)) for r in files.reads} == planned
+    assert len(files.reads) == len(planned)
+
+    *_, abstract3, shardings3, mesh3, tx3 = user_state(3, 1)
+    other, _ = load_hf(str(tmp_path / "hf"), **user_args(abstract3, shardings3, mesh3, tx3))
+    assert_bits_equal(host_logical(other), host_logical(params))
+
+    export_hf(params, {"model_type": "user"}, str(tmp_path / "bf16"), names=USER_NAMES)  # NumPy reads it
+    tensors = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    for name, want in (("transformer.h.0.attn.c_attn.bias", "1 tensor this model does not read: "
+                                                            "transformer.h.0.attn.c_attn.bias"),
+                       ("transformer.h.2.ln_1.weight", "layer 2 (transformer.h.2.ln_1.weight, ...) but config.json "
+                                                       "num_hidden_layers=2")):
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file({**tensors, name: tensors["transformer.h.0.ln_1.weight"]}, str(folder / "model.safetensors"))
+        with pytest.raises(nv.export.ExportError, match=f"^{re.escape(str(folder))}: .*{re.escape(want)}"):
+            plan_hf(str(folder), names=USER_NAMES, abstract_params=abstract[0], abstract_state=abstract[1], mesh=mesh)

@@ -127,7 +127,10 @@ def test_tensor_parallel_on_the_stock_llama_matches_data_parallel(setup, data8):
     assert all(c.axes == ("data",) for c in gathers), {c.axes for c in gathers}
     # A split kernel's gather moves this rank's half of its bytes.
     assert array_bytes(split, 2) <= {c.bytes for c in gathers}
-    np.testing.assert_allclose(losses, wholes, rtol=1e-5)
+    # The same weights through the whole-model gather: a split GEMM's partial sums are rounded to
+    # the model's bf16 before the tensor-axis all-reduce, where the unsplit GEMM rounds once, so
+    # the losses agree to ~1e-5 (1.01e-5 at the third step on a Xeon host), not to float32 order.
+    np.testing.assert_allclose(losses, wholes, rtol=1e-4)
     np.testing.assert_allclose(losses, data8[0], rtol=2.0 ** -8)  # within bf16 rounding of data 8
 
 

@@ -134,7 +134,8 @@ def global_norm(tree, mesh, rules) -> jax.Array:
 def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optional[Policy] = None):
     """The stored form of a params tree: ``NVFP4Array`` leaves (and float leaves ``policy``
     selects, quantized here) become :class:`TiledNVFP4`; other large float leaves
-    :class:`Tiled` in their own dtype; small leaves stay as they are (replicated). Pure: call
+    :class:`Tiled` in their own dtype (``policy.keep_dtype`` for the leaves it keeps, as
+    :func:`~jax_nvfp4.params.quantize_params` stores them); small leaves stay as they are (replicated). Pure: call
     it under ``jit`` with ``out_shardings=shardings(...)`` or ``jax.device_put`` the result."""
     from jax_nvfp4.array import quantize
 
@@ -154,6 +155,9 @@ def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optiona
         p = path_str(path)
         if wanted(p, leaf):
             leaf = quantize(leaf, block=policy.block, amax=amax.get(p))
+        elif (policy is not None and policy.keep_dtype is not None and policy.kept(p) and not is_nvfp4(leaf)
+              and jnp.issubdtype(leaf.dtype, jnp.floating)):
+            leaf = jnp.asarray(leaf).astype(policy.keep_dtype)  # as quantize_params stores a kept leaf
         lay = layout_for(p, leaf.shape, is_nvfp4(leaf), mesh, rules)
         if is_nvfp4(leaf):
             return TiledNVFP4.from_array(leaf, lay)

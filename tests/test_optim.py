@@ -597,3 +597,21 @@ def test_shared_amax_requantizes_bit_exact_against_the_reference(shape):
         masters = nv.sharding.logical(jax.device_get(state.master))
         check(params, {path(n): np.asarray(masters["blocks"][path(n)[0]][n]["kernel"]) for group in groups
                        for n in group})
+
+
+def test_shard_params_with_a_policy_stores_kept_leaves_in_its_keep_dtype():
+    """``shard_params(fp32, mesh, rules, policy)`` stores what ``shard_params(quantize_params(fp32,
+    policy))`` does: NVFP4 where the policy quantizes, ``keep_dtype`` where it keeps, bit for bit."""
+    mesh = make_mesh(4)
+    rng = np.random.default_rng(5)
+    fp32 = {"emb": jnp.asarray(rng.standard_normal((256, 64)), jnp.float32),
+            "w": jnp.asarray(rng.standard_normal((64, 128)), jnp.float32), "b": jnp.zeros(128, jnp.float32)}
+    policy = nv.Policy(keep=("emb",), keep_dtype=jnp.bfloat16)
+    with jax.set_mesh(mesh):
+        direct = nv.shard_params(fp32, mesh, nv.Rules(), policy)
+        via = nv.shard_params(nv.quantize_params(fp32, policy), mesh, nv.Rules())
+    assert direct["emb"].value.dtype == jnp.bfloat16 and isinstance(direct["w"], nv.TiledNVFP4)
+    assert direct["b"].dtype == jnp.float32  # not kept: its own dtype
+    for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(via), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

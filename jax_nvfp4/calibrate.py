@@ -120,14 +120,17 @@ def input_amax(apply_fn: Callable[..., Any], params, batches: Iterable[Any], *,
     ``[]``, or ``[L]`` for a kernel stacked by ``nn.scan``. NaN in an input is kept. Layers
     whose kernel is not NVFP4 (kept in float by the policy) are left out.
 
-    Raises ``ValueError`` when there is no batch, or when an NVFP4 kernel's layer recorded no
-    input (a kernel not read by an ``NVFP4Dense``, e.g. a stock ``nn.Dense``).
+    Raises ``ValueError`` when there is no batch, when ``params`` hold no NVFP4 kernel, or when
+    an NVFP4 kernel's layer recorded no input (a kernel not read by an ``NVFP4Dense``, e.g. a stock ``nn.Dense``).
     """
     batches = list(batches)
     if not batches:
         raise ValueError("calibrate: no batches")
     host = _host(params)
     kernels, weights = set(nvfp4_kernels(host)), dequantize_params(host, dtype)
+    if not kernels:  # float params: a W4A4 export needs the weights' NVFP4 form first
+        raise ValueError("calibrate: params hold no NVFP4 Linear kernel (quantize them first: nv.quantize_params "
+                         "or nv.shard_params with a policy)")
 
     @jax.jit
     def amaxes(p, batch):

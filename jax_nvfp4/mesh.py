@@ -49,10 +49,20 @@ def _has_slice_index(devices: Sequence[Any], nvl_domain: int) -> bool:
     return None not in values and (len(set(values)) > 1 or len(values) <= nvl_domain)
 
 
+def _check_sizes(**sizes: Any) -> None:
+    """Each of ``sizes`` an integer (not a bool; None allowed), ``nvl_domain`` a positive one."""
+    for name, v in sizes.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+            raise MeshError(f"{name}={v!r}: must be an integer")
+    if sizes.get("nvl_domain", 1) < 1:
+        raise MeshError(f"nvl_domain={sizes['nvl_domain']}: must be a positive number of devices")
+
+
 def device_domains(devices: Sequence[Any], nvl_domain: int = NVL72) -> list[int]:
     """The NVLink domain index of each of ``devices`` (module docstring). Raises :class:`MeshError`
     when several processes hold devices and ``nvl_domain`` is not a multiple of the devices per
     process."""
+    _check_sizes(nvl_domain=nvl_domain)
     devices = list(devices)
     if _has_slice_index(devices, nvl_domain):
         return [int(d.slice_index) for d in devices]
@@ -129,6 +139,7 @@ def device_grid(data: int = -1, tensor: int = 1, *, racks: Optional[int] = None,
     checked to be ``R``. With a rack axis ``tensor`` must divide ``nvl_domain`` and the devices
     must fill whole domains of equal sizes.
     """
+    _check_sizes(data=data, tensor=tensor, racks=racks, nvl_domain=nvl_domain)
     if racks is not None and (racks == 0 or racks < -1):
         raise MeshError(f"racks={racks}: must be a positive count, -1 (what the devices span) or None")
     devices = list(jax.devices() if devices is None else devices)

@@ -159,6 +159,9 @@ def test_input_amax_refuses_no_batches_and_an_nvfp4_kernel_no_nvfp4dense_reads()
         lib.input_amax(model.apply, params, [])
     with pytest.raises(ValueError, match=r"no input recorded for the NVFP4 kernels \['b/kernel'\]"):
         lib.input_amax(model.apply, params, batches)
+    floats = nv.dequantize_params(nv.sharding.logical(params), jnp.float32)  # nothing NVFP4 to calibrate
+    with pytest.raises(ValueError, match="calibrate: params hold no NVFP4 Linear kernel"):
+        lib.input_amax(model.apply, floats, batches)
 
 
 @pytest.fixture(scope="module")

@@ -184,6 +184,9 @@ def test_library_gb200_mesh_without_a_config():
                                                 "number of them"),
     (dict(tensor=2, racks=3, nvl_domain=4), 8, "racks=3: the 8 devices fall into 2 NVLink domain(s) of nvl_domain=4"),
     (dict(racks=0), 8, "racks=0: must be a positive count, -1 (what the devices span) or None"),
+    (dict(data=2.0, tensor=4), 8, "data=2.0: must be an integer"),
+    (dict(data=True, tensor=8), 8, "data=True: must be an integer"),
+    (dict(racks=-1, nvl_domain=0), 8, "nvl_domain=0: must be a positive number of devices"),
 ])
 def test_library_mesh_errors_name_the_arguments(kwargs, n, message):
     with pytest.raises(MeshError) as info:

@@ -28,7 +28,7 @@ from train.config_errors import suggest
 from benchmarks.common import ROOT
 
 __all__ = ["Parser", "one_line", "show", "int_at_least", "positive_int", "nonnegative_int", "positive_float",
-           "int_list", "seed_list", "name_list", "unknown_name", "lengths_map", "shard", "git_revision",
+           "int_list", "seed_list", "name_list", "unknown_name", "lengths_map", "seed_ranges", "shard", "git_revision",
            "output_dir", "output_file", "checked", "refuse"]
 
 
@@ -258,4 +258,33 @@ def lengths_map(choices: Sequence[str]) -> Callable[[str], Dict[str, List[int]]]
         return out
 
     check.__name__ = "lengths_map"
+    return check
+
+
+def seed_ranges(choices: Sequence[str], what: str = "size") -> Callable[[str], Dict[str, List[int]]]:
+    """A ``type=`` for ``NAME=FIRST-LAST,...``: per name out of ``choices``, the seeds FIRST..LAST
+    (at least two: an interval of their mean needs two)."""
+
+    def check(text: str) -> Dict[str, List[int]]:
+        out: Dict[str, List[int]] = {}
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if not parts:
+            _fail(text, f"expected {what.upper()}=FIRST-LAST,..., e.g. {choices[-1]}=0-7")
+        for part in parts:
+            m = re.fullmatch(r"([^=\s]+)=(\d+)-(\d+)", part)
+            if not m:
+                _fail(text, f"{part!r}: expected {what.upper()}=FIRST-LAST (seeds FIRST to LAST), "
+                            f"e.g. {choices[-1]}=0-7")
+            name, first, last = m.group(1), int(m.group(2)), int(m.group(3))
+            why = unknown_name(name, choices, what)
+            if why:
+                _fail(text, why)
+            if name in out:
+                _fail(text, f"{name} given twice")
+            if last <= first:
+                _fail(text, f"{part!r}: LAST must be above FIRST (a 95% interval needs two seeds or more)")
+            out[name] = list(range(first, last + 1))
+        return out
+
+    check.__name__ = "seed_ranges"
     return check

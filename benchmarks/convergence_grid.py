@@ -111,6 +111,10 @@ LEVER_NAMES = {
 }
 WEIGHTS_ONLY_TARGET = 0.5  # % of the bf16 validation loss
 RECIPE_TARGET = 1.5
+# The recipe sweep at more seeds (``--seeds-at SIZE=FIRST-LAST``): its two pairs at one width for
+# seeds FIRST..LAST, so that the 95% t-interval of the mean gap says whether the gap is below
+# SEEDS_AT_BOUND (% of the bf16 validation loss): the upper end of the interval below it.
+SEEDS_AT_BOUND = 1.0
 
 
 def run_name(size: str, steps: int, seed: int, variant: str) -> str:
@@ -167,12 +171,22 @@ def by_width(sizes: Sequence[str]) -> List[str]:
     return sorted(sizes, key=lambda s: list(RECIPE_SIZES).index(s))
 
 
+def seeds_at_grid(seeds_at: Dict[str, Sequence[int]]) -> List[Dict[str, Any]]:
+    """The runs of the sweep at more seeds: per size of ``seeds_at`` (narrowest first) and each
+    of its seeds, :data:`RECIPE_VARIANTS` (the sweep's two pairs)."""
+    return [{"size": size, "steps": RECIPE_STEPS, "seed": seed, "variant": v,
+             "name": run_name(size, RECIPE_STEPS, seed, v)}
+            for size in by_width(seeds_at) for seed in seeds_at[size] for v in RECIPE_VARIANTS]
+
+
 def recipe_grid(sizes: Sequence[str], seeds: Sequence[int] = SEEDS,
-                ablation_sizes: Optional[Sequence[str]] = None, lr_seeds: Sequence[int] = ()) -> List[Dict[str, Any]]:
+                ablation_sizes: Optional[Sequence[str]] = None, lr_seeds: Sequence[int] = (),
+                seeds_at: Optional[Dict[str, Sequence[int]]] = None) -> List[Dict[str, Any]]:
     """The recipe sweep's runs: per size (narrowest first) and seed, :data:`RECIPE_VARIANTS`;
     per size, :data:`LR_CHECK` for each of ``lr_seeds``; then, at each of
     ``ablation_sizes`` (default: the widest size; ``()``: none), narrowest first, the
-    :data:`ABLATIONS` seed by seed."""
+    :data:`ABLATIONS` seed by seed; last, the runs of :func:`seeds_at_grid` (``seeds_at``) that
+    the sweep does not have already."""
     order = by_width(sizes)
     at = by_width(order[-1:] if ablation_sizes is None else ablation_sizes)
     specs = [{"size": size, "steps": RECIPE_STEPS, "seed": seed, "variant": v,
@@ -182,6 +196,8 @@ def recipe_grid(sizes: Sequence[str], seeds: Sequence[int] = SEEDS,
                "name": run_name(size, RECIPE_STEPS, seed, v)} for size in order for seed in lr_seeds for v in LR_CHECK]
     specs += [{"size": size, "steps": RECIPE_STEPS, "seed": seed, "variant": v,
                "name": run_name(size, RECIPE_STEPS, seed, v)} for size in at for seed in seeds for v in ABLATIONS]
+    have = {s["name"] for s in specs}
+    specs += [s for s in seeds_at_grid(seeds_at or {}) if s["name"] not in have]
     return specs
 
 

@@ -9,7 +9,12 @@ bf16 (``nvfp4.keep_last_blocks=1``, a quarter of the blocks' linear layers; the 
 bf16) against bf16 with the same split (the split draws other init keys). At the widest width
 swept (or at each size ``--ablation-at`` names), :data:`~benchmarks.convergence_grid.ABLATIONS`
 switch the recipe's elements off one at a time (the last block still bf16), each compared with
-the full recipe of the same seed.
+the full recipe of the same seed. ``--seeds-at SIZE=FIRST-LAST`` runs the sweep's two pairs at
+SIZE for more seeds (:func:`more_seeds`): a section of their own gives each gap's 95% t-interval
+and, once every seed is done, whether the gap is below
+:data:`~benchmarks.convergence_grid.SEEDS_AT_BOUND`, with the cost in CPU hours done and to do.
+The report's head (runs done, missing, run time, code) speaks of the sweep, the ablation and
+the learning-rate check only.
 
 This module aggregates the runs and writes ``CONVERGENCE_RECIPE.md``, ``convergence_recipe.json``
 and ``convergence_recipe.png``; ``--rerun NAME`` trains one finished run again from the code of
@@ -41,11 +46,12 @@ def widest(sizes: Sequence[str]) -> str:
 
 
 def aggregate(results: Dict[str, Dict[str, Any]], sizes: Sequence[str], seeds: Sequence[int],
-              ablation_sizes: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+              ablation_sizes: Optional[Sequence[str]] = None,
+              seeds_at: Optional[Dict[str, Sequence[int]]] = None) -> Dict[str, Any]:
     """Per size, the recipe's gap with and without the bf16 last block; at each ablation size
     (default: the widest), each ablation's gap against bf16 (same split) and its difference
     from the full recipe (``vs_default_pct``, paired by seed), and the attribution; the
-    acceptance at the widest size."""
+    acceptance at the widest size; the sweep at more seeds (:func:`more_seeds`, ``seeds_at``)."""
     steps = grid.RECIPE_STEPS
     sweep = []
     for size in grid.by_width(sizes):
@@ -85,7 +91,37 @@ def aggregate(results: Dict[str, Dict[str, Any]], sizes: Sequence[str], seeds: S
     accept = {"size": top, "full_recipe_keep_last": stats.verdict(at_top.get(FULL_KEEP), grid.RECIPE_TARGET),
               "full_recipe": stats.verdict(at_top.get(FULL), grid.RECIPE_TARGET)}
     return {"steps": steps, "sweep": sweep, "widest": top, "ablations": ablations, "lr_check": lr,
-            "acceptance": accept}
+            "acceptance": accept, "seeds_at": more_seeds(results, seeds_at or {})}
+
+
+def more_seeds(results: Dict[str, Dict[str, Any]], seeds_at: Dict[str, Sequence[int]]) -> List[Dict[str, Any]]:
+    """Per size of ``seeds_at`` (narrowest first), the sweep's two pairs at its seeds
+    (:func:`~benchmarks.convergence_grid.seeds_at_grid`): each pair's gap over the seeds that have
+    both runs, with the 95% t-interval of the mean (``interval``; None under two seeds) and the
+    verdict on whether the gap is below :data:`~benchmarks.convergence_grid.SEEDS_AT_BOUND`
+    (:func:`benchmarks.stats.below`: none until every seed is done); the seeds with all their runs
+    done, the runs not done, the code the runs were trained by, and the cost in CPU hours (done,
+    and estimated for the rest: :func:`benchmarks.stats.cpu_hours`)."""
+    out = []
+    for size in grid.by_width(seeds_at):
+        seeds = list(seeds_at[size])
+        specs = grid.seeds_at_grid({size: seeds})
+        pairs, below = {}, {}
+        for v, base in grid.RECIPE_PAIRS.items():
+            g = stats.gaps(results, size, grid.RECIPE_STEPS, seeds, v, base=base)
+            if g:
+                g["interval"] = list(stats.mean_interval(g["gap_pct"])) if g["gap_pct"]["n"] > 1 else None
+            pairs[v] = g
+            below[v] = stats.below(g, grid.SEEDS_AT_BOUND, len(seeds))
+        missing = [s for s in specs if s["name"] not in results]
+        out.append({"size": size, "steps": grid.RECIPE_STEPS, "seeds": seeds, "bound_pct": grid.SEEDS_AT_BOUND,
+                    "seeds_done": [x for x in seeds if not any(s["seed"] == x for s in missing)],
+                    "runs_done": len(specs) - len(missing), "runs_total": len(specs),
+                    "missing": [s["name"] for s in missing], "pairs": pairs, "below": below,
+                    "sources": stats.source_summary({s["name"]: results[s["name"]] for s in specs
+                                                     if s["name"] in results}),
+                    "cost": stats.cpu_hours(results, specs)})
+    return out
 
 
 def attribution(ablation: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -198,6 +234,8 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
         L.append(f"| {r['size']} | {m['d_model']} | {m['mlp_hidden']} | {m['params'] / 1e6:.2f} M | {base(r.get(FULL))} | "
                  f"{_cell(r.get(FULL))} | {base(r.get(FULL_KEEP))} | {_cell(r.get(FULL_KEEP))} |")
     L += ["", "![gap against width; ablation](convergence_recipe.png)", ""]
+    for x in agg.get("seeds_at") or []:
+        L += more_seeds_lines(x, models[x["size"]], meta["command"])
     for ab in agg["ablations"]:
         if not ab["rows"]:
             continue
@@ -259,6 +297,65 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
     return stats.write_text(out, REPORT, L + stats.reproduction_lines(payload.get("reruns") or []))
 
 
+def seeds_text(seeds: Sequence[int]) -> str:
+    """Seeds as ``--seeds-at`` writes them when they run on (``0-7``), else comma-separated."""
+    seeds = sorted(seeds)
+    if len(seeds) > 1 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ",".join(map(str, seeds))
+
+
+def more_seeds_lines(x: Dict[str, Any], model: Dict[str, Any], command: str) -> List[str]:
+    """The report's section on the sweep at more seeds at one size (an item of
+    :func:`more_seeds`): the two pairs' gaps, intervals and verdicts, the seeds done, the cost in
+    CPU hours done and to do, and the command that trains the runs not done."""
+    n, done, bound = len(x["seeds"]), x["seeds_done"], x["bound_pct"]
+    L = [f"## Gap at {n} seeds ({x['size']}, {x['steps']} steps)", "",
+         f"The sweep's two pairs at d_model {model['d_model']} for seeds {seeds_text(x['seeds'])} "
+         f"(`--seeds-at {x['size']}={seeds_text(x['seeds'])}`), so that the 95% t-interval of the mean gap (paired "
+         f"by seed) says whether the gap is below {bound:g}% of the bf16 loss: it is when the interval's upper end "
+         f"is. Done: **{len(done)} of {n} seeds** ({x['runs_done']} of {x['runs_total']} runs)"
+         + (f"; the verdict waits for all {n}." if len(done) < n else "."), "",
+         f"| comparison | seeds | bf16 val loss | recipe val loss | gap % of bf16 | 95% interval of the mean | "
+         f"below {bound:g}%? |", "|---|---|---:|---:|---|---|---|"]
+    for v, base in grid.RECIPE_PAIRS.items():
+        g, b = x["pairs"][v], x["below"][v]
+        name = f"{RECIPE_NAMES[v]} vs bf16" + (" with the same split" if base != "bf16" else "")
+        word = {True: "**yes**: ", False: "**no**: ", None: ""}[b["met"]] + b["why"]
+        if not g:
+            L.append(f"| {name} | - | - | - | not run | - | {word} |")
+            continue
+        iv = g.get("interval")
+        L.append(f"| {name} | {seeds_text(g['per_seed'])} | {g['base_val']['mean']:.4f} | {g['val']['mean']:.4f} | "
+                 f"{stats.pct_text(g['gap_pct'])} | " + (f"[{iv[0]:+.2f}%, {iv[1]:+.2f}%]" if iv else "-")
+                 + f" | {word} |")
+    c = x["cost"]
+    cost = (f"Run cost, each run on one core: {c['done_h']:.2f} CPU hours done ({c['runs_done']} runs), "
+            f"about {c['todo_h']:.2f} CPU hours to do ({c['runs_todo']} runs")
+    cost += (", each at the mean time of the finished runs of its variant at this width" if c["runs_todo"] else "")
+    cost += (f"; {len(c['unestimated'])} of them without a finished run to estimate from" if c["unestimated"] else "")
+    cost += (f"; about {c['todo_h'] / 2:.2f} h wall clock with `--workers 2` on 2 free cores)." if c["runs_todo"]
+             else ").")
+    L += ["", cost]
+    todo = [s for s in x["seeds"] if s not in done]
+    if todo:
+        per = {s: sum(grid.run_name(x["size"], x["steps"], s, v) in x["missing"] for v in grid.RECIPE_VARIANTS)
+               for s in todo}
+        whole = [s for s in todo if per[s] == len(grid.RECIPE_VARIANTS)]
+        parts = ([f"seed{'s' if len(whole) > 1 else ''} {', '.join(map(str, whole))} (every run)"] if whole else []) + [
+            f"seed {s} ({per[s]} of {len(grid.RECIPE_VARIANTS)} runs)" for s in todo if s not in whole]
+        L += ["", "Not run yet: " + "; ".join(parts) + ". Train them, the committed runs restored into the cache "
+              f"first and nothing else of the grid trained: `{command} --from-results --train-seeds "
+              f"{','.join(map(str, todo))}`."]
+    L.append("")
+    L += stats.source_lines({"sources": x["sources"]},
+                            {"table": [g for g in x["pairs"].values() if g], "levers": {}})
+    if len(x["sources"]["states"]) > 1:
+        L += [f"These seeds were trained by {len(x['sources']['states'])} code states: the interval pools them "
+              "(`--rerun NAME` says whether this tree's code retrains a recorded run bit for bit).", ""]
+    return L
+
+
 def assemble(results, specs, corpus, args, command: str, wall: float, cache: str) -> Dict[str, Any]:
     from benchmarks.train_step import model_summary
 
@@ -266,11 +363,19 @@ def assemble(results, specs, corpus, args, command: str, wall: float, cache: str
     for size in args.sizes:
         cfg, _ = grid.run_config(size, 10, 0, "bf16", corpus)
         models[size] = {**model_summary(cfg), "params": n_params(cfg)}
+    seeds_at = getattr(args, "seeds_at", None) or {}
+    # The head of the report (runs done, missing, run time, code) speaks of the sweep, the ablation
+    # and the learning-rate check; the sweep at more seeds counts its own runs in its section.
+    sweep = grid.recipe_grid(args.sizes, args.seeds, args.ablation_at, args.lr_check)
+    main = {s["name"]: results[s["name"]] for s in sweep if s["name"] in results}
     meta = {"seeds": list(args.seeds), "sizes": list(args.sizes), "models": models, "lr": cfg.optim.lr,
-            "run_wall_s": {size: round(statistics.fmean([r["wall_s"] for r in results.values() if r["size"] == size]), 1)
-                           for size in args.sizes if any(r["size"] == size for r in results.values())},
-            **stats.run_meta(results, specs, command, wall)}
-    return {"meta": meta, "corpus": corpus, "aggregate": aggregate(results, args.sizes, args.seeds, args.ablation_at),
+            "run_wall_s": {size: round(statistics.fmean([r["wall_s"] for r in main.values() if r["size"] == size]), 1)
+                           for size in args.sizes if any(r["size"] == size for r in main.values())},
+            **stats.run_meta(main, sweep, command, wall)}
+    if seeds_at:
+        meta["seeds_at"] = {size: list(seeds) for size, seeds in seeds_at.items()}
+    agg = aggregate(results, args.sizes, args.seeds, args.ablation_at, seeds_at)
+    return {"meta": meta, "corpus": corpus, "aggregate": agg,
             "reruns": read_reruns(cache, {s["name"] for s in specs}), "runs": stats.stored_runs(results)}
 
 
@@ -303,10 +408,16 @@ def rerun_dir(cache: str) -> str:
 
 def compare(name: str, recorded: Dict[str, Any], rerun: Dict[str, Any]) -> Dict[str, Any]:
     """Whether a retrained run's losses are the recorded ones bit for bit (the final validation
-    loss, every validation point and the training losses every 10 steps)."""
+    loss, every validation point and the training losses every 10 steps). A loss the record
+    lacks (a run restored from a results JSON keeps no training-loss trace) is not compared:
+    ``fields`` has None for it, ``not_recorded`` names it, and ``identical`` speaks of the others."""
     keys = ("final_val_loss", "val_history", "final_train_loss", "train_loss_every_10")
-    same = {k: recorded.get(k) == rerun.get(k) for k in keys}
-    return {"name": name, "identical": all(same.values()), "fields": same,
+    same = {k: recorded[k] == rerun.get(k) if k in recorded else None for k in keys}
+    out = {"name": name, "identical": all(v for v in same.values() if v is not None), "fields": same}
+    missing = [k for k in keys if k not in recorded]
+    if missing:
+        out["not_recorded"] = missing
+    return {**out,
             "recorded": {k: recorded.get(k) for k in ("final_val_loss", "final_train_loss")},
             "rerun": {k: rerun.get(k) for k in ("final_val_loss", "final_train_loss")},
             "recorded_source": recorded.get("source"), "rerun_source": rerun.get("source"),

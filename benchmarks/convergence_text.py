@@ -39,8 +39,20 @@ the model's own count), bf16, weights-only NVFP4 and the full recipe with its la
 ``--rerun NAME`` trains one
 finished run again and compares its losses with the recorded ones bit for bit.
 
+``--recipe --seeds-at SIZE=FIRST-LAST`` adds the sweep's two pairs at SIZE for seeds FIRST..LAST
+(:func:`~benchmarks.convergence_grid.seeds_at_grid`), reported in a section of their own: the
+gaps' 95% t-intervals, whether each gap is below
+:data:`~benchmarks.convergence_grid.SEEDS_AT_BOUND` once every seed is done, and the cost in
+CPU hours done and to do. ``--train-seeds SEEDS`` trains only the runs of those seeds; the
+report still covers every run of the grid.
+
 Each finished run writes ``<cache>/runs/<name>.json``; a rerun skips those, so an interrupted
-grid resumes. ``--workers N`` splits the runs over N processes. A run records the code it was
+grid resumes. ``--from-results`` first writes every run the grid's results JSON in ``--out``
+records (``runs``, less the training-loss trace, which only ``--rerun`` compares), and every
+``--rerun`` verdict it records, into the cache, leaving those already there alone
+(:func:`restore`): a fresh checkout continues from the committed results, and the report
+aggregates the recorded runs with the new ones. Its runs must have been trained on the corpus
+built here (same sha256). ``--workers N`` splits the runs over N processes. A run records the code it was
 trained by (:func:`source_state`: a hash of the sources as its process loaded them, the commit,
 uncommitted changes); the report names every pair whose two runs ran different code. After a
 change to the library or the stack, delete the runs it affects and rerun.
@@ -66,7 +78,7 @@ from benchmarks import convergence_recipe as cr
 from benchmarks.common import request_cpu_devices, source_state, use_compile_cache
 from benchmarks.convergence_grid import (EVAL_BATCHES, HEADLINE_SEEDS, HEADLINE_VARIANTS, LENGTHS, LEVER_BASE,
                                          LENGTH_BUDGETS, LENGTH_SIZE, LEVER_NAMES, LEVER_SIZE, LEVERS, LR_HALF, RECIPE_LEVERS, RECIPE_SIZES,
-                                         RECIPE_TARGET, SEEDS, SIZES, WEIGHTS_ONLY_TARGET, WEIGHTS_SIZES, grid,
+                                         RECIPE_TARGET, SEEDS, SEEDS_AT_BOUND, SIZES, WEIGHTS_ONLY_TARGET, WEIGHTS_SIZES, grid,
                                          headline_seeds, length_grid, recipe_grid, run_config, run_name,
                                          size_shape)
 from benchmarks.stats import (gap_curve, gaps, lever_effect, met_text, pct_text, run_meta, source_lines, stored_runs,
@@ -309,6 +321,81 @@ def work(specs: Sequence[Dict[str, Any]], corpus: Dict[str, Any], cache: str, lo
             continue
         if claim(cache, spec["name"]):
             run_one(spec, corpus, cache, log=log)
+
+
+# ----------------------------------------------------------------------------- restoring recorded runs
+RESULTS_JSON = {"recipe": "convergence_recipe.json", "length_sweep": "convergence_length.json",
+                "text": "convergence_text.json"}
+# What the reports read of a run (besides what its grid spec says), so what a restored run must hold.
+RESTORED_KEYS = ("name", "size", "final_val_loss", "val_history", "data_order_sha256", "wall_s", "finished_unix")
+
+
+def results_json(args) -> str:
+    """The results JSON the grid of ``args`` (:func:`parse_args`) writes into ``--out``: what
+    ``--from-results`` restores."""
+    grid_kind = "recipe" if args.recipe else "length_sweep" if args.length_sweep else "text"
+    return os.path.join(args.out, RESULTS_JSON[grid_kind])
+
+
+def read_results(path: str) -> Dict[str, Any]:
+    """The results JSON at ``path``, checked to hold runs a report can read (every key of
+    :data:`RESTORED_KEYS`, filed under its own name); ValueError(why) otherwise."""
+    if not os.path.isfile(path):
+        raise ValueError("no such file (the results JSON this grid writes into --out)")
+    try:
+        with open(path) as f:
+            payload = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"not readable as JSON ({type(e).__name__})") from None
+    runs = payload.get("runs") if isinstance(payload, dict) else None
+    if not isinstance(runs, dict):
+        raise ValueError("records no 'runs': not a results JSON of this benchmark")
+    for name, r in runs.items():
+        lacks = [k for k in RESTORED_KEYS if not isinstance(r, dict) or k not in r]
+        if lacks:
+            raise ValueError(f"run {name!r} lacks {', '.join(lacks)}")
+        if r["name"] != name:
+            raise ValueError(f"run {name!r} is filed under another name ({r['name']!r})")
+    return payload
+
+
+def restore(payload: Dict[str, Any], path: str, cache: str, corpus: Dict[str, Any]) -> Dict[str, int]:
+    """Write every run of ``payload`` (:func:`read_results` of ``path``) to ``<cache>/runs`` and
+    every ``--rerun`` verdict it records to the reruns folder of ``cache``, leaving the ones
+    already there as they are (``kept``; ``differ``: those whose final validation loss is not the
+    recorded one). Refused (one line, exit 2) when its runs were trained on another corpus than
+    ``corpus``: its gaps would not pair with runs trained here."""
+    here = [corpus["train"]["sha256"], corpus["val"]["sha256"]]
+    recorded = payload.get("corpus") or {}
+    for name, r in payload["runs"].items():
+        theirs = r.get("corpus_sha256") or [recorded.get(p, {}).get("sha256") for p in ("train", "val")]
+        if list(theirs) != here:
+            A.refuse("--from-results", path, f"run {name!r} was trained on another corpus (train sha256 "
+                                             f"{str(theirs[0])[:16]}..., here {here[0][:16]}...)")
+    counts = {"restored": 0, "kept": 0, "differ": 0, "reruns": 0}
+    for name, record in payload["runs"].items():
+        target = recorded_path(cache, name)
+        if os.path.exists(target):
+            counts["kept"] += 1
+            with open(target) as f:
+                counts["differ"] += json.load(f).get("final_val_loss") != record["final_val_loss"]
+        else:
+            counts["restored"] += _write_new(target, record)
+    for record in payload.get("reruns") or []:
+        counts["reruns"] += _write_new(os.path.join(cr.rerun_dir(cache), record["name"] + ".json"), record)
+    return counts
+
+
+def _write_new(path: str, record: Dict[str, Any]) -> bool:
+    """Write ``record`` to ``path`` unless a file is there (whole or not at all); whether it wrote."""
+    if os.path.exists(path):
+        return False
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, path)
+    return True
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -557,6 +644,14 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("--lr-check", metavar="SEEDS", type=A.int_list(minimum=0, empty=True), default="",
                    help=f"--recipe: at every size, the last-block-bf16 pair again at optim.lr={LR_HALF} "
                         "for these seeds (default none)")
+    p.add_argument("--seeds-at", metavar="SIZE=FIRST-LAST", type=A.seed_ranges(list(RECIPE_SIZES), "size"),
+                   help="--recipe: also the sweep's two pairs at SIZE (of --sizes) for seeds FIRST..LAST, reported "
+                        f"in a section of their own (is the gap below {SEEDS_AT_BOUND:g}%%?), e.g. l4-d256=0-7")
+    p.add_argument("--train-seeds", metavar="SEEDS", type=A.seed_list,
+                   help="train only the runs of these seeds (the report still covers every run of the grid)")
+    p.add_argument("--from-results", action="store_true",
+                   help="first restore every run (and --rerun verdict) the grid's results JSON in --out records "
+                        "into the cache, leaving those already there: finished runs are not trained again")
     p.add_argument("--rerun", metavar="NAME",
                    help="train the finished run NAME of this grid again (in <cache>/reruns) and compare its "
                         "losses with the recorded ones bit for bit")
@@ -595,22 +690,47 @@ def parse_args(argv: Sequence[str]):
         p.error("--levers: belongs to --length-sweep (the other grids run their levers unless --no-levers)")
     if args.lr_check and not args.recipe:
         p.error(f"--lr-check {','.join(map(str, args.lr_check))}: belongs to --recipe")
+    if args.seeds_at is not None:
+        raw = ",".join(f"{k}={v[0]}-{v[-1]}" for k, v in args.seeds_at.items())
+        if not args.recipe:
+            p.error(f"--seeds-at {raw}: belongs to --recipe")
+        for size in args.seeds_at:
+            if size not in args.sizes:
+                p.error(f"--seeds-at {raw}: {size!r}: the pairs run at sizes of --sizes ({', '.join(args.sizes)})")
+    args.restore = None
+    if args.from_results:
+        path = results_json(args)
+        try:
+            args.restore = read_results(path)
+        except ValueError as e:
+            p.error(f"--from-results {A.show(path)}: {e}")
     args.headline = headline_seeds(args.seeds, args.headline_seeds)
     lengths = {k: list(v) for k, v in LENGTHS.items()}
     lengths.update(args.lengths or {})
     args.lengths_map = lengths
-    names = {s["name"] for s in specs_of(args)}
+    specs = specs_of(args)
+    names = {s["name"] for s in specs}
     for flag, value in (("--rerun", args.rerun), ("--only", args.only)):
         for name in (value or "").split(","):
             if name and name not in names:
                 p.error(f"{flag} {A.show(value)}: {name!r} is not a run of this grid")
+    if args.train_seeds is not None:
+        raw = ",".join(map(str, args.train_seeds))
+        for flag, on in (("--report-only", args.report_only), ("--rerun", args.rerun)):
+            if on:
+                p.error(f"--train-seeds {raw}: {flag} trains " + ("nothing" if flag == "--report-only" else "one run"))
+        have = sorted({s["seed"] for s in specs})
+        for seed in args.train_seeds:
+            if seed not in have:
+                p.error(f"--train-seeds {raw}: no run of this grid has seed {seed} (its seeds: "
+                        f"{', '.join(map(str, have))})")
     return args
 
 
 def specs_of(args) -> List[Dict[str, Any]]:
     """The runs of the grid ``args`` (:func:`parse_args`) asks for, in training order."""
     if args.recipe:
-        return recipe_grid(args.sizes, args.seeds, args.ablation_at, args.lr_check)
+        return recipe_grid(args.sizes, args.seeds, args.ablation_at, args.lr_check, args.seeds_at)
     if args.length_sweep:
         if getattr(args, "shapes", None) is None:
             args.shapes = {size: size_shape(size) for size in args.sizes}
@@ -633,7 +753,10 @@ def without(argv: Sequence[str], opt: str) -> List[str]:
 
 
 def _command(argv: Sequence[str]) -> str:
-    keep = [a for a in without(argv, "--shard") if a != "--report-only"]
+    """The command that makes the grid of ``argv`` from scratch: less what says which runs this
+    invocation trains and where the finished ones come from."""
+    keep = [a for a in without(without(argv, "--shard"), "--train-seeds")
+            if a not in ("--report-only", "--from-results")]
     return " ".join(["python -m benchmarks convergence --text", *keep])
 
 
@@ -642,24 +765,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
     specs = specs_of(args)
-    if args.rerun and not os.path.exists(recorded_path(args.cache, args.rerun)):
+    if (args.rerun and not os.path.exists(recorded_path(args.cache, args.rerun))
+            and args.rerun not in (args.restore or {}).get("runs", {})):
         A.refuse("--rerun", args.rerun, f"not finished yet ({recorded_path(args.cache, args.rerun)} does not exist)")
     if args.only:
         specs = [s for s in specs if s["name"] in args.only.split(",")]
+    train = [s for s in specs if args.train_seeds is None or s["seed"] in args.train_seeds]
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.0f}s] {msg}", flush=True)
     corpus_path = os.path.join(args.cache, "corpus.json")
     if args.shard:
         with open(corpus_path) as f:
             corpus = json.load(f)
         one_device(args.cache)
-        work(specs, corpus, args.cache, log)
+        work(train, corpus, args.cache, log)
         return 0
     corpus = build_corpus(args.cache, max_bytes=args.max_bytes)
     os.makedirs(args.cache, exist_ok=True)
     with open(corpus_path, "w") as f:
         json.dump(corpus, f, indent=1)
     log(f"corpus: {corpus['train']['files']} train modules ({corpus['train']['bytes']:,} bytes), "
-        f"{corpus['val']['files']} held out ({corpus['val']['bytes']:,} bytes); {len(specs)} runs")
+        f"{corpus['val']['files']} held out ({corpus['val']['bytes']:,} bytes); {len(specs)} runs"
+        + (f", {len(train)} of them of seeds {','.join(map(str, args.train_seeds))}" if args.train_seeds else ""))
+    if args.restore:
+        n = restore(args.restore, results_json(args), args.cache, corpus)
+        differ = f" ({n['differ']} of them with another final validation loss than the recorded one)"
+        log(f"--from-results {results_json(args)}: {n['restored']} runs and {n['reruns']} rerun verdicts restored, "
+            f"{n['kept']} runs already in the cache kept" + (differ if n["differ"] else ""))
     if args.rerun:
         return rerun(args, argv, specs, corpus, log)
     if not args.report_only:
@@ -669,7 +800,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log(f"workers exited with {codes}; the finished runs are kept, rerun to resume")
         else:
             one_device(args.cache)
-            work(specs, corpus, args.cache, log)
+            work(train, corpus, args.cache, log)
     results = {}
     for spec in specs:
         path = os.path.join(args.cache, "runs", spec["name"] + ".json")
@@ -747,7 +878,9 @@ def rerun(args, argv, specs, corpus, log) -> int:
     with open(os.path.join(cr.rerun_dir(args.cache), name + ".json"), "w") as f:
         json.dump(verdict, f, indent=1)
     log(f"{name}: recorded val {recorded['final_val_loss']!r}, retrained {again['final_val_loss']!r}: "
-        + ("bit for bit identical" if verdict["identical"] else f"DIFFERENT ({verdict['fields']})"))
+        + ("bit for bit identical" if verdict["identical"] else f"DIFFERENT ({verdict['fields']})")
+        + (f"; not recorded, so not compared: {', '.join(verdict['not_recorded'])}"
+           if verdict.get("not_recorded") else ""))
     return 0 if verdict["identical"] else 1
 
 

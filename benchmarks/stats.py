@@ -6,7 +6,8 @@ A run is a dict of its results (``final_val_loss``, ``val_history``, ``data_orde
 ``source``, ...) in a ``results`` dict keyed by its name
 (:func:`benchmarks.convergence_grid.run_name`). A gap is ``(variant - base) / base`` of the
 final validation loss in percent, paired by seed; :func:`summarize` gives the mean, min, max,
-std and count of the seeds' values, :func:`mean_interval` the 95% t-interval of the mean.
+std and count of the seeds' values, :func:`mean_interval` the 95% t-interval of the mean, and
+:func:`below` whether that interval lies below a bound.
 """
 
 from __future__ import annotations
@@ -179,6 +180,46 @@ def mean_interval(s: Dict[str, float]) -> Tuple[float, float]:
     return s["mean"] - half, s["mean"] + half
 
 
+def below(g: Optional[Dict[str, Any]], bound: float, seeds: int) -> Dict[str, Any]:
+    """Whether the gap of ``g`` (:func:`gaps`) is below ``bound`` % of the base loss: met when the
+    upper end of the 95% t-interval of the mean gap (:func:`mean_interval`) is below ``bound``,
+    not met otherwise (``why`` says whether the whole interval is above it); no verdict (``met``
+    None) until ``seeds`` seeds have both runs."""
+    if g is None:
+        return {"met": None, "why": "not run"}
+    n = g["gap_pct"]["n"]
+    if n < max(2, seeds):
+        return {"met": None, "why": f"{n} of {seeds} seeds done: no verdict before all {seeds}"}
+    lo, hi = mean_interval(g["gap_pct"])
+    iv = f"95% interval of the mean gap [{lo:+.2f}%, {hi:+.2f}%]"
+    if hi < bound:
+        return {"met": True, "why": f"{iv}, all of it below {bound:g}%"}
+    if lo > bound:
+        return {"met": False, "why": f"{iv}, all of it above {bound:g}%"}
+    return {"met": False, "why": f"{iv} contains {bound:g}%: not shown below it"}
+
+
+def cpu_hours(results: Dict[str, Dict[str, Any]], specs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """What the runs of ``specs`` cost in CPU hours, each run on one core (a worker's one XLA
+    thread), so that its wall time is its CPU time: the finished ones (``done_h``, ``runs_done``)
+    and an estimate for the others (``todo_h``, ``runs_todo``), each at the mean wall time of the
+    finished runs in ``results`` of its size, steps and variant, else of its size and steps;
+    ``unestimated``: the runs with neither (not in ``todo_h``)."""
+    done = [results[s["name"]]["wall_s"] for s in specs if s["name"] in results]
+    todo, unestimated = [], []
+    for s in specs:
+        if s["name"] in results:
+            continue
+        cell = [r for r in results.values() if (r.get("size"), r.get("steps")) == (s["size"], s["steps"])]
+        walls = ([r["wall_s"] for r in cell if r.get("variant") == s["variant"]] or [r["wall_s"] for r in cell])
+        if walls:
+            todo.append(statistics.fmean(walls))
+        else:
+            unestimated.append(s["name"])
+    return {"runs_done": len(done), "done_h": sum(done) / 3600, "runs_todo": len(todo) + len(unestimated),
+            "todo_h": sum(todo) / 3600, "unestimated": unestimated}
+
+
 def report_head(title: str, meta: Dict[str, Any], made: str, extra: Sequence[str] = ()) -> List[str]:
     """A grid report's first lines: ``title``, the command that makes ``made`` (what it writes),
     the grid's run time (:func:`run_meta`), ``extra`` lines, and the runs not finished."""
@@ -193,14 +234,16 @@ def report_head(title: str, meta: Dict[str, Any], made: str, extra: Sequence[str
 
 def reproduction_lines(reruns: Sequence[Dict[str, Any]]) -> List[str]:
     """The table of retrained runs (``--rerun NAME``): recorded and retrained validation loss, whether
-    every loss agrees bit for bit, and the code of the retraining; nothing when none was retrained."""
+    every recorded loss agrees bit for bit (naming the losses the record lacks, which were not
+    compared), and the code of the retraining; nothing when none was retrained."""
     if not reruns:
         return []
     L = ["## Reproduction", "", "| run | recorded val loss | retrained | bit for bit | code of the retraining |",
          "|---|---:|---:|---|---|"]
     for x in reruns:
+        unchecked = f" ({', '.join(f'`{k}`' for k in x['not_recorded'])}: not recorded)" if x.get("not_recorded") else ""
         L.append(f"| `{x['name']}` | {x['recorded']['final_val_loss']!r} | {x['rerun']['final_val_loss']!r} | "
-                 f"{'yes' if x['identical'] else 'NO'} | `{x['rerun_source']['sha256'][:12]}` (commit "
+                 f"{'yes' if x['identical'] else 'NO'}{unchecked} | `{x['rerun_source']['sha256'][:12]}` (commit "
                  f"`{(x['rerun_source'].get('git_commit') or '?')[:10]}`) |")
     return L + [""]
 

@@ -471,3 +471,121 @@ def test_length_levers_run_at_the_longest_budget_and_are_judged_against_the_defa
     assert "## Levers for weights-only NVFP4 at the longest budget" in text and (tmp_path / cl.PLOT).stat().st_size > 0
     row = next(x for x in text.splitlines() if x.startswith("| 10 | weights-only, stochastic"))
     assert "-0.45%" in row and "helps" in row
+
+
+# ----------------------------------------------------------------------------- more seeds, restored runs
+def test_seeds_at_adds_the_sweeps_pairs_at_more_seeds_after_the_grid():
+    base = cg.recipe_grid(["l4-d64", "l4-d256"], [0, 1, 2], (), [1])
+    specs = cg.recipe_grid(["l4-d64", "l4-d256"], [0, 1, 2], (), [1], {"l4-d256": range(8)})
+    names = [s["name"] for s in specs]
+    assert len(names) == len(set(names)) and specs[:len(base)] == base
+    assert names[len(base):] == [cg.run_name("l4-d256", cg.RECIPE_STEPS, s, v) for s in range(3, 8)
+                                 for v in cg.RECIPE_VARIANTS]
+    assert cg.seeds_at_grid({"l4-d256": [0, 1]})[:4] == [s for s in base if s["name"].startswith("l4-d256-2000-s0-")]
+    args = ct.parse_args(["--recipe", "--sizes", "l4-d64,l4-d256", "--ablation-at", "none", "--lr-check", "1",
+                          "--seeds-at", "l4-d256=0-7", "--train-seeds", "3,4"])
+    assert args.seeds_at == {"l4-d256": list(range(8))} and ct.specs_of(args) == specs
+    assert ct._command(["--recipe", "--seeds-at", "l4-d256=0-7", "--from-results", "--train-seeds", "3,4",
+                        "--workers", "2"]) == "python -m benchmarks convergence --text --recipe --seeds-at l4-d256=0-7 --workers 2"
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--recipe", "--seeds-at", "l4-d256=3-1"],
+     "--seeds-at l4-d256=3-1: 'l4-d256=3-1': LAST must be above FIRST (a 95% interval needs two seeds or more)"),
+    (["--recipe", "--seeds-at", "l4-d256=8"], "--seeds-at l4-d256=8: 'l4-d256=8': expected SIZE=FIRST-LAST"),
+    (["--recipe", "--seeds-at", "l4-d1=0-7"], "--seeds-at l4-d1=0-7: unknown size 'l4-d1'"),
+    (["--seeds-at", "l4-d256=0-7"], "--seeds-at l4-d256=0-7: belongs to --recipe"),
+    (["--recipe", "--sizes", "l4-d64", "--seeds-at", "l4-d256=0-7"],
+     "--seeds-at l4-d256=0-7: 'l4-d256': the pairs run at sizes of --sizes (l4-d64)"),
+    (["--recipe", "--train-seeds", "3"], "--train-seeds 3: no run of this grid has seed 3 (its seeds: 0, 1, 2)"),
+    (["--recipe", "--train-seeds", "0", "--report-only"], "--train-seeds 0: --report-only trains nothing"),
+    (["--recipe", "--from-results", "--out", "OUT"],
+     "--from-results OUT/convergence_recipe.json: no such file (the results JSON this grid writes into --out)"),
+])
+def test_more_seeds_and_restoring_arguments_are_refused(argv, line, tmp_path, capsys):
+    argv = [str(tmp_path) if a == "OUT" else a for a in argv]
+    with pytest.raises(SystemExit) as e:
+        ct.parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: " + line.replace("OUT", str(tmp_path))) and err.count("\n") == 1
+
+
+def _recorded(corpus, seed, variant, gap=0.0, wall=100.0):
+    """A run as a results JSON records it (no training-loss trace), at l4-d64, 2000 steps."""
+    name = cg.run_name("l4-d64", 2000, seed, variant)
+    val = 2.0 * (1 + gap / 100)
+    return {"size": "l4-d64", "steps": 2000, "seed": seed, "variant": variant, "name": name,
+            "final_val_loss": val, "val_history": [[200, val + 1], [2000, val]], "final_train_loss": val,
+            "wall_s": wall, "data_order_sha256": f"d{seed}", "finished_unix": 1000.0 * (seed + 1) + wall,
+            "corpus_sha256": [corpus["train"]["sha256"], corpus["val"]["sha256"]],
+            "source": {"sha256": "x" * 64, "git_commit": "c" * 40, "dirty": False}}
+
+
+def test_recorded_runs_are_restored_not_retrained_and_the_more_seeds_section_waits_for_every_seed(
+        corpus, tmp_path, monkeypatch, capsys):
+    from benchmarks import convergence_recipe as cr
+
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    out.mkdir()
+    # Per seed: the recipe +0.2/+0.3/+0.25% over bf16 (interval below 1%), with the last block bf16
+    # +0.5/+1.5/+1.0% over its split (interval across 1%). Seeds 0 and 1 are recorded.
+    gaps = {"compute_nvfp4": (0.2, 0.3, 0.25), "compute_nvfp4_keep_last_blocks_1": (0.5, 1.5, 1.0)}
+    walls = {"bf16": 100.0, "bf16_keep_last_blocks_1": 100.0, "compute_nvfp4": 200.0,
+             "compute_nvfp4_keep_last_blocks_1": 200.0}
+    run = lambda seed, v: _recorded(corpus, seed, v, gaps.get(v, (0, 0, 0))[seed], walls[v])
+    runs = {r["name"]: r for r in (run(seed, v) for seed in (0, 1) for v in cg.RECIPE_VARIANTS)}
+    first = cg.run_name("l4-d64", 2000, 0, "bf16")
+    verdict = cr.compare(first, runs[first], {**runs[first], "train_loss_every_10": [2.5]})
+    json.dump({"runs": runs, "reruns": [verdict], "corpus": corpus}, open(out / "convergence_recipe.json", "w"))
+    (cache / "runs").mkdir(parents=True)  # one run is in the cache already: kept as it is
+    kept = cg.run_name("l4-d64", 2000, 1, "bf16")
+    (cache / "runs" / f"{kept}.json").write_text(json.dumps(runs[kept]))
+    trained = []
+    monkeypatch.setattr(ct, "one_device", lambda cache: None)
+    monkeypatch.setattr(ct, "run_one", lambda spec, *a, **k: trained.append(spec["name"]))
+    argv = ["--recipe", "--sizes", "l4-d64", "--seeds", "0", "--ablation-at", "none", "--seeds-at", "l4-d64=0-2",
+            "--out", str(out), "--cache", str(cache), "--max-bytes", "200000"]
+    assert ct.main([*argv, "--from-results", "--train-seeds", "2"]) == 1  # seed 2 not finished
+    assert trained == [cg.run_name("l4-d64", 2000, 2, v) for v in cg.RECIPE_VARIANTS]  # nothing recorded
+    assert "7 runs and 1 rerun verdicts restored, 1 runs already in the cache kept" in capsys.readouterr().out
+    assert json.loads((cache / "runs" / f"{first}.json").read_text()) == runs[first]
+    text = (out / "convergence_recipe.json").read_text()
+    payload = json.loads(text)
+    assert payload["runs"] == runs and payload["meta"]["runs_done"] == payload["meta"]["runs_total"] == 4
+    more = payload["aggregate"]["seeds_at"][0]
+    assert more["seeds_done"] == [0, 1] and more["runs_done"] == 8 and more["below"]["compute_nvfp4"]["met"] is None
+    assert more["cost"]["done_h"] == pytest.approx(8 * 150 / 3600) and more["cost"]["todo_h"] == pytest.approx(600 / 3600)
+    report = (out / cr.REPORT).read_text()
+    assert "## Gap at 3 seeds (l4-d64, 2000 steps)" in report and "Done: **2 of 3 seeds** (8 of 12 runs)" in report
+    assert "| full recipe, every block NVFP4 vs bf16 | 0-1 |" in report and "2 of 3 seeds done: no verdict" in report
+    assert "0.33 CPU hours done (8 runs), about 0.17 CPU hours to do (4 runs" in report
+    assert "Not run yet: seed 2 (every run)." in report
+    command = "python -m benchmarks convergence --text " + " ".join(argv)
+    assert f"Reproduce (corpus, runs, this report, the JSON and the plot): `{command}`." in report
+    assert f"`{command} --from-results --train-seeds 2`" in report
+    assert f"| `{first}` | 2.0 | 2.0 | yes (`train_loss_every_10`: not recorded) |" in report
+    # The last seed trained: every seed done, the verdicts given.
+    for v in cg.RECIPE_VARIANTS:
+        r = run(2, v)
+        (cache / "runs" / f"{r['name']}.json").write_text(json.dumps({**r, "train_loss_every_10": [2.0]}))
+    assert ct.main([*argv, "--report-only"]) == 0
+    report = (out / cr.REPORT).read_text()
+    assert "Done: **3 of 3 seeds** (12 of 12 runs)." in report and "Not run yet" not in report
+    lo, hi = stats.mean_interval(stats.summarize([100 * (2 * (1 + g / 100) - 2) / 2 for g in (0.2, 0.3, 0.25)]))
+    assert f"| **yes**: 95% interval of the mean gap [{lo:+.2f}%, {hi:+.2f}%], all of it below 1% |" in report
+    assert "| **no**: 95% interval of the mean gap [" in report and "contains 1%: not shown below it |" in report
+    assert "about 0.00 CPU hours to do (0 runs)." in report
+
+
+def test_below_a_bound_needs_every_seed_and_the_intervals_upper_end():
+    g = lambda *xs: {"gap_pct": stats.summarize(xs)}
+    assert stats.below(None, 1.0, 3) == {"met": None, "why": "not run"}
+    assert stats.below(g(0.1, 0.2), 1.0, 3)["met"] is None  # 2 of 3 seeds
+    assert stats.below(g(0.1, 0.2, 0.15), 1.0, 3)["met"] is True
+    high = stats.below(g(2.0, 2.1, 2.2), 1.0, 3)
+    assert high["met"] is False and high["why"].endswith("all of it above 1%")
+    specs = cg.seeds_at_grid({"l4-d64": [0, 1], "l4-d128": [0, 1]})
+    done = {s["name"]: {**s, "wall_s": 360.0 * (1 + s["seed"])} for s in specs if s["size"] == "l4-d64" and s["seed"] == 0}
+    c = stats.cpu_hours(done, specs)
+    assert (c["runs_done"], c["done_h"], c["runs_todo"], c["todo_h"]) == (4, 0.4, 12, pytest.approx(0.4))
+    assert c["unestimated"] == [s["name"] for s in specs if s["size"] == "l4-d128"]

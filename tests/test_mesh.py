@@ -175,23 +175,21 @@ def test_library_gb200_mesh_without_a_config():
     np.testing.assert_array_equal(np.vectorize(lambda d: d.id % 1024)(grid), np.tile([0, 1], (2, 4, 1)))
 
 
-@pytest.mark.parametrize("kwargs, n, message", [
-    (dict(tensor=3), 8, "tensor=3: does not divide the 8 devices"),
-    (dict(data=2, tensor=2), 8, "data=2 x tensor=2 = 4: must equal the 8 devices"),
-    (dict(tensor=8, racks=-1, nvl_domain=4), 8, "tensor=8: must divide nvl_domain=4 so each tensor group stays "
-                                                "inside one NVLink domain"),
-    (dict(tensor=2, racks=-1, nvl_domain=4), 6, "nvl_domain=4: 6 devices span several domains but are not a whole "
-                                                "number of them"),
-    (dict(tensor=2, racks=3, nvl_domain=4), 8, "racks=3: the 8 devices fall into 2 NVLink domain(s) of nvl_domain=4"),
-    (dict(racks=0), 8, "racks=0: must be a positive count, -1 (what the devices span) or None"),
-    (dict(data=2.0, tensor=4), 8, "data=2.0: must be an integer"),
-    (dict(data=True, tensor=8), 8, "data=True: must be an integer"),
-    (dict(racks=-1, nvl_domain=0), 8, "nvl_domain=0: must be a positive number of devices"),
+@pytest.mark.parametrize("kwargs, n, named", [
+    (dict(tensor=3), 8, "tensor=3"),
+    (dict(data=2, tensor=2), 8, "data=2 x tensor=2 = 4"),
+    (dict(tensor=8, racks=-1, nvl_domain=4), 8, "tensor=8"),
+    (dict(tensor=2, racks=-1, nvl_domain=4), 6, "nvl_domain=4"),
+    (dict(tensor=2, racks=3, nvl_domain=4), 8, "racks=3"),
+    (dict(racks=0), 8, "racks=0"),
+    (dict(data=2.0, tensor=4), 8, "data=2.0"),
+    (dict(data=True, tensor=8), 8, "data=True"),
+    (dict(racks=-1, nvl_domain=0), 8, "nvl_domain=0"),
 ])
-def test_library_mesh_errors_name_the_arguments(kwargs, n, message):
+def test_library_mesh_errors_name_the_arguments(kwargs, n, named):
     with pytest.raises(MeshError) as info:
         make_mesh(devices=jax.devices()[:n], **kwargs)
-    assert str(info.value) == message
+    assert str(info.value).startswith(named + ":") and "\n" not in str(info.value)
 
 
 def test_the_run_renames_library_errors_after_its_config_keys():

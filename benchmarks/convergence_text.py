@@ -202,6 +202,18 @@ def plain_bf16_run(cfg) -> Dict[str, Any]:
             "final_val_loss": val_history[-1][1], "median_step_time_s": None, "skipped_steps": 0}
 
 
+def host_cpu() -> str:
+    """The CPU model this process runs on (``/proc/cpuinfo``'s model name, else the machine type):
+    XLA:CPU compiles for the host's instruction set, so a run is bit-reproducible on the same kind
+    of CPU, not across kinds."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.machine()
+
+
 def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=print) -> Dict[str, Any]:
     """Train one run of the grid (or read its result if ``<cache>/runs/<name>.json`` exists).
     ``spec`` may add ``extra`` overrides and ``export_hf: {step: folder}`` (bf16 Hugging Face
@@ -233,7 +245,7 @@ def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=pri
            "median_step_time_s": r["median_step_time_s"], "skipped_steps": r["skipped_steps"],
            "wall_s": round(wall, 1), "data_order_sha256": data_order_sha256(cfg),
            "corpus_sha256": [corpus["train"]["sha256"], corpus["val"]["sha256"]], "finished_unix": time.time(),
-           "source": source, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+           "source": source, "xla_flags": os.environ.get("XLA_FLAGS", ""), "host_cpu": host_cpu()}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

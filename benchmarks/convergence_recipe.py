@@ -120,7 +120,17 @@ def more_seeds(results: Dict[str, Dict[str, Any]], seeds_at: Dict[str, Sequence[
                     "missing": [s["name"] for s in missing], "pairs": pairs, "below": below,
                     "sources": stats.source_summary({s["name"]: results[s["name"]] for s in specs
                                                      if s["name"] in results}),
+                    "hosts": _hosts(results[s["name"]] for s in specs if s["name"] in results),
                     "cost": stats.cpu_hours(results, specs)})
+    return out
+
+
+def _hosts(runs) -> Dict[str, int]:
+    """``{host CPU: runs}`` (``host_cpu`` in a run's JSON; ``"not recorded"`` for runs without it)."""
+    out: Dict[str, int] = {}
+    for r in runs:
+        key = r.get("host_cpu") or "not recorded"
+        out[key] = out.get(key, 0) + 1
     return out
 
 
@@ -353,6 +363,11 @@ def more_seeds_lines(x: Dict[str, Any], model: Dict[str, Any], command: str) -> 
     if len(x["sources"]["states"]) > 1:
         L += [f"These seeds were trained by {len(x['sources']['states'])} code states: the interval pools them "
               "(`--rerun NAME` says whether this tree's code retrains a recorded run bit for bit).", ""]
+    hosts = x.get("hosts") or {}
+    L += [f"Settings pinned to what the recorded runs trained with: `{' '.join(grid.RECIPE_PINNED)}`. Hosts (CPU "
+          "model, `host_cpu` in a run's JSON): " + "; ".join(f"{h} ({n} runs)" for h, n in hosts.items())
+          + ". XLA:CPU compiles for the host's instruction set: a run retrains bit for bit on the same kind of CPU, "
+          "not across kinds; each seed's pair trains on one host, and the interval pools hosts.", ""]
     return L
 
 

@@ -35,7 +35,7 @@ from jax_nvfp4.export import is_linear
 from jax_nvfp4.layout import TiledNVFP4, is_tiled
 from jax_nvfp4.nn import NVFP4_COLLECTION, NVFP4Dense
 from jax_nvfp4.params import dequantize_params, path_str
-from jax_nvfp4.sharding import logical
+from jax_nvfp4.sharding import host_array, logical
 
 __all__ = ["INPUT_AMAX", "float_weights", "input_amax", "nvfp4_kernels", "quantized_inputs", "with_input_amax"]
 
@@ -46,10 +46,7 @@ INPUT_AMAX = "input_amax"
 def _host(tree):
     """Host copies of ``tree``'s leaves in their logical form (leaves spread over several
     processes gathered first)."""
-    from jax.experimental import multihost_utils
-    whole = lambda x: (multihost_utils.process_allgather(x, tiled=True)
-                       if isinstance(x, jax.Array) and not x.is_fully_addressable else x)
-    return jax.tree.map(lambda x: np.asarray(whole(x)), logical(tree))
+    return jax.tree.map(host_array, logical(tree))
 
 
 def nvfp4_kernels(params) -> List[str]:

@@ -49,6 +49,7 @@ import numpy as np
 from jax_nvfp4.array import (BLOCK_1D, BLOCK_2D, BLOCK_COLUMN, NVFP4Array, as_array, dequantize, is_nvfp4,
                              packed_shapes)
 from jax_nvfp4.params import path_str
+from jax_nvfp4.sharding import host_array
 
 __all__ = ["ExportError", "HFNames", "Read", "Safetensors", "SafetensorsEntry", "amax_from_global_scale", "check_hf",
            "export_hf", "export_nvfp4", "hf_modules", "hf_tensors", "is_export", "is_linear", "load_nvfp4",
@@ -64,15 +65,6 @@ MANIFEST = "manifest.json"
 
 class ExportError(ValueError):
     """An export that cannot be read (missing or altered file, bad manifest, non-finite values)."""
-
-
-def _host(x) -> np.ndarray:
-    """A host copy of ``x``; arrays spread over several processes are gathered first."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(x)
 
 
 def _keys(path) -> List[List[Any]]:
@@ -155,13 +147,14 @@ def export_nvfp4(params, directory: str, *, overwrite: bool = False) -> str:
     hosts = []
     for path, leaf in flat:
         if is_nvfp4(leaf):
-            hosts.append((path, leaf, {"data": _host(leaf.data), "scale": _host(leaf.scale_bits).view(np.uint8),
-                                       "amax": _host(leaf.amax_bits).view(np.float32)}))
+            hosts.append((path, leaf, {"data": host_array(leaf.data),
+                                       "scale": host_array(leaf.scale_bits).view(np.uint8),
+                                       "amax": host_array(leaf.amax_bits).view(np.float32)}))
         elif isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, bool)):
             dtype = getattr(leaf, "dtype", None)
             if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
                 raise TypeError(f"export_nvfp4: leaf {path_str(path)!r} is a PRNG key, not a weight")
-            hosts.append((path, leaf, {"value": _host(leaf)}))
+            hosts.append((path, leaf, {"value": host_array(leaf)}))
         else:
             raise TypeError(f"export_nvfp4: leaf {path_str(path)!r} is a {type(leaf).__name__}, not an array")
     for path, leaf, arrays in hosts:
@@ -734,9 +727,10 @@ def hf_tensors(params, names: HFNames, *, fmt: str = "bf16", amax: Optional[Dict
     def gen():
         for path, leaf, modules in modules_of:
             if is_nvfp4(leaf):
-                host = NVFP4Array(_host(leaf.data), _host(leaf.scale_bits), _host(leaf.amax_bits), leaf.matrix_shape, leaf.block)
+                host = NVFP4Array(host_array(leaf.data), host_array(leaf.scale_bits), host_array(leaf.amax_bits),
+                                  leaf.matrix_shape, leaf.block)
             else:
-                host = _host(leaf)
+                host = host_array(leaf)
             a_in = inputs.get(path)
             arrays = tensors(host, path, a_in)
             for module, idx in modules:

@@ -27,6 +27,7 @@ import functools
 from typing import Optional
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -166,6 +167,16 @@ def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optiona
         return Tiled.from_logical(leaf, lay)
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_node)
+
+
+def host_array(x) -> np.ndarray:
+    """A host copy of ``x``; an array spread over several processes is gathered first (every
+    process gets the whole array)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)
 
 
 def logical(tree):

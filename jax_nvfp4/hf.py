@@ -365,7 +365,8 @@ def load_hf(source: Union[str, Safetensors], *, names: HFNames, abstract_params,
                     s.dequantize(jnp.float32)
             if isinstance(a_p, TiledNVFP4):
                 return (s if isinstance(s, TiledNVFP4) else
-                        requantize(m, mesh, block=a_p.block, amax=shared.get(param.path))), m
+                        requantize(m, mesh, block=a_p.block, amax=shared.get(param.path),
+                                   four_over_six=policy.four_over_six)), m
             if isinstance(a_p, Tiled):
                 return Tiled(m.value.astype(a_p.value.dtype), a_p.layout), m
             return m.astype(a_p.dtype), m

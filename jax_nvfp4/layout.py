@@ -389,7 +389,7 @@ def is_tiled(x) -> bool:
 
 
 def quantize_tiles(x: jax.Array, layout: Layout, *, block=BLOCK_2D, key=None, reduce_amax=None, tensor_index=0,
-                   tile_offset=0, amax=None) -> TiledNVFP4:
+                   tile_offset=0, amax=None, four_over_six=False) -> TiledNVFP4:
     """Quantize float32 tiles ``[..., nt, T, 16, 16]`` (a whole tiled matrix, or one device's
     shard of it) to NVFP4 with ``block`` scales (every block lies inside one tile).
 
@@ -398,6 +398,7 @@ def quantize_tiles(x: jax.Array, layout: Layout, *, block=BLOCK_2D, key=None, re
     float32, the global amax of each matrix) is used as it is instead. With ``key``,
     stochastic rounding draws by each element's logical position (``tensor_index`` /
     ``tile_offset`` place a shard), the same draws as :func:`jax_nvfp4.quantize`.
+    ``four_over_six`` as :func:`jax_nvfp4.quantize`'s (every block lies in one shard).
     """
     *batch, nt, tl, _, _ = x.shape
     # The tiles as one [..., nt*tl*16, 16] column of tiles: the same numeric core as
@@ -409,7 +410,8 @@ def quantize_tiles(x: jax.Array, layout: Layout, *, block=BLOCK_2D, key=None, re
         row, col = layout.positions(x.shape, tensor_index, tile_offset)
         uniform = nx.uniform_from_index(key, flat_index(row, col, layout.matrix, len(batch)).reshape(flat.shape))
     codes, scale, amax = quantize_padded(flat, block, uniform=uniform, amax=amax,
-                                         reduce_amax=None if amax is not None else reduce_amax)
+                                         reduce_amax=None if amax is not None else reduce_amax,
+                                         four_over_six=four_over_six)
     per_tile = math.prod(tile_scales(block))
     return TiledNVFP4(nx.pack_codes(codes.reshape(x.shape)),
                       jax.lax.bitcast_convert_type(scale, jnp.uint8).reshape(*batch, nt, tl, *((per_tile,) if per_tile > 1 else ())),

@@ -79,6 +79,7 @@ def master_weights(
         ``MultiSteps``, ``inject_hyperparams(...)``...). It sees the master tree.
       policy: which float leaves passed to ``init`` are NVFP4 params (the policy given to
         ``quantize_params``; default the default policy). ``NVFP4Array`` leaves always are.
+        Its ``four_over_six`` applies to every re-quantization.
       mesh: the mesh; default the context mesh (``jax.set_mesh``), or none (one device).
       rules: sharding rules (data/tensor axes); default data axis ``data_axis``.
       stochastic_rounding: re-quantize with stochastic rounding (key carried in the state).
@@ -178,7 +179,8 @@ def master_weights(
                     raise ValueError(f"master_weights: parameter {name} has layout {p.layout} but its master "
                                      f"{mw.layout}; pass the same mesh and rules to shard_params and master_weights")
                 k = jax.random.fold_in(sub, i) if sub is not None else None
-                q = requantize(mw, m, block=p.block, key=k, cast_bf16=cast_master_bf16, amax=shared.get(name))
+                q = requantize(mw, m, block=p.block, key=k, cast_bf16=cast_master_bf16, amax=shared.get(name),
+                               four_over_six=policy.four_over_six)
                 if isinstance(p, NVFP4Array):
                     q = q.to_array()  # params kept logical by the caller: a relayout of bytes
                 updates.append(nvfp4_delta(p, keep(q, p)))

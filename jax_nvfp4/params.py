@@ -46,6 +46,10 @@ class Policy:
     theirs (per matrix of a stacked leaf), e.g. ``r"attn/(q|k|v)/kernel$"``: the q, k and v
     of a layer, as a fused ``qkv`` projection of a serving engine (vLLM, SGLang) has one
     global scale. Their block scales stay their own.
+
+    ``four_over_six``: every quantization of these leaves (here, in :func:`master_weights`'s
+    re-quantization and in :func:`jax_nvfp4.hf.load_hf`) chooses each block's scale by
+    :func:`jax_nvfp4.array.four_over_six_scales`. Off, the bits are the reference recipe's.
     """
 
     include: Tuple[str, ...] = ()
@@ -55,6 +59,7 @@ class Policy:
     min_size: int = 16
     block: Tuple[int, int] = BLOCK_2D
     shared_amax: Tuple[str, ...] = ()
+    four_over_six: bool = False
 
     def __post_init__(self):
         for pat in (*self.include, *self.keep, *self.shared_amax):
@@ -141,7 +146,8 @@ def quantize_params(tree, policy: Optional[Policy] = None, *, rounding="nearest"
             return leaf
         p = path_str(path)
         if policy.wants(p, leaf):
-            return quantize(leaf, block=policy.block, rounding=rounding, key=key, amax=amax.get(p))
+            return quantize(leaf, block=policy.block, rounding=rounding, key=key, amax=amax.get(p),
+                            four_over_six=policy.four_over_six)
         if policy.keep_dtype is not None and policy.kept(p) and jnp.issubdtype(leaf.dtype, jnp.floating):
             return as_array(leaf).astype(policy.keep_dtype)
         return leaf

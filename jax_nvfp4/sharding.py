@@ -340,20 +340,20 @@ def global_amax(m: Tiled, mesh=None, *, cast_bf16: bool = False) -> jax.Array:
 
 
 def requantize(m: Tiled, mesh=None, *, block=BLOCK_2D, key=None, cast_bf16: bool = False,
-               amax=None) -> TiledNVFP4:
+               amax=None, four_over_six: bool = False) -> TiledNVFP4:
     """Quantize a tiled float32 master to its stored :class:`TiledNVFP4`, each device
     quantizing its own tiles with the global amax (an integer ``pmax`` over the data and
     tensor shards, so NaN survives), or with ``amax`` (``[...]`` float32, replicated) when
     given: a shared amax (:attr:`Policy.shared_amax`). The result is the stored shard itself
     (same layout) and bit-identical to ``quantize(m.logical(), block=block, amax=amax)``
     (with the same ``key`` for stochastic rounding: draws are indexed by each element's
-    logical position)."""
+    logical position; with the same ``four_over_six``)."""
     mesh = context_mesh(mesh)
     lay = m.layout
     value = _master_value(m, cast_bf16)
     spec, flat_axes = _shard_axes(m)
     if mesh is None or not flat_axes:
-        return quantize_tiles(value, lay, block=block, key=key, amax=amax)
+        return quantize_tiles(value, lay, block=block, key=key, amax=amax, four_over_six=four_over_six)
 
     def local(v, *rest):
         def reduce(bits):
@@ -363,7 +363,7 @@ def requantize(m: Tiled, mesh=None, *, block=BLOCK_2D, key=None, cast_bf16: bool
         k = rest[-1] if key is not None else None
         ti, to = _shard_origin(lay)
         q = quantize_tiles(v, lay, block=block, key=k, reduce_amax=reduce, tensor_index=ti, tile_offset=to,
-                           amax=given)
+                           amax=given, four_over_six=four_over_six)
         return q.data, q.scale_bits, q.amax_bits
 
     k = value.ndim - 4

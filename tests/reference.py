@@ -77,10 +77,13 @@ def stochastic_uniform(seeds, shape):
     return uniform_from_index(seeds, index)
 
 
-def quantize_matrix(x, block=(16, 16), amax=None, uniform=None):
+def quantize_matrix(x, block=(16, 16), amax=None, uniform=None, four_over_six=False):
     """Reference quantization of one 2D matrix: (data u8 [r, ceil(c/2)], scale u8, amax f32).
 
-    ``uniform``: ``[r, c]`` draws in [0, 1) for stochastic rounding (default: nearest-even)."""
+    ``uniform``: ``[r, c]`` draws in [0, 1) for stochastic rounding (default: nearest-even).
+    ``four_over_six``: each block keeps the scale (its amax to 6, or to 4:
+    ``e4m3(clip(bam * (S * 0.25)))``) whose round-to-nearest values have the smaller sum of
+    squared errors (float64 sums here; a tie keeps the 6)."""
     x = np.asarray(x).astype(np.float32)
     rows, cols = x.shape
     br, bc = block
@@ -99,6 +102,9 @@ def quantize_matrix(x, block=(16, 16), amax=None, uniform=None):
         tiles = xp.reshape(rp // br, br, cp // bc, bc)
         bam = np.abs(tiles).max(axis=(1, 3)).astype(np.float32)
         s = np.clip(np.minimum(bam * mult, F32_MAX), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+        if four_over_six:
+            s4 = np.clip(np.minimum(bam * (S * F32(0.25)), F32_MAX), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+            s = np.where(_block_sse(tiles, s4, D) < _block_sse(tiles, s, D), s4, s)
         e = np.minimum(F32(1.0) / (s.astype(np.float32) * D), F32_MAX).astype(np.float32)
         v = np.clip(tiles * e[:, None, :, None], -6, 6).astype(np.float32).reshape(rp, cp)
     if uniform is None:
@@ -109,6 +115,15 @@ def quantize_matrix(x, block=(16, 16), amax=None, uniform=None):
         codes = np.pad(codes, ((0, 0), (0, 1)))
     data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
     return data, s.view(np.uint8), amax
+
+
+def _block_sse(tiles, s, D):
+    """Per block, the float64 sum of squared errors of ``tiles`` rounded to nearest with E4M3 scales ``s``."""
+    sf = s.astype(np.float32)
+    e = np.minimum(F32(1.0) / (sf * D), F32_MAX).astype(np.float32)
+    v = np.clip(tiles * e[:, None, :, None], -6, 6).astype(np.float32)
+    back = (E2M1[_e2m1_code(v)] * sf[:, None, :, None]).astype(np.float32) * D
+    return np.sum((back.astype(np.float64) - tiles) ** 2, axis=(1, 3))
 
 
 def quantize(x, block=(16, 16)):

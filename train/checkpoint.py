@@ -265,7 +265,8 @@ _RESOLVED = {"nvfp4.block": lambda cfg: cfg.nvfp4.resolved_block(),
              "optim.schedule_steps": lambda cfg: cfg.schedule_steps()}
 # Keys that checkpoints written before they existed do not record, with the value those had.
 _BEFORE_RECORDED = {"nvfp4.block": "2d", "train.init_from": None, "nvfp4.grad_rounding": "stochastic",
-                    "nvfp4.wgrad_hadamard": True, "nvfp4.activations": "nvfp4", "nvfp4.fused_amax": False}
+                    "nvfp4.wgrad_hadamard": True, "nvfp4.activations": "nvfp4", "nvfp4.fused_amax": False,
+                    "nvfp4.four_over_six": False}
 # Keys that older checkpoints do not record and whose value then is unknown: not compared.
 _UNKNOWN_BEFORE = ("data.val_path", "data.val_fraction", "data.path:content", "data.val_path:content")
 

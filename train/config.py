@@ -292,6 +292,9 @@ class NVFP4Config:
         "trajectory", "Re-quantize the stored weights from the float32 masters with stochastic rounding after each "
         "update (its key carried in the optimizer state).")] = False
     cast_master_bf16: Annotated[Bool, setting("trajectory", "Cast the fp32 master to bf16 before quantizing.")] = False
+    four_over_six: Annotated[Bool, setting(
+        "trajectory", "Each block of the stored weights takes the scale mapping its amax to 6 or to 4, whichever "
+        "has the smaller squared error (still plain NVFP4; off: Transformer Engine's bits).")] = False
     nonfinite: Annotated[Literal["skip", "error"], setting(
         "host", "What the host does after a step with non-finite gradients (the device skips its update either way): "
         "skip (go on) | error (stop, exit 3).")] = "skip"

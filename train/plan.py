@@ -21,7 +21,8 @@ def policy_for(cfg: Config) -> nv.Policy:
         return nv.Policy(keep=(".*",), keep_dtype=jnp.bfloat16)
     keep = tuple(cfg.nvfp4.keep_bf16) + tuple(f"^{seg}/" for seg in KEPT_SEGMENTS)
     shared = FUSED_AMAX if cfg.nvfp4.fused_amax else ()
-    return nv.Policy(keep=keep, keep_dtype=jnp.bfloat16, block=BLOCKS[cfg.nvfp4.resolved_block()], shared_amax=shared)
+    return nv.Policy(keep=keep, keep_dtype=jnp.bfloat16, block=BLOCKS[cfg.nvfp4.resolved_block()], shared_amax=shared,
+                     four_over_six=cfg.nvfp4.four_over_six)
 
 
 def rules_for(cfg: Config, tensor: int = 1) -> nv.Rules:

@@ -57,6 +57,7 @@ VARIANTS: Dict[str, List[str]] = {
     "stochastic_rounding": ["nvfp4.weights=nvfp4", "nvfp4.stochastic_rounding=true"],
     "keep_last_blocks_1": ["nvfp4.weights=nvfp4", "nvfp4.keep_last_blocks=1"],
     "cast_master_bf16": ["nvfp4.weights=nvfp4", "nvfp4.cast_master_bf16=true"],
+    "four_over_six": ["nvfp4.weights=nvfp4", "nvfp4.four_over_six=true"],
     "compute_nvfp4": ["nvfp4.weights=nvfp4", "nvfp4.compute=nvfp4"],
     # The published recipe keeps the last layers' GEMMs in high precision.
     "compute_nvfp4_keep_last_blocks_1": ["nvfp4.weights=nvfp4", "nvfp4.compute=nvfp4", "nvfp4.keep_last_blocks=1"],
@@ -106,6 +107,7 @@ LEVER_NAMES = {
     "stochastic_rounding": "`nvfp4.stochastic_rounding=true`",
     "keep_last_blocks_1": "`nvfp4.keep_last_blocks=1`",
     "cast_master_bf16": "`nvfp4.cast_master_bf16=true`",
+    "four_over_six": "`nvfp4.four_over_six=true` (each block's scale to 6 or 4, the smaller error)",
     "compute_nvfp4": "`nvfp4.compute=nvfp4` (full recipe)",
     "compute_nvfp4_keep_last_blocks_1": "`nvfp4.compute=nvfp4 nvfp4.keep_last_blocks=1` (full recipe, last block bf16)",
 }
@@ -234,7 +236,8 @@ LENGTH_VARIANTS = ("bf16", "nvfp4", "bf16_keep_last_blocks_1", "compute_nvfp4_ke
 LENGTH_PAIRS = {"nvfp4": "bf16", "compute_nvfp4_keep_last_blocks_1": "bf16_keep_last_blocks_1"}
 # ``--levers``: at the longest budget, weights-only NVFP4 with one lever each, against the bf16 run
 # of the same model and init (the default weights-only run is the reference they are judged by).
-LENGTH_LEVERS = {"keep_last_blocks_1": "bf16_keep_last_blocks_1", "block_2d": "bf16", "stochastic_rounding": "bf16"}
+LENGTH_LEVERS = {"keep_last_blocks_1": "bf16_keep_last_blocks_1", "block_2d": "bf16", "stochastic_rounding": "bf16",
+                 "four_over_six": "bf16"}
 EMBEDDING_PARAMS = ("embed", "head")
 
 
@@ -276,7 +279,7 @@ def length_grid(shapes: Dict[str, Dict[str, int]], budgets: Sequence[float] = LE
             for seed in seeds:
                 for v in variants:
                     yield {"size": size, "steps": steps, "seed": seed, "variant": v, "budget": budget,
-                           "name": run_name(size, steps, seed, v)}
+                           "name": run_name(size, steps, seed, v), "diagnose": True}
 
     specs = [s for budget in budgets for s in cell(budget, LENGTH_VARIANTS)]
     if levers:

@@ -29,7 +29,8 @@ NAMES = {"nvfp4": "weights-only NVFP4 (default) vs bf16",
          "compute_nvfp4_keep_last_blocks_1": "full recipe, last block bf16 vs bf16 (same split)",
          "keep_last_blocks_1": "weights-only, last block bf16 vs bf16 (same split)",
          "block_2d": "weights-only, 2d 16x16 tiles vs bf16",
-         "stochastic_rounding": "weights-only, stochastic rounding of the re-quantization vs bf16"}
+         "stochastic_rounding": "weights-only, stochastic rounding of the re-quantization vs bf16",
+         "four_over_six": "weights-only, each block's scale to 6 or 4 (`nvfp4.four_over_six`) vs bf16"}
 PLOT = "convergence_length.png"
 
 
@@ -88,8 +89,40 @@ def aggregate(results: Dict[str, Dict[str, Any]], specs: Sequence[Dict[str, Any]
         for v, base in grid.LENGTH_LEVERS.items():
             if any(x["variant"] == v and x["steps"] == steps and x["size"] == size for x in specs):
                 row["pairs"][v] = lever(results, size, steps, seeds, v, base, row["pairs"].get("nvfp4"))
+        row["sources"] = sources(results, size, steps, seeds)
         rows.append(row)
     return {"rows": rows}
+
+
+# The weights-only runs whose diagnostics (:func:`benchmarks.convergence_text.weight_diagnostics`)
+# split their gap: each with its bf16 run of the same seed.
+SOURCE_VARIANTS = ("nvfp4", "four_over_six")
+
+
+def sources(results, size: str, steps: int, seeds: Sequence[int]) -> Optional[Dict[str, Any]]:
+    """Where the weights-only gap comes from, over the seeds whose runs recorded diagnostics, each in
+    % of the seed's bf16 validation loss: ``quantized_bf16`` (the bf16 run's final weights quantized
+    once: what NVFP4 storage alone costs a model trained in bf16), and per weights-only variant
+    ``masters`` (its float32 masters evaluated without NVFP4: how far training through NVFP4 weights
+    moved the model itself) and ``stored`` (its NVFP4 weights: the gap)."""
+    def run(seed, v):
+        return results.get(grid.run_name(size, steps, seed, v))
+
+    have = [s for s in seeds if run(s, "bf16") and "val_loss_quantized" in run(s, "bf16")]
+    if not have:
+        return None
+    pct = lambda x, s: 100.0 * (x - run(s, "bf16")["final_val_loss"]) / run(s, "bf16")["final_val_loss"]
+    out = {"seeds": have, "quantized_bf16": stats.summarize([pct(run(s, "bf16")["val_loss_quantized"], s) for s in have]),
+           "variants": {}}
+    for v in SOURCE_VARIANTS:
+        both = [s for s in have if run(s, v) and "val_loss_master" in run(s, v)]
+        if both:
+            stored = [pct(run(s, v)["final_val_loss"], s) for s in both]
+            beyond = [g - pct(run(s, "bf16")["val_loss_quantized"], s) for g, s in zip(stored, both)]
+            out["variants"][v] = {"seeds": both,
+                                  "masters": stats.summarize([pct(run(s, v)["val_loss_master"], s) for s in both]),
+                                  "stored": stats.summarize(stored), "beyond_storage": stats.summarize(beyond)}
+    return out
 
 
 def lever(results, size: str, steps: int, seeds: Sequence[int], v: str, base: str, default) -> Optional[Dict[str, Any]]:
@@ -184,6 +217,23 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
                      + (f"[{iv[0]:+.2f}%, {iv[1]:+.2f}%]" if iv else "-") + " | "
                      + (stats.pct_text(vs) if vs else "-") + f" | {stats.lever_effect(g, interval=True)} |")
     L += ["", f"![gap against tokens per parameter]({PLOT})"]
+    src = [r for r in agg["rows"] if r.get("sources")]
+    if src:
+        L += ["", "## Where the weights-only gap comes from", "",
+              "Each run evaluated once more at its end, on the same held-out batches (in % of the same seed's bf16 "
+              "validation loss; mean [min, max] over the seeds): the bf16 run's final weights quantized once as "
+              "weights-only NVFP4 stores them (what 4-bit storage alone costs a model trained in bf16), each "
+              "weights-only run's float32 masters evaluated without NVFP4, and its NVFP4 weights (its gap). The gap "
+              "minus the storage cost, paired by seed, is what training through NVFP4 weights adds to it (negative: "
+              "training with them recovers part of the storage cost).", "",
+              "| budget | seeds | bf16 weights quantized once | weights-only run | its float32 masters | its NVFP4 "
+              "weights (the gap) | gap minus storage cost |", "|---:|---|---|---|---|---|---|"]
+        for r in src:
+            q = r["sources"]
+            for v, d in q["variants"].items():
+                L.append(f"| {r['budget']} | {', '.join(map(str, d['seeds']))} | {stats.pct_text(q['quantized_bf16'])} | "
+                         f"{NAMES[v].split(' vs ')[0]} | {stats.pct_text(d['masters'])} | {stats.pct_text(d['stored'])} | "
+                         f"{stats.pct_text(d['beyond_storage'])} |")
     L += ["", "## The gap while the learning rate decays", "",
           "From each run's validation history: the gap at the evaluation nearest half-way through the run "
           "(the cosine's learning rate there, as a fraction of the peak, in the column) and at the end (10% of "

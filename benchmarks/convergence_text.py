@@ -52,10 +52,11 @@ records (``runs``, less the training-loss trace, which only ``--rerun`` compares
 ``--rerun`` verdict it records, into the cache, leaving those already there alone
 (:func:`restore`): a fresh checkout continues from the committed results, and the report
 aggregates the recorded runs with the new ones. Its runs must have been trained on the corpus
-built here (same sha256). ``--workers N`` splits the runs over N processes. A run records the code it was
-trained by (:func:`source_state`: a hash of the sources as its process loaded them, the commit,
-uncommitted changes); the report names every pair whose two runs ran different code. After a
-change to the library or the stack, delete the runs it affects and rerun.
+built here (same sha256). ``--workers N`` splits the runs over N processes (one by default), each
+with :data:`WORKER_XLA_FLAGS` (one XLA thread: a run's numbers do not depend on the threading). A
+run records the code it was trained by (:func:`source_state`: a hash of the sources as its process
+loaded them, the commit, uncommitted changes); the report names every pair whose two runs ran
+different code. After a change to the library or the stack, delete the runs it affects and rerun.
 """
 
 from __future__ import annotations
@@ -246,6 +247,8 @@ def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=pri
            "wall_s": round(wall, 1), "data_order_sha256": data_order_sha256(cfg),
            "corpus_sha256": [corpus["train"]["sha256"], corpus["val"]["sha256"]], "finished_unix": time.time(),
            "source": source, "xla_flags": os.environ.get("XLA_FLAGS", ""), "host_cpu": host_cpu()}
+    if spec.get("diagnose") and spec["variant"] != "plain_bf16":
+        res.update(weight_diagnostics(cfg, r))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -253,6 +256,39 @@ def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=pri
     os.replace(tmp, path)
     log(f"  {spec['name']}: val {res['final_val_loss']:.4f}, train {res['final_train_loss']:.4f}, {wall:.0f} s")
     return res
+
+
+def weight_diagnostics(cfg, r: Dict[str, Any]) -> Dict[str, float]:
+    """Where a weights-only gap comes from, on the run's own validation batches and model:
+    ``val_loss_master`` (a run with NVFP4 weights: its float32 masters cast to bf16, no NVFP4) and
+    ``val_loss_quantized`` (a bf16 run: its final weights quantized once as weights-only NVFP4 would
+    store them, ``nvfp4.weights=nvfp4`` with the run's other settings)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jax_nvfp4 as nv
+    from jax_nvfp4.calibrate import float_weights
+    from jax_nvfp4.tensor_parallel import TensorParallel
+    from train.calibrate import calibration_batches
+    from train.model import cross_entropy, from_config
+    from train.plan import policy_for
+
+    model = from_config(cfg.model, cfg.nvfp4).clone(compute="dequant", remat=None, tensor=TensorParallel())
+    batches = calibration_batches(cfg, cfg.train.eval_batches)
+    rows = jax.jit(lambda p, b: jax.vmap(cross_entropy)(model.apply({"params": p}, b[:, :-1]), b[:, 1:]))
+
+    def loss(tree):
+        return float(np.mean(np.concatenate([np.asarray(rows(tree, jnp.asarray(b)), np.float64) for b in batches])))
+
+    if cfg.nvfp4.weights == "bf16":
+        policy = policy_for(dataclasses.replace(cfg, nvfp4=dataclasses.replace(cfg.nvfp4, weights="nvfp4")))
+        return {"val_loss_quantized": loss(float_weights(nv.quantize_params(float_weights(r["params"], jnp.float32),
+                                                                             policy)))}
+    state = nv.find_state(r["opt_state"])
+    return {} if state is None else {"val_loss_master": loss(float_weights(state.master))}
 
 
 def _exporter(cfg, at: Optional[Dict[int, str]]):
@@ -806,7 +842,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rerun:
         return rerun(args, argv, specs, corpus, log)
     if not args.report_only:
-        if args.workers > 1:
+        # Runs train with WORKER_XLA_FLAGS, whatever the number of workers: XLA's threading changes
+        # a run's numbers. This process trains them itself only where it has those flags already.
+        if args.workers > 1 or WORKER_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
             codes = _spawn(without(argv, "--workers"), args.workers)
             if any(codes):
                 log(f"workers exited with {codes}; the finished runs are kept, rerun to resume")

@@ -3,6 +3,7 @@ the grid's configs, one short real-text run and the gap arithmetic of the report
 
 import json
 import math
+import os
 import statistics
 
 import pytest
@@ -73,6 +74,21 @@ def test_one_short_run_learns_the_held_out_text(corpus, tmp_path):
     assert vals[-1] < math.log(256) - 1 and vals[-1] < vals[0]
     # A finished run is read back, not trained again.
     assert json.loads((tmp_path / "runs" / f"{spec['name']}.json").read_text()) == ct.run_one(spec, corpus, str(tmp_path))
+
+
+def test_diagnosed_runs_record_the_masters_and_the_once_quantized_bf16_weights(corpus, tmp_path):
+    out = {}
+    for v in ("bf16", "nvfp4"):
+        spec = {"size": "tiny", "steps": 6, "seed": 0, "variant": v, "name": cg.run_name("tiny", 6, 0, v),
+                "extra": ["train.eval_batches=1"], "diagnose": True}
+        out[v] = ct.run_one(spec, corpus, str(tmp_path), log=lambda _: None)
+    b, n = out["bf16"], out["nvfp4"]
+    assert "val_loss_master" not in b and "val_loss_quantized" not in n
+    # 4-bit storage moves the bf16 model's loss, a little; the masters are not the stored weights.
+    assert b["val_loss_quantized"] != b["final_val_loss"]
+    assert abs(b["val_loss_quantized"] - b["final_val_loss"]) < 0.05 * b["final_val_loss"]
+    assert n["val_loss_master"] != n["final_val_loss"]
+    assert abs(n["val_loss_master"] - n["final_val_loss"]) < 0.05 * n["final_val_loss"]
 
 
 def _res(size, steps, seed, variant, val, sha="x"):
@@ -473,6 +489,36 @@ def test_length_levers_run_at_the_longest_budget_and_are_judged_against_the_defa
     assert "-0.45%" in row and "helps" in row
 
 
+def test_length_report_splits_the_weights_only_gap_into_storage_and_training(tmp_path):
+    """The runs' diagnostics: the bf16 weights quantized once, and the weights-only run's masters
+    evaluated without NVFP4, in % of the seed's bf16 loss; seeds without diagnostics are left out."""
+    from benchmarks import convergence_length as cl
+
+    specs = cg.length_grid(L4_D64, (2,), seeds=(0, 1, 2))
+    assert all(s["diagnose"] for s in specs)
+    results = {}
+    for s in specs:
+        seed, v = s["seed"], s["variant"]
+        r = _run(s["name"], s["steps"], seed, v, [2.0 + (0.02 if v == "nvfp4" else 0.0)] * 11)
+        if seed < 2 and v == "bf16":
+            r["val_loss_quantized"] = 2.0 + 0.01 * (seed + 1)  # +0.5%, +1.0%
+        if seed < 2 and v == "nvfp4":
+            r["val_loss_master"] = 2.018  # +0.9%
+        results[s["name"]] = r
+    row = cl.aggregate(results, specs, (0, 1, 2), L4_D64, train_bytes=4_270_080)["rows"][0]
+    src = row["sources"]
+    assert src["seeds"] == [0, 1] and src["quantized_bf16"]["mean"] == pytest.approx(0.75)
+    nv4 = src["variants"]["nvfp4"]
+    assert nv4["masters"]["mean"] == pytest.approx(0.9) and nv4["stored"]["mean"] == pytest.approx(1.0)
+    assert (nv4["beyond_storage"]["min"], nv4["beyond_storage"]["max"]) == pytest.approx((0.0, 0.5))
+    meta = {"seeds": [0, 1, 2], "shapes": L4_D64, "cost": cl.cost(results, specs), "budgets_not_in_grid": [],
+            **stats.run_meta(results, specs, "python -m benchmarks convergence --text --length-sweep", 0.0)}
+    corpus = {"train": {"bytes": 4_270_080, "sha256": "a" * 64}, "val": {"sha256": "b" * 64}}
+    text = open(cl.write_report(str(tmp_path), {"meta": meta, "corpus": corpus, "aggregate": {"rows": [row]}})).read()
+    line = next(x for x in text.splitlines() if x.startswith("| 2 | 0, 1 |"))
+    assert "+0.75% [+0.50, +1.00]" in line and "+0.90%" in line and "+1.00%" in line
+
+
 # ----------------------------------------------------------------------------- more seeds, restored runs
 def test_seeds_at_adds_the_sweeps_pairs_at_more_seeds_after_the_grid():
     base = cg.recipe_grid(["l4-d64", "l4-d256"], [0, 1, 2], (), [1])
@@ -541,6 +587,7 @@ def test_recorded_runs_are_restored_not_retrained_and_the_more_seeds_section_wai
     kept = cg.run_name("l4-d64", 2000, 1, "bf16")
     (cache / "runs" / f"{kept}.json").write_text(json.dumps(runs[kept]))
     trained = []
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " " + ct.WORKER_XLA_FLAGS)  # trains in-process
     monkeypatch.setattr(ct, "one_device", lambda cache: None)
     monkeypatch.setattr(ct, "run_one", lambda spec, *a, **k: trained.append(spec["name"]))
     argv = ["--recipe", "--sizes", "l4-d64", "--seeds", "0", "--ablation-at", "none", "--seeds-at", "l4-d64=0-2",

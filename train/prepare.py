@@ -167,11 +167,8 @@ def _parquet_segments(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
         raise PrepareError(f"{path}: no column {key!r} (its columns: {cols}); choose one with --text-key")
     typ = schema.field(key).type
     # Strings are viewed as bytes, decoded here: an undecodable one is named by its byte offset.
-    views = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary()}
-    if hasattr(pa, "string_view"):
-        views[pa.string_view()] = pa.binary_view()
-    binary = {pa.binary(), pa.large_binary()} | ({pa.binary_view()} if hasattr(pa, "binary_view") else set())
-    if typ not in views and typ not in binary:
+    views = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary(), pa.string_view(): pa.binary_view()}
+    if typ not in views and typ not in views.values():
         raise PrepareError(f"{path}: column {key!r} is {typ}, not a string column")
     rows, size, row = max(1, pf.metadata.num_rows), os.path.getsize(path), 0
     try:

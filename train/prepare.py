@@ -499,8 +499,8 @@ def main(argv=None) -> int:
     p.add_argument("--text-key", default="text", help="the JSON key or Parquet column of the text (default: text)")
     p.add_argument("--errors", choices=("strict", "replace"), default="strict",
                    help="undecodable input: refuse (strict, default) or read it with U+FFFD (replace)")
-    p.add_argument("--workers", type=int, default=None,
-                   help="~--chunk-mb tasks encoded at a time by the tokenizer's threads; 1: one by one (default: CPU count)")
+    p.add_argument("--workers", type=int, default=None, help="pieces encoded at a time by the tokenizer's threads; "
+                   "1: one by one in this thread (default: the CPU count)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--vocab-size", type=int, default=4096, help="size of the BPE trained without --tokenizer")
     p.add_argument("--chunk-mb", type=float, default=1.0, help="text encoded per piece, in MiB (> 0)")

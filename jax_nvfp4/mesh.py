@@ -28,8 +28,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-__all__ = ["AXES", "MeshError", "NVL72", "RACK_AXES", "describe", "device_domains", "device_grid", "make_mesh",
-           "simulate_cpu_devices"]
+__all__ = ["AXES", "MeshError", "NVL72", "RACK_AXES", "axis_sizes", "describe", "device_domains", "device_grid",
+           "make_mesh", "simulate_cpu_devices"]
 
 AXES = ("data", "tensor")
 RACK_AXES = ("rack", "data", "tensor")
@@ -76,8 +76,11 @@ def device_domains(devices: Sequence[Any], nvl_domain: int = NVL72) -> list[int]
     return [d.id // nvl_domain for d in devices]
 
 
-def _axes(data: int, tensor: int, n_devices: int, nvl_domain: int, racked: bool) -> tuple[int, int]:
-    """``(data, tensor)`` with ``data * tensor == n_devices``, a -1 taking the rest."""
+def axis_sizes(data: int, tensor: int, n_devices: int, *, nvl_domain: int = NVL72,
+               racked: bool = False) -> tuple[int, int]:
+    """``(data, tensor)`` with ``data * tensor == n_devices``, a -1 taking the rest; ``racked`` (a rack
+    axis): ``tensor`` divides ``nvl_domain`` and devices past one domain fill whole domains. Raises
+    :class:`MeshError`."""
     if n_devices < 1:
         raise MeshError(f"need at least one device, got {n_devices}")
     for name, size in (("data", data), ("tensor", tensor)):
@@ -143,7 +146,7 @@ def device_grid(data: int = -1, tensor: int = 1, *, racks: Optional[int] = None,
     if racks is not None and (racks == 0 or racks < -1):
         raise MeshError(f"racks={racks}: must be a positive count, -1 (what the devices span) or None")
     devices = list(jax.devices() if devices is None else devices)
-    data, tensor = _axes(data, tensor, len(devices), nvl_domain, racks is not None)
+    data, tensor = axis_sizes(data, tensor, len(devices), nvl_domain=nvl_domain, racked=racks is not None)
     found = len(set(device_domains(devices, nvl_domain)))
     if racks is not None:
         grid = _hybrid_grid(data, tensor, devices, nvl_domain, strict=True)

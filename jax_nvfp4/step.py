@@ -46,13 +46,14 @@ from jax_nvfp4.rules import DEFAULT_RULES, Rules, axis_size
 from jax_nvfp4.sharding import constrain, partition_specs
 from jax_nvfp4.tensor_parallel import TensorParallel
 
-__all__ = ["make_step", "make_eval", "tensor_parallel", "tensor_rules_from_logical"]
+__all__ = ["batch_axes", "make_step", "make_eval", "tensor_parallel", "tensor_rules_from_logical"]
 
 TENSOR_MODES = ("gspmd", "manual")
 
 
-def _batch_axes(mesh, rules: Rules) -> Tuple[str, ...]:
-    """The mesh axes the batch rows are split over, in mesh order."""
+def batch_axes(mesh, rules: Rules) -> Tuple[str, ...]:
+    """The mesh axes the batch rows are split over, in mesh order (each process's rows consecutive).
+    Raises ValueError: the mesh has none of them."""
     axes = tuple(a for a in mesh.axis_names if a in rules.batch_axes)
     if not axes:
         raise ValueError(f"the mesh {dict(mesh.shape)} has none of the rules' batch axes {rules.batch_axes}: "
@@ -99,7 +100,7 @@ def _plan(mesh, rules: Rules, dtype, packed: bool, tensor: str) -> _Plan:
     if tensor not in TENSOR_MODES:
         raise ValueError(f"tensor must be one of {TENSOR_MODES}, got {tensor!r}")
     rules = rules or DEFAULT_RULES
-    batch = _batch_axes(mesh, rules)
+    batch = batch_axes(mesh, rules)
     t_on = axis_size(mesh, rules.tensor_axis) > 1
     gspmd = t_on and tensor == "gspmd"
     if gspmd:

@@ -257,3 +257,7 @@ def test_a_mesh_without_the_data_axis_is_refused():
         nv.make_step(lambda p, r, k: 0.0, tx, mesh, nv.Rules())
     assert "'batch': 4" in str(e.value)
     nv.make_step(lambda p, r, k: 0.0, tx, mesh, nv.Rules(data_axis="batch"))  # named: accepted
+    # The batch's axes, in mesh order (a rack-major process layout keeps each process's rows together).
+    racked = jax.make_mesh((2, 2, 2), ("rack", "data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    assert nv.step.batch_axes(racked, nv.Rules(data_axis=("data", "rack"))) == ("rack", "data")
+    assert nv.step.batch_axes(mesh, nv.Rules(data_axis="batch")) == ("batch",)

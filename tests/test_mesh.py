@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jax_nvfp4.mesh import RACK_AXES, MeshError, describe, device_domains, device_grid, make_mesh
+from jax_nvfp4.mesh import RACK_AXES, MeshError, axis_sizes, describe, device_domains, device_grid, make_mesh
 from train.config import ConfigError, MeshConfig
 from train.mesh import build_mesh
 
@@ -190,6 +190,19 @@ def test_library_mesh_errors_name_the_arguments(kwargs, n, named):
     with pytest.raises(MeshError) as info:
         make_mesh(devices=jax.devices()[:n], **kwargs)
     assert str(info.value).startswith(named + ":") and "\n" not in str(info.value)
+
+
+def test_axis_sizes_take_the_rest_and_keep_tensor_groups_in_a_domain():
+    assert axis_sizes(-1, 2, 8) == (4, 2) and axis_sizes(2, -1, 8) == (2, 4) and axis_sizes(144, 1, 144) == (144, 1)
+    assert axis_sizes(36, 4, 144, nvl_domain=72, racked=True) == (36, 4)
+    for args, kw, named in (((-1, 3, 8), {}, "tensor=3: does not divide the 8 devices"),
+                            ((4, 4, 8), {}, "data=4 x tensor=4 = 16: must equal the 8 devices"),
+                            ((-1, -1, 8), {}, "data=-1 and tensor=-1"),
+                            ((-1, 4, 8), dict(nvl_domain=6, racked=True), "tensor=4: must divide nvl_domain=6"),
+                            ((-1, 1, 8), dict(nvl_domain=3, racked=True), "nvl_domain=3: 8 devices span")):
+        with pytest.raises(MeshError) as info:
+            axis_sizes(*args, **kw)
+        assert str(info.value).startswith(named), info.value
 
 
 def test_the_run_renames_library_errors_after_its_config_keys():

@@ -131,30 +131,31 @@ def test_bos_follows_the_config_or_the_tokenizer_and_eos_is_always_added(tmp_pat
     assert tokens(str(tmp_path / "t.bin"))[0][:len(tok.encode(texts[0]).ids) + 2] == [0, *tok.encode(texts[0]).ids, 0]
 
 
-def pools(monkeypatch):
-    """The worker pools :mod:`train.prepare` starts from now on (a list that fills)."""
-    started, real = [], prep._pool
-    monkeypatch.setattr(prep, "_pool", lambda *a: started.append(real(*a)) or started[-1])
-    return started
+def batches(monkeypatch):
+    """How many tasks :mod:`train.prepare` encodes at a time from now on (a list that fills)."""
+    sizes, real = [], prep._encode_tasks
+    monkeypatch.setattr(prep, "_encode_tasks", lambda tasks, state: sizes.append(len(tasks)) or real(tasks, state))
+    return sizes
 
 
 def test_output_bytes_are_the_same_for_any_number_of_workers(tmp_path, capsys, monkeypatch):
-    started = pools(monkeypatch)
+    sizes = batches(monkeypatch)
     texts = docs(300)
     folder = tokenizer_folder(tmp_path / "tok", {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
     files = corpus(tmp_path, texts)
-    metas = []
+    metas, most = [], []
     for w in (1, 4):
-        out = str(tmp_path / f"w{w}.bin")
-        # 512-byte pieces: dozens of tasks, more than the pool's window of 2 x 4 ahead.
+        out, sizes[:] = str(tmp_path / f"w{w}.bin"), []
+        # 512-byte pieces: dozens of tasks, encoded 4 at a time by the tokenizer's threads.
         rc, err = run([*files, "--out", out, "--tokenizer", folder, "--workers", str(w), "--chunk-mb", str(1 / 2048)],
                       capsys)
         assert rc == 0 and err == [], err
         metas.append({k: v for k, v in tokens(out)[1].items() if k != "tokenizer"})
+        most.append(max(sizes))
     assert open(tmp_path / "w1.bin", "rb").read() == open(tmp_path / "w4.bin", "rb").read()
     assert metas[0] == metas[1] and metas[0]["documents"] == 900
-    assert len(started) == 1 and started[0] is not None  # 4 processes encoded the second
-    # The command itself: its workers run train.prepare as their main module, quietly.
+    assert most == [1, 4]  # the second run encoded 4 tasks at a time
+    # The command itself, quietly.
     out = str(tmp_path / "cli.bin")
     p = subprocess.run([sys.executable, "-m", "train.prepare", *files, "--out", out, "--tokenizer", folder,
                         "--workers", "3", "--chunk-mb", str(1 / 2048)], cwd=ROOT, capture_output=True, text=True,
@@ -244,21 +245,21 @@ def test_an_interrupted_run_leaves_nothing(tmp_path, monkeypatch, capsys):
     bpe(specials=("<|endoftext|>",)).save(tok)
     files = corpus(tmp_path, docs(200))
     before = sorted(os.listdir(tmp_path))
-    real_encode, calls = prep._encode_task, []
+    real_encode, calls = prep._encode_tasks, []
 
-    def encode_then_interrupt(task, state):
+    def encode_then_interrupt(tasks, state):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return real_encode(task, state)
+        return real_encode(tasks, state)
 
-    monkeypatch.setattr(prep, "_encode_task", encode_then_interrupt)
+    monkeypatch.setattr(prep, "_encode_tasks", encode_then_interrupt)
     args = [*files, "--out", str(tmp_path / "sub" / "o.bin"), "--tokenizer", tok, "--chunk-mb", str(1 / 1024)]
     rc, err = run([*args, "--workers", "1"], capsys)
     assert rc == 130 and len(err) == 1 and err[0].startswith("error: interrupted; nothing written"), err
     assert len(calls) == 3 and sorted(os.listdir(tmp_path)) == before
-    monkeypatch.setattr(prep, "_encode_task", real_encode)
-    # With a pool: the interruption arrives while its workers hold tasks (here from the reader).
+    monkeypatch.setattr(prep, "_encode_tasks", real_encode)
+    # With workers: the interruption arrives while the encoding thread holds tasks (here from the reader).
     real_documents = prep._documents
 
     def documents_then_interrupt(path, chunk, rd):
@@ -268,10 +269,10 @@ def test_an_interrupted_run_leaves_nothing(tmp_path, monkeypatch, capsys):
             yield seg
 
     monkeypatch.setattr(prep, "_documents", documents_then_interrupt)
-    started = pools(monkeypatch)
+    sizes = batches(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         prep.prepare(files, str(tmp_path / "o.bin"), tokenizer=tok, chunk_mb=1 / 1024, workers=4)
-    assert len(started) == 1 and started[0] is not None and sorted(os.listdir(tmp_path)) == before
+    assert max(sizes) == 4 and sorted(os.listdir(tmp_path)) == before
 
 
 # ----------------------------------------------------------------------------- prepare's guarantees

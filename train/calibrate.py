@@ -17,6 +17,7 @@ import jax_nvfp4 as nv
 from jax_nvfp4 import calibrate as w4a4
 from jax_nvfp4.tensor_parallel import TensorParallel
 from train.model import cross_entropy
+from train.step import validation_loss
 
 __all__ = ["calibrate", "calibration_batches", "for_run", "validation_losses"]
 
@@ -48,9 +49,7 @@ def validation_losses(model, params, input_amax: Dict[str, Any], batches: Sequen
         return jax.vmap(cross_entropy)(logits, rows[:, 1:])
 
     def mean(quantized, variables):
-        rows = [np.asarray(jax.device_get(row_losses(quantized, variables, jnp.asarray(b))), np.float64)
-                for b in batches]
-        return float(np.mean(np.concatenate(rows)))
+        return validation_loss(functools.partial(row_losses, quantized), variables, [jnp.asarray(b) for b in batches])
 
     weights = w4a4.float_weights(params)
     out = {"bf16": None, "w4a16": mean(False, {"params": weights}),

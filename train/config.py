@@ -26,8 +26,9 @@ from train.config_errors import ConfigError, one_line, short, suggest
 
 __all__ = ["AFFECTS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "Key", "MeshConfig", "ModelConfig",
            "NVFP4Config", "OptimConfig", "RopeScaling", "SECTIONS", "TrainConfig", "apply_overrides", "config_keys",
-           "default_gin", "default_yaml", "from_dict", "load_config", "override_keys", "resolve_mesh_axes",
-           "save_config", "setting", "to_dict", "to_yaml", "trajectory_keys", "validate_for_devices"]
+           "default_gin", "default_yaml", "from_dict", "load_config", "mesh_error", "override_keys",
+           "resolve_mesh_axes", "save_config", "setting", "to_dict", "to_yaml", "trajectory_keys",
+           "validate_for_devices"]
 
 # Strict types (`layers: true` is not 1, `1` is not true); an int widens to a float.
 Int, Str, Bool = Annotated[int, Strict()], Annotated[str, Strict()], Annotated[bool, Strict()]
@@ -758,26 +759,20 @@ def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
     return from_dict(_read(None, overrides, base=to_dict(cfg)))
 
 
+def mesh_error(e: Exception) -> ConfigError:
+    """A :class:`jax_nvfp4.mesh.MeshError` as a ConfigError: the library's arguments it names are the ``mesh`` keys."""
+    return ConfigError(re.sub(r"(?<![\w.])(data|tensor|racks|nvl_domain)=", r"mesh.\1=", str(e)))
+
+
 def resolve_mesh_axes(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
-    """``{"data": d, "tensor": t}`` with ``d * t == n_devices``; a -1 takes the rest."""
-    if n_devices < 1:
-        raise ConfigError(f"mesh: need at least one device, got {n_devices}")
-    data, tensor = mesh.data, mesh.tensor
-    if -1 in (data, tensor):
-        known_name, known = ("mesh.tensor", tensor) if data == -1 else ("mesh.data", data)
-        if n_devices % known:
-            raise ConfigError(f"{known_name}={known}: does not divide the {n_devices} devices")
-        data, tensor = (n_devices // known, tensor) if data == -1 else (data, n_devices // known)
-    if data * tensor != n_devices:
-        raise ConfigError(f"mesh.data={data} x mesh.tensor={tensor} = {data * tensor}: must equal the {n_devices} "
-                          "devices")
-    dom = mesh.nvl_domain
-    if mesh.layout == "gb200" and (tensor > dom or dom % tensor):
-        raise ConfigError(f"mesh.tensor={tensor}: must divide mesh.nvl_domain={dom} so each tensor group stays "
-                          "inside one NVLink domain")
-    if mesh.layout == "gb200" and n_devices > dom and n_devices % dom:
-        raise ConfigError(f"mesh.nvl_domain={dom}: {n_devices} devices span several domains but are not a whole "
-                          "number of them")
+    """``{"data": d, "tensor": t}`` with ``d * t == n_devices``; a -1 takes the rest
+    (:func:`jax_nvfp4.mesh.axis_sizes`, the one check that imports JAX here: it needs the devices)."""
+    from jax_nvfp4.mesh import MeshError, axis_sizes
+    try:
+        data, tensor = axis_sizes(mesh.data, mesh.tensor, n_devices, nvl_domain=mesh.nvl_domain,
+                                  racked=mesh.layout == "gb200")
+    except MeshError as e:
+        raise mesh_error(e) from None
     return {"data": data, "tensor": tensor}
 
 

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import numpy as np
 
 from train.config import Config, ConfigError, DataConfig, ModelConfig
+from train.prepare import FORMAT as TOKENS_FORMAT
 
 __all__ = ["DataIterator", "MarkovSource", "Source", "TextFileSource", "TokenFileSource", "read_token_header",
            "file_fingerprint", "make_data_iterator", "make_source", "split_batch"]
@@ -176,9 +177,6 @@ class TextFileSource(_FileSource):
 
     def __repr__(self) -> str:
         return f"TextFileSource({self.path!r}, {len(self)} bytes)"
-
-
-TOKENS_FORMAT = "jax_nvfp4.tokens"
 
 
 def read_token_header(path: str | os.PathLike, key: str = "data.path") -> dict[str, Any]:
@@ -375,14 +373,11 @@ def file_fingerprint(path: str | os.PathLike) -> dict[str, Any]:
     keeps the size can go unseen; the cost stays bounded at every start)."""
     path = os.fspath(path)
     size = os.path.getsize(path)
-    h = hashlib.sha256()
     with open(path, "rb") as f:
         if size <= WHOLE_HASH_BYTES:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-            how = "whole file"
+            h, how = hashlib.file_digest(f, "sha256"), "whole file"
         else:
-            last = size - BLOCK_BYTES
+            h, last = hashlib.sha256(), size - BLOCK_BYTES
             for i in range(SAMPLED_BLOCKS):
                 f.seek(last * i // (SAMPLED_BLOCKS - 1))
                 h.update(f.read(BLOCK_BYTES))

@@ -3,14 +3,13 @@ gb200`` giving the rack axis, its errors naming the config keys (``mesh.tensor=3
 
 from __future__ import annotations
 
-import re
 from typing import Any, Sequence
 
 import jax
 from jax.sharding import Mesh
 
 from jax_nvfp4 import mesh as nv_mesh
-from train.config import ConfigError, MeshConfig, resolve_mesh_axes
+from train.config import MeshConfig, mesh_error
 
 __all__ = ["build_mesh", "configure_host_devices"]
 
@@ -18,14 +17,12 @@ __all__ = ["build_mesh", "configure_host_devices"]
 def build_mesh(cfg_mesh: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
     """:func:`jax_nvfp4.mesh.make_mesh` over ``devices`` (default: all) for ``cfg_mesh``; ConfigError
     when the devices cannot hold it."""
-    devices = list(jax.devices() if devices is None else devices)
-    axes = resolve_mesh_axes(cfg_mesh, len(devices))
     racks = (cfg_mesh.racks or -1) if cfg_mesh.layout == "gb200" else None
     try:
-        return nv_mesh.make_mesh(axes["data"], axes["tensor"], racks=racks, nvl_domain=cfg_mesh.nvl_domain,
-                                 devices=devices)
-    except nv_mesh.MeshError as e:  # it names the library's arguments, which are the mesh section's keys
-        raise ConfigError(re.sub(r"(?<![\w.])(data|tensor|racks|nvl_domain)=", r"mesh.\1=", str(e))) from None
+        return nv_mesh.make_mesh(cfg_mesh.data, cfg_mesh.tensor, racks=racks, nvl_domain=cfg_mesh.nvl_domain,
+                                 devices=list(jax.devices() if devices is None else devices))
+    except nv_mesh.MeshError as e:
+        raise mesh_error(e) from None
 
 
 def configure_host_devices(cfg_mesh: MeshConfig) -> int | None:

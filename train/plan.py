@@ -1,5 +1,5 @@
 """Which params are NVFP4 and where the run's state lives, from its config: the library's policy
-and sharding rules, and the mesh axes the batch is split over."""
+and sharding rules."""
 
 from __future__ import annotations
 
@@ -36,8 +36,3 @@ def rules_for(cfg: Config, tensor: int = 1) -> nv.Rules:
     if cfg.mesh.sharding == "hsdp":
         return nv.Rules(data_axis="data", replica_axis="rack", **common)
     return nv.Rules(data_axis=("data", "rack"), **common)
-
-
-def batch_axes(mesh, rules: nv.Rules) -> tuple:
-    """The mesh axes the batch rows are split over, in mesh order (each process's rows consecutive)."""
-    return tuple(a for a in mesh.axis_names if a in rules.batch_axes)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import codecs
-import collections
 import errno
 import gzip
 import hashlib
@@ -26,6 +25,7 @@ import tempfile
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -167,11 +167,8 @@ def _parquet_segments(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
         raise PrepareError(f"{path}: no column {key!r} (its columns: {cols}); choose one with --text-key")
     typ = schema.field(key).type
     # Strings are viewed as bytes, decoded here: an undecodable one is named by its byte offset.
-    views = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary()}
-    if hasattr(pa, "string_view"):
-        views[pa.string_view()] = pa.binary_view()
-    binary = {pa.binary(), pa.large_binary()} | ({pa.binary_view()} if hasattr(pa, "binary_view") else set())
-    if typ not in views and typ not in binary:
+    views = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary(), pa.string_view(): pa.binary_view()}
+    if typ not in views and typ not in views.values():
         raise PrepareError(f"{path}: column {key!r} is {typ}, not a string column")
     rows, size, row = max(1, pf.metadata.num_rows), os.path.getsize(path), 0
     try:
@@ -268,29 +265,26 @@ def special_ids(tok, config: dict, eos: str | None = None) -> tuple[int | None, 
     return (bos_id if add else None), eos_id
 
 
-_STATE: dict = {}  # a worker process's tokenizer, special ids and dtype
-
-
-def _init_worker(tok_json: str, bos_id, eos_id, dtype: str) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    from tokenizers import Tokenizer
-    _STATE.update(tok=Tokenizer.from_str(tok_json), bos=bos_id, eos=eos_id, dtype=np.dtype(dtype))
-
-
-def _encode_task(task, state: dict) -> bytes:
-    """The tokens of ``task`` (pieces of text and their marks), BOS/EOS added, as bytes."""
-    ids: list[int] = []
-    for text, m in zip(*task):
-        if m & START and state["bos"] is not None:
-            ids.append(state["bos"])
-        ids += state["tok"].encode(text, add_special_tokens=False).ids
-        if m & END:
-            ids.append(state["eos"])
-    return np.asarray(ids, state["dtype"]).tobytes()
-
-
-def _pool_encode(task) -> bytes:
-    return _encode_task(task, _STATE)
+def _encode_tasks(tasks, state: dict) -> list[bytes]:
+    """The tokens of each of ``tasks`` (pieces of text and their marks), BOS/EOS added, as bytes. Several tasks are
+    encoded together by the tokenizer's own threads (``encode_batch``), one in this thread."""
+    texts = [text for texts, _ in tasks for text in texts]
+    tok = state["tok"]
+    if len(tasks) > 1:
+        encoded = iter(tok.encode_batch(texts, add_special_tokens=False))
+    else:
+        encoded = (tok.encode(text, add_special_tokens=False) for text in texts)
+    out = []
+    for texts, marks in tasks:
+        ids: list[int] = []
+        for m in marks:
+            if m & START and state["bos"] is not None:
+                ids.append(state["bos"])
+            ids += next(encoded).ids
+            if m & END:
+                ids.append(state["eos"])
+        out.append(np.asarray(ids, state["dtype"]).tobytes())
+    return out
 
 
 def _tasks(paths: Sequence[str], chunk: int, rd: _Reading):
@@ -312,66 +306,42 @@ def _tasks(paths: Sequence[str], chunk: int, rd: _Reading):
         yield (texts, marks), docs, base
 
 
-def _pool(workers: int, initargs):
-    """A process pool of ``workers``, or None where its processes could not start."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-    # The workers import the caller's main module: one read from stdin cannot be.
-    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-    if main_file is not None and not os.path.isfile(main_file):
-        return None
-    # Not fork: the caller may hold threads (JAX, tokenizers' own pool). A fork server that has
-    # imported the heavy modules starts each worker in milliseconds (not this one: a worker of
-    # ``python -m train.prepare`` runs it as its main module, which must not be imported yet).
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["numpy", "tokenizers", "train"])
-    else:
-        ctx = mp.get_context("spawn")
-    return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker, initargs=initargs)
-
-
-def _encode_all(paths, chunk, rd, state, tok_json, workers, f, bar) -> tuple[int, int]:
+def _encode_all(paths, chunk, rd, state, workers, f, bar) -> tuple[int, int]:
     """Encode ``paths`` into the open file ``f`` in order; ``(tokens, documents)``. With more than one
-    worker and more than one task, a pool encodes up to ``2 * workers`` tasks ahead (bounded memory)."""
+    worker, ``workers`` tasks at a time are encoded by the tokenizer's threads, on a thread of this
+    process while the next ones are read (bounded memory)."""
     itemsize, t0 = state["dtype"].itemsize, time.monotonic()
     n = docs = 0
 
-    def write(data: bytes, d: int, pos: int) -> None:
+    def write(group, results) -> None:
         nonlocal n, docs
-        f.write(data)
-        n += len(data) // itemsize
-        docs += d
-        if bar is not None:
-            el = max(time.monotonic() - t0, 1e-9)
-            bar.set_postfix_str(f"{docs:,} docs, {docs / el:,.0f} docs/s, {n / el:,.0f} tok/s", refresh=False)
-            bar.update(pos - bar.n)  # redraws at most every 0.1 s
+        for (_, d, pos), data in zip(group, results):
+            f.write(data)
+            n += len(data) // itemsize
+            docs += d
+            if bar is not None:
+                el = max(time.monotonic() - t0, 1e-9)
+                bar.set_postfix_str(f"{docs:,} docs, {docs / el:,.0f} docs/s, {n / el:,.0f} tok/s", refresh=False)
+                bar.update(pos - bar.n)  # redraws at most every 0.1 s
 
-    pool, pending = None, collections.deque()
-    try:
-        tasks = _tasks(paths, chunk, rd)
-        ahead = list(itertools.islice(tasks, 2)) if workers > 1 else []
-        if len(ahead) == 2:  # a corpus of one task needs no pool
-            pool = _pool(workers, (tok_json, state["bos"], state["eos"], state["dtype"].str))
-        for task, d, pos in itertools.chain(ahead, tasks):
-            if pool is None:
-                write(_encode_task(task, state), d, pos)
-                continue
-            pending.append((pool.submit(_pool_encode, task), d, pos))
-            while len(pending) > 2 * workers:
-                r, d, pos = pending.popleft()
-                write(r.result(), d, pos)
-        for r, d, pos in pending:
-            write(r.result(), d, pos)
-    except BaseException:
-        if pool is not None:  # the queued tasks dropped; the running ones stopped (Python >= 3.14) or let end
-            if hasattr(pool, "terminate_workers"):
-                pool.terminate_workers()
-            else:
-                pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    if pool is not None:
-        pool.shutdown(wait=True)
+    tasks = _tasks(paths, chunk, rd)
+    if workers == 1:
+        for task in tasks:
+            write([task], _encode_tasks([task[0]], state))
+        return n, docs
+    pending = None  # (the group being encoded, its future)
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            while group := list(itertools.islice(tasks, workers)):
+                future = pool.submit(_encode_tasks, [task for task, _, _ in group], state)
+                if pending is not None:
+                    write(pending[0], pending[1].result())
+                pending = group, future
+            if pending is not None:
+                write(pending[0], pending[1].result())
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)  # the group being encoded finishes, none starts
+            raise
     return n, docs
 
 
@@ -456,7 +426,7 @@ def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, voc
                        desc="tokenizing", file=sys.stderr, leave=False, dynamic_ncols=True,
                        disable=None)  # None: only on a terminal
         with f:
-            n, docs = _encode_all(paths, chunk, rd, state, tok.to_str() if workers > 1 else None, workers, f, bar)
+            n, docs = _encode_all(paths, chunk, rd, state, workers, f, bar)
         if bar is not None:
             bar.close()
         if n < 2:
@@ -529,7 +499,8 @@ def main(argv=None) -> int:
     p.add_argument("--text-key", default="text", help="the JSON key or Parquet column of the text (default: text)")
     p.add_argument("--errors", choices=("strict", "replace"), default="strict",
                    help="undecodable input: refuse (strict, default) or read it with U+FFFD (replace)")
-    p.add_argument("--workers", type=int, default=None, help="encoding processes (default: the CPU count)")
+    p.add_argument("--workers", type=int, default=None, help="pieces encoded at a time by the tokenizer's threads; "
+                   "1: one by one in this thread (default: the CPU count)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--vocab-size", type=int, default=4096, help="size of the BPE trained without --tokenizer")
     p.add_argument("--chunk-mb", type=float, default=1.0, help="text encoded per piece, in MiB (> 0)")

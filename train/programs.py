@@ -17,7 +17,7 @@ import jax_nvfp4 as nv
 from train.config import Config, config_keys, validate_for_devices
 from train.model import from_config
 from train.optimizer import make_optimizer
-from train.plan import batch_axes, policy_for, rules_for
+from train.plan import policy_for, rules_for
 from train.step import make_eval, make_step
 
 
@@ -78,7 +78,7 @@ def _plan(cfg: Config, mesh) -> Trainer:
     p_sh, s_sh = nv.shardings(a_params, mesh), nv.shardings(a_state, mesh)
     # jit with out_shardings: no unsharded copy of the state is materialised on one device.
     init_fn = jax.jit(create, out_shardings=(p_sh, s_sh))
-    batch_sharding = NamedSharding(mesh, P(batch_axes(mesh, rules)))
+    batch_sharding = NamedSharding(mesh, P(nv.step.batch_axes(mesh, rules)))
     step = jit_step(make_step(cfg, model, tx, rules, mesh), p_sh, s_sh, batch_sharding)
     _PLANS[key] = Trainer(cfg, mesh, model, policy, rules, tx, p_sh, s_sh, step, batch_sharding, a_params, a_state,
                           init_fn, make_eval(cfg, model, rules, mesh, batch_sharding))

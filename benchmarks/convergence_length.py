@@ -290,7 +290,8 @@ def not_run(budget, shapes: Dict[str, Dict[str, int]], train_bytes: int) -> Dict
 
 def plot(agg: Dict[str, Any], path: str) -> None:
     """Gap % of bf16 against tokens per parameter: one line (the seeds' mean) per comparison, the
-    seeds as points; the levers (longest budget only) as points beside it."""
+    seeds as points; the levers (longest budget only) as points beside it; and, where the runs
+    recorded it, the storage cost (the bf16 weights quantized once, the seeds' mean)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -308,6 +309,10 @@ def plot(agg: Dict[str, Any], path: str) -> None:
         for x, (_, g) in zip(xs, pts):
             seeds = [p["gap_pct"] for p in g["per_seed"].values()]
             ax.plot([x] * len(seeds), seeds, ".", color=f"C{i}", alpha=0.5)
+    src = [(r["tokens_per_param"], r["sources"]["quantized_bf16"]) for r in agg["rows"] if r.get("sources")]
+    if src:
+        ax.plot([x for x, _ in src], [q["mean"] for _, q in src], "s--", color="0.4", ms=4,
+                label="bf16 weights quantized once (the storage cost)")
     ax.set_xscale("log")
     ax.axhline(0, color="k", lw=0.8)
     ax.axhline(grid.WEIGHTS_ONLY_TARGET, color="k", ls=":", lw=0.8, label=f"{grid.WEIGHTS_ONLY_TARGET}%")

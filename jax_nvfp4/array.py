@@ -460,7 +460,7 @@ def quantize_padded(xp: jax.Array, block, *, uniform=None, amax=None, reduce_ama
 def four_over_six_scales(tiles, block_amax, scale, enc, dec):
     """Per block, the E4M3 scale of least squared error between two candidates: ``scale``,
     the recipe's (the block's amax maps to 6), and the one mapping it to 4
-    (``e4m3(clamp(block_amax * (S * 0.25), -448, 448))``), which trades the empty range
+    (:func:`~jax_nvfp4.numerics.block_scales` with ``inv_target`` 1/4), which trades the empty range
     between 4 and 6 for finer steps below. Both are ordinary NVFP4 scales: the result decodes
     everywhere NVFP4 decodes. A tie, and a block whose error is NaN, keep the recipe's.
 
@@ -468,8 +468,7 @@ def four_over_six_scales(tiles, block_amax, scale, enc, dec):
     ``[...]`` the global encode and decode scales. This is the "Four Over Six" adaptive block
     scaling (Cook et al., 2025) on round-to-nearest errors.
     """
-    scale4 = jnp.clip(jnp.minimum(block_amax * (enc[..., None, None] * np.float32(0.25)), nx.F32_MAX),
-                      -nx.E4M3_MAX, nx.E4M3_MAX).astype(jnp.float8_e4m3fn)
+    scale4 = nx.block_scales(block_amax, enc[..., None, None], np.float32(0.25))
 
     def error(s):
         e = nx.block_encode_multiplier(s, dec[..., None, None])[..., :, None, :, None]

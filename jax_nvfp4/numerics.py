@@ -64,12 +64,13 @@ def global_decode_scale(amax: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(amax), d, np.float32(np.nan))
 
 
-def block_scales(block_amax: jax.Array, encode_scale: jax.Array) -> jax.Array:
-    """E4M3 decode scales ``e4m3(clamp(block_amax * (S * (1/6)), -448, 448))``.
+def block_scales(block_amax: jax.Array, encode_scale: jax.Array, inv_target=_INV_E2M1_MAX) -> jax.Array:
+    """E4M3 decode scales ``e4m3(clamp(block_amax * (S * inv_target), -448, 448))``: each block's
+    amax maps to ``1 / inv_target`` (the recipe's 6; four-over-six's other candidate, 4).
 
     ``encode_scale`` must broadcast against ``block_amax``.
     """
-    mult = encode_scale * _INV_E2M1_MAX
+    mult = encode_scale * inv_target
     s = jnp.clip(jnp.minimum(block_amax * mult, F32_MAX), -E4M3_MAX, E4M3_MAX)
     return s.astype(jnp.float8_e4m3fn)
 

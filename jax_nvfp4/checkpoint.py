@@ -12,39 +12,42 @@ needs what orbax does not know, and this module gives:
   padding is zeros either way); a leaf saved with another tensor split is read whole in its saved layout.
 - :func:`relayout`: those leaves re-laid out into the target's tiles, in one program.
 - :func:`nonfinite` and :func:`host_arrays`: checks and bit-for-bit comparisons of restored states.
+- :class:`Checkpointer`: all of it on orbax's ``CheckpointManager``: atomic steps, the newest ``keep``
+  kept, asynchronous saves, each process's content hashes (:mod:`jax_nvfp4.integrity`) verified before
+  a restore, a corrupt newest step refused or set aside, one-line errors.
 
 Typical use, for any model::
 
-    import orbax.checkpoint as ocp
     from jax_nvfp4 import checkpoint as nvck
 
-    state = {"params": params, "opt_state": opt_state}
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                            meta=ocp.args.JsonSave({"leaves": nvck.describe(state)})))
+    ckpt = nvck.Checkpointer("ckpt", keep=3)
+    ckpt.save(step, {"params": params, "opt_state": opt_state}, meta={"data_position": pos})
     ...  # later, on another mesh: abstract state and shardings from jax.eval_shape / jax_nvfp4.shardings
-    saved = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta["leaves"]
-    if why := nvck.mismatch(saved, nvck.describe(abstract)):
-        raise ValueError(why)
-    targets = nvck.restore_targets(abstract, shardings, saved)
-    raw = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(targets, strict=False)))
-    state = nvck.relayout(raw.state, abstract, shardings, saved)
+    step, _ = ckpt.restorable_step()  # the newest that verifies; CheckpointError if it is corrupt
+    state, meta = ckpt.restore(step, abstract, shardings)
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import contextlib
+import os
+import sys
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_nvfp4 import integrity
 from jax_nvfp4.array import is_nvfp4
 from jax_nvfp4.layout import Layout, Tiled, TiledNVFP4, is_tiled
 from jax_nvfp4.params import path_str
 from jax_nvfp4.sharding import logical
 
-__all__ = ["describe", "host_arrays", "is_key", "mismatch", "nonfinite", "relayout", "restore_targets"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "describe", "host_arrays", "is_key", "mismatch",
+           "nonfinite", "relayout", "restore_targets"]
 
 
 def _is_node(x) -> bool:
@@ -175,3 +178,199 @@ def host_arrays(tree) -> Dict[str, np.ndarray]:
     ``amax_bits``; keys as key data), to compare states bit for bit across meshes. Single-process."""
     tree = jax.jit(logical)(tree)  # one program
     return {name: np.asarray(jax.random.key_data(x) if is_key(x) else x) for name, x in _named(tree)}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used (corrupt, unreadable, another model's, non-finite); one line."""
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint that could not be written (the storage failed); the ones before it are intact. One line."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+class Checkpointer:
+    """Saves and restores states under ``directory``: orbax step folders ``<directory>/<step>`` holding ``state``
+    (the pytree, each process writing its shards), ``meta`` (JSON: the caller's ``meta`` and ``leaves``,
+    :func:`describe` of the state) and each process's content hashes; the ``keep`` newest kept. ``async_save``:
+    saves write in the background, their hashes recorded once committed. Every process creates it and calls
+    :meth:`save`, :meth:`restorable_step`, :meth:`verify` and :meth:`restore` together; the directory is shared.
+    Errors name the directory ``{dir_name}={directory!r}`` and say how to restore past a corrupt step
+    (``fallback_hint``); a subclass may name its own settings.
+    """
+
+    dir_name = "directory"
+    fallback_hint = "restorable_step(fallback=True) restores the newest intact checkpoint instead"
+
+    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = False):
+        name = self.dir_name
+        import orbax.checkpoint as ocp
+
+        self._ocp, self.async_save = ocp, async_save
+        self.directory = os.path.abspath(os.fspath(directory))
+        try:
+            os.makedirs(self.directory, exist_ok=True)  # a file there: FileExistsError
+        except OSError as e:
+            raise CheckpointError(f"{name}={directory!r}: cannot create it: {e.strerror or e}") from None
+        if not os.access(self.directory, os.R_OK | os.W_OK | os.X_OK):
+            raise CheckpointError(f"{name}={directory!r}: not readable and writable")
+        self._unhashed: List[int] = []  # steps saved here whose hash record is not written yet
+        self._verified: set = set()
+        self._hash_lock = threading.Lock()
+        # Asynchronous: hashes recorded once a save has committed; the temporary directory made in
+        # save(), so an unwritable one fails there (not in orbax's threads, 5 minutes at exit).
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._record_hashes,
+                                           create_directories_asynchronously=False) if async_save else None)
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
+        except Exception as e:  # noqa: BLE001 - an unusable directory is a user error
+            raise CheckpointError(f"{name}={directory!r}: cannot use it: {_first_line(e)}") from None
+        with contextlib.suppress(OSError):  # orbax removes a killed save's temporary directory in the background
+            getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
+
+    def _dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def all_steps(self) -> List[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, state, meta: Optional[Dict[str, Any]] = None) -> None:
+        """Write checkpoint ``step`` of ``state`` with the JSON ``meta`` (``async_save``: in the background).
+        CheckpointWriteError: this save (or the previous asynchronous one) failed."""
+        ocp = self._ocp
+        meta = {**(meta or {}), "leaves": describe(state)}
+        if self.async_save and self._unhashed:
+            self.wait()  # orbax waits for the previous save: report its failure under its own step
+        with self._hash_lock:
+            self._unhashed.append(int(step))
+        with self._writing(step):
+            self.manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                                 meta=ocp.args.JsonSave(meta)))
+        if not self.async_save:
+            self._record_hashes()
+
+    def wait(self) -> None:
+        """Wait for an asynchronous save and record its hashes (CheckpointWriteError: it failed)."""
+        with self._writing(self._unhashed[-1] if self._unhashed else None):
+            self.manager.wait_until_finished()
+        self._record_hashes()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+
+    @contextlib.contextmanager
+    def _writing(self, step: Optional[int]):
+        """Any failure of orbax's writing becomes one :class:`CheckpointWriteError`."""
+        try:
+            yield
+        except (CheckpointError, CheckpointWriteError):
+            raise
+        except Exception as e:  # noqa: BLE001 - orbax raises many kinds (OSError, ValueError...)
+            what = f"checkpoint {step}" if step is not None else "a checkpoint"
+            raise CheckpointWriteError(f"cannot write {what} to {self.directory}: {_first_line(e)}; "
+                                       "the checkpoints before it are intact") from None
+
+    def _record_hashes(self) -> None:
+        """Write this process's hash record of each committed step it saved (idempotent; also called
+        from orbax's thread)."""
+        with self._hash_lock:
+            for step in [s for s in self._unhashed if os.path.isdir(self._dir(s))]:
+                self._unhashed.remove(step)  # committed
+                try:
+                    integrity.record(self._dir(step))
+                except OSError as e:
+                    raise CheckpointWriteError(f"cannot write the content hashes of checkpoint {self._dir(step)}: "
+                                               f"{e.strerror or e}") from None
+
+    def verify(self, step: int) -> None:
+        """Raise :class:`CheckpointError` (one line naming the file) unless checkpoint ``step`` holds
+        what its processes recorded (:func:`jax_nvfp4.integrity.verify`, on every process)."""
+        try:
+            integrity.verify(self._dir(step))
+        except integrity.IntegrityError as e:
+            if isinstance(e, integrity.Unrecorded):
+                self.read_meta(step)  # a subclass's read_meta refuses a checkpoint of another format as such
+            raise CheckpointError(f"checkpoint {self._dir(step)}: {e}") from None
+
+    def restorable_step(self, fallback: bool = False) -> Tuple[Optional[int], List[Tuple[int, str]]]:
+        """``(step, corrupt)``: the newest step that verifies (None: there is none) and, with
+        ``fallback``, the newer ``(step, why)`` that did not (:meth:`set_aside` moves them).
+        CheckpointError: the newest is corrupt and not ``fallback``, or none is intact."""
+        bad = []
+        for step in sorted(self.all_steps(), reverse=True):
+            try:
+                self.verify(step)
+            except CheckpointError as e:
+                if not fallback:
+                    raise CheckpointError(f"{e}; refusing to restore it ({self.fallback_hint})") from None
+                bad.append((step, str(e)))
+                continue
+            self._verified.add(step)
+            return step, bad
+        if bad:
+            raise CheckpointError(f"no intact checkpoint in {self.directory}: {bad[0][1]}"
+                                  + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+        return None, bad
+
+    def set_aside(self, corrupt: List[Tuple[int, str]], chosen: int, log: Optional[Callable[[str], Any]] = None):
+        """Rename the ``corrupt`` steps of :meth:`restorable_step` ``corrupt-<step>`` and say so
+        (``log``; default: process 0's stderr). On every process."""
+        if not corrupt:
+            return
+        say = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        if jax.process_index() == 0:
+            for step, why in corrupt:
+                aside, i = os.path.join(self.directory, f"corrupt-{step}"), 1
+                while os.path.exists(aside):
+                    i += 1
+                    aside = os.path.join(self.directory, f"corrupt-{step}-{i}")
+                os.rename(self._dir(step), aside)
+                say(f"checkpoint: {why}; moved to {aside}; restoring step {chosen} instead")
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("jax_nvfp4_checkpoint_fallback")
+        self.manager.reload()
+
+    def read_meta(self, step: int) -> Dict[str, Any]:
+        """Checkpoint ``step``'s ``meta`` (CheckpointError: it cannot be read)."""
+        try:
+            meta = self.manager.restore(step, args=self._ocp.args.Composite(meta=self._ocp.args.JsonRestore())).meta
+        except Exception as e:  # noqa: BLE001 - any read failure is a bad checkpoint
+            raise CheckpointError(f"checkpoint {self._dir(step)}: cannot read its metadata: {_first_line(e)}") from None
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"checkpoint {self._dir(step)}: its metadata is not a JSON object")
+        return meta
+
+    def restore(self, step: int, abstract, shardings) -> Tuple[Any, Dict[str, Any]]:
+        """``(state, meta)`` of checkpoint ``step`` (verified first), in the layout of ``abstract`` (``jax.eval_shape``
+        of the state) placed by ``shardings``, whatever data axis and tensor split it was saved from.
+        CheckpointError: corrupt or unreadable files, another model or optimizer, non-finite values."""
+        where = self._dir(step)
+        if step not in self._verified:
+            self.verify(step)
+        meta = self.read_meta(step)
+        saved = meta.get("leaves", {})
+        why = mismatch(saved, describe(abstract))
+        if why:
+            raise CheckpointError(f"checkpoint {where} does not match this model/optimizer: {why}")
+        try:
+            args = self._ocp.args.Composite(state=self._ocp.args.StandardRestore(
+                restore_targets(abstract, shardings, saved), strict=False))
+            state = self.manager.restore(step, args=args).state
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint {where}: cannot read its arrays: {_first_line(e)}") from None
+        bad = nonfinite(state)
+        if bad:
+            raise CheckpointError(f"checkpoint {where}: non-finite values (NaN or Inf) in {bad[0]}"
+                                  + (f" (and {len(bad) - 1} more leaves)" if len(bad) > 1 else "")
+                                  + "; refusing to restore it")
+        return relayout(state, abstract, shardings, saved), meta  # leaves saved with another tensor split

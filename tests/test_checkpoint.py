@@ -647,7 +647,7 @@ def test_each_process_hashes_only_the_files_it_wrote_and_its_share_at_resume(tmp
     share of the records; a bad file another process found is refused here too, named."""
     import types
 
-    from train import integrity
+    from jax_nvfp4 import integrity
 
     d = tmp_path / "7"
     owners = {"_CHECKPOINT_METADATA": 0, "meta/metadata": 0, "state/_METADATA": 0, "state/manifest.ocdbt": 0,

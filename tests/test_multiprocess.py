@@ -180,7 +180,7 @@ def test_restart_continues_and_two_processes_match_one(sequence, reference):
     bad = [k for k in reference["host"] if host[k].tobytes() != reference["host"][k].tobytes()]
     assert not bad, bad[:5]
     # Each process recorded the hashes of the files it wrote, and only those.
-    from train import integrity
+    from jax_nvfp4 import integrity
 
     recs = [json.loads((sequence["ck"] / "6" / n).read_text()) for n in (ckpt_lib.HASHES, "jax_nvfp4.sha256.process_1.json")]
     assert [r["process_count"] for r in recs] == [2, 2]

@@ -1,11 +1,13 @@
 """jax_nvfp4.checkpoint on a state that is not the training stack's: a user's params (a stacked
-q/k/v + MLP block), sharded with tensor rules, saved by orbax on one mesh and restored onto meshes
-with another data axis and another tensor split, bit for bit; the refusals name the leaf."""
+q/k/v + MLP block), sharded with tensor rules, saved by its Checkpointer on one mesh and restored onto
+meshes with another data axis and another tensor split, bit for bit; the refusals name the leaf or file."""
+
+import os
+import shutil
 
 import jax
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 
 import jax_nvfp4 as nv
@@ -51,10 +53,10 @@ def _state(data: int, tensor: int, init: bool = True):
 def saved(tmp_path_factory):
     state, _, _ = _state(2, 2)
     directory = tmp_path_factory.mktemp("nvck")
-    with ocp.CheckpointManager(directory) as mngr:
-        mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                             meta=ocp.args.JsonSave({"leaves": nvck.describe(state)})))
-        mngr.wait_until_finished()
+    ckpt = nvck.Checkpointer(str(directory), keep=2)
+    for step in (1, 2):
+        ckpt.save(step, state, meta={"data_position": 10 * step})
+    ckpt.close()
     return directory, nvck.host_arrays(state)
 
 
@@ -62,15 +64,16 @@ def saved(tmp_path_factory):
 def test_restore_onto_another_data_axis_and_tensor_split_is_bit_identical(saved, data, tensor):
     directory, want = saved
     abstract, shardings, mesh = _state(data, tensor, init=False)
-    with ocp.CheckpointManager(directory) as mngr:
-        meta = mngr.restore(1, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta["leaves"]
-        assert nvck.mismatch(meta, nvck.describe(abstract)) == ""
-        moved = {k for k, e in meta.items() if "tensor_split" in e} if tensor != 2 else set()
-        assert len(moved) == (0 if tensor == 2 else 20)  # 5 params, their masters and adam's two moments
-        targets = nvck.restore_targets(abstract, shardings, meta)
-        raw = mngr.restore(1, args=ocp.args.Composite(state=ocp.args.StandardRestore(targets, strict=False))).state
+    ckpt = nvck.Checkpointer(str(directory))
+    assert ckpt.restorable_step() == (2, [])
+    meta = ckpt.read_meta(2)
+    assert meta["data_position"] == 20 and nvck.mismatch(meta["leaves"], nvck.describe(abstract)) == ""
+    moved = {k for k, e in meta["leaves"].items() if "tensor_split" in e} if tensor != 2 else set()
+    assert len(moved) == (0 if tensor == 2 else 20)  # 5 params, their masters and adam's two moments
     with jax.set_mesh(mesh):
-        state = nvck.relayout(raw, abstract, shardings, meta)
+        state, meta = ckpt.restore(2, abstract, shardings)
+    ckpt.close()
+    assert meta["data_position"] == 20
     got = nvck.host_arrays(state)
     assert got.keys() == want.keys()
     for name in want:
@@ -81,11 +84,41 @@ def test_restore_onto_another_data_axis_and_tensor_split_is_bit_identical(saved,
 
 def test_mismatch_names_the_leaf_and_nonfinite_finds_a_nan(saved):
     directory, _ = saved
-    with ocp.CheckpointManager(directory) as mngr:
-        meta = mngr.restore(1, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta["leaves"]
+    meta = nvck.Checkpointer(str(directory)).read_meta(1)["leaves"]
     other = dict(meta, **{"params/norm/scale": {"kind": "array", "shape": [128], "dtype": "float32"}})
     assert nvck.mismatch(other, meta) == ("params/norm/scale: shape [128] in the checkpoint but [64] here")
     fewer = {k: v for k, v in meta.items() if not k.startswith("params/blocks/mlp/down")}
     assert nvck.mismatch(fewer, meta).startswith("1 leaves of this run are not in it (e.g. params/blocks/mlp/down")
     tree = {"a": np.ones(3, np.float32), "b": np.array([1.0, np.nan], np.float32), "c": np.arange(3)}
     assert nvck.nonfinite(tree) == ["b"]
+
+
+def test_a_corrupt_step_is_refused_or_set_aside_and_another_model_is_refused(saved, tmp_path):
+    directory, want = saved
+    d = tmp_path / "copy"
+    shutil.copytree(directory, d)
+    victim = next(os.path.join(root, f) for root, _, files in os.walk(d / "2") for f in sorted(files)
+                  if "ocdbt.process_0/d/" in os.path.join(root, f))
+    with open(victim, "r+b") as f:  # one bit of the array data, the size unchanged
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 1]))
+    ckpt = nvck.Checkpointer(str(d))
+    rel = os.path.relpath(victim, d / "2")
+    with pytest.raises(nvck.CheckpointError, match=f"corrupt: file {rel} does not match its sha256.*"
+                                                   r"restorable_step\(fallback=True\)"):
+        ckpt.restorable_step()
+    step, corrupt = ckpt.restorable_step(fallback=True)
+    assert step == 1 and [s for s, _ in corrupt] == [2]
+    said = []
+    ckpt.set_aside(corrupt, step, log=said.append)
+    assert ckpt.all_steps() == [1] and os.path.isdir(d / "corrupt-2") and "moved to" in said[0]
+    abstract, shardings, mesh = _state(2, 2, init=False)
+    with jax.set_mesh(mesh):
+        state, _ = ckpt.restore(1, abstract, shardings)
+    assert all(np.array_equal(nvck.host_arrays(state)[k], want[k]) for k in want)  # step 1 holds the same state
+    other = jax.tree.map(lambda x: x, abstract)
+    other["params"]["norm"]["scale"] = jax.ShapeDtypeStruct((32,), np.float32)
+    with pytest.raises(nvck.CheckpointError, match="does not match this model/optimizer: params/norm/scale: shape"):
+        ckpt.restore(1, other, shardings)
+    ckpt.close()

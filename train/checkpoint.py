@@ -2,27 +2,22 @@
 
 ``<dir>/<step>/`` holds ``state`` (params and optimizer state in their tile-major layout, each process
 writing its shards), ``meta`` (step, data position, base key, :func:`describe` of every leaf and
-``run``, what :func:`check_resume` compares) and each process's content hashes (:mod:`train.integrity`,
+``run``, what :func:`check_resume` compares) and each process's content hashes (:mod:`jax_nvfp4.integrity`,
 verified before a restore). A checkpoint restores onto any data axis and any tensor split
 (:mod:`jax_nvfp4.checkpoint`); saves are atomic. See docs/TRAINING.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
-import sys
-import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import jax
 import numpy as np
 
-from jax_nvfp4 import checkpoint as nvck
-from train import integrity
-from train.config import ConfigError
+from jax_nvfp4 import checkpoint as nvck, integrity
+from jax_nvfp4.checkpoint import CheckpointError, CheckpointWriteError
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "Restored", "check_resume", "describe",
            "host_arrays", "run_identity", "FORMAT", "FORMAT_VERSION", "HASHES"]
@@ -31,15 +26,6 @@ FORMAT = "jax_nvfp4.train.checkpoint"
 # 1: logical masters; 2: tile layout, hashes, meta["run"]; 3: orbax standard handlers, hashes per process.
 FORMAT_VERSION = 3
 HASHES = integrity.RECORD  # process 0's hash record
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be used (incompatible, corrupt, non-finite); one line."""
-
-
-class CheckpointWriteError(Exception):
-    """A checkpoint that could not be written mid-run (the storage failed, not the config: the CLI's
-    exit 5, not 2); the ones before it are intact. One line."""
 
 
 @dataclasses.dataclass
@@ -61,158 +47,26 @@ def host_arrays(params, opt_state) -> Dict[str, np.ndarray]:
     return nvck.host_arrays({"params": params, "opt_state": opt_state})
 
 
-class Checkpointer:
-    """Saves and restores training states under ``directory`` (orbax step directories, the ``keep``
-    newest kept). Every process creates it and calls :meth:`save`, :meth:`restorable_step`,
-    :meth:`verify` and :meth:`restore` together; the directory is shared."""
+class Checkpointer(nvck.Checkpointer):
+    """:class:`jax_nvfp4.checkpoint.Checkpointer` of the state ``{"params", "opt_state"}``, its ``meta`` the
+    format, step, data position, base key, mesh and ``run`` (:func:`run_identity`)."""
 
-    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = False):
-        import orbax.checkpoint as ocp
-
-        self._ocp, self.async_save = ocp, async_save
-        self.directory = os.path.abspath(os.fspath(directory))
-        try:
-            os.makedirs(self.directory, exist_ok=True)  # a file there: FileExistsError
-        except OSError as e:
-            raise CheckpointError(f"checkpoint.dir={directory!r}: cannot create it: {e.strerror or e}") from None
-        if not os.access(self.directory, os.R_OK | os.W_OK | os.X_OK):
-            raise CheckpointError(f"checkpoint.dir={directory!r}: not readable and writable")
-        self._unhashed: List[int] = []  # steps saved here whose hash record is not written yet
-        self._verified: set = set()
-        self._hash_lock = threading.Lock()
-        # Asynchronous: hashes recorded once a save has committed; the temporary directory made in
-        # save(), so an unwritable one fails there (not in orbax's threads, 5 minutes at exit).
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
-            async_options=ocp.AsyncOptions(post_finalization_callback=self._record_hashes,
-                                           create_directories_asynchronously=False) if async_save else None)
-        try:
-            self.manager = ocp.CheckpointManager(self.directory, options=options)
-        except Exception as e:  # noqa: BLE001 - an unusable directory is a user error
-            raise CheckpointError(f"checkpoint.dir={directory!r}: cannot use it: {_first_line(e)}") from None
-        with contextlib.suppress(OSError):  # orbax removes a killed save's temporary directory in the background
-            getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
-
-    def _dir(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
-
-    def all_steps(self) -> List[int]:
-        return sorted(self.manager.all_steps())
+    dir_name = "checkpoint.dir"
+    fallback_hint = "--set checkpoint.fallback=true restores the newest intact checkpoint instead"
 
     def save(self, step: int, params, opt_state, *, mesh, base_key: Optional[jax.Array] = None,
              data_state: Optional[Dict[str, int]] = None, run: Optional[Dict[str, Any]] = None) -> None:
-        """Write checkpoint ``step`` (``async_save``: in the background); ``run``: :func:`run_identity`.
-        CheckpointWriteError: this save (or the previous asynchronous one) failed."""
-        ocp, key = self._ocp, base_key
-        meta = {"format": FORMAT, "version": FORMAT_VERSION, "step": int(step),
-                "data_state": {k: int(v) for k, v in (data_state or {}).items()},
-                "base_key": None if key is None else {"impl": str(jax.random.key_impl(key)),
-                                                      "data": np.asarray(jax.random.key_data(key)).tolist()},
-                "leaves": describe(params, opt_state), "mesh": {str(k): int(v) for k, v in mesh.shape.items()},
-                "run": run}
-        if self.async_save and self._unhashed:
-            self.wait()  # orbax waits for the previous save: report its failure under its own step
-        with self._hash_lock:
-            self._unhashed.append(int(step))
-        with self._writing(step):
-            self.manager.save(int(step), args=ocp.args.Composite(
-                state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}), meta=ocp.args.JsonSave(meta)))
-        if not self.async_save:
-            self._record_hashes()
-
-    def wait(self) -> None:
-        """Wait for an asynchronous save and record its hashes (CheckpointWriteError: it failed)."""
-        with self._writing(self._unhashed[-1] if self._unhashed else None):
-            self.manager.wait_until_finished()
-        self._record_hashes()
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self.manager.close()
-
-    @contextlib.contextmanager
-    def _writing(self, step: Optional[int]):
-        """Any failure of orbax's writing becomes one :class:`CheckpointWriteError`."""
-        try:
-            yield
-        except (CheckpointError, CheckpointWriteError):
-            raise
-        except Exception as e:  # noqa: BLE001 - orbax raises many kinds (OSError, ValueError...)
-            what = f"checkpoint {step}" if step is not None else "a checkpoint"
-            raise CheckpointWriteError(f"cannot write {what} to {self.directory}: {_first_line(e)}; "
-                                       "the checkpoints before it are intact") from None
-
-    def _record_hashes(self) -> None:
-        """Write this process's hash record of each committed step it saved (idempotent; also called
-        from orbax's thread)."""
-        with self._hash_lock:
-            for step in [s for s in self._unhashed if os.path.isdir(self._dir(s))]:
-                self._unhashed.remove(step)  # committed
-                try:
-                    integrity.record(self._dir(step))
-                except OSError as e:
-                    raise CheckpointWriteError(f"cannot write the content hashes of checkpoint {self._dir(step)}: "
-                                               f"{e.strerror or e}") from None
-
-    def verify(self, step: int) -> None:
-        """Raise :class:`CheckpointError` (one line naming the file) unless checkpoint ``step`` holds
-        what its processes recorded (:func:`train.integrity.verify`, on every process)."""
-        try:
-            integrity.verify(self._dir(step))
-        except integrity.IntegrityError as e:
-            if isinstance(e, integrity.Unrecorded):
-                self.read_meta(step)  # a checkpoint of an older format is refused as such
-            raise CheckpointError(f"checkpoint {self._dir(step)}: {e}") from None
-
-    def restorable_step(self, fallback: bool = False) -> Tuple[Optional[int], List[Tuple[int, str]]]:
-        """``(step, corrupt)``: the newest step that verifies (None: there is none) and, with
-        ``fallback``, the newer ``(step, why)`` that did not (:meth:`set_aside` moves them).
-        CheckpointError: the newest is corrupt and not ``fallback``, or none is intact."""
-        bad = []
-        for step in sorted(self.all_steps(), reverse=True):
-            try:
-                self.verify(step)
-            except CheckpointError as e:
-                if not fallback:
-                    raise CheckpointError(f"{e}; refusing to restore it (--set checkpoint.fallback=true restores "
-                                          "the newest intact checkpoint instead)") from None
-                bad.append((step, str(e)))
-                continue
-            self._verified.add(step)
-            return step, bad
-        if bad:
-            raise CheckpointError(f"no intact checkpoint in {self.directory}: {bad[0][1]}"
-                                  + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
-        return None, bad
-
-    def set_aside(self, corrupt: List[Tuple[int, str]], chosen: int, log=None) -> None:
-        """Rename the ``corrupt`` steps of :meth:`restorable_step` ``corrupt-<step>`` and say so
-        (``log``; default: process 0's stderr). On every process."""
-        if not corrupt:
-            return
-        say = log or (lambda m: print(m, file=sys.stderr, flush=True))
-        if jax.process_index() == 0:
-            for step, why in corrupt:
-                aside, i = os.path.join(self.directory, f"corrupt-{step}"), 1
-                while os.path.exists(aside):
-                    i += 1
-                    aside = os.path.join(self.directory, f"corrupt-{step}-{i}")
-                os.rename(self._dir(step), aside)
-                say(f"checkpoint: {why}; moved to {aside}; restoring step {chosen} instead")
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            multihost_utils.sync_global_devices("jax_nvfp4_checkpoint_fallback")
-        self.manager.reload()
+        key = base_key
+        super().save(step, {"params": params, "opt_state": opt_state}, {
+            "format": FORMAT, "version": FORMAT_VERSION, "step": int(step),
+            "data_state": {k: int(v) for k, v in (data_state or {}).items()},
+            "base_key": None if key is None else {"impl": str(jax.random.key_impl(key)),
+                                                  "data": np.asarray(jax.random.key_data(key)).tolist()},
+            "mesh": {str(k): int(v) for k, v in mesh.shape.items()}, "run": run})
 
     def read_meta(self, step: int) -> Dict[str, Any]:
-        where = self._dir(step)
-        try:
-            meta = self.manager.restore(step, args=self._ocp.args.Composite(meta=self._ocp.args.JsonRestore())).meta
-        except Exception as e:  # noqa: BLE001 - any read failure is a bad checkpoint
-            raise CheckpointError(f"checkpoint {where}: cannot read its metadata: {_first_line(e)}") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        meta, where = super().read_meta(step), self._dir(step)
+        if meta.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {where}: not a {FORMAT} checkpoint")
         if meta.get("version") == 1:
             raise CheckpointError(
@@ -224,39 +78,13 @@ class Checkpointer:
         return meta
 
     def restore(self, step: int, abstract_params, abstract_state, param_shardings, state_shardings) -> Restored:
-        """Restore checkpoint ``step`` (verified first) into the layout of the ``jax.eval_shape`` trees
-        ``abstract_params`` / ``abstract_state`` with those shardings. CheckpointError: corrupt or
-        unreadable files, another model/optimizer, non-finite values."""
-        where = self._dir(step)
-        if step not in self._verified:
-            self.verify(step)
-        meta = self.read_meta(step)
-        saved, abstract = meta.get("leaves", {}), {"params": abstract_params, "opt_state": abstract_state}
-        why = nvck.mismatch(saved, nvck.describe(abstract))
-        if why:
-            raise CheckpointError(f"checkpoint {where} does not match this model/optimizer: {why}")
-        shardings = {"params": param_shardings, "opt_state": state_shardings}
-        try:
-            args = self._ocp.args.Composite(state=self._ocp.args.StandardRestore(
-                nvck.restore_targets(abstract, shardings, saved), strict=False))
-            state = self.manager.restore(step, args=args).state
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint {where}: cannot read its arrays: {_first_line(e)}") from None
-        bad = nvck.nonfinite(state)
-        if bad:
-            raise CheckpointError(f"checkpoint {where}: non-finite values (NaN or Inf) in {bad[0]}"
-                                  + (f" (and {len(bad) - 1} more leaves)" if len(bad) > 1 else "")
-                                  + "; refusing to restore it")
-        state = nvck.relayout(state, abstract, shardings, saved)  # leaves saved with another tensor split
+        """Checkpoint ``step`` in the layout of ``abstract_params`` / ``abstract_state`` with those shardings."""
+        state, meta = super().restore(step, {"params": abstract_params, "opt_state": abstract_state},
+                                      {"params": param_shardings, "opt_state": state_shardings})
         k = meta.get("base_key")
         base_key = jax.random.wrap_key_data(np.asarray(k["data"], np.uint32), impl=k["impl"]) if k else None
         return Restored(int(meta["step"]), state["params"], state["opt_state"], base_key,
                         dict(meta.get("data_state") or {}))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
 # The trajectory keys (train.config.trajectory_keys; not the mesh, nor train.steps, whose schedule length

@@ -1,5 +1,6 @@
-"""Content hashes of a directory that several processes write, each process hashing and verifying
-its own share (no process reads another's files). Process ``p`` owns the files under a path
+"""Content hashes of a directory that several processes write (a checkpoint step,
+:class:`jax_nvfp4.checkpoint.Checkpointer`), each process hashing and verifying its own share
+(no process reads another's files). Process ``p`` owns the files under a path
 component ``process_<p>`` or ``ocdbt.process_<p>`` (orbax's per-process data); process 0 also every
 other file. Hidden files are not part of a directory's content."""
 

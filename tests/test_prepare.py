@@ -164,6 +164,17 @@ def test_output_bytes_are_the_same_for_any_number_of_workers(tmp_path, capsys, m
     assert open(out, "rb").read() == open(tmp_path / "w1.bin", "rb").read()
 
 
+def test_workers_size_the_tokenizers_thread_pool_unless_the_user_did(monkeypatch):
+    seen = []
+    monkeypatch.setattr(prep, "prepare", lambda *a, **k: seen.append(os.environ.get("RAYON_NUM_THREADS"))
+                        or {"tokens": 2, "dtype": "uint16", "vocab": 300, "documents": 1})
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    assert prep.main(["a.txt", "--out", "o.bin", "--workers", "3"]) == 0
+    monkeypatch.setenv("RAYON_NUM_THREADS", "5")
+    assert prep.main(["a.txt", "--out", "o.bin", "--workers", "2"]) == 0
+    assert seen == ["3", "5"]
+
+
 def test_undecodable_input_is_refused_or_replaced(tmp_path, capsys):
     tok = str(tmp_path / "tok.json")
     bpe(specials=("<|endoftext|>",)).save(tok)

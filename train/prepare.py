@@ -499,12 +499,14 @@ def main(argv=None) -> int:
     p.add_argument("--text-key", default="text", help="the JSON key or Parquet column of the text (default: text)")
     p.add_argument("--errors", choices=("strict", "replace"), default="strict",
                    help="undecodable input: refuse (strict, default) or read it with U+FFFD (replace)")
-    p.add_argument("--workers", type=int, default=None, help="pieces encoded at a time by the tokenizer's threads; "
-                   "1: one by one in this thread (default: the CPU count)")
+    p.add_argument("--workers", type=int, default=None, help="pieces encoded at a time, and the tokenizer's threads "
+                   "(RAYON_NUM_THREADS unless set); 1: one by one in this thread (default: the CPU count)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--vocab-size", type=int, default=4096, help="size of the BPE trained without --tokenizer")
     p.add_argument("--chunk-mb", type=float, default=1.0, help="text encoded per piece, in MiB (> 0)")
     args = p.parse_args(argv)
+    if args.workers is not None and args.workers >= 1:  # the tokenizer's thread pool, sized at its first use
+        os.environ.setdefault("RAYON_NUM_THREADS", str(args.workers))
     t0 = time.monotonic()
     in_main_thread = threading.current_thread() is threading.main_thread()
     old = signal.signal(signal.SIGTERM, signal.default_int_handler) if in_main_thread else None  # like Ctrl-C

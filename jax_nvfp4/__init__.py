@@ -28,7 +28,8 @@ The GEMM
 Submodules outside the core, imported on first use (``nv.export``, ...):
 :mod:`jax_nvfp4.export` (native, Hugging Face / compressed-tensors and ModelOpt files),
 :mod:`jax_nvfp4.hf` (a Hugging Face checkpoint read into a sharded training state),
-:mod:`jax_nvfp4.checkpoint` (a state saved with orbax, restored onto any mesh),
+:mod:`jax_nvfp4.checkpoint` (its ``Checkpointer``: atomic, hash-verified orbax checkpoints of a
+state, restored onto any mesh),
 :mod:`jax_nvfp4.calibrate` (W4A4 activation calibration), :mod:`jax_nvfp4.mesh` (device meshes,
 GB200 racks), :mod:`jax_nvfp4.xla_flags` (XLA:GPU flags that overlap the weight gathers) and
 :mod:`jax_nvfp4.comm` (collective accounting of compiled HLO).

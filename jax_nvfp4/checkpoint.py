@@ -23,17 +23,19 @@ Typical use, for any model::
     ckpt = nvck.Checkpointer("ckpt", keep=3)
     ckpt.save(step, {"params": params, "opt_state": opt_state}, meta={"data_position": pos})
     ...  # later, on another mesh: abstract state and shardings from jax.eval_shape / jax_nvfp4.shardings
-    step, _ = ckpt.restorable_step()  # the newest that verifies; CheckpointError if it is corrupt
-    state, meta = ckpt.restore(step, abstract, shardings)
+    step, _ = ckpt.restorable_step()  # the newest that verifies (None: none saved); CheckpointError if corrupt
+    if step is not None:
+        state, meta = ckpt.restore(step, abstract, shardings)
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -200,7 +202,7 @@ class Checkpointer:
     saves write in the background, their hashes recorded once committed. Every process creates it and calls
     :meth:`save`, :meth:`restorable_step`, :meth:`verify` and :meth:`restore` together; the directory is shared.
     Errors name the directory ``{dir_name}={directory!r}`` and say how to restore past a corrupt step
-    (``fallback_hint``); a subclass may name its own settings.
+    (``fallback_hint``); a subclass may name its own settings. ``keep``: at least 1, or None (every step).
     """
 
     dir_name = "directory"
@@ -208,6 +210,8 @@ class Checkpointer:
 
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = False):
         name = self.dir_name
+        if keep is not None and (not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"keep={keep!r}: must be a positive number of checkpoints, or None to keep every one")
         import orbax.checkpoint as ocp
 
         self._ocp, self.async_save = ocp, async_save
@@ -241,10 +245,23 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, meta: Optional[Dict[str, Any]] = None) -> None:
-        """Write checkpoint ``step`` of ``state`` with the JSON ``meta`` (``async_save``: in the background).
-        CheckpointWriteError: this save (or the previous asynchronous one) failed."""
+        """Write checkpoint ``step`` of ``state`` with the JSON ``meta`` (``async_save``: in the background);
+        ``step`` must be newer than every step in the directory. CheckpointWriteError: this save (or the previous
+        asynchronous one) failed; CheckpointError: the step is not newer; TypeError: ``meta`` is not a JSON object."""
         ocp = self._ocp
-        meta = {**(meta or {}), "leaves": describe(state)}
+        if not isinstance(meta := {} if meta is None else meta, Mapping) or "leaves" in meta:
+            raise TypeError(f"meta: expected a mapping without the key 'leaves' (the state's description), got "
+                            f"{type(meta).__name__}{' with leaves' if isinstance(meta, Mapping) else ''}")
+        try:
+            json.dumps(meta)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"meta: not JSON-serializable: {e}") from None
+        latest = self.manager.latest_step()
+        if latest is not None and int(step) <= latest:
+            raise CheckpointError(f"checkpoint {step} not written: {self.directory} holds step {latest}, and a "
+                                  "save must be newer than the newest (restore from an earlier step: remove the "
+                                  "newer ones first)")
+        meta = {**meta, "leaves": describe(state)}
         if self.async_save and self._unhashed:
             self.wait()  # orbax waits for the previous save: report its failure under its own step
         with self._hash_lock:
@@ -293,7 +310,10 @@ class Checkpointer:
 
     def verify(self, step: int) -> None:
         """Raise :class:`CheckpointError` (one line naming the file) unless checkpoint ``step`` holds
-        what its processes recorded (:func:`jax_nvfp4.integrity.verify`, on every process)."""
+        what its processes recorded (:func:`jax_nvfp4.integrity.verify`, on every process). A save of
+        this process still under way is waited for first."""
+        if self._unhashed:
+            self.wait()
         try:
             integrity.verify(self._dir(step))
         except integrity.IntegrityError as e:
@@ -334,7 +354,7 @@ class Checkpointer:
                     i += 1
                     aside = os.path.join(self.directory, f"corrupt-{step}-{i}")
                 os.rename(self._dir(step), aside)
-                say(f"checkpoint: {why}; moved to {aside}; restoring step {chosen} instead")
+                say(f"{why}; moved to {aside}; restoring step {chosen} instead")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("jax_nvfp4_checkpoint_fallback")
@@ -354,6 +374,8 @@ class Checkpointer:
         """``(state, meta)`` of checkpoint ``step`` (verified first), in the layout of ``abstract`` (``jax.eval_shape``
         of the state) placed by ``shardings``, whatever data axis and tensor split it was saved from.
         CheckpointError: corrupt or unreadable files, another model or optimizer, non-finite values."""
+        if step is None:
+            raise CheckpointError(f"no checkpoint to restore in {self.directory}")
         where = self._dir(step)
         if step not in self._verified:
             self.verify(step)
@@ -362,9 +384,9 @@ class Checkpointer:
         why = mismatch(saved, describe(abstract))
         if why:
             raise CheckpointError(f"checkpoint {where} does not match this model/optimizer: {why}")
+        targets = restore_targets(abstract, shardings, saved)  # ValueError: shardings do not match abstract
         try:
-            args = self._ocp.args.Composite(state=self._ocp.args.StandardRestore(
-                restore_targets(abstract, shardings, saved), strict=False))
+            args = self._ocp.args.Composite(state=self._ocp.args.StandardRestore(targets, strict=False))
             state = self.manager.restore(step, args=args).state
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"checkpoint {where}: cannot read its arrays: {_first_line(e)}") from None

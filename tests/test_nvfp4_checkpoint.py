@@ -122,3 +122,33 @@ def test_a_corrupt_step_is_refused_or_set_aside_and_another_model_is_refused(sav
     with pytest.raises(nvck.CheckpointError, match="does not match this model/optimizer: params/norm/scale: shape"):
         ckpt.restore(1, other, shardings)
     ckpt.close()
+
+
+def test_what_a_checkpointer_refuses_before_writing(saved, tmp_path):
+    directory, _ = saved
+    state, _, _ = _state(2, 2)
+    with pytest.raises(ValueError, match="keep=0: must be a positive number"):
+        nvck.Checkpointer(str(tmp_path / "k"), keep=0)
+    ckpt = nvck.Checkpointer(str(tmp_path / "c"))
+    for meta, match in (({"lr": np.float32(1)}, "meta: not JSON-serializable"), ({"leaves": 1}, "without the key"),
+                        ([1, 2], "expected a mapping")):
+        with pytest.raises(TypeError, match=match):
+            ckpt.save(1, state, meta=meta)
+    assert ckpt.all_steps() == [] and os.listdir(tmp_path / "c") == []  # nothing written
+    with pytest.raises(nvck.CheckpointError, match="no checkpoint to restore in"):
+        ckpt.restore(ckpt.restorable_step()[0], state, None)
+    ckpt.save(3, state)
+    with pytest.raises(nvck.CheckpointError, match="checkpoint 3 not written: .* holds step 3, and a save must be newer"):
+        ckpt.save(3, state)  # orbax would skip it silently
+    ckpt.close()
+
+
+def test_an_asynchronous_save_under_way_is_not_taken_for_a_corrupt_one(tmp_path):
+    state, shardings, mesh = _state(2, 2)
+    ckpt = nvck.Checkpointer(str(tmp_path / "a"), async_save=True)
+    ckpt.save(1, state)
+    ckpt.save(2, state)  # still being written, its hashes not recorded
+    assert ckpt.restorable_step(fallback=True) == (2, [])  # waited for, then verified
+    with jax.set_mesh(mesh):
+        ckpt.restore(2, state, shardings)
+    ckpt.close()

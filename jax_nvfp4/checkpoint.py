@@ -80,7 +80,8 @@ def describe(tree) -> Dict[str, Dict[str, Any]]:
         elif is_key(leaf):
             d = {"kind": "key", "shape": list(leaf.shape), "impl": str(getattr(leaf.dtype, "_impl", leaf.dtype))}
         else:
-            d = {"kind": "array", "shape": list(np.shape(leaf)), "dtype": str(jnp.dtype(leaf.dtype))}
+            d = {"kind": "array", "shape": list(np.shape(leaf)),  # a Python scalar: as jnp.asarray types it
+                 "dtype": str(jnp.dtype(leaf.dtype) if hasattr(leaf, "dtype") else jnp.result_type(leaf))}
         if isinstance(leaf, (Tiled, TiledNVFP4)):
             d["tensor_split"] = [leaf.layout.n_tensor, leaf.layout.tensor_dim]
         out[name] = d

@@ -152,3 +152,16 @@ def test_an_asynchronous_save_under_way_is_not_taken_for_a_corrupt_one(tmp_path)
     with jax.set_mesh(mesh):
         ckpt.restore(2, state, shardings)
     ckpt.close()
+
+
+def test_python_scalar_leaves_restore_as_jax_types_them(tmp_path):
+    state = {"w": np.arange(4, dtype=np.float32), "step": 100, "lr": 1e-3}  # a training loop's counters
+    ckpt = nvck.Checkpointer(str(tmp_path / "s"))
+    ckpt.save(1, state)
+    abstract = jax.eval_shape(lambda: state)
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    whole = jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), abstract)
+    got, meta = ckpt.restore(1, abstract, whole)
+    ckpt.close()
+    assert meta["leaves"]["step"] == {"kind": "array", "shape": [], "dtype": "int32"}
+    assert int(got["step"]) == 100 and float(got["lr"]) == np.float32(1e-3) and got["w"].tolist() == [0, 1, 2, 3]

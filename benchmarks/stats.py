@@ -266,6 +266,10 @@ def run_meta(results, specs, command: str, wall: float) -> Dict[str, Any]:
     # invocation and worker process that contributed (a grid resumed later does not count the
     # time in between).
     span = busy_seconds(results)
+    # When the last run finished (a report rebuilt later keeps its grid's date), else now.
+    last = max((r["finished_unix"] for r in results.values()), default=None)
+    finished = (datetime.datetime.fromtimestamp(last, datetime.timezone.utc) if last is not None
+                else datetime.datetime.now(datetime.timezone.utc))
     same = [r["data_order_sha256"] == results[r["name"].rsplit("-", 1)[0] + "-bf16"]["data_order_sha256"]
             for r in results.values() if r["name"].rsplit("-", 1)[0] + "-bf16" in results]
     return {
@@ -276,7 +280,7 @@ def run_meta(results, specs, command: str, wall: float) -> Dict[str, Any]:
         "grid_wall_h": f"{span / 3600:.2f} h wall clock with runs in progress ({run_wall / 3600:.2f} h of run "
                        f"time summed over the runs, at most {most_at_once(results)} at once)",
         "where": f"{jax.default_backend()}, {os.cpu_count()} CPU cores, jax {jax.__version__}, "
-                 f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+                 f"{finished:%Y-%m-%d %H:%M} UTC",
         "same_data_order": bool(same) and all(same), "sources": source_summary(results), "git_commit": git_commit(),
     }
 

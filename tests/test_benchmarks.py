@@ -278,3 +278,19 @@ def test_a_bad_argument_exits_2_from_the_shell():
     assert (run.returncode, run.stdout) == (2, "")
     assert run.stderr.splitlines() == ["error: --mesh data:0: expected gb200:RACKS or data:N (RACKS, N >= 1), e.g. "
                                        "gb200:2 or data:16"]
+
+
+def test_each_committed_convergence_report_holds_its_own_grid():
+    """Each text grid writes its own report and JSON; a committed one reproduced by another grid's command
+    (a partial --recipe run once replaced the real-text grid's) would quote figures it does not hold."""
+    from benchmarks.convergence_text import RESULTS_JSON
+    here = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
+    flags = {"text": ("--recipe", "--length-sweep"), "recipe": ("--length-sweep",), "length_sweep": ("--recipe",)}
+    for kind, name in RESULTS_JSON.items():
+        with open(os.path.join(here, name)) as f:
+            meta = json.load(f)["meta"]
+        command = meta["command"].split()
+        want = {"text": None, "recipe": "--recipe", "length_sweep": "--length-sweep"}[kind]
+        assert want is None or want in command, (name, meta["command"])
+        assert not set(flags[kind]) & set(command), (name, meta["command"])
+        assert meta["runs_done"] == meta["runs_total"] or kind == "recipe", (name, meta["runs_done"], meta["runs_total"])

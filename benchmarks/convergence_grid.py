@@ -238,6 +238,10 @@ LENGTH_PAIRS = {"nvfp4": "bf16", "compute_nvfp4_keep_last_blocks_1": "bf16_keep_
 # of the same model and init (the default weights-only run is the reference they are judged by).
 LENGTH_LEVERS = {"keep_last_blocks_1": "bf16_keep_last_blocks_1", "block_2d": "bf16", "stochastic_rounding": "bf16",
                  "four_over_six": "bf16"}
+# The storage formats besides the default in which a diagnosed bf16 run's final weights are also
+# quantized once (what 4-bit storage alone costs in each), as ``nvfp4`` settings: the levers that
+# change how the weights are stored.
+STORAGE_FORMATS = {"four_over_six": {"four_over_six": True}, "block_2d": {"block": "2d"}}
 EMBEDDING_PARAMS = ("embed", "head")
 
 

@@ -104,7 +104,9 @@ def sources(results, size: str, steps: int, seeds: Sequence[int]) -> Optional[Di
     % of the seed's bf16 validation loss: ``quantized_bf16`` (the bf16 run's final weights quantized
     once: what NVFP4 storage alone costs a model trained in bf16), and per weights-only variant
     ``masters`` (its float32 masters evaluated without NVFP4: how far training through NVFP4 weights
-    moved the model itself) and ``stored`` (its NVFP4 weights: the gap)."""
+    moved the model itself) and ``stored`` (its NVFP4 weights: the gap); per other storage format
+    (:data:`~benchmarks.convergence_grid.STORAGE_FORMATS`) where recorded, ``formats``: the bf16 run's
+    weights quantized once in it (``cost``) and, paired by seed, that minus the default's."""
     def run(seed, v):
         return results.get(grid.run_name(size, steps, seed, v))
 
@@ -122,6 +124,14 @@ def sources(results, size: str, steps: int, seeds: Sequence[int]) -> Optional[Di
             out["variants"][v] = {"seeds": both,
                                   "masters": stats.summarize([pct(run(s, v)["val_loss_master"], s) for s in both]),
                                   "stored": stats.summarize(stored), "beyond_storage": stats.summarize(beyond)}
+    for f in grid.STORAGE_FORMATS:
+        both = [s for s in have if f in run(s, "bf16").get("val_loss_quantized_as", {})]
+        if both:
+            cost = [pct(run(s, "bf16")["val_loss_quantized_as"][f], s) for s in both]
+            out.setdefault("formats", {})[f] = {
+                "seeds": both, "cost": stats.summarize(cost),
+                "vs_default": stats.summarize([c - pct(run(s, "bf16")["val_loss_quantized"], s)
+                                               for c, s in zip(cost, both)])}
     return out
 
 
@@ -234,6 +244,20 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
                 L.append(f"| {r['budget']} | {', '.join(map(str, d['seeds']))} | {stats.pct_text(q['quantized_bf16'])} | "
                          f"{NAMES[v].split(' vs ')[0]} | {stats.pct_text(d['masters'])} | {stats.pct_text(d['stored'])} | "
                          f"{stats.pct_text(d['beyond_storage'])} |")
+        fmts = [(r, f, d) for r in src for f, d in r["sources"].get("formats", {}).items()]
+        if fmts:
+            L += ["", "What storage alone costs in each format: the bf16 run's final weights quantized once in it "
+                  "(in % of the bf16 validation loss), and that minus the default format's (1d blocks of 16, each "
+                  "scaled to 6), paired by seed (negative: the format stores the same model at a lower cost).", "",
+                  "| budget | format | seeds | bf16 weights quantized once | minus the default's |", "|---:|---|---|---|---|"]
+            for r in (r for r in src if r["sources"].get("formats")):
+                L.append(f"| {r['budget']} | default (1d, scale to 6) | {', '.join(map(str, r['sources']['seeds']))} | "
+                         f"{stats.pct_text(r['sources']['quantized_bf16'])} | - |")
+                for rr, f, d in fmts:
+                    if rr is r:
+                        L.append(f"| {r['budget']} | {NAMES[f].split(', ', 1)[1].split(' vs ')[0]} | "
+                                 f"{', '.join(map(str, d['seeds']))} | {stats.pct_text(d['cost'])} | "
+                                 f"{stats.pct_text(d['vs_default'])} |")
     L += ["", "## The gap while the learning rate decays", "",
           "From each run's validation history: the gap at the evaluation nearest half-way through the run "
           "(the cosine's learning rate there, as a fraction of the peak, in the column) and at the end (10% of "

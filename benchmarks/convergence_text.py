@@ -37,7 +37,8 @@ for ``--budgets`` tokens per non-embedding parameter (default 2,10,40, converted
 the model's own count), bf16, weights-only NVFP4 and the full recipe with its last block bf16
 (against bf16 with the same split), every run's cosine schedule decaying over its own length.
 ``--rerun NAME`` trains one
-finished run again and compares its losses with the recorded ones bit for bit.
+finished run again and compares its losses with the recorded ones bit for bit; when they are,
+the record takes the diagnostics it lacks from the retrained run (the same final weights).
 
 ``--recipe --seeds-at SIZE=FIRST-LAST`` adds the sweep's two pairs at SIZE for seeds FIRST..LAST
 (:func:`~benchmarks.convergence_grid.seeds_at_grid`), reported in a section of their own: the
@@ -77,7 +78,7 @@ from benchmarks import arguments as A
 from benchmarks import convergence_length as cl
 from benchmarks import convergence_recipe as cr
 from benchmarks.common import request_cpu_devices, source_state, use_compile_cache
-from benchmarks.convergence_grid import (EVAL_BATCHES, HEADLINE_SEEDS, HEADLINE_VARIANTS, LENGTHS, LEVER_BASE,
+from benchmarks.convergence_grid import (STORAGE_FORMATS, EVAL_BATCHES, HEADLINE_SEEDS, HEADLINE_VARIANTS, LENGTHS, LEVER_BASE,
                                          LENGTH_BUDGETS, LENGTH_SIZE, LEVER_NAMES, LEVER_SIZE, LEVERS, LR_HALF, RECIPE_LEVERS, RECIPE_SIZES,
                                          RECIPE_TARGET, SEEDS, SEEDS_AT_BOUND, SIZES, WEIGHTS_ONLY_TARGET, WEIGHTS_SIZES, grid,
                                          headline_seeds, length_grid, recipe_grid, run_config, run_name,
@@ -258,11 +259,12 @@ def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=pri
     return res
 
 
-def weight_diagnostics(cfg, r: Dict[str, Any]) -> Dict[str, float]:
+def weight_diagnostics(cfg, r: Dict[str, Any]) -> Dict[str, Any]:
     """Where a weights-only gap comes from, on the run's own validation batches and model:
     ``val_loss_master`` (a run with NVFP4 weights: its float32 masters cast to bf16, no NVFP4) and
     ``val_loss_quantized`` (a bf16 run: its final weights quantized once as weights-only NVFP4 would
-    store them, ``nvfp4.weights=nvfp4`` with the run's other settings)."""
+    store them, ``nvfp4.weights=nvfp4`` with the run's other settings) and ``val_loss_quantized_as``
+    (the same weights quantized once in each other storage format of :data:`STORAGE_FORMATS`)."""
     import dataclasses
 
     import jax
@@ -284,9 +286,14 @@ def weight_diagnostics(cfg, r: Dict[str, Any]) -> Dict[str, float]:
         return float(np.mean(np.concatenate([np.asarray(rows(tree, jnp.asarray(b)), np.float64) for b in batches])))
 
     if cfg.nvfp4.weights == "bf16":
-        policy = policy_for(dataclasses.replace(cfg, nvfp4=dataclasses.replace(cfg.nvfp4, weights="nvfp4")))
-        return {"val_loss_quantized": loss(float_weights(nv.quantize_params(float_weights(r["params"], jnp.float32),
-                                                                             policy)))}
+        weights = float_weights(r["params"], jnp.float32)
+
+        def stored(**fmt):
+            policy = policy_for(dataclasses.replace(cfg, nvfp4=dataclasses.replace(cfg.nvfp4, weights="nvfp4", **fmt)))
+            return loss(float_weights(nv.quantize_params(weights, policy)))
+
+        return {"val_loss_quantized": stored(),
+                "val_loss_quantized_as": {name: stored(**fmt) for name, fmt in STORAGE_FORMATS.items()}}
     state = nv.find_state(r["opt_state"])
     return {} if state is None else {"val_loss_master": loss(float_weights(state.master))}
 
@@ -927,6 +934,15 @@ def rerun(args, argv, specs, corpus, log) -> int:
     verdict = cr.compare(name, recorded, again)
     with open(os.path.join(cr.rerun_dir(args.cache), name + ".json"), "w") as f:
         json.dump(verdict, f, indent=1)
+    added = sorted(k for k in again if k.startswith("val_loss_") and k not in recorded)
+    if verdict["identical"] and added:
+        # The same final weights bit for bit: the diagnostics the record lacks (it was trained by code
+        # that did not compute them) are the record's own.
+        tmp = f"{recorded_path(args.cache, name)}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({**recorded, **{k: again[k] for k in added}}, f, indent=1)
+        os.replace(tmp, recorded_path(args.cache, name))
+        log(f"{name}: the record takes the retrained run's {', '.join(added)}")
     log(f"{name}: recorded val {recorded['final_val_loss']!r}, retrained {again['final_val_loss']!r}: "
         + ("bit for bit identical" if verdict["identical"] else f"DIFFERENT ({verdict['fields']})")
         + (f"; not recorded, so not compared: {', '.join(verdict['not_recorded'])}"

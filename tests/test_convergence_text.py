@@ -89,6 +89,10 @@ def test_diagnosed_runs_record_the_masters_and_the_once_quantized_bf16_weights(c
     assert abs(b["val_loss_quantized"] - b["final_val_loss"]) < 0.05 * b["final_val_loss"]
     assert n["val_loss_master"] != n["final_val_loss"]
     assert abs(n["val_loss_master"] - n["final_val_loss"]) < 0.05 * n["final_val_loss"]
+    # The same bf16 weights in the other storage formats: each its own cost, near the default's.
+    other = b["val_loss_quantized_as"]
+    assert set(other) == set(cg.STORAGE_FORMATS) and len({b["val_loss_quantized"], *other.values()}) == 3
+    assert all(abs(x - b["final_val_loss"]) < 0.05 * b["final_val_loss"] for x in other.values())
 
 
 def _res(size, steps, seed, variant, val, sha="x"):
@@ -360,6 +364,31 @@ def test_rerun_compares_every_loss_bit_for_bit(tmp_path, corpus):
     assert ct.rerun(args, [], specs, corpus, lambda _: None) == 2
 
 
+@pytest.mark.parametrize("same", [True, False])
+def test_a_bit_identical_rerun_fills_in_the_diagnostics_its_record_lacks(tmp_path, corpus, monkeypatch, same):
+    """A record trained before a diagnostic existed takes it from a retrain of the same final
+    weights; a retrain that differs leaves the record alone."""
+    args = ct.parse_args(["--length-sweep", "--cache", str(tmp_path)])
+    specs = ct.specs_of(args)
+    name = specs[0]["name"]
+    rec = {"name": name, "final_val_loss": 1.5, "val_history": [[10, 2.0], [20, 1.5]], "final_train_loss": 1.4,
+           "train_loss_every_10": [2.1, 1.4], "val_loss_quantized": 1.51}
+    os.makedirs(tmp_path / "runs")
+    json.dump(rec, open(ct.recorded_path(str(tmp_path), name), "w"))
+    again = {**rec, "val_loss_quantized_as": {"four_over_six": 1.505}, "final_val_loss": 1.5 if same else 1.49}
+
+    def spawn(argv, n):
+        json.dump(again, open(tmp_path / "reruns" / "cache" / "runs" / f"{name}.json", "w"))
+        return [0]
+
+    os.makedirs(tmp_path / "reruns" / "cache" / "runs")
+    monkeypatch.setattr(ct, "_spawn", spawn)
+    args.rerun = name
+    assert ct.rerun(args, [], specs, corpus, lambda _: None) == (0 if same else 1)
+    after = json.load(open(ct.recorded_path(str(tmp_path), name)))
+    assert after == ({**rec, "val_loss_quantized_as": {"four_over_six": 1.505}} if same else rec)
+
+
 def test_ablation_effect_needs_the_interval_not_only_the_sign():
     # Three seeds lower by 1.68%, 0.01% and 0.65%: the same sign in every seed (one time in four
     # by chance), but the t-interval of the mean contains 0. With a reference noise (weights-only
@@ -502,6 +531,8 @@ def test_length_report_splits_the_weights_only_gap_into_storage_and_training(tmp
         r = _run(s["name"], s["steps"], seed, v, [2.0 + (0.02 if v == "nvfp4" else 0.0)] * 11)
         if seed < 2 and v == "bf16":
             r["val_loss_quantized"] = 2.0 + 0.01 * (seed + 1)  # +0.5%, +1.0%
+        if seed == 1 and v == "bf16":  # recorded by a retrain: one seed only
+            r["val_loss_quantized_as"] = {"four_over_six": 2.012, "block_2d": 2.03}  # +0.6%, +1.5%
         if seed < 2 and v == "nvfp4":
             r["val_loss_master"] = 2.018  # +0.9%
         results[s["name"]] = r
@@ -517,6 +548,14 @@ def test_length_report_splits_the_weights_only_gap_into_storage_and_training(tmp
     text = open(cl.write_report(str(tmp_path), {"meta": meta, "corpus": corpus, "aggregate": {"rows": [row]}})).read()
     line = next(x for x in text.splitlines() if x.startswith("| 2 | 0, 1 |"))
     assert "+0.75% [+0.50, +1.00]" in line and "+0.90%" in line and "+1.00%" in line
+    # The other storage formats, on the seeds that recorded them, paired with the default's cost.
+    assert src["formats"]["four_over_six"]["seeds"] == [1]
+    assert src["formats"]["four_over_six"]["vs_default"]["mean"] == pytest.approx(-0.4)
+    rows = {x.split(" | ")[1]: x for x in text.splitlines() if x.startswith("| 2 | ") and x.count("|") == 6}
+    assert "+0.75%" in rows["default (1d, scale to 6)"]
+    assert "+0.60%" in rows["each block's scale to 6 or 4 (`nvfp4.four_over_six`)"] and "-0.40%" in rows[
+        "each block's scale to 6 or 4 (`nvfp4.four_over_six`)"]
+    assert "+1.50%" in rows["2d 16x16 tiles"] and "+0.50%" in rows["2d 16x16 tiles"]
 
 
 # ----------------------------------------------------------------------------- more seeds, restored runs

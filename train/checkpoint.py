@@ -56,12 +56,11 @@ class Checkpointer(nvck.Checkpointer):
 
     def save(self, step: int, params, opt_state, *, mesh, base_key: Optional[jax.Array] = None,
              data_state: Optional[Dict[str, int]] = None, run: Optional[Dict[str, Any]] = None) -> None:
-        key = base_key
         super().save(step, {"params": params, "opt_state": opt_state}, {
             "format": FORMAT, "version": FORMAT_VERSION, "step": int(step),
             "data_state": {k: int(v) for k, v in (data_state or {}).items()},
-            "base_key": None if key is None else {"impl": str(jax.random.key_impl(key)),
-                                                  "data": np.asarray(jax.random.key_data(key)).tolist()},
+            "base_key": None if base_key is None else {"impl": str(jax.random.key_impl(base_key)),
+                                                       "data": np.asarray(jax.random.key_data(base_key)).tolist()},
             "mesh": {str(k): int(v) for k, v in mesh.shape.items()}, "run": run})
 
     def read_meta(self, step: int) -> Dict[str, Any]:

@@ -248,7 +248,9 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
         if fmts:
             L += ["", "What storage alone costs in each format: the bf16 run's final weights quantized once in it "
                   "(in % of the bf16 validation loss), and that minus the default format's (1d blocks of 16, each "
-                  "scaled to 6), paired by seed (negative: the format stores the same model at a lower cost).", "",
+                  "scaled to 6), paired by seed (negative: the format stores the same model at a lower cost). A run "
+                  "trained before this diagnostic existed takes it from a bit-identical retraining (`--rerun NAME`, "
+                  "under Reproduction).", "",
                   "| budget | format | seeds | bf16 weights quantized once | minus the default's |", "|---:|---|---|---|---|"]
             for r in (r for r in src if r["sources"].get("formats")):
                 L.append(f"| {r['budget']} | default (1d, scale to 6) | {', '.join(map(str, r['sources']['seeds']))} | "
@@ -258,6 +260,17 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
                         L.append(f"| {r['budget']} | {NAMES[f].split(', ', 1)[1].split(' vs ')[0]} | "
                                  f"{', '.join(map(str, d['seeds']))} | {stats.pct_text(d['cost'])} | "
                                  f"{stats.pct_text(d['vs_default'])} |")
+            last = max((r for r in src if r["sources"].get("formats")), key=lambda r: r["tokens_per_param"])
+            costs = {"the default": last["sources"]["quantized_bf16"]["mean"],
+                     **{NAMES[f].split(', ', 1)[1].split(' vs ')[0]: d["cost"]["mean"]
+                        for f, d in last["sources"]["formats"].items()}}
+            best = min(costs, key=costs.get)
+            below = costs[best] < grid.WEIGHTS_ONLY_TARGET
+            L += ["", f"At {last['budget']} tokens/param the lowest storage cost, {costs[best]:+.2f}% (the seeds' "
+                      f"mean), is that of {best}: " + (f"below the {grid.WEIGHTS_ONLY_TARGET}% weights-only target." if below
+                                               else f"every format alone costs more than the {grid.WEIGHTS_ONLY_TARGET}% "
+                                                    "weights-only target, so none can hold the gap below it at this "
+                                                    "model and budget.")]
     L += ["", "## The gap while the learning rate decays", "",
           "From each run's validation history: the gap at the evaluation nearest half-way through the run "
           "(the cosine's learning rate there, as a fraction of the peak, in the column) and at the end (10% of "
@@ -315,7 +328,7 @@ def not_run(budget, shapes: Dict[str, Dict[str, int]], train_bytes: int) -> Dict
 def plot(agg: Dict[str, Any], path: str) -> None:
     """Gap % of bf16 against tokens per parameter: one line (the seeds' mean) per comparison, the
     seeds as points; the levers (longest budget only) as points beside it; and, where the runs
-    recorded it, the storage cost (the bf16 weights quantized once, the seeds' mean)."""
+    recorded it, the storage cost (the bf16 weights quantized once, the seeds' mean), in each format."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -337,6 +350,12 @@ def plot(agg: Dict[str, Any], path: str) -> None:
     if src:
         ax.plot([x for x, _ in src], [q["mean"] for _, q in src], "s--", color="0.4", ms=4,
                 label="bf16 weights quantized once (the storage cost)")
+    for f, marker in zip(grid.STORAGE_FORMATS, "^v<>"):
+        pts = [(r["tokens_per_param"], r["sources"]["formats"][f]["cost"]["mean"]) for r in agg["rows"]
+               if f in (r.get("sources") or {}).get("formats", {})]
+        if pts:
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker + ":", color="0.4", ms=4,
+                    label=f"the same, stored as {NAMES[f].split(', ', 1)[1].split(' vs ')[0].split(' (')[0]}")
     ax.set_xscale("log")
     ax.axhline(0, color="k", lw=0.8)
     ax.axhline(grid.WEIGHTS_ONLY_TARGET, color="k", ls=":", lw=0.8, label=f"{grid.WEIGHTS_ONLY_TARGET}%")

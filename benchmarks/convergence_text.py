@@ -692,7 +692,7 @@ def parse_args(argv: Sequence[str]):
                         f"{','.join(map(str, LENGTH_BUDGETS))})")
     p.add_argument("--levers", action="store_true",
                    help="--length-sweep: also weights-only NVFP4 with each lever (bf16 last block, 2d tiles, "
-                        "stochastic rounding of the re-quantization) at the longest budget")
+                        "stochastic rounding of the re-quantization, 4/6 scales) at the longest budget")
     p.add_argument("--ablation-at", metavar="SIZES",
                    help="--recipe: the sizes (of --sizes) the ablation runs at (default: the widest; "
                         "'none': no ablation)")
@@ -934,6 +934,10 @@ def rerun(args, argv, specs, corpus, log) -> int:
     verdict = cr.compare(name, recorded, again)
     with open(os.path.join(cr.rerun_dir(args.cache), name + ".json"), "w") as f:
         json.dump(verdict, f, indent=1)
+    log(f"{name}: recorded val {recorded['final_val_loss']!r}, retrained {again['final_val_loss']!r}: "
+        + ("bit for bit identical" if verdict["identical"] else f"DIFFERENT ({verdict['fields']})")
+        + (f"; not recorded, so not compared: {', '.join(verdict['not_recorded'])}"
+           if verdict.get("not_recorded") else ""))
     added = sorted(k for k in again if k.startswith("val_loss_") and k not in recorded)
     if verdict["identical"] and added:
         # The same final weights bit for bit: the diagnostics the record lacks (it was trained by code
@@ -943,10 +947,6 @@ def rerun(args, argv, specs, corpus, log) -> int:
             json.dump({**recorded, **{k: again[k] for k in added}}, f, indent=1)
         os.replace(tmp, recorded_path(args.cache, name))
         log(f"{name}: the record takes the retrained run's {', '.join(added)}")
-    log(f"{name}: recorded val {recorded['final_val_loss']!r}, retrained {again['final_val_loss']!r}: "
-        + ("bit for bit identical" if verdict["identical"] else f"DIFFERENT ({verdict['fields']})")
-        + (f"; not recorded, so not compared: {', '.join(verdict['not_recorded'])}"
-           if verdict.get("not_recorded") else ""))
     return 0 if verdict["identical"] else 1
 
 

@@ -556,6 +556,8 @@ def test_length_report_splits_the_weights_only_gap_into_storage_and_training(tmp
     assert "+0.60%" in rows["each block's scale to 6 or 4 (`nvfp4.four_over_six`)"] and "-0.40%" in rows[
         "each block's scale to 6 or 4 (`nvfp4.four_over_six`)"]
     assert "+1.50%" in rows["2d 16x16 tiles"] and "+0.50%" in rows["2d 16x16 tiles"]
+    assert ("At 2 tokens/param the lowest storage cost, +0.60% (the seeds' mean), is that of each block's scale to "
+            "6 or 4 (`nvfp4.four_over_six`): every format alone costs more than the 0.5% weights-only target") in text
 
 
 # ----------------------------------------------------------------------------- more seeds, restored runs

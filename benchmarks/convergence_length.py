@@ -177,6 +177,14 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
             f"{b['budget']} tokens/param ({', '.join(f'{s}: {n} steps' for s, n in b['steps'].items())}, "
             f"{b['epochs']:.2f} epochs)" for b in meta["budgets_not_in_grid"])
               + " (the sweep's default budgets; run them with `--budgets`).", ""]
+    nxt = meta.get("next_budget")
+    if nxt:
+        est = nxt.get("cpu_h_estimate")
+        L += [f"The next budget, {nxt['budget']} tokens/param, is "
+              + ", ".join(f"{n:,} steps of {s}" for s, n in nxt["steps"].items())
+              + f", {nxt['epochs']:.2f} epochs of the training text; not in this sweep"
+              + (f": its variants there would take about {est:.1f} CPU hours (the longest budget's runs, scaled by "
+                 "the steps)" if est else "") + ".", ""]
     shapes = meta["shapes"]
     L += ["## Setup", "",
           f"The corpus, splits and run protocol of [CONVERGENCE_TEXT.md](CONVERGENCE_TEXT.md) (train "
@@ -313,6 +321,14 @@ def assemble(results, specs, corpus, args, command: str, wall: float, cache: Opt
             "budgets_not_in_grid": [not_run(b, shapes, corpus["train"]["bytes"]) for b in grid.LENGTH_BUDGETS
                                     if b not in args.budgets],
             "cost": cost(results, specs), **stats.run_meta(results, specs, command, wall)}
+    top = max(args.budgets)
+    nxt = not_run(2 * top, shapes, corpus["train"]["bytes"])
+    # The sweep's own variants at the longest budget, their CPU time scaled by the steps.
+    at_top = [s for s in specs if s["budget"] == top and s["variant"] in grid.LENGTH_VARIANTS]
+    if at_top and all(s["name"] in results for s in at_top):
+        nxt["cpu_h_estimate"] = sum(results[s["name"]]["wall_s"] * nxt["steps"][s["size"]] / s["steps"]
+                                    for s in at_top) / 3600
+    meta["next_budget"] = nxt
     agg = aggregate(results, specs, args.seeds, shapes, corpus["train"]["bytes"], lr_at)
     reruns = read_reruns(cache, {s["name"] for s in specs}) if cache else []
     return {"meta": meta, "corpus": corpus, "aggregate": agg, "reruns": reruns, "runs": stats.stored_runs(results)}

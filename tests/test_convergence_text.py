@@ -475,13 +475,16 @@ def test_length_report_arithmetic(tmp_path):
     assert two["pairs"]["compute_nvfp4_keep_last_blocks_1"]["gap_pct"]["mean"] == pytest.approx(0.0)
     c = cl.cost(results, specs)
     assert c["cpu_h"] == pytest.approx(12 * 10 / 3600) and list(c["cpu_h_per_budget"]) == ["2"]
+    nxt = {**cl.not_run(80, L4_D64, 4_270_080), "cpu_h_estimate": 5.04}
     meta = {"seeds": [0, 1, 2], "shapes": L4_D64, "cost": c, "budgets_not_in_grid": [cl.not_run(40, L4_D64, 4_270_080)],
-            **stats.run_meta(results, specs, "python -m benchmarks convergence --text --length-sweep", 0.0)}
+            "next_budget": nxt, **stats.run_meta(results, specs, "python -m benchmarks convergence --text --length-sweep", 0.0)}
     corpus = {"train": {"bytes": 4_270_080, "sha256": "a" * 64}, "val": {"sha256": "b" * 64}}
     text = open(cl.write_report(str(tmp_path), {"meta": meta, "corpus": corpus, "aggregate": agg})).read()
     assert "**Not run (12 of 24):**" in text and "`l4-d64-2086-s0-bf16`" in text
     assert "40 tokens/param (l4-d64: 8342 steps, 2.00 epochs)" in text
     assert "+1.00% [+1.00, +1.00] (std 0.00, 3 seeds)" in text and "0.03 CPU hours" in text
+    assert ("The next budget, 80 tokens/param, is 16,685 steps of l4-d64, 4.00 epochs of the training text; not in "
+            "this sweep: its variants there would take about 5.0 CPU hours") in text
 
 
 def test_length_levers_run_at_the_longest_budget_and_are_judged_against_the_default(tmp_path):

@@ -142,7 +142,7 @@ def test_a_run_without_faults_does_not_load_the_fault_module(tmp_path, capfd, mo
 
 def test_divergence_stops_with_exit_3_naming_the_step(tmp_path, capfd, monkeypatch):
     # Diverged: every step from 2 on has non-finite gradients (optim.lr=1e6 does the same,
-    # in a program of its own). It used to run to the end with exit 0.
+    # in a program of its own). Unchecked, such a run goes to the end with exit 0.
     monkeypatch.setenv("TRAIN_FAULT_NONFINITE", "2:nan,3:inf,4:nan,5:nan,6:nan")
     out = tmp_path / "out"
     rc, _, err = main_here([*sets(JOB), "--set", "nvfp4.max_skipped_in_a_row=3", "--set", f"checkpoint.dir={tmp_path / 'ck'}",
@@ -157,8 +157,8 @@ def test_divergence_stops_with_exit_3_naming_the_step(tmp_path, capfd, monkeypat
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_checkpoint_dir_becoming_read_only_is_one_line_exit_5(tmp_path, async_save, capfd, monkeypatch):
-    # It used to end in a 56-line orbax traceback and exit 1, and a failed asynchronous save
-    # left orbax threads waiting for a directory-creation signal that never came (5 minutes at
+    # Unhandled, it ends in a 56-line orbax traceback and exit 1, and a failed asynchronous save
+    # leaves orbax threads waiting for a directory-creation signal that never comes (5 minutes at
     # the process's exit). The fault refuses new checkpoints in this run's directory only, so
     # the CLI runs in this process; its checkpointer leaves no thread behind either way.
     ck, out = tmp_path / "ck", tmp_path / "out"
@@ -309,7 +309,7 @@ def test_a_second_signal_exits_at_once():
 
 # ----------------------------------------------------------------------------- output folders
 def test_two_runs_on_the_same_folders_one_trains_the_other_exits_2(tmp_path):
-    # They used to both run: one exited 5, the other 0, and the folder mixed the config of one
+    # Unlocked, both run: one exits 5, the other 0, and the folder mixes the config of one
     # seed, the metrics of both and checkpoints of both.
     import signal
 
@@ -398,7 +398,7 @@ def test_a_full_file_system_mid_run_is_one_line_exit_5(tmp_path, capfd):
 
 def test_a_rerun_into_a_used_out_refuses_unless_it_resumes(tmp_path, capfd):
     """An --out holding an earlier run's files is refused when the run would not resume it (its
-    old summary.json and loss.png used to stay beside the new run's config and metrics); with
+    old summary.json and loss.png would stay beside the new run's config and metrics); with
     a checkpoint to resume from, the run goes on in its own folder."""
     out = tmp_path / "out"
     out.mkdir()
@@ -419,7 +419,7 @@ def test_a_rerun_into_a_used_out_refuses_unless_it_resumes(tmp_path, capfd):
 
 def test_a_token_file_with_ids_past_its_sidecars_vocabulary_is_named(tmp_path, capfd):
     """A sidecar that claims too small a vocabulary: the first batch holding an id past it is a
-    one-line error naming the id (it used to train on NaN losses and stop as diverged, exit 3)."""
+    one-line error naming the id (unchecked, it trains on NaN losses and stops as diverged, exit 3)."""
     import numpy as np
 
     tokens = np.arange(4000, dtype=np.uint16) % 200

@@ -234,7 +234,7 @@ LENGTH_SIZE = "l4-d64"
 LENGTH_BUDGETS = (2, 10, 40)
 LENGTH_VARIANTS = ("bf16", "nvfp4", "bf16_keep_last_blocks_1", "compute_nvfp4_keep_last_blocks_1")
 LENGTH_PAIRS = {"nvfp4": "bf16", "compute_nvfp4_keep_last_blocks_1": "bf16_keep_last_blocks_1"}
-# ``--levers``: at the longest budget, weights-only NVFP4 with one lever each, against the bf16 run
+# ``--levers``: at one budget (the longest unless ``--levers-at`` names another), weights-only NVFP4 with one lever each, against the bf16 run
 # of the same model and init (the default weights-only run is the reference they are judged by).
 LENGTH_LEVERS = {"keep_last_blocks_1": "bf16_keep_last_blocks_1", "block_2d": "bf16", "stochastic_rounding": "bf16",
                  "four_over_six": "bf16"}
@@ -273,10 +273,11 @@ def size_shape(size: str) -> Dict[str, int]:
 
 
 def length_grid(shapes: Dict[str, Dict[str, int]], budgets: Sequence[float] = LENGTH_BUDGETS,
-                seeds: Sequence[int] = SEEDS, levers: bool = False) -> List[Dict[str, Any]]:
+                seeds: Sequence[int] = SEEDS, levers: bool = False,
+                levers_at: Optional[float] = None) -> List[Dict[str, Any]]:
     """The length sweep's runs: per budget (in the order given), size and seed,
-    :data:`LENGTH_VARIANTS`; then with ``levers`` the :data:`LENGTH_LEVERS` runs at the longest
-    budget, seed by seed. ``shapes`` maps each size to :func:`size_shape`'s dict."""
+    :data:`LENGTH_VARIANTS`; then with ``levers`` the :data:`LENGTH_LEVERS` runs at ``levers_at``
+    (one of ``budgets``; default the longest), seed by seed. ``shapes`` maps each size to :func:`size_shape`'s dict."""
     def cell(budget, variants):
         for size, sh in shapes.items():
             steps = budget_steps(budget, sh["non_embedding"], sh["tokens_per_step"])
@@ -287,5 +288,5 @@ def length_grid(shapes: Dict[str, Dict[str, int]], budgets: Sequence[float] = LE
 
     specs = [s for budget in budgets for s in cell(budget, LENGTH_VARIANTS)]
     if levers:
-        specs += cell(max(budgets), LENGTH_LEVERS)
+        specs += cell(max(budgets) if levers_at is None else levers_at, LENGTH_LEVERS)
     return specs

@@ -184,7 +184,11 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
               + ", ".join(f"{n:,} steps of {s}" for s, n in nxt["steps"].items())
               + f", {nxt['epochs']:.2f} epochs of the training text; not in this sweep"
               + (f": its variants there would take about {est:.1f} CPU hours (the longest budget's runs, scaled by "
-                 "the steps)" if est else "") + ".", ""]
+                 "the steps)" if est else "") + (
+                  f"; `--budgets {','.join(map(str, nxt['budgets']))}"
+                  + (f" --levers --levers-at {nxt['levers_at']}" if nxt.get("levers_at") else "")
+                  + "` adds it" + (", the levers staying where they are" if nxt.get("levers_at") else "")
+                  if nxt.get("budgets") else "") + ".", ""]
     shapes = meta["shapes"]
     L += ["## Setup", "",
           f"The corpus, splits and run protocol of [CONVERGENCE_TEXT.md](CONVERGENCE_TEXT.md) (train "
@@ -219,7 +223,7 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
                      + (f"[{iv[0]:+.2f}%, {iv[1]:+.2f}%] |" if iv else "- |"))
     levers = [(r, v, g) for r in agg["rows"] for v, g in r["pairs"].items() if v in grid.LENGTH_LEVERS]
     if levers:
-        L += ["", "## Levers for weights-only NVFP4 at the longest budget", "",
+        L += ["", f"## Levers for weights-only NVFP4 at {levers[0][0]['budget']} tokens/param", "",
               "Each lever is weights-only NVFP4 with one setting changed, against the bf16 run of the same model "
               "(`nvfp4.keep_last_blocks=1` against bf16 with the same split). Lever minus default: the lever's "
               "gap minus the default weights-only gap, paired by seed (negative: the lever holds the gap lower); "
@@ -328,6 +332,8 @@ def assemble(results, specs, corpus, args, command: str, wall: float, cache: Opt
     if at_top and all(s["name"] in results for s in at_top):
         nxt["cpu_h_estimate"] = sum(results[s["name"]]["wall_s"] * nxt["steps"][s["size"]] / s["steps"]
                                     for s in at_top) / 3600
+    nxt["budgets"] = [*args.budgets, nxt["budget"]]
+    nxt["levers_at"] = (args.levers_at or top) if args.levers else None
     meta["next_budget"] = nxt
     agg = aggregate(results, specs, args.seeds, shapes, corpus["train"]["bytes"], lr_at)
     reruns = read_reruns(cache, {s["name"] for s in specs}) if cache else []
@@ -343,7 +349,7 @@ def not_run(budget, shapes: Dict[str, Dict[str, int]], train_bytes: int) -> Dict
 
 def plot(agg: Dict[str, Any], path: str) -> None:
     """Gap % of bf16 against tokens per parameter: one line (the seeds' mean) per comparison, the
-    seeds as points; the levers (longest budget only) as points beside it; and, where the runs
+    seeds as points; the levers (at their one budget) as points beside it; and, where the runs
     recorded it, the storage cost (the bf16 weights quantized once, the seeds' mean), in each format."""
     import matplotlib
 

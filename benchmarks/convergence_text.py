@@ -35,7 +35,8 @@ others). ``--length-sweep`` runs the length sweep instead (:func:`length_grid`, 
 :mod:`benchmarks.convergence_length` in ``CONVERGENCE_LENGTH.md``): the 4-layer d_model 64 model
 for ``--budgets`` tokens per non-embedding parameter (default 2,10,40, converted to steps from
 the model's own count), bf16, weights-only NVFP4 and the full recipe with its last block bf16
-(against bf16 with the same split), every run's cosine schedule decaying over its own length.
+(against bf16 with the same split), every run's cosine schedule decaying over its own length;
+``--levers`` adds weights-only NVFP4 with one lever each at the longest budget (``--levers-at`` another).
 ``--rerun NAME`` trains one
 finished run again and compares its losses with the recorded ones bit for bit; when they are,
 the record takes the diagnostics it lacks from the retrained run (the same final weights).
@@ -693,6 +694,8 @@ def parse_args(argv: Sequence[str]):
     p.add_argument("--levers", action="store_true",
                    help="--length-sweep: also weights-only NVFP4 with each lever (bf16 last block, 2d tiles, "
                         "stochastic rounding of the re-quantization, 4/6 scales) at the longest budget")
+    p.add_argument("--levers-at", metavar="BUDGET", type=A.positive_int,
+                   help="--levers: the budget (of --budgets) the levers run at, if not the longest")
     p.add_argument("--ablation-at", metavar="SIZES",
                    help="--recipe: the sizes (of --sizes) the ablation runs at (default: the widest; "
                         "'none': no ablation)")
@@ -743,6 +746,9 @@ def parse_args(argv: Sequence[str]):
                         f"({', '.join(args.sizes)})")
     if args.levers and not args.length_sweep:
         p.error("--levers: belongs to --length-sweep (the other grids run their levers unless --no-levers)")
+    if args.levers_at is not None and (not args.levers or args.levers_at not in args.budgets):
+        p.error(f"--levers-at {args.levers_at}: " + ("belongs to --levers" if not args.levers else
+                f"not one of --budgets ({','.join(map(str, args.budgets))})"))
     if args.lr_check and not args.recipe:
         p.error(f"--lr-check {','.join(map(str, args.lr_check))}: belongs to --recipe")
     if args.seeds_at is not None:
@@ -789,7 +795,7 @@ def specs_of(args) -> List[Dict[str, Any]]:
     if args.length_sweep:
         if getattr(args, "shapes", None) is None:
             args.shapes = {size: size_shape(size) for size in args.sizes}
-        return length_grid(args.shapes, args.budgets, args.seeds, levers=args.levers)
+        return length_grid(args.shapes, args.budgets, args.seeds, levers=args.levers, levers_at=args.levers_at)
     return grid(args.sizes, args.seeds, args.lengths_map, levers=not args.no_levers, plain=not args.no_plain,
                 headline=args.headline)
 

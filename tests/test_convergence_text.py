@@ -497,6 +497,10 @@ def test_length_levers_run_at_the_longest_budget_and_are_judged_against_the_defa
     assert ct.specs_of(ct.parse_args(["--length-sweep", "--budgets", "2,10", "--levers"])) == specs
     with pytest.raises(SystemExit):
         ct.parse_args(["--levers"])  # belongs to --length-sweep
+    # --levers-at: another of the budgets (a longer budget added later leaves the levers' runs where they are).
+    at2 = ct.specs_of(ct.parse_args(["--length-sweep", "--budgets", "2,10", "--levers", "--levers-at", "2"]))
+    assert at2 == cg.length_grid(L4_D64, (2, 10), seeds=(0, 1, 2), levers=True, levers_at=2)
+    assert {s["budget"] for s in at2 if s["variant"] in cg.LENGTH_LEVERS} == {2} and len(at2) == len(specs)
     results = {}
     gap = {"nvfp4": 0.02, "stochastic_rounding": 0.01, "block_2d": 0.03, "keep_last_blocks_1": 0.02}
     for s in specs:
@@ -516,7 +520,7 @@ def test_length_levers_run_at_the_longest_budget_and_are_judged_against_the_defa
     corpus = {"train": {"bytes": 4_270_080, "sha256": "a" * 64}, "val": {"sha256": "b" * 64}}
     path = cl.write(str(tmp_path), {"meta": meta, "corpus": corpus, "aggregate": agg, "runs": {}})
     text = open(path).read()
-    assert "## Levers for weights-only NVFP4 at the longest budget" in text and (tmp_path / cl.PLOT).stat().st_size > 0
+    assert "## Levers for weights-only NVFP4 at 10 tokens/param" in text and (tmp_path / cl.PLOT).stat().st_size > 0
     row = next(x for x in text.splitlines() if x.startswith("| 10 | weights-only, stochastic"))
     assert "-0.45%" in row and "helps" in row
 
@@ -585,6 +589,8 @@ def test_seeds_at_adds_the_sweeps_pairs_at_more_seeds_after_the_grid():
     (["--recipe", "--seeds-at", "l4-d256=8"], "--seeds-at l4-d256=8: 'l4-d256=8': expected SIZE=FIRST-LAST"),
     (["--recipe", "--seeds-at", "l4-d1=0-7"], "--seeds-at l4-d1=0-7: unknown size 'l4-d1'"),
     (["--seeds-at", "l4-d256=0-7"], "--seeds-at l4-d256=0-7: belongs to --recipe"),
+    (["--length-sweep", "--levers-at", "10"], "--levers-at 10: belongs to --levers"),
+    (["--length-sweep", "--levers", "--levers-at", "20"], "--levers-at 20: not one of --budgets (2,10,40)"),
     (["--recipe", "--sizes", "l4-d64", "--seeds-at", "l4-d256=0-7"],
      "--seeds-at l4-d256=0-7: 'l4-d256': the pairs run at sizes of --sizes (l4-d64)"),
     (["--recipe", "--train-seeds", "3"], "--train-seeds 3: no run of this grid has seed 3 (its seeds: 0, 1, 2)"),

@@ -238,6 +238,8 @@ LENGTH_PAIRS = {"nvfp4": "bf16", "compute_nvfp4_keep_last_blocks_1": "bf16_keep_
 # of the same model and init (the default weights-only run is the reference they are judged by).
 LENGTH_LEVERS = {"keep_last_blocks_1": "bf16_keep_last_blocks_1", "block_2d": "bf16", "stochastic_rounding": "bf16",
                  "four_over_six": "bf16"}
+# The runs the levers are judged against, at their budget: their bf16 bases and the default weights-only run.
+LEVER_BASES = ("bf16", "nvfp4", "bf16_keep_last_blocks_1")
 # The storage formats besides the default in which a diagnosed bf16 run's final weights are also
 # quantized once (what 4-bit storage alone costs in each), as ``nvfp4`` settings: the levers that
 # change how the weights are stored.
@@ -273,12 +275,14 @@ def size_shape(size: str) -> Dict[str, int]:
 
 
 def length_grid(shapes: Dict[str, Dict[str, int]], budgets: Sequence[float] = LENGTH_BUDGETS,
-                seeds: Sequence[int] = SEEDS, levers: bool = False,
-                levers_at: Optional[float] = None) -> List[Dict[str, Any]]:
+                seeds: Sequence[int] = SEEDS, levers: bool = False, levers_at: Optional[float] = None,
+                lever_seeds: Sequence[int] = ()) -> List[Dict[str, Any]]:
     """The length sweep's runs: per budget (in the order given), size and seed,
     :data:`LENGTH_VARIANTS`; then with ``levers`` the :data:`LENGTH_LEVERS` runs at ``levers_at``
-    (one of ``budgets``; default the longest), seed by seed. ``shapes`` maps each size to :func:`size_shape`'s dict."""
-    def cell(budget, variants):
+    (one of ``budgets``; default the longest), seed by seed; last, for each of ``lever_seeds`` not in
+    ``seeds``, the levers with :data:`LEVER_BASES` at that budget. ``shapes`` maps each size to
+    :func:`size_shape`'s dict."""
+    def cell(budget, variants, seeds=seeds):
         for size, sh in shapes.items():
             steps = budget_steps(budget, sh["non_embedding"], sh["tokens_per_step"])
             for seed in seeds:
@@ -287,6 +291,9 @@ def length_grid(shapes: Dict[str, Dict[str, int]], budgets: Sequence[float] = LE
                            "name": run_name(size, steps, seed, v), "diagnose": True}
 
     specs = [s for budget in budgets for s in cell(budget, LENGTH_VARIANTS)]
+    at = max(budgets) if levers_at is None else levers_at
     if levers:
-        specs += cell(max(budgets) if levers_at is None else levers_at, LENGTH_LEVERS)
+        specs += cell(at, LENGTH_LEVERS)
+    for seed in (s for s in lever_seeds if s not in seeds):
+        specs += cell(at, (*LEVER_BASES, *LENGTH_LEVERS), seeds=[seed])
     return specs

@@ -7,18 +7,23 @@ tokens per non-embedding parameter (``--budgets``, converted to steps from the m
 count: every parameter but the embedding and the head). Each run's cosine schedule decays to 10%
 of the peak over its own length. Weights-only NVFP4 (the default) is compared with bf16, the
 full recipe with its last block bf16 (``nvfp4.compute=nvfp4 nvfp4.keep_last_blocks=1``) with
-bf16 with the same split.
+bf16 with the same split. ``--levers`` adds weights-only NVFP4 with one lever each at one budget
+(``--levers-at``; ``--lever-seeds`` adds seeds there).
 
 This module aggregates the runs and writes ``CONVERGENCE_LENGTH.md`` and
-``convergence_length.json``: per budget the final gap (seeds' mean, range and 95% interval),
-and from the validation history the gap half-way through the run against the final one (the
-second half is where the cosine takes the learning rate from about 55% of the peak to 10%).
+``convergence_length.json``: per budget the final gap (seeds' mean, range and 95% interval); the
+levers against the default; where the gap comes from (what storage alone costs a bf16-trained
+model, in each storage format, against what training through NVFP4 weights adds); from the
+validation history the gap half-way through the run against the final one (the second half is
+where the cosine takes the learning rate from about 55% of the peak to 10%); and the next budget
+the sweep leaves out, with its cost.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 from typing import Any, Dict, List, Optional, Sequence
 
 from benchmarks import convergence_grid as grid
@@ -102,36 +107,46 @@ SOURCE_VARIANTS = ("nvfp4", "four_over_six")
 def sources(results, size: str, steps: int, seeds: Sequence[int]) -> Optional[Dict[str, Any]]:
     """Where the weights-only gap comes from, over the seeds whose runs recorded diagnostics, each in
     % of the seed's bf16 validation loss: ``quantized_bf16`` (the bf16 run's final weights quantized
-    once: what NVFP4 storage alone costs a model trained in bf16), and per weights-only variant
-    ``masters`` (its float32 masters evaluated without NVFP4: how far training through NVFP4 weights
-    moved the model itself) and ``stored`` (its NVFP4 weights: the gap); per other storage format
-    (:data:`~benchmarks.convergence_grid.STORAGE_FORMATS`) where recorded, ``formats``: the bf16 run's
-    weights quantized once in it (``cost``) and, paired by seed, that minus the default's."""
+    once: what NVFP4 storage alone costs a model trained in bf16); per weights-only variant ``storage``
+    (the same in that variant's own format: the default's, or that of a lever of
+    :data:`~benchmarks.convergence_grid.STORAGE_FORMATS`), ``masters`` (its float32 masters evaluated
+    without NVFP4: how far training through NVFP4 weights moved the model itself), ``stored`` (its NVFP4
+    weights: the gap) and ``beyond_storage`` (the gap minus ``storage``, paired by seed); and per format of
+    :data:`~benchmarks.convergence_grid.STORAGE_FORMATS`, over the seeds that recorded it, ``formats``:
+    ``cost`` in it, ``default`` (the default format's on the same seeds) and, paired, the difference."""
     def run(seed, v):
         return results.get(grid.run_name(size, steps, seed, v))
 
     have = [s for s in seeds if run(s, "bf16") and "val_loss_quantized" in run(s, "bf16")]
     if not have:
         return None
+
+    def cost(s, fmt=None):  # the bf16 run of seed s quantized once in format fmt (None: the default)
+        r = run(s, "bf16")
+        x = r["val_loss_quantized"] if fmt is None else r.get("val_loss_quantized_as", {}).get(fmt)
+        return None if x is None else 100.0 * (x - r["final_val_loss"]) / r["final_val_loss"]
+
     pct = lambda x, s: 100.0 * (x - run(s, "bf16")["final_val_loss"]) / run(s, "bf16")["final_val_loss"]
-    out = {"seeds": have, "quantized_bf16": stats.summarize([pct(run(s, "bf16")["val_loss_quantized"], s) for s in have]),
-           "variants": {}}
+    out = {"seeds": have, "quantized_bf16": stats.summarize([cost(s) for s in have]), "variants": {}, "formats": {}}
     for v in SOURCE_VARIANTS:
-        both = [s for s in have if run(s, v) and "val_loss_master" in run(s, v)]
+        fmt = v if v in grid.STORAGE_FORMATS else None
+        both = [s for s in have if run(s, v) and "val_loss_master" in run(s, v) and cost(s, fmt) is not None]
         if both:
             stored = [pct(run(s, v)["final_val_loss"], s) for s in both]
-            beyond = [g - pct(run(s, "bf16")["val_loss_quantized"], s) for g, s in zip(stored, both)]
-            out["variants"][v] = {"seeds": both,
+            out["variants"][v] = {"seeds": both, "format": fmt, "storage": stats.summarize([cost(s, fmt) for s in both]),
                                   "masters": stats.summarize([pct(run(s, v)["val_loss_master"], s) for s in both]),
-                                  "stored": stats.summarize(stored), "beyond_storage": stats.summarize(beyond)}
+                                  "stored": stats.summarize(stored),
+                                  "beyond_storage": stats.summarize([g - cost(s, fmt) for g, s in zip(stored, both)])}
+    every = [s for s in have if all(cost(s, f) is not None for f in grid.STORAGE_FORMATS)]
+    if every:  # each format's mean cost over the same seeds, the default's first
+        out["common"] = {"seeds": every, "cost": {f: statistics.fmean(cost(s, None if f == "default" else f) for s in every)
+                                                  for f in ("default", *grid.STORAGE_FORMATS)}}
     for f in grid.STORAGE_FORMATS:
-        both = [s for s in have if f in run(s, "bf16").get("val_loss_quantized_as", {})]
+        both = [s for s in have if cost(s, f) is not None]
         if both:
-            cost = [pct(run(s, "bf16")["val_loss_quantized_as"][f], s) for s in both]
-            out.setdefault("formats", {})[f] = {
-                "seeds": both, "cost": stats.summarize(cost),
-                "vs_default": stats.summarize([c - pct(run(s, "bf16")["val_loss_quantized"], s)
-                                               for c, s in zip(cost, both)])}
+            out["formats"][f] = {"seeds": both, "cost": stats.summarize([cost(s, f) for s in both]),
+                                 "default": stats.summarize([cost(s) for s in both]),
+                                 "vs_default": stats.summarize([cost(s, f) - cost(s) for s in both])}
     return out
 
 
@@ -184,17 +199,17 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
               + ", ".join(f"{n:,} steps of {s}" for s, n in nxt["steps"].items())
               + f", {nxt['epochs']:.2f} epochs of the training text; not in this sweep"
               + (f": its variants there would take about {est:.1f} CPU hours (the longest budget's runs, scaled by "
-                 "the steps)" if est else "") + (
-                  f"; `--budgets {','.join(map(str, nxt['budgets']))}"
-                  + (f" --levers --levers-at {nxt['levers_at']}" if nxt.get("levers_at") else "")
-                  + "` adds it" + (", the levers staying where they are" if nxt.get("levers_at") else "")
-                  if nxt.get("budgets") else "") + ".", ""]
+                 "the steps)" if est else "") + (f"; `{nxt['command']}` adds it" if nxt.get("command") else "")
+              + ".", ""]
     shapes = meta["shapes"]
     L += ["## Setup", "",
           f"The corpus, splits and run protocol of [CONVERGENCE_TEXT.md](CONVERGENCE_TEXT.md) (train "
           f"{corpus['train']['bytes']:,} bytes, sha256 `{corpus['train']['sha256'][:16]}...`; held-out "
           f"`{corpus['val']['sha256'][:16]}...`): byte tokens, one device per run, `train.seed = data.seed = seed` "
-          f"for seeds {meta['seeds']}, every pair reads the same batches (sha256 of every training batch, equal in "
+          f"for seeds {meta['seeds']}" + (f" (the levers and the runs they are judged against also for seeds "
+                                          f"{[x for x in meta['lever_seeds'] if x not in meta['seeds']]})"
+                                          if set(meta.get("lever_seeds") or ()) - set(meta["seeds"]) else "")
+          + f", every pair reads the same batches (sha256 of every training batch, equal in "
           f"every pair: **{meta['same_data_order']}**), validation loss on {grid.EVAL_BATCHES} held-out batches every "
           "tenth of the run and at the end. Gap = (variant - base) / base in % of the base's final validation "
           "loss, paired by seed: mean [min, max] (std), and the 95% t-interval of the mean.", "",
@@ -243,46 +258,45 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
     if src:
         L += ["", "## Where the weights-only gap comes from", "",
               "Each run evaluated once more at its end, on the same held-out batches (in % of the same seed's bf16 "
-              "validation loss; mean [min, max] over the seeds): the bf16 run's final weights quantized once as "
-              "weights-only NVFP4 stores them (what 4-bit storage alone costs a model trained in bf16), each "
-              "weights-only run's float32 masters evaluated without NVFP4, and its NVFP4 weights (its gap). The gap "
-              "minus the storage cost, paired by seed, is what training through NVFP4 weights adds to it (negative: "
-              "training with them recovers part of the storage cost).", "",
-              "| budget | seeds | bf16 weights quantized once | weights-only run | its float32 masters | its NVFP4 "
-              "weights (the gap) | gap minus storage cost |", "|---:|---|---|---|---|---|---|"]
+              "validation loss; mean [min, max] over the seeds): the bf16 run's final weights quantized once as the "
+              "weights-only run stores its weights (what 4-bit storage alone costs a model trained in bf16, in that "
+              "run's format), each weights-only run's float32 masters evaluated without NVFP4, and its NVFP4 weights "
+              "(its gap). The gap minus that storage cost, paired by seed, is what training through NVFP4 weights adds "
+              "to it (negative: the model trained through them is stored at a lower cost than the bf16-trained one).",
+              "", "| budget | seeds | weights-only run | bf16 weights quantized once (its format) | its float32 masters "
+              "| its NVFP4 weights (the gap) | gap minus storage cost |", "|---:|---|---|---|---|---|---|"]
         for r in src:
-            q = r["sources"]
-            for v, d in q["variants"].items():
-                L.append(f"| {r['budget']} | {', '.join(map(str, d['seeds']))} | {stats.pct_text(q['quantized_bf16'])} | "
-                         f"{NAMES[v].split(' vs ')[0]} | {stats.pct_text(d['masters'])} | {stats.pct_text(d['stored'])} | "
+            for v, d in r["sources"]["variants"].items():
+                L.append(f"| {r['budget']} | {', '.join(map(str, d['seeds']))} | {NAMES[v].split(' vs ')[0]} | "
+                         f"{stats.pct_text(d['storage'])} | {stats.pct_text(d['masters'])} | {stats.pct_text(d['stored'])} | "
                          f"{stats.pct_text(d['beyond_storage'])} |")
-        fmts = [(r, f, d) for r in src for f, d in r["sources"].get("formats", {}).items()]
+        fmts = [r for r in src if r["sources"]["formats"]]
         if fmts:
-            L += ["", "What storage alone costs in each format: the bf16 run's final weights quantized once in it "
-                  "(in % of the bf16 validation loss), and that minus the default format's (1d blocks of 16, each "
-                  "scaled to 6), paired by seed (negative: the format stores the same model at a lower cost). A run "
-                  "trained before this diagnostic existed takes it from a bit-identical retraining (`--rerun NAME`, "
-                  "under Reproduction).", "",
-                  "| budget | format | seeds | bf16 weights quantized once | minus the default's |", "|---:|---|---|---|---|"]
-            for r in (r for r in src if r["sources"].get("formats")):
-                L.append(f"| {r['budget']} | default (1d, scale to 6) | {', '.join(map(str, r['sources']['seeds']))} | "
-                         f"{stats.pct_text(r['sources']['quantized_bf16'])} | - |")
-                for rr, f, d in fmts:
-                    if rr is r:
-                        L.append(f"| {r['budget']} | {NAMES[f].split(', ', 1)[1].split(' vs ')[0]} | "
-                                 f"{', '.join(map(str, d['seeds']))} | {stats.pct_text(d['cost'])} | "
-                                 f"{stats.pct_text(d['vs_default'])} |")
-            last = max((r for r in src if r["sources"].get("formats")), key=lambda r: r["tokens_per_param"])
-            costs = {"the default": last["sources"]["quantized_bf16"]["mean"],
-                     **{NAMES[f].split(', ', 1)[1].split(' vs ')[0]: d["cost"]["mean"]
-                        for f, d in last["sources"]["formats"].items()}}
-            best = min(costs, key=costs.get)
-            below = costs[best] < grid.WEIGHTS_ONLY_TARGET
-            L += ["", f"At {last['budget']} tokens/param the lowest storage cost, {costs[best]:+.2f}% (the seeds' "
-                      f"mean), is that of {best}: " + (f"below the {grid.WEIGHTS_ONLY_TARGET}% weights-only target." if below
-                                               else f"every format alone costs more than the {grid.WEIGHTS_ONLY_TARGET}% "
-                                                    "weights-only target, so none can hold the gap below it at this "
-                                                    "model and budget.")]
+            L += ["", "What storage alone costs in each format: the bf16 run's final weights quantized once in it, the "
+                  "default format's cost (1d blocks of 16, each scaled to 6) on the same seeds, and the difference, "
+                  "paired by seed (negative: the format stores the same model at a lower cost). A run trained before "
+                  "this diagnostic existed takes it from a bit-identical retraining (`--rerun NAME`, under "
+                  "Reproduction).", "",
+                  "| budget | format | seeds | bf16 weights quantized once | the default format | difference |",
+                  "|---:|---|---|---|---|---|"]
+            for r in fmts:
+                for f, d in r["sources"]["formats"].items():
+                    L.append(f"| {r['budget']} | {NAMES[f].split(', ', 1)[1].split(' vs ')[0]} | "
+                             f"{', '.join(map(str, d['seeds']))} | {stats.pct_text(d['cost'])} | "
+                             f"{stats.pct_text(d['default'])} | {stats.pct_text(d['vs_default'])} |")
+            last = max((r for r in fmts if r["sources"].get("common")), key=lambda r: r["tokens_per_param"], default=None)
+            if last:
+                common = last["sources"]["common"]
+                best = min(common["cost"], key=common["cost"].get)
+                name = "the default format" if best == "default" else NAMES[best].split(', ', 1)[1].split(' vs ')[0]
+                target = grid.WEIGHTS_ONLY_TARGET
+                L += ["", f"At {last['budget']} tokens/param, on the seeds that recorded every format "
+                          f"({', '.join(map(str, common['seeds']))}), the lowest storage cost, {common['cost'][best]:+.2f}% "
+                          f"(the seeds' mean), is that of {name}: "
+                      + (f"below the {target}% weights-only target." if common["cost"][best] < target else
+                         f"every format stores the bf16-trained model above the {target}% weights-only target. That is "
+                         "the cost of storing a model trained in bf16; a model trained through NVFP4 weights may end "
+                         "below it (the gap minus storage cost above).")]
     L += ["", "## The gap while the learning rate decays", "",
           "From each run's validation history: the gap at the evaluation nearest half-way through the run "
           "(the cosine's learning rate there, as a fraction of the peak, in the column) and at the end (10% of "
@@ -321,23 +335,39 @@ def assemble(results, specs, corpus, args, command: str, wall: float, cache: Opt
         cfg, _ = grid.run_config(size, steps, 0, "bf16", corpus)
         return float(schedule_for(cfg)(step)) / cfg.optim.lr
 
-    meta = {"seeds": list(args.seeds), "sizes": list(args.sizes), "budgets": list(args.budgets), "shapes": shapes,
+    seeds = sorted({*args.seeds, *(args.lever_seeds or ())})  # each cell takes the seeds whose runs it has
+    meta = {"seeds": list(args.seeds), "lever_seeds": list(args.lever_seeds or ()), "sizes": list(args.sizes), "budgets": list(args.budgets), "shapes": shapes,
             "budgets_not_in_grid": [not_run(b, shapes, corpus["train"]["bytes"]) for b in grid.LENGTH_BUDGETS
                                     if b not in args.budgets],
             "cost": cost(results, specs), **stats.run_meta(results, specs, command, wall)}
-    top = max(args.budgets)
-    nxt = not_run(2 * top, shapes, corpus["train"]["bytes"])
-    # The sweep's own variants at the longest budget, their CPU time scaled by the steps.
-    at_top = [s for s in specs if s["budget"] == top and s["variant"] in grid.LENGTH_VARIANTS]
-    if at_top and all(s["name"] in results for s in at_top):
-        nxt["cpu_h_estimate"] = sum(results[s["name"]]["wall_s"] * nxt["steps"][s["size"]] / s["steps"]
-                                    for s in at_top) / 3600
-    nxt["budgets"] = [*args.budgets, nxt["budget"]]
-    nxt["levers_at"] = (args.levers_at or top) if args.levers else None
-    meta["next_budget"] = nxt
-    agg = aggregate(results, specs, args.seeds, shapes, corpus["train"]["bytes"], lr_at)
+    meta["next_budget"] = next_budget(results, specs, shapes, corpus["train"]["bytes"], args.budgets, command,
+                                      (args.levers_at or max(args.budgets)) if args.levers else None)
+    agg = aggregate(results, specs, seeds, shapes, corpus["train"]["bytes"], lr_at)
     reruns = read_reruns(cache, {s["name"] for s in specs}) if cache else []
     return {"meta": meta, "corpus": corpus, "aggregate": agg, "reruns": reruns, "runs": stats.stored_runs(results)}
+
+
+def next_budget(results, specs, shapes: Dict[str, Dict[str, int]], train_bytes: int, budgets: Sequence[int],
+                command: str, levers_at: Optional[int]) -> Dict[str, Any]:
+    """The budget after the sweep's longest (twice it), as :func:`not_run`, with ``cpu_h_estimate`` (the
+    sweep's own variants at the longest budget, their CPU time scaled by the steps; absent until they
+    are all done) and ``command``: the sweep's ``command`` with it added to ``--budgets`` (and
+    ``--levers-at`` keeping the levers where they ran)."""
+    top = max(budgets)
+    out = not_run(2 * top, shapes, train_bytes)
+    at_top = [s for s in specs if s["budget"] == top and s["variant"] in grid.LENGTH_VARIANTS]
+    if at_top and all(s["name"] in results for s in at_top):
+        out["cpu_h_estimate"] = sum(results[s["name"]]["wall_s"] * out["steps"][s["size"]] / s["steps"]
+                                    for s in at_top) / 3600
+    words, budget_list = command.split(), ",".join(map(str, [*budgets, out["budget"]]))
+    if "--budgets" in words:
+        words[words.index("--budgets") + 1] = budget_list
+    else:
+        words += ["--budgets", budget_list]
+    if levers_at is not None and "--levers-at" not in words:
+        words += ["--levers-at", str(levers_at)]
+    out["command"] = " ".join(words)
+    return out
 
 
 def not_run(budget, shapes: Dict[str, Dict[str, int]], train_bytes: int) -> Dict[str, Any]:

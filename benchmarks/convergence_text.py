@@ -693,9 +693,13 @@ def parse_args(argv: Sequence[str]):
                         f"{','.join(map(str, LENGTH_BUDGETS))})")
     p.add_argument("--levers", action="store_true",
                    help="--length-sweep: also weights-only NVFP4 with each lever (bf16 last block, 2d tiles, "
-                        "stochastic rounding of the re-quantization, 4/6 scales) at the longest budget")
+                        "stochastic rounding of the re-quantization, 4/6 scales) at the longest budget (or "
+                        "--levers-at)")
     p.add_argument("--levers-at", metavar="BUDGET", type=A.positive_int,
                    help="--levers: the budget (of --budgets) the levers run at, if not the longest")
+    p.add_argument("--lever-seeds", metavar="SEEDS", type=A.seed_list,
+                   help="--levers: more seeds for the levers and the runs they are judged against (bf16, the "
+                        "default weights-only run, bf16 with the last block's split), at the levers' budget only")
     p.add_argument("--ablation-at", metavar="SIZES",
                    help="--recipe: the sizes (of --sizes) the ablation runs at (default: the widest; "
                         "'none': no ablation)")
@@ -746,6 +750,8 @@ def parse_args(argv: Sequence[str]):
                         f"({', '.join(args.sizes)})")
     if args.levers and not args.length_sweep:
         p.error("--levers: belongs to --length-sweep (the other grids run their levers unless --no-levers)")
+    if args.lever_seeds is not None and not args.levers:
+        p.error(f"--lever-seeds {','.join(map(str, args.lever_seeds))}: belongs to --levers")
     if args.levers_at is not None and (not args.levers or args.levers_at not in args.budgets):
         p.error(f"--levers-at {args.levers_at}: " + ("belongs to --levers" if not args.levers else
                 f"not one of --budgets ({','.join(map(str, args.budgets))})"))
@@ -795,7 +801,8 @@ def specs_of(args) -> List[Dict[str, Any]]:
     if args.length_sweep:
         if getattr(args, "shapes", None) is None:
             args.shapes = {size: size_shape(size) for size in args.sizes}
-        return length_grid(args.shapes, args.budgets, args.seeds, levers=args.levers, levers_at=args.levers_at)
+        return length_grid(args.shapes, args.budgets, args.seeds, levers=args.levers, levers_at=args.levers_at,
+                           lever_seeds=args.lever_seeds or ())
     return grid(args.sizes, args.seeds, args.lengths_map, levers=not args.no_levers, plain=not args.no_plain,
                 headline=args.headline)
 
@@ -909,6 +916,25 @@ def recorded_path(cache: str, name: str) -> str:
     return os.path.join(cache, "runs", name + ".json")
 
 
+def lacking_diagnostics(recorded: Dict[str, Any], again: Dict[str, Any]):
+    """``(record, names)``: ``recorded`` with the diagnostics (``val_loss_*``) of ``again`` it lacks,
+    keys and entries of a mapping such as ``val_loss_quantized_as`` (a format added later); what it
+    has is kept as recorded."""
+    out, added = dict(recorded), []
+    for k, v in again.items():
+        if not k.startswith("val_loss_"):
+            continue
+        if k not in out:
+            out[k] = v
+            added.append(k)
+        elif isinstance(v, dict) and isinstance(out[k], dict):
+            new = {kk: vv for kk, vv in v.items() if kk not in out[k]}
+            if new:
+                out[k] = {**out[k], **new}
+                added += [f"{k}.{kk}" for kk in new]
+    return out, sorted(added)
+
+
 def rerun(args, argv, specs, corpus, log) -> int:
     """``--rerun NAME``: train run NAME again in a worker process (the grid's own flags) into
     ``<cache>/reruns/cache``, compare its losses with the recorded run's and write the verdict
@@ -944,13 +970,13 @@ def rerun(args, argv, specs, corpus, log) -> int:
         + ("bit for bit identical" if verdict["identical"] else f"DIFFERENT ({verdict['fields']})")
         + (f"; not recorded, so not compared: {', '.join(verdict['not_recorded'])}"
            if verdict.get("not_recorded") else ""))
-    added = sorted(k for k in again if k.startswith("val_loss_") and k not in recorded)
+    merged, added = lacking_diagnostics(recorded, again)
     if verdict["identical"] and added:
         # The same final weights bit for bit: the diagnostics the record lacks (it was trained by code
         # that did not compute them) are the record's own.
         tmp = f"{recorded_path(args.cache, name)}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump({**recorded, **{k: again[k] for k in added}}, f, indent=1)
+            json.dump(merged, f, indent=1)
         os.replace(tmp, recorded_path(args.cache, name))
         log(f"{name}: the record takes the retrained run's {', '.join(added)}")
     return 0 if verdict["identical"] else 1

@@ -750,8 +750,12 @@ def parse_args(argv: Sequence[str]):
                         f"({', '.join(args.sizes)})")
     if args.levers and not args.length_sweep:
         p.error("--levers: belongs to --length-sweep (the other grids run their levers unless --no-levers)")
-    if args.lever_seeds is not None and not args.levers:
-        p.error(f"--lever-seeds {','.join(map(str, args.lever_seeds))}: belongs to --levers")
+    if args.lever_seeds is not None:
+        raw = ",".join(map(str, args.lever_seeds))
+        if not args.levers:
+            p.error(f"--lever-seeds {raw}: belongs to --levers")
+        if not set(args.lever_seeds) - set(args.seeds):
+            p.error(f"--lever-seeds {raw}: every seed is in --seeds already ({','.join(map(str, args.seeds))})")
     if args.levers_at is not None and (not args.levers or args.levers_at not in args.budgets):
         p.error(f"--levers-at {args.levers_at}: " + ("belongs to --levers" if not args.levers else
                 f"not one of --budgets ({','.join(map(str, args.budgets))})"))

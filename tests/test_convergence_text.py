@@ -517,6 +517,11 @@ def test_length_levers_run_at_the_longest_budget_and_are_judged_against_the_defa
     at2 = ct.specs_of(ct.parse_args(["--length-sweep", "--budgets", "2,10", "--levers", "--levers-at", "2"]))
     assert at2 == cg.length_grid(L4_D64, (2, 10), seeds=(0, 1, 2), levers=True, levers_at=2)
     assert {s["budget"] for s in at2 if s["variant"] in cg.LENGTH_LEVERS} == {2} and len(at2) == len(specs)
+    # --lever-seeds: the new seeds' levers and the runs they are judged against, at that budget only.
+    more = ct.specs_of(ct.parse_args(["--length-sweep", "--budgets", "2,10", "--levers", "--lever-seeds", "1,3"]))
+    assert more[:len(specs)] == specs
+    assert [(s["seed"], s["budget"], s["variant"]) for s in more[len(specs):]] == [
+        (3, 10, v) for v in (*cg.LEVER_BASES, *cg.LENGTH_LEVERS)]
     results = {}
     gap = {"nvfp4": 0.02, "stochastic_rounding": 0.01, "block_2d": 0.03, "keep_last_blocks_1": 0.02}
     for s in specs:
@@ -620,6 +625,8 @@ def test_seeds_at_adds_the_sweeps_pairs_at_more_seeds_after_the_grid():
     (["--recipe", "--seeds-at", "l4-d1=0-7"], "--seeds-at l4-d1=0-7: unknown size 'l4-d1'"),
     (["--seeds-at", "l4-d256=0-7"], "--seeds-at l4-d256=0-7: belongs to --recipe"),
     (["--length-sweep", "--levers-at", "10"], "--levers-at 10: belongs to --levers"),
+    (["--length-sweep", "--lever-seeds", "3"], "--lever-seeds 3: belongs to --levers"),
+    (["--length-sweep", "--levers", "--lever-seeds", "1,2"], "--lever-seeds 1,2: every seed is in --seeds already (0,1,2)"),
     (["--length-sweep", "--levers", "--levers-at", "20"], "--levers-at 20: not one of --budgets (2,10,40)"),
     (["--recipe", "--sizes", "l4-d64", "--seeds-at", "l4-d256=0-7"],
      "--seeds-at l4-d256=0-7: 'l4-d256': the pairs run at sizes of --sizes (l4-d64)"),

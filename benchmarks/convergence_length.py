@@ -39,6 +39,11 @@ NAMES = {"nvfp4": "weights-only NVFP4 (default) vs bf16",
 PLOT = "convergence_length.png"
 
 
+def format_name(fmt: str) -> str:
+    """A storage format of :data:`~benchmarks.convergence_grid.STORAGE_FORMATS` as its lever's name says it."""
+    return NAMES[fmt].split(", ", 1)[1].split(" vs ")[0]
+
+
 def budget_cells(specs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """The (budget, size, steps) cells of ``specs``, in their order."""
     cells: List[Dict[str, Any]] = []
@@ -281,14 +286,14 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
                   "|---:|---|---|---|---|---|"]
             for r in fmts:
                 for f, d in r["sources"]["formats"].items():
-                    L.append(f"| {r['budget']} | {NAMES[f].split(', ', 1)[1].split(' vs ')[0]} | "
+                    L.append(f"| {r['budget']} | {format_name(f)} | "
                              f"{', '.join(map(str, d['seeds']))} | {stats.pct_text(d['cost'])} | "
                              f"{stats.pct_text(d['default'])} | {stats.pct_text(d['vs_default'])} |")
             last = max((r for r in fmts if r["sources"].get("common")), key=lambda r: r["tokens_per_param"], default=None)
             if last:
                 common = last["sources"]["common"]
                 best = min(common["cost"], key=common["cost"].get)
-                name = "the default format" if best == "default" else NAMES[best].split(', ', 1)[1].split(' vs ')[0]
+                name = "the default format" if best == "default" else format_name(best)
                 target = grid.WEIGHTS_ONLY_TARGET
                 L += ["", f"At {last['budget']} tokens/param, on the seeds that recorded every format "
                           f"({', '.join(map(str, common['seeds']))}), the lowest storage cost, {common['cost'][best]:+.2f}% "
@@ -407,7 +412,7 @@ def plot(agg: Dict[str, Any], path: str) -> None:
                if f in (r.get("sources") or {}).get("formats", {})]
         if pts:
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker + ":", color="0.4", ms=4,
-                    label=f"the same, stored as {NAMES[f].split(', ', 1)[1].split(' vs ')[0].split(' (')[0]}")
+                    label=f"the same, stored as {format_name(f).split(' (')[0]}")
     ax.set_xscale("log")
     ax.axhline(0, color="k", lw=0.8)
     ax.axhline(grid.WEIGHTS_ONLY_TARGET, color="k", ls=":", lw=0.8, label=f"{grid.WEIGHTS_ONLY_TARGET}%")

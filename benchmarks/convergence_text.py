@@ -251,11 +251,7 @@ def run_one(spec: Dict[str, Any], corpus: Dict[str, Any], cache: str, *, log=pri
            "source": source, "xla_flags": os.environ.get("XLA_FLAGS", ""), "host_cpu": host_cpu()}
     if spec.get("diagnose") and spec["variant"] != "plain_bf16":
         res.update(weight_diagnostics(cfg, r))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(tmp, path)
+    _write_json(path, res)
     log(f"  {spec['name']}: val {res['final_val_loss']:.4f}, train {res['final_train_loss']:.4f}, {wall:.0f} s")
     return res
 
@@ -446,12 +442,17 @@ def _write_new(path: str, record: Dict[str, Any]) -> bool:
     """Write ``record`` to ``path`` unless a file is there (whole or not at all); whether it wrote."""
     if os.path.exists(path):
         return False
+    _write_json(path, record)
+    return True
+
+
+def _write_json(path: str, record: Dict[str, Any]) -> None:
+    """``record`` as ``path``, whole or not at all (a temporary file renamed into place)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(record, f, indent=1)
     os.replace(tmp, path)
-    return True
 
 
 # ----------------------------------------------------------------------------- aggregation
@@ -978,10 +979,7 @@ def rerun(args, argv, specs, corpus, log) -> int:
     if verdict["identical"] and added:
         # The same final weights bit for bit: the diagnostics the record lacks (it was trained by code
         # that did not compute them) are the record's own.
-        tmp = f"{recorded_path(args.cache, name)}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(merged, f, indent=1)
-        os.replace(tmp, recorded_path(args.cache, name))
+        _write_json(recorded_path(args.cache, name), merged)
         log(f"{name}: the record takes the retrained run's {', '.join(added)}")
     return 0 if verdict["identical"] else 1
 

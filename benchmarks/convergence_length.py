@@ -37,6 +37,9 @@ NAMES = {"nvfp4": "weights-only NVFP4 (default) vs bf16",
          "stochastic_rounding": "weights-only, stochastic rounding of the re-quantization vs bf16",
          "four_over_six": "weights-only, each block's scale to 6 or 4 (`nvfp4.four_over_six`) vs bf16"}
 PLOT = "convergence_length.png"
+# Epochs of the training text a budget may take: up to about 4, repeated text trains about as well as new text
+# (Muennighoff et al. 2023, "Scaling Data-Constrained Language Models"); past it a budget measures repetition too.
+MAX_EPOCHS = 4
 
 
 def format_name(fmt: str) -> str:
@@ -202,7 +205,10 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
         est = nxt.get("cpu_h_estimate")
         L += [f"The next budget, {nxt['budget']} tokens/param, is "
               + ", ".join(f"{n:,} steps of {s}" for s, n in nxt["steps"].items())
-              + f", {nxt['epochs']:.2f} epochs of the training text; not in this sweep"
+              + f", {nxt['epochs']:.2f} epochs of the training text"
+              + (f", past the about {MAX_EPOCHS} over which repeated text trains about as well as new text "
+                 "(Muennighoff et al. 2023): a longer budget wants a larger corpus" if round(nxt["epochs"]) > MAX_EPOCHS
+                 else "") + "; not in this sweep"
               + (f": its variants there would take about {est:.1f} CPU hours (the longest budget's runs, scaled by "
                  "the steps)" if est else "") + (f"; `{nxt['command']}` adds it" if nxt.get("command") else "")
               + ".", ""]

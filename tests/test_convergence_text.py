@@ -497,6 +497,12 @@ def test_length_report_arithmetic(tmp_path):
             "this sweep: its variants there would take about 5.0 CPU hours (the longest budget's runs, scaled by the "
             "steps); `python -m benchmarks convergence --text --length-sweep --budgets 2,40,80 --levers --levers-at 40` "
             "adds it.") in text
+    # Past about 4 epochs the next budget names the corpus as the limit.
+    meta["next_budget"] = dict(cl.not_run(160, L4_D64, 4_270_080), command="python -m benchmarks convergence")
+    text = open(cl.write_report(str(tmp_path), {"meta": meta, "corpus": corpus, "aggregate": agg})).read()
+    assert ("160 tokens/param, is 33,370 steps of l4-d64, 8.00 epochs of the training text, past the about 4 over "
+            "which repeated text trains about as well as new text (Muennighoff et al. 2023): a longer budget wants a "
+            "larger corpus; not in this sweep; `python -m benchmarks convergence` adds it.") in text
     # The estimate: each of the sweep's runs at the longest budget (2 here), its time x 2 (twice the steps).
     done = cl.next_budget(results, specs, L4_D64, 4_270_080, [2], "python -m benchmarks convergence --seeds 0,1,2", None)
     assert done["budget"] == 4 and done["cpu_h_estimate"] == pytest.approx(12 * 10 * done["steps"]["l4-d64"] / 417 / 3600)

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_nvfp4 import integrity
+from jax_nvfp4 import integrity, internals
 from jax_nvfp4.array import is_nvfp4
 from jax_nvfp4.layout import Layout, Tiled, TiledNVFP4, is_tiled
 from jax_nvfp4.params import path_str
@@ -67,6 +67,12 @@ def _named(tree, is_leaf=None) -> List[Tuple[str, Any]]:
     return [(path_str(path), leaf) for path, leaf in flat]
 
 
+def _key_impl(dtype) -> str:
+    """A key dtype's implementation's short name, as its public ``str`` shows it (``key<fry>``: ``fry``)."""
+    text = str(dtype)
+    return text[4:-1] if text.startswith("key<") and text.endswith(">") else text
+
+
 def describe(tree) -> Dict[str, Dict[str, Any]]:
     """``{leaf name: {kind, shape, dtype | block | impl[, tensor_split]}}`` of a state (arrays or ``jax.eval_shape``
     trees) in logical shapes: ``kind`` ``nvfp4`` / ``tiled`` / ``key`` / ``array``; ``tensor_split`` ``[shards,
@@ -78,7 +84,7 @@ def describe(tree) -> Dict[str, Dict[str, Any]]:
         elif isinstance(leaf, Tiled):
             d = {"kind": "tiled", "shape": list(leaf.shape), "dtype": str(jnp.dtype(leaf.value.dtype))}
         elif is_key(leaf):
-            d = {"kind": "key", "shape": list(leaf.shape), "impl": str(getattr(leaf.dtype, "_impl", leaf.dtype))}
+            d = {"kind": "key", "shape": list(leaf.shape), "impl": _key_impl(leaf.dtype)}
         else:
             d = {"kind": "array", "shape": list(np.shape(leaf)),  # a Python scalar: as jnp.asarray types it
                  "dtype": str(jnp.dtype(leaf.dtype) if hasattr(leaf, "dtype") else jnp.result_type(leaf))}
@@ -237,7 +243,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - an unusable directory is a user error
             raise CheckpointError(f"{name}={directory!r}: cannot use it: {_first_line(e)}") from None
         with contextlib.suppress(OSError):  # orbax removes a killed save's temporary directory in the background
-            getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
+            internals.await_orbax_tmp_cleanup(self.manager)
 
     def _dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))

@@ -8,6 +8,7 @@ CLI rows that need no separate process run ``train.__main__.main`` in this proce
 status and stderr are the CLI's), sharing the compiled tiny job through the compile cache.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -44,7 +45,7 @@ def test_nonfinite_steps_are_skipped_and_training_continues(tmp_path, capsys):
     def on_step(step, params, opt_state, it):
         snaps[step] = ckpt_lib.host_arrays(params, opt_state)
 
-    hooks = faults.Faults(nonfinite={3: float("nan"), 5: float("inf")}).hooks(after_step=on_step)
+    hooks = dataclasses.replace(faults.Faults(nonfinite={3: float("nan"), 5: float("inf")}).hooks(), after_step=on_step)
     r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path), progress=True, hooks=hooks)
     for bad in (3, 5):
         before, after = snaps[bad - 1], snaps[bad]

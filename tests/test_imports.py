@@ -1,6 +1,7 @@
 """The packages' import graph, read from the sources: no cycles (function-level imports
 included: a cycle hidden inside a function is still one), the library never imports the
-training stack or the benchmarks, and no module uses another's private names."""
+training stack or the benchmarks, no module uses another's private names, and JAX's and
+orbax's private APIs are reached from one module only (jax_nvfp4/internals.py)."""
 
 import ast
 import os
@@ -154,3 +155,43 @@ def test_private_names_are_found(tmp_path):
     src.write_text("from benchmarks import convergence_text as ct, __main__ as cli\nfrom benchmarks.stats import _t\n"
                    "x = ct._gaps\ny = ct.run_one\nz = cli.main\n")
     assert private_library_names(str(src), "benchmarks") == ["benchmarks.stats._t", "ct._gaps"]
+
+
+UPSTREAM = ("jax", "orbax", "flax", "optax")
+
+
+def upstream_private_names(path: str) -> list:
+    """Private names of JAX, orbax, Flax or optax a file uses (:func:`private_library_names` of
+    each), and ``getattr(x, "_name")``: a private attribute read by its name."""
+    found = [n for pkg in UPSTREAM for n in private_library_names(path, pkg)]
+    with open(path) as fh:
+        tree = ast.parse(fh.read())
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str) and _private(node.args[1].value)):
+            found.append(f"{node.func.id}(..., {node.args[1].value!r})")
+    return found
+
+
+def test_private_upstream_apis_are_used_in_one_module():
+    """Where no public JAX or orbax API serves, the private one is reached through
+    jax_nvfp4/internals.py, which says why: an upgrade that moves it breaks there only."""
+    bad = {}
+    for pkg in (*PACKAGES, "scripts"):
+        for folder, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for f in files:
+                path = os.path.join(folder, f)
+                if f.endswith(".py") and os.path.relpath(path, ROOT) != os.path.join("jax_nvfp4", "internals.py"):
+                    if names := upstream_private_names(path):
+                        bad[os.path.relpath(path, ROOT)] = names
+    assert not bad, bad
+    assert upstream_private_names(os.path.join(ROOT, "jax_nvfp4", "internals.py"))  # the holder is seen
+
+
+def test_upstream_private_names_are_found(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import jax\nfrom jax._src import distributed\nfrom orbax.checkpoint._src.path import async_path\n"
+                   "x = jax._src.core\ny = getattr(m, '_cleanup', None)\nz = getattr(m, '__module__', '')\n")
+    assert upstream_private_names(str(src)) == ["jax._src", "jax._src", "orbax.checkpoint._src.path",
+                                                "getattr(..., '_cleanup')"]

@@ -28,9 +28,8 @@ class Faults:
     actions: Tuple[Tuple[int, Optional[int], Callable[[int], None]], ...] = ()
     nonfinite: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
-    def hooks(self, after_step: Optional[Callable] = None):
-        """The :class:`train.loop.StepHooks` that inject these faults; ``after_step`` (the loop's
-        signature) runs after each step too, before the actions."""
+    def hooks(self):
+        """The :class:`train.loop.StepHooks` that inject these faults."""
         import jax
         from train.loop import StepHooks
         actions, values = self.actions, {int(k): float(v) for k, v in self.nonfinite.items()}
@@ -41,14 +40,12 @@ class Faults:
             return scaled_step(trainer)(params, opt_state, batch, key, np.float32(values[step]))
 
         def after(step, params, opt_state, it):
-            if after_step is not None:
-                after_step(step, params, opt_state, it)
             for at, proc, action in actions:
                 if step == at and proc in (None, jax.process_index()):
                     action(step)
 
         return StepHooks(run_step=run_step if values else None,
-                         after_step=after if actions or after_step is not None else None)
+                         after_step=after if actions else None)
 
 
 _SCALED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # the run's step -> its scaled variant
@@ -69,10 +66,10 @@ def scaled_step(trainer):
     return _SCALED[trainer.step_fn]
 
 
-def from_env(checkpoint_dir: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> Optional[Faults]:
-    """The faults ``environ``'s (default: this process's) ``TRAIN_FAULT_*`` ask for, None if none;
-    ``TRAIN_FAULT_READONLY`` acts on ``checkpoint_dir``. ValueError on a malformed value, naming it."""
-    env = os.environ if environ is None else environ
+def from_env(checkpoint_dir: Optional[str] = None) -> Optional[Faults]:
+    """The faults this process's ``TRAIN_FAULT_*`` variables ask for, None if none; ``TRAIN_FAULT_READONLY``
+    acts on ``checkpoint_dir``. ValueError on a malformed value, naming it."""
+    env = os.environ
     actions = []
     for name, action in (("TRAIN_FAULT_EXIT", _exit_abruptly), ("TRAIN_FAULT_STOP", _freeze),
                          ("TRAIN_FAULT_SIGTERM", _send("SIGTERM")), ("TRAIN_FAULT_SIGINT", _send("SIGINT")),
@@ -121,16 +118,14 @@ def _send(sig: str) -> Callable[[int], None]:
 def make_checkpoints_read_only(directory) -> None:
     """From now on no new checkpoint can be created in ``directory`` (EACCES; a save under way finishes,
     other directories are untouched). Done in the process: root ignores chmod."""
-    # orbax's private module: orbax offers no public way to make the creation of a step's directory
-    # (``<step>.orbax-checkpoint-tmp``) fail, and its saves create it with this function.
-    from orbax.checkpoint._src.path import async_path
-    mkdir = async_path.mkdir
+    from jax_nvfp4 import internals
     directory = os.path.realpath(str(directory))
 
-    async def refuse(path, *args, **kwargs):
-        where = os.path.realpath(str(path))
-        if os.path.dirname(where) == directory and re.match(r"\d+\.orbax-checkpoint-tmp", os.path.basename(where)):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
-        return await mkdir(path, *args, **kwargs)
-
-    async_path.mkdir = refuse
+    def wrap(mkdir):
+        async def refuse(path, *args, **kwargs):
+            where = os.path.realpath(str(path))
+            if os.path.dirname(where) == directory and re.match(r"\d+\.orbax-checkpoint-tmp", os.path.basename(where)):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+            return await mkdir(path, *args, **kwargs)
+        return refuse
+    internals.wrap_orbax_mkdir(wrap)

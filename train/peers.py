@@ -82,21 +82,16 @@ def _value(items: Dict[str, str], p: int) -> Optional[str]:
     return next((v for k, v in items.items() if k.rstrip("/").rsplit("/", 1)[-1] == str(p)), None)
 
 
-def _runtime():
-    # jax.distributed exposes no public handle to the coordination client or the preemption sync
-    # manager: they are read from jax's private module here, and only here.
-    from jax._src import distributed
-    return distributed.global_state
-
-
 def coordination_client():
     """``jax.distributed``'s coordination client (key-value store, barriers); None before initialize."""
-    return _runtime().client
+    from jax_nvfp4.internals import distributed_state
+    return distributed_state().client
 
 
 def preemption_sync_available() -> bool:
     """Whether ``jax.distributed``'s preemption sync service runs here (:mod:`train.preemption`)."""
-    return _runtime().preemption_sync_manager is not None
+    from jax_nvfp4.internals import distributed_state
+    return distributed_state().preemption_sync_manager is not None
 
 
 def wait_at_barrier(name: str, timeout_ms: int) -> None:

@@ -4,8 +4,8 @@
 and times the same train step (same model, same mesh, NVFP4 weights) in both trees, each in
 a fresh process that imports only its own tree. The rounds alternate (REV, this tree, REV,
 this tree, ...) so a change in the host's load falls on both sides; each side's figure is the
-median of all its timed steps. Used for the FSDP step's cost on CPU: the per-layer gathers and
-the rematerialised backward pass recompute what the old step kept.
+median of all its timed steps: what a change costs or saves in step time, with the host's load
+falling on both sides.
 
 Both trees must have ``train.config.load_config``, ``train.mesh.build_mesh`` and
 ``train.loop.build`` or ``train.programs.build`` (every commit since the training stack landed has one).

@@ -184,10 +184,6 @@ def cost(results: Dict[str, Dict[str, Any]], specs: Sequence[Dict[str, Any]]) ->
     return {"cpu_h_per_budget": {k: v / 3600 for k, v in per.items()}, "cpu_h": sum(per.values()) / 3600}
 
 
-def _f(x: Optional[float], nd: int = 2) -> str:
-    return "-" if x is None else f"{x:+.{nd}f}%"
-
-
 def write_report(out: str, payload: Dict[str, Any]) -> str:
     agg, meta, corpus = payload["aggregate"], payload["meta"], payload["corpus"]
     c = meta["cost"]

@@ -229,10 +229,6 @@ def _cmd(sec: Dict[str, Any]) -> str:
     return f"`{sec['meta']['command']}`"
 
 
-def _purpose_total(r: Dict[str, Any], k: str) -> int:
-    return sum(r["collectives_by_purpose"].get(k, {}).values())
-
-
 def _traffic_md(t: Dict[str, Any]) -> List[str]:
     p = t["point"]
     n, b, r = p["nvfp4"], p["bf16"], p["ratios"]

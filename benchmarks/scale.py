@@ -9,7 +9,7 @@ a mesh of simulated CPU devices. Figures come from the compiled program:
 
 - per-device state bytes from the shard shapes of the sharded ``ShapeDtypeStruct``\\ s;
 - argument / output / temporary bytes from ``compiled.memory_analysis()``;
-- bytes per collective from the compiled HLO (``jax_nvfp4.collective_bytes`` per instruction,
+- bytes per collective from the compiled HLO (``jax_nvfp4.comm.parse`` per instruction,
   times the trip count of the ``while`` loops around it: the per-layer gathers and gradient
   reductions sit inside the scanned forward and backward loops), with the mesh axes and NVLink
   domains each collective's replica groups span, and its purpose (weight gather, gradient
@@ -118,7 +118,7 @@ class MeshSpec:
 # ----------------------------------------------------------------------------- link model
 def collective_time(op: str, nbytes: float, n: int, k: int, nvlink_gbps: float, ib_gbps: float):
     """Modelled seconds of one collective moving ``nbytes`` per device (its per-device result
-    size, as ``jax_nvfp4.collective_bytes`` counts it) over a group of ``n`` devices spread
+    size, as ``jax_nvfp4.comm.parse`` counts it) over a group of ``n`` devices spread
     over ``k`` NVLink domains (``m = n / k`` per domain). Returns ``(flat, two_level)``.
 
     flat (ring, slowest link decides; bw = IB if k > 1 else NVLink):

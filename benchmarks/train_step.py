@@ -64,13 +64,6 @@ def size_config(size: str, weights: str, extra: Sequence[str] = ()) -> Config:
                         f"nvfp4.weights={weights}", *extra])
 
 
-def size_command_args(size: str) -> str:
-    """`python -m train` arguments that give the same model (for the report)."""
-    spec = SIZES[size]
-    sets = "".join(f" --set {o}" for o in spec["overrides"])
-    return f"--config train/configs/{spec['config']}{sets}"
-
-
 def model_summary(cfg: Config) -> Dict[str, Any]:
     m = cfg.model
     return {"d_model": m.d_model, "layers": m.layers, "heads": m.heads, "mlp_hidden": m.mlp_hidden,

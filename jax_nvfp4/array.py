@@ -85,7 +85,7 @@ def _concrete(x) -> bool:
 
 
 def _check_amax(amax, batch) -> jax.Array:
-    """``amax`` as float32 ``[*batch]`` (a scalar is broadcast), validated where it is known.
+    """``amax`` as given, once validated: a float scalar or a ``[*batch]`` float array; values checked where known.
 
     Positive finite values are amaxes; NaN and +Inf mark a poisoned matrix by design (it
     decodes to NaN, see the module docstring); 0 is the amax of an all-zero matrix. Negative

@@ -82,9 +82,6 @@ class Collective:
         """Bytes per device per call of the program."""
         return self.bytes * self.times
 
-    def group_size(self, n_devices: int) -> int:
-        return max((len(g) for g in self.groups), default=n_devices) if self.groups else n_devices
-
 
 @dataclasses.dataclass(frozen=True)
 class Program:

@@ -270,7 +270,3 @@ def shard_tree(params, masters, config: GatherConfig):
     if masters is None:
         masters = jax.tree.map(lambda _: None, params, is_leaf=is_tiled)
     return jax.tree.map(lambda s, m: Shard(s, m, config), params, masters, is_leaf=is_tiled)
-
-
-def is_shard(x) -> bool:
-    return isinstance(x, Shard)

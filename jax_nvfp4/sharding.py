@@ -32,12 +32,12 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_nvfp4 import numerics as nx
-from jax_nvfp4.array import BLOCK_2D, is_nvfp4
+from jax_nvfp4.array import BLOCK_2D, is_nvfp4, quantize
 from jax_nvfp4.collectives import (GATHER_SCOPE, NORM_SCOPE, REQUANTIZE_SCOPE, all_gather_bits, fold_sum, from_bits,
                                    to_bits)
 from jax_nvfp4.layout import Layout, Tiled, TiledNVFP4, is_tiled, quantize_tiles, tile_scales
 from jax_nvfp4.rules import DEFAULT_RULES, Rules, layout_for
-from jax_nvfp4.params import Policy, path_str
+from jax_nvfp4.params import Policy, dequantize_params, matrix_amax, path_str, shared_amaxes
 
 __all__ = ["Rules", "context_mesh", "shard_params", "logical", "partition_specs", "shardings", "gather",
            "gather_dequantized", "requantize", "scatter_replicated", "spec_of", "constrain"]
@@ -49,7 +49,7 @@ def context_mesh(mesh=None):
         return mesh
     try:
         m = jax.sharding.get_mesh()  # concrete, when set by jax.set_mesh
-    except Exception:  # noqa: BLE001 - older JAX or no concrete mesh in this context
+    except Exception:  # noqa: BLE001 - no concrete mesh in this context
         m = None
     if m is None or m.empty:
         m = jax.sharding.get_abstract_mesh()
@@ -138,10 +138,6 @@ def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optiona
     :class:`Tiled` in their own dtype (``policy.keep_dtype`` for the leaves it keeps, as
     :func:`~jax_nvfp4.params.quantize_params` stores them); small leaves stay as they are (replicated). Pure: call
     it under ``jit`` with ``out_shardings=shardings(...)`` or ``jax.device_put`` the result."""
-    from jax_nvfp4.array import quantize
-
-    from jax_nvfp4.params import matrix_amax, shared_amaxes
-
     rules = rules or DEFAULT_RULES
     mesh = context_mesh(mesh)
     wanted = lambda p, leaf: (not is_tiled(leaf) and not is_nvfp4(leaf) and policy is not None
@@ -258,8 +254,6 @@ def gather_dequantized(tree, dtype=jnp.bfloat16, mesh=None):
     leaf to ``dtype`` and the *dequantized* tiles are all-gathered (``dtype`` bytes, about 4x
     the packed bytes). Values are bit-identical to ``dequantize_params(gather(tree), dtype)``.
     Other float leaves: cast to ``dtype``."""
-    from jax_nvfp4.params import dequantize_params
-
     mesh = context_mesh(mesh)
 
     def one(leaf):

@@ -13,7 +13,7 @@ import importlib.util
 import os
 import re
 import sys
-from typing import Callable, List, Mapping, MutableMapping, Optional, Sequence, Set, Tuple
+from typing import List, Mapping, MutableMapping, Optional, Sequence, Set, Tuple
 
 __all__ = ["COMBINE_BYTES", "GPU_FLAGS", "configure", "headed_for_gpu", "main", "with_gpu_flags"]
 
@@ -63,20 +63,18 @@ def _has_cuda_plugin() -> bool:
     return False
 
 
-def headed_for_gpu(environ: Mapping[str, str] = os.environ,
-                   has_cuda_plugin: Callable[[], bool] = _has_cuda_plugin) -> bool:
-    """``JAX_PLATFORMS`` names ``cuda`` or ``gpu``, or is unset and a CUDA plugin is installed."""
+def headed_for_gpu(environ: Mapping[str, str] = os.environ) -> bool:
+    """``environ``'s ``JAX_PLATFORMS`` names ``cuda`` or ``gpu``, or is unset and a CUDA plugin is installed."""
     platforms = environ.get("JAX_PLATFORMS", "").strip()
     if platforms:
         return any(p.strip() in ("cuda", "gpu") for p in platforms.split(","))
-    return has_cuda_plugin()
+    return _has_cuda_plugin()
 
 
-def configure(enabled: bool = True, environ: MutableMapping[str, str] = os.environ,
-              has_cuda_plugin: Callable[[], bool] = _has_cuda_plugin) -> List[str]:
-    """Add :data:`GPU_FLAGS` to ``environ["XLA_FLAGS"]`` when ``enabled`` and headed for a GPU (call
-    before JAX starts its backend). Returns the names added, sorted."""
-    if not enabled or not headed_for_gpu(environ, has_cuda_plugin):
+def configure(enabled: bool = True, environ: MutableMapping[str, str] = os.environ) -> List[str]:
+    """Add :data:`GPU_FLAGS` to ``environ["XLA_FLAGS"]`` (default: this process's) when ``enabled`` and
+    headed for a GPU (call before JAX starts its backend). Returns the names added, sorted."""
+    if not enabled or not headed_for_gpu(environ):
         return []
     before = environ.get("XLA_FLAGS", "")
     environ["XLA_FLAGS"] = after = with_gpu_flags(before)

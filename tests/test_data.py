@@ -14,7 +14,6 @@ from train.data import (
     eval_batches,
     make_data_iterator,
     make_source,
-    split_batch,
 )
 
 
@@ -36,16 +35,17 @@ def test_markov_structure(markov):
     assert 1.0 < markov.entropy_rate() < 1.7
 
 
-def test_entropy_rate_matches_long_sample(markov):
-    x = markov.sample(300_000, np.random.default_rng(1))
-    assert x.dtype == np.int32 and x.min() >= 0 and x.max() < 64
+def test_entropy_rate_matches_sampled_chains(markov):
+    w = markov.windows([np.random.default_rng([1, i]) for i in range(5000)], 61)  # 300,000 transitions
+    assert w.dtype == np.int32 and w.min() >= 0 and w.max() < 64
+    x, prev, nxt = w.ravel(), w[:, :-1].ravel(), w[:, 1:].ravel()
     h = markov.entropy_rate()
-    # Ergodic average of -log P(x_t | x_{t-1}) under the true chain.
-    nll = -np.mean(np.log(markov.transition[x[:-1], x[1:]]))
+    # Average of -log P(x_t | x_{t-1}) under the true chain, over chains started from the stationary law.
+    nll = -np.mean(np.log(markov.transition[prev, nxt]))
     assert nll == pytest.approx(h, rel=0.01)
     # Plug-in estimate from bigram counts alone: nothing borrowed from the true chain.
     counts = np.zeros((64, 64))
-    np.add.at(counts, (x[:-1], x[1:]), 1)
+    np.add.at(counts, (prev, nxt), 1)
     cond = np.where(counts > 0, counts / counts.sum(axis=1, keepdims=True), 1.0)
     plug_in = -(counts * np.log(cond)).sum() / counts.sum()
     assert plug_in == pytest.approx(h, rel=0.01)
@@ -67,8 +67,7 @@ def test_markov_seeded():
     a, b, c = MarkovSource(256, 32, 1), MarkovSource(256, 32, 1), MarkovSource(256, 32, 2)
     np.testing.assert_array_equal(a.transition, b.transition)
     assert not np.array_equal(a.transition, c.transition)
-    np.testing.assert_array_equal(a.sample(100, np.random.default_rng(3)),
-                                  b.sample(100, np.random.default_rng(3)))
+    np.testing.assert_array_equal(a.windows([np.random.default_rng(3)], 100), b.windows([np.random.default_rng(3)], 100))
     with pytest.raises(ConfigError, match="data.markov_states=300"):
         MarkovSource(256, 300, 0)
 
@@ -88,9 +87,6 @@ def test_iterator_deterministic_and_resumable(markov):
     assert not np.array_equal(DataIterator(markov, 8, 16, seed=6).batch_at(0), batches[0])
     eval_it = DataIterator(markov, 8, 16, seed=5, stream=1)
     assert not np.array_equal(eval_it.batch_at(0), batches[0])
-    inputs, targets = split_batch(batches[0])
-    assert inputs.shape == targets.shape == (8, 16)
-    np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
     with pytest.raises(ValueError, match="lacks"):
         other.set_state({"step": 1})
 

@@ -229,10 +229,10 @@ def test_hlo_unaligned_shapes_still_gather_no_floats():
 
 
 def test_update_copies_no_float_state_buffer():
-    # The step runs in place on the donated state. A skip written as a select of the new state
-    # against the old made XLA copy every master and Adam moment first (the master's update
-    # reads the old moments, which their selects overwrite): two float32 copies of every
-    # master shard at once, 1.6 GB per device of the 70B step at 40 layers.
+    # The step runs in place on the donated state. A skip's select of the new state against the
+    # old must come after the master's update, which reads the old moments: selected before it,
+    # XLA copies every master and Adam moment first (two float32 copies of every master shard at
+    # once, 1.6 GB per device of the 70B step at 40 layers).
     hlo, *_ = _model_step(2, donate=True)
     entry = hlo[hlo.index("\nENTRY"):]
     state = dict(re.findall(r"%(\S+) = (f32\[[^\]]*\])\S* parameter\(.*op_name=\"state\.(?:inner_state|master)", entry))

@@ -32,10 +32,11 @@ def test_user_flags_win_and_nothing_is_added_twice():
     assert len(xla_flags.GPU_FLAGS) == len({name for name, _, _ in xla_flags.GPU_FLAGS})
 
 
-def test_set_only_when_headed_for_a_gpu_and_enabled():
+def test_set_only_when_headed_for_a_gpu_and_enabled(monkeypatch):
     def configured(env, plugin=False, enabled=True):
         env = dict(env)
-        added = xla_flags.configure(enabled, env, has_cuda_plugin=lambda: plugin)
+        monkeypatch.setattr(xla_flags, "_has_cuda_plugin", lambda: plugin)
+        added = xla_flags.configure(enabled, env)
         return added, env.get("XLA_FLAGS")
 
     names = sorted(name for name, _, _ in xla_flags.GPU_FLAGS)

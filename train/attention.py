@@ -24,7 +24,7 @@ def cudnn_available() -> bool:
     x = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)  # a shape cuDNN takes
     try:
         jax.eval_shape(lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True, implementation="cudnn"), x)
-    except Exception:  # noqa: BLE001 - no CUDA plugin, no cuDNN, or an older JAX
+    except Exception:  # noqa: BLE001 - no CUDA plugin or no cuDNN
         return False
     return True
 

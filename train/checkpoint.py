@@ -1,7 +1,7 @@
 """Checkpoints of the whole training state, on orbax-checkpoint's standard handlers.
 
 ``<dir>/<step>/`` holds ``state`` (params and optimizer state in their tile-major layout, each process
-writing its shards), ``meta`` (step, data position, base key, :func:`describe` of every leaf and
+writing its shards), ``meta`` (step, data position, base key, :func:`jax_nvfp4.checkpoint.describe` of every leaf and
 ``run``, what :func:`check_resume` compares) and each process's content hashes (:mod:`jax_nvfp4.integrity`,
 verified before a restore). A checkpoint restores onto any data axis and any tensor split
 (:mod:`jax_nvfp4.checkpoint`); saves are atomic. See docs/TRAINING.md.
@@ -19,7 +19,7 @@ import numpy as np
 from jax_nvfp4 import checkpoint as nvck, integrity
 from jax_nvfp4.checkpoint import CheckpointError, CheckpointWriteError
 
-__all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "Restored", "check_resume", "describe",
+__all__ = ["CheckpointError", "CheckpointWriteError", "Checkpointer", "Restored", "check_resume",
            "host_arrays", "run_identity", "FORMAT", "FORMAT_VERSION", "HASHES"]
 
 FORMAT = "jax_nvfp4.train.checkpoint"
@@ -35,11 +35,6 @@ class Restored:
     opt_state: Any
     base_key: Optional[jax.Array]
     data_state: Dict[str, int]
-
-
-def describe(params, opt_state) -> Dict[str, Dict[str, Any]]:
-    """:func:`jax_nvfp4.checkpoint.describe` of ``{"params": params, "opt_state": opt_state}``."""
-    return nvck.describe({"params": params, "opt_state": opt_state})
 
 
 def host_arrays(params, opt_state) -> Dict[str, np.ndarray]:

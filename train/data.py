@@ -7,7 +7,6 @@ one integer. See docs/TRAINING.md.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
@@ -19,7 +18,7 @@ from train.config import Config, ConfigError, DataConfig, ModelConfig
 from train.prepare import FORMAT as TOKENS_FORMAT
 
 __all__ = ["DataIterator", "MarkovSource", "Source", "TextFileSource", "TokenFileSource", "read_token_header",
-           "file_fingerprint", "make_data_iterator", "make_source", "split_batch"]
+           "file_fingerprint", "make_data_iterator", "make_source"]
 
 
 class Source(Protocol):
@@ -87,19 +86,6 @@ class MarkovSource:
 
     def _first(self, u: np.ndarray) -> np.ndarray:
         return np.searchsorted(self._pi_cdf, u, side="right").clip(0, self.states - 1)
-
-    def sample(self, n_tokens: int, rng: np.random.Generator) -> np.ndarray:
-        """One chain of ``n_tokens`` tokens ``[n_tokens] int32``, started from ``π``."""
-        u = rng.random(n_tokens)
-        if n_tokens == 0:
-            return np.zeros(0, np.int32)
-        out = np.empty(n_tokens, np.int32)
-        # Python lists + bisect: a scalar loop over numpy arrays is ~10x slower.
-        succ, cdf = self._succ.tolist(), self._cdf.tolist()
-        s = out[0] = int(self._first(u[:1])[0])
-        for t, ut in enumerate(u[1:].tolist(), start=1):
-            s = out[t] = succ[s][bisect.bisect_right(cdf[s], ut)]
-        return out
 
     def windows(self, rngs: Sequence[np.random.Generator], length: int) -> np.ndarray:
         """``[len(rngs), length] int32``; chains step in lockstep, one uniform per token."""
@@ -317,11 +303,6 @@ class DataIterator:
         if step < 0 or seed < 0:
             raise ValueError(f"data iterator state must be non-negative, got {dict(state)}")
         self.step, self.seed = step, seed
-
-
-def split_batch(batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``[b, seq_len + 1]`` -> inputs ``[b, seq_len]``, targets ``[b, seq_len]`` (shifted by 1)."""
-    return batch[:, :-1], batch[:, 1:]
 
 
 EVAL_STREAM = 1

@@ -76,7 +76,8 @@ def run(cfg: Config, mesh, out_dir: str, *, progress: bool = True, label: str = 
     with ``train.eval_every``); with ``checkpoint.dir`` it resumes from the newest (``fallback``:
     intact) checkpoint that :func:`train.checkpoint.check_resume` accepts and saves every
     ``checkpoint.every`` steps and at the end. ``on_start()``: once the state is built, before
-    anything is written; ``preemption``: asked after every step whether to stop there.
+    anything is written; ``preemption``: asked after every step whether to stop there; ``hooks``:
+    :class:`StepHooks`; ``progress``: a progress bar; ``label``: the run's name in its output lines.
 
     Raises:
       FloatingPointError: a non-finite step (skipped update or non-finite loss) with

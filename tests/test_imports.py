@@ -124,11 +124,11 @@ def private_library_names(path: str, package: str = "jax_nvfp4") -> list:
     return found
 
 
-def test_the_training_stack_uses_public_library_names_only():
-    """train/ is a user of the library: its step, evaluation and model go through the public
-    API, so anything a user's model needs is there for them too."""
+def test_the_training_stack_and_the_benchmarks_use_public_library_names_only():
+    """train/, benchmarks/ and scripts/ are users of the library: its step, evaluation and
+    model go through the public API, so anything a user's model needs is there for them too."""
     bad = {}
-    for folder, _, files in os.walk(os.path.join(ROOT, "train")):
+    for folder, _, files in (w for pkg in ("train", "benchmarks", "scripts") for w in os.walk(os.path.join(ROOT, pkg))):
         for f in files:
             if f.endswith(".py") and private_library_names(os.path.join(folder, f)):
                 bad[os.path.relpath(os.path.join(folder, f), ROOT)] = private_library_names(os.path.join(folder, f))

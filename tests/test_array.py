@@ -170,8 +170,8 @@ def test_pytree_jit_vmap_eval_shape():
     ref_abs = nv.NVFP4Array.abstract((4, 32, 48))
     assert jax.tree.map(lambda a: (a.shape, a.dtype), abs_q) == jax.tree.map(lambda a: (a.shape, a.dtype), ref_abs)
     # tree_map keeps the type; jit round trip through arguments and outputs.
-    doubled = jax.tree.map(lambda a: a, q)
-    assert isinstance(doubled, nv.NVFP4Array)
+    mapped = jax.tree.map(lambda a: a, q)
+    assert isinstance(mapped, nv.NVFP4Array)
     out = jax.jit(lambda t: nv.dequantize(t, jnp.float32))(q)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(nv.dequantize(q, jnp.float32)))
 

@@ -236,12 +236,13 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
     L += stats.source_lines(meta, {"table": [g for r in agg["sweep"] for g in (r.get(FULL), r.get(FULL_KEEP)) if g],
                                 "levers": {f"{ab['size']}/{k}": g for ab in agg["ablations"] for k, g in ab["rows"].items()}})
     L += [f"## Gap against width ({agg['steps']} steps)", "",
-          "| size | d_model | MLP | params | bf16 val loss | full recipe | bf16 val loss, split | "
-          "full recipe, last block bf16 |", "|---|---:|---:|---:|---:|---|---:|---|"]
+          "| size | d_model | MLP | params | tokens per non-embedding param | bf16 val loss | full recipe | "
+          "bf16 val loss, split | full recipe, last block bf16 |", "|---|---:|---:|---:|---:|---:|---|---:|---|"]
     for r in agg["sweep"]:
         m = models[r["size"]]
         base = lambda g: f"{g['base_val']['mean']:.4f}" if g else "-"
-        L.append(f"| {r['size']} | {m['d_model']} | {m['mlp_hidden']} | {m['params'] / 1e6:.2f} M | {base(r.get(FULL))} | "
+        per = f"{agg['steps'] * 16 * 64 / m['non_embedding']:.2f}" if m.get("non_embedding") else "-"
+        L.append(f"| {r['size']} | {m['d_model']} | {m['mlp_hidden']} | {m['params'] / 1e6:.2f} M | {per} | {base(r.get(FULL))} | "
                  f"{_cell(r.get(FULL))} | {base(r.get(FULL_KEEP))} | {_cell(r.get(FULL_KEEP))} |")
     L += ["", "![gap against width; ablation](convergence_recipe.png)", ""]
     for x in agg.get("seeds_at") or []:
@@ -377,7 +378,7 @@ def assemble(results, specs, corpus, args, command: str, wall: float, cache: str
     models = {}
     for size in args.sizes:
         cfg, _ = grid.run_config(size, 10, 0, "bf16", corpus)
-        models[size] = {**model_summary(cfg), "params": n_params(cfg)}
+        models[size] = {**model_summary(cfg), "params": n_params(cfg), "non_embedding": grid.non_embedding_params(cfg)}
     seeds_at = getattr(args, "seeds_at", None) or {}
     # The head of the report (runs done, missing, run time, code) speaks of the sweep, the ablation
     # and the learning-rate check; the sweep at more seeds counts its own runs in its section.

@@ -325,15 +325,17 @@ def test_recipe_report_arithmetic(tmp_path):
     assert first["minus_full_pct"]["max"] < 0 and first["effect"].startswith("helps (lower in every seed")
     assert first["met"]["met"] is True  # gap then +1% <= 1.5%
     assert attribution[-1]["variant"] == "recipe_1d_weights"
-    models = {s: {"d_model": d, "mlp_hidden": h, "params": 1e6, "layers": 4, "seq_len": 64, "batch_size": 16}
-              for s, d, h in (("l4-d64", 64, 192), ("l4-d128", 128, 352))}
+    models = {s: {"d_model": d, "mlp_hidden": h, "params": 1e6, "layers": 4, "seq_len": 64, "batch_size": 16,
+                  "non_embedding": n} for s, d, h, n in (("l4-d64", 64, 192, 512_000), ("l4-d128", 128, 352, None))}
     meta = {"command": "python -m benchmarks convergence --text --recipe", "grid_wall_h": "1 h", "runs_done": 42,
             "runs_total": 42, "where": "cpu", "missing": [], "seeds": [0, 1, 2], "same_data_order": True,
             "models": models, "sources": stats.source_summary(res), "lr": 3e-3}
     corpus = {"train": {"sha256": "a" * 64}, "val": {"sha256": "b" * 64}}
     path = cr.write(str(tmp_path), {"meta": meta, "corpus": corpus, "aggregate": agg, "reruns": []})
     text = open(path).read()
-    assert "| l4-d128 | 128 | 352 |" in text and "**NOT MET** (mean gap +2.000% > 1.5%" in text
+    # Tokens per non-embedding parameter: 2000 steps x 1,024 tokens / 512,000; unknown: "-".
+    assert "| l4-d64 | 64 | 192 | 1.00 M | 4.00 |" in text and "| l4-d128 | 128 | 352 | 1.00 M | - |" in text
+    assert "**NOT MET** (mean gap +2.000% > 1.5%" in text
     assert "- no stochastic rounding (`nvfp4.grad_rounding=nearest`): -0.9" in text
     assert text.index("## Ablation (l4-d64,") < text.index("## Ablation (l4-d128,")
     assert ("| l4-d128 | 0 | 0.0015 | 1.9000 | 1.9190 | +1.00% [+1.00, +1.00] (std 0.00, 1 seeds) | -5.00% | "

@@ -131,3 +131,27 @@ def test_whole_model_gather_equals_the_per_layer_step():
             ns["params"], ns["tokens"])
         _, _, metrics = ns["step"](ns["params"], ns["opt_state"], ns["tokens"])
     np.testing.assert_allclose(float(metrics["loss"]), float(whole), rtol=2.0 ** -8)
+
+
+def _decimals(text: str) -> set:
+    """Every decimal number in ``text`` (``+1.56%``, ``26.750 GB``, ``[-0.08, ...``) as a float."""
+    return {float(x) for x in re.findall(r"[+-]?\d+\.\d+", text.replace(",", ""))}
+
+
+def test_every_result_figure_is_in_the_file_it_links():
+    """Each bullet of the README's Results section links results files; every decimal figure it
+    quotes (gaps, intervals, ratios, gigabytes) is in one of them, to the README's precision."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    start = text.index("## Results\n")
+    bullets = text[start:text.find("\n## ", start + 1)].split("\n- ")[1:]
+    assert len(bullets) >= 4
+    missing = {}
+    for bullet in bullets:
+        links = re.findall(r"\]\((benchmarks/results/[^)#]+)", bullet)
+        assert links, f"a Results bullet links no results file: {bullet[:80]}"
+        held = set().union(*(_decimals(open(os.path.join(ROOT, p)).read()) for p in links))
+        for figure in re.findall(r"[+-]?\d+\.\d+", bullet):
+            places = len(figure.split(".")[1])
+            if not any(round(abs(x), places) == abs(float(figure)) for x in held):  # "5.49% lower": -5.49
+                missing.setdefault(links[0], []).append(figure)
+    assert not missing, missing

@@ -12,8 +12,9 @@ Policies and rules
   :func:`dequantize_params`.
 The sharded layout
   :class:`Layout` (the one tile-major layout of a param and its master), :class:`TiledNVFP4`,
-  :class:`Tiled`, :func:`shard_params`, :func:`shardings`, :func:`gather` (the whole-model
-  gather, packed bytes only).
+  :class:`Tiled`, :func:`shard_params`, :func:`sharded_state` (params and optimizer state
+  built where they live), :func:`shardings`, :func:`gather` (the whole-model gather, packed
+  bytes only).
 The optimizer wrapper
   :func:`master_weights` (float32 masters sharded like the params, any optax transform
   inside), its state :class:`MasterWeightsState`, :func:`find_state`.
@@ -44,7 +45,7 @@ from jax_nvfp4.nn import NVFP4Dense, Recipe, intercept_dense
 from jax_nvfp4.optim import MasterWeightsState, find_state, master_weights
 from jax_nvfp4.params import Policy, dequantize_params, quantize_params
 from jax_nvfp4.rules import Rules
-from jax_nvfp4.sharding import gather, shard_params, shardings
+from jax_nvfp4.sharding import gather, shard_params, sharded_state, shardings
 from jax_nvfp4.fetch import Shard
 from jax_nvfp4.step import make_eval, make_step, tensor_rules_from_logical
 from jax_nvfp4.tensor_parallel import TensorParallel
@@ -79,6 +80,7 @@ __all__ = [
     "TiledNVFP4",
     "gather",
     "shard_params",
+    "sharded_state",
     "shardings",
     # the optimizer wrapper
     "MasterWeightsState",

@@ -94,10 +94,10 @@ def test_master_weights_requantize_with_the_policys_choice():
     np.testing.assert_array_equal(np.asarray(params["w"].scale),
                                   np.asarray(nv.quantize(fp32["w"], block=policy.block, four_over_six=True).scale))
     tx = nv.master_weights(optax.sgd(0.1), policy=policy)
-    state = tx.init(fp32)
+    state = jax.jit(tx.init)(fp32)
     grads = {"w": rng.standard_normal((64, 96)).astype(np.float32), "b": np.ones(96, np.float32)}
-    updates, state = tx.update(grads, state, params)
-    new = optax.apply_updates(params, updates)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    new = jax.jit(optax.apply_updates)(params, updates)
     master = np.asarray(nv.sharding.logical(state.master)["w"])
     np.testing.assert_array_equal(master, fp32["w"] - np.float32(0.1) * grads["w"])
     d, s, _ = ref.quantize_matrix(master, block=policy.block, four_over_six=True)

@@ -12,12 +12,12 @@ Policies and rules
   :func:`dequantize_params`.
 The sharded layout
   :class:`Layout` (the one tile-major layout of a param and its master), :class:`TiledNVFP4`,
-  :class:`Tiled`, :func:`shard_params`, :func:`sharded_state` (params and optimizer state
-  built where they live), :func:`shardings`, :func:`gather` (the whole-model gather, packed
-  bytes only).
+  :class:`Tiled`, :func:`shard_params`, :func:`shardings`, :func:`gather` (the whole-model
+  gather, packed bytes only).
 The optimizer wrapper
   :func:`master_weights` (float32 masters sharded like the params, any optax transform
-  inside), its state :class:`MasterWeightsState`, :func:`find_state`.
+  inside), its state :class:`MasterWeightsState`, :func:`find_state`, :func:`sharded_state`
+  (the stored params and the optimizer state built where they live, in one program).
 The sharded step
   :func:`make_step`, :func:`make_eval` (FSDP one layer at a time, times tensor parallelism,
   for any Flax model), :class:`Shard` (a parameter as a layer reads it inside the step),
@@ -42,10 +42,10 @@ from jax_nvfp4.array import BLOCK_1D, BLOCK_2D, NVFP4Array, dequantize, quantize
 from jax_nvfp4.gemm import dot
 from jax_nvfp4.layout import Layout, Tiled, TiledNVFP4
 from jax_nvfp4.nn import NVFP4Dense, Recipe, intercept_dense
-from jax_nvfp4.optim import MasterWeightsState, find_state, master_weights
+from jax_nvfp4.optim import MasterWeightsState, find_state, master_weights, sharded_state
 from jax_nvfp4.params import Policy, dequantize_params, quantize_params
 from jax_nvfp4.rules import Rules
-from jax_nvfp4.sharding import gather, shard_params, sharded_state, shardings
+from jax_nvfp4.sharding import gather, shard_params, shardings
 from jax_nvfp4.fetch import Shard
 from jax_nvfp4.step import make_eval, make_step, tensor_rules_from_logical
 from jax_nvfp4.tensor_parallel import TensorParallel
@@ -80,12 +80,12 @@ __all__ = [
     "TiledNVFP4",
     "gather",
     "shard_params",
-    "sharded_state",
     "shardings",
     # the optimizer wrapper
     "MasterWeightsState",
     "find_state",
     "master_weights",
+    "sharded_state",
     # the sharded step
     "Shard",
     "TensorParallel",

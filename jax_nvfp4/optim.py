@@ -37,7 +37,8 @@ from jax_nvfp4.collectives import OPTIMIZER_SCOPE
 from jax_nvfp4.layout import Tiled, TiledNVFP4, is_tiled
 from jax_nvfp4.params import DEFAULT_POLICY, Policy, path_str, shared_amaxes
 from jax_nvfp4.rules import DEFAULT_RULES, Rules, layout_for
-from jax_nvfp4.sharding import constrain, context_mesh, global_amax, global_norm, requantize, scatter_replicated
+from jax_nvfp4.sharding import (constrain, context_mesh, global_amax, global_norm, requantize, scatter_replicated,
+                                shard_params, shardings)
 
 
 class MasterWeightsState(NamedTuple):
@@ -300,6 +301,31 @@ def apply_updates(params, updates):
     if p_struct != u_struct:
         raise ValueError(f"updates do not match params: {u_struct} vs {p_struct}")
     return optax.apply_updates(params, updates)
+
+
+def sharded_state(params, tx, mesh=None, rules: Optional[Rules] = None, policy: Optional[Policy] = None):
+    """``(stored params, optimizer state)`` of float ``params`` (a tree, or a function of no arguments returning one,
+    such as a model's init), in one jitted program whose outputs are laid out where they live
+    (:func:`~jax_nvfp4.sharding.shardings`): :func:`~jax_nvfp4.sharding.shard_params` with ``mesh``, ``rules``,
+    ``policy``, then ``tx.init``; ``tx`` is :func:`master_weights` (or an optax state holding it) wherever a param is
+    NVFP4. No device holds an unsharded copy of the state; from a function, not of the float params either (each
+    device initialises what its shards need; the init's values may then differ in the last bit from another
+    compilation of it, as XLA fuses it with the quantization)."""
+    mesh = context_mesh(mesh)
+    if mesh is None:
+        raise ValueError("sharded_state: no mesh: pass mesh= or call it under jax.set_mesh")
+
+    def state(tree):
+        stored = shard_params(tree, mesh, rules, policy)
+        return stored, tx.init(stored)
+
+    fn, args = ((lambda: state(params())), ()) if callable(params) else (state, (params,))
+    abstract = jax.eval_shape(fn, *args)
+    if find_state(abstract[1]) is None and any(isinstance(x, TiledNVFP4) for x in
+                                               jax.tree.leaves(abstract[0], is_leaf=is_tiled)):
+        raise TypeError("sharded_state: tx holds no nv.master_weights state, so the NVFP4 params would be updated as "
+                        "4-bit codes; wrap the optax transform: tx = nv.master_weights(optax.adamw(...), rules=rules)")
+    return jax.jit(fn, out_shardings=shardings(abstract, mesh))(*args)
 
 
 def find_state(state) -> Optional[MasterWeightsState]:

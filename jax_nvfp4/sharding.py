@@ -39,7 +39,7 @@ from jax_nvfp4.layout import Layout, Tiled, TiledNVFP4, is_tiled, quantize_tiles
 from jax_nvfp4.rules import DEFAULT_RULES, Rules, layout_for
 from jax_nvfp4.params import Policy, dequantize_params, matrix_amax, path_str, shared_amaxes
 
-__all__ = ["Rules", "context_mesh", "shard_params", "sharded_state", "logical", "partition_specs", "shardings", "gather",
+__all__ = ["Rules", "context_mesh", "shard_params", "logical", "partition_specs", "shardings", "gather",
            "gather_dequantized", "requantize", "scatter_replicated", "spec_of", "constrain"]
 
 
@@ -137,7 +137,7 @@ def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optiona
     selects, quantized here) become :class:`TiledNVFP4`; other large float leaves
     :class:`Tiled` in their own dtype (``policy.keep_dtype`` for the leaves it keeps, as
     :func:`~jax_nvfp4.params.quantize_params` stores them); small leaves stay as they are (replicated). Pure: call
-    it under ``jit`` with ``out_shardings=shardings(...)``, as :func:`sharded_state` does, or ``jax.device_put``
+    it under ``jit`` with ``out_shardings=shardings(...)``, as :func:`~jax_nvfp4.optim.sharded_state` does, or ``jax.device_put``
     the result."""
     rules = rules or DEFAULT_RULES
     mesh = context_mesh(mesh)
@@ -164,25 +164,6 @@ def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optiona
         return Tiled.from_logical(leaf, lay)
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_node)
-
-
-def sharded_state(params, tx, mesh=None, rules: Optional[Rules] = None, policy: Optional[Policy] = None):
-    """``(stored params, optimizer state)`` of float ``params`` (a tree, or a function of no arguments returning one,
-    such as a model's init), in one jitted program whose outputs are laid out where they live (:func:`shardings`):
-    :func:`shard_params` with ``mesh``, ``rules``, ``policy``, then ``tx.init`` (``tx``: :func:`master_weights`).
-    No device holds an unsharded copy of the state; from a function, not of the float params either (each device
-    initialises what its shards need; the init's values may then differ in the last bit from another compilation of
-    it, as XLA fuses it with the quantization)."""
-    mesh = context_mesh(mesh)
-    if mesh is None:
-        raise ValueError("sharded_state: no mesh: pass mesh= or call it under jax.set_mesh")
-
-    def state(tree):
-        stored = shard_params(tree, mesh, rules, policy)
-        return stored, tx.init(stored)
-
-    fn, args = ((lambda: state(params())), ()) if callable(params) else (state, (params,))
-    return jax.jit(fn, out_shardings=shardings(jax.eval_shape(fn, *args), mesh))(*args)
 
 
 def host_array(x) -> np.ndarray:

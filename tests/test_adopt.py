@@ -288,6 +288,9 @@ def test_the_state_is_built_where_it_lives():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0)
     whole = sum(a.nbytes for a in jax.tree.leaves(fp32))
     state = sum(a.nbytes for a in jax.tree.leaves(got))
+    # A plain optax transform would update the 4-bit codes themselves: refused, naming the fix.
+    with pytest.raises(TypeError, match=r"no nv.master_weights state.*nv.master_weights\(optax"):
+        nv.sharded_state(fp32, optax.adamw(1e-3), mesh, rules, policy)
     memory = jax.jit(lambda: nv.sharded_state(init, tx, mesh, rules, policy)).lower().compile().memory_analysis()
     assert memory.argument_size_in_bytes == 0
     assert memory.output_size_in_bytes < state / 6  # each device its eighth, small leaves replicated

@@ -416,6 +416,9 @@ def plot(agg: Dict[str, Any], path: str) -> None:
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker + ":", color="0.4", ms=4,
                     label=f"the same, stored as {format_name(f).split(' (')[0]}")
     ax.set_xscale("log")
+    budgets = sorted({r["tokens_per_param"] for r in agg["rows"]})
+    ax.set_xticks(budgets, [f"{b:.0f}" for b in budgets])  # the budgets, not log-scale minor labels
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.axhline(0, color="k", lw=0.8)
     ax.axhline(grid.WEIGHTS_ONLY_TARGET, color="k", ls=":", lw=0.8, label=f"{grid.WEIGHTS_ONLY_TARGET}%")
     ax.set_xlabel("tokens per non-embedding parameter")

@@ -268,7 +268,7 @@ def _single_step_setup(inner, n=2, **kw):
     fp32 = init_params()
     params = jax.jit(functools.partial(nv.shard_params, mesh=mesh))(nv.quantize_params(fp32))
     tx = nv.master_weights(inner, mesh=mesh, **kw)
-    state = tx.init(fp32)
+    state = jax.jit(tx.init)(fp32)
     return mesh, fp32, params, tx, state
 
 
@@ -278,17 +278,17 @@ def test_apply_updates_is_exact_for_every_leaf():
         updates, state = jax.jit(tx.update)(grads_at(0, fp32), state, params)
     new = apply_updates(params, updates)
     for k in SHAPES:
-        q = nv.quantize(nv.sharding.logical(state.master[k]))
+        q = nv.quantize(logical(state.master[k]))
         for a, b in zip(tree_bytes(logical(new[k])), tree_bytes(q)):
             np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(np.asarray(new["bias"]), np.asarray(nv.sharding.logical(state.master["bias"])))
+    np.testing.assert_array_equal(np.asarray(new["bias"]), np.asarray(logical(state.master["bias"])))
     again = nv.optim.apply_updates(params, updates)
     for a, b in zip(tree_bytes(new), tree_bytes(again)):
         np.testing.assert_array_equal(a, b)
     # flax TrainState.apply_gradients works unchanged.
     from flax.training import train_state
 
-    ts = train_state.TrainState(step=0, apply_fn=None, params=params, tx=tx, opt_state=tx.init(fp32))
+    ts = train_state.TrainState(step=0, apply_fn=None, params=params, tx=tx, opt_state=jax.jit(tx.init)(fp32))
     with jax.set_mesh(mesh):
         ts = jax.jit(lambda t, g: t.apply_gradients(grads=g))(ts, grads_at(0, fp32))
     for a, b in zip(tree_bytes(ts.params), tree_bytes(new)):

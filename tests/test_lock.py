@@ -40,6 +40,32 @@ def test_a_second_lock_is_refused_naming_the_holder_and_release_cleans_up(tmp_pa
     assert os.listdir(d) == ["metrics.jsonl"]
 
 
+def test_a_lock_taken_an_instant_ago_is_named_once_its_holder_writes_it(tmp_path, monkeypatch):
+    """Two runs started together: the loser can find the lock taken before the winner has
+    written its record. It waits for the record (up to HOLDER_WAIT_S) to name the holder; a
+    record that never comes is said as such."""
+    import fcntl
+    import threading
+
+    from train import lock as lock_lib
+
+    d = tmp_path / "run"
+    d.mkdir()
+    fd = os.open(d / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken, nothing recorded yet
+    record = b'{"pid": 4242, "host": "h", "started": "now"}\n'
+    writer = threading.Timer(0.3, lambda: os.pwrite(fd, record, 0))
+    writer.start()
+    with pytest.raises(LockError, match=r"in use by another run \(pid 4242 on h, started now\)"):
+        FolderLock(str(d), "--out").acquire()
+    writer.join()
+    os.ftruncate(fd, 0)
+    monkeypatch.setattr(lock_lib, "HOLDER_WAIT_S", 0.1)
+    with pytest.raises(LockError, match=r"in use by another run \(its holder not recorded yet\)"):
+        FolderLock(str(d), "--out").acquire()
+    os.close(fd)
+
+
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     d = tmp_path / "run"
     child = subprocess.Popen([sys.executable, "-c", HOLD, str(d)], cwd=ROOT, stdout=subprocess.PIPE, text=True,

@@ -11,11 +11,13 @@ import fcntl
 import json
 import os
 import socket
+import time
 from typing import Optional
 
 __all__ = ["FolderLock", "LockError", "LOCK_NAME"]
 
 LOCK_NAME = ".train.lock"
+HOLDER_WAIT_S = 2.0  # how long a refused run waits for the holder's record, to name it
 
 
 class LockError(RuntimeError):
@@ -57,9 +59,10 @@ class FolderLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
-                holder = _read(fd)
+                held = e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK)
+                holder = _holder(fd, wait_s=HOLDER_WAIT_S if held else 0.0)
                 os.close(fd)
-                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                if not held:
                     raise LockError(f"{where}: cannot lock {LOCK_NAME}: {e.strerror or e}") from None
                 raise LockError(f"{where} is in use by another run ({holder}); refusing to share it "
                                 "(nothing written)") from None
@@ -107,10 +110,15 @@ class FolderLock:
         self.release()
 
 
-def _read(fd: int) -> str:
-    """The holder recorded in a lock file, in words."""
-    try:
-        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-        return f"pid {info['pid']} on {info['host']}, started {info['started']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "its holder not recorded yet"
+def _holder(fd: int, wait_s: float) -> str:
+    """The holder recorded in a lock file, in words; a holder that has just taken the lock writes its record right
+    after, so an empty or partial record is read again for up to ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+            return f"pid {info['pid']} on {info['host']}, started {info['started']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            if time.monotonic() >= deadline:
+                return "its holder not recorded yet"
+            time.sleep(0.01)

@@ -307,17 +307,22 @@ def sharded_state(params, tx, mesh=None, rules: Optional[Rules] = None, policy: 
     """``(stored params, optimizer state)`` of float ``params`` (a tree, or a function of no arguments returning one,
     such as a model's init), in one jitted program whose outputs are laid out where they live
     (:func:`~jax_nvfp4.sharding.shardings`): :func:`~jax_nvfp4.sharding.shard_params` with ``mesh``, ``rules``,
-    ``policy``, then ``tx.init``; ``tx`` is :func:`master_weights` (or an optax state holding it) wherever a param is
-    NVFP4. No device holds an unsharded copy of the state; from a function, not of the float params either (each
-    device initialises what its shards need; the init's values may then differ in the last bit from another
-    compilation of it, as XLA fuses it with the quantization)."""
+    ``policy``, and ``tx.init`` with the float32 masters set to the float params in the stored layouts (those values,
+    not their 4-bit quantization: what fine-tuning a pretrained model needs). ``tx`` is :func:`master_weights` (or an
+    optax state holding it) wherever a param is NVFP4. No device holds an unsharded copy of the state; from a
+    function, not of the float params either (each device initialises what its shards need; the init's values may
+    then differ by a few float32 ulps from another compilation of it, as XLA compiles it with the quantization)."""
     mesh = context_mesh(mesh)
     if mesh is None:
         raise ValueError("sharded_state: no mesh: pass mesh= or call it under jax.set_mesh")
 
+    def float_in(stored, x):
+        x = x.dequantize(jnp.float32) if is_nvfp4(x) else x
+        return Tiled.from_logical(jnp.asarray(x, jnp.float32), stored.layout) if is_tiled(stored) else x
+
     def state(tree):
         stored = shard_params(tree, mesh, rules, policy)
-        return stored, tx.init(stored)
+        return stored, tx.init(jax.tree.map(float_in, stored, tree, is_leaf=is_tiled))
 
     fn, args = ((lambda: state(params())), ()) if callable(params) else (state, (params,))
     abstract = jax.eval_shape(fn, *args)

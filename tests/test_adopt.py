@@ -246,10 +246,11 @@ def test_an_nnx_model_split_by_its_logical_axis_names_trains_like_data_parallel(
 def test_the_state_is_built_where_it_lives():
     """``nv.sharded_state``: the stored params and the optimizer state of a stock Linen model
     are, bit for bit and sharding for sharding, what ``shard_params``, ``tx.init`` of the float
-    params (the masters: those values) and a ``device_put`` give op by op. Given the model's init instead of its params, the same state
-    (the init's float rounding aside), and the program's temporaries are under a quarter of the
-    float32 model per device (0.15 of it when written; 1.0 or more if the init ran replicated):
-    the 8 devices initialise their own shards, none holds the whole float model or state."""
+    params (the masters: those values) and a ``device_put`` give op by op. Given the model's
+    init instead of its params, the same state (the init's float rounding aside), and the
+    program's temporaries are under a quarter of the float32 model per device (0.15 of it when
+    written; 1.0 or more if the init ran replicated): the 8 devices initialise their own shards,
+    none holds the whole float model or state."""
     import flax.linen as nn
 
     class Block(nn.Module):
@@ -271,8 +272,8 @@ def test_the_state_is_built_where_it_lives():
     tx = nv.master_weights(optax.adamw(1e-3), rules=rules)
     fp32 = jax.jit(init)()
     with jax.set_mesh(mesh):  # the training stack's composition: masters from the float params
-        params = nv.shard_params(fp32, mesh, rules, policy)
-        want = jax.device_put((params, tx.init(fp32)), nv.shardings((params, tx.init(fp32)), mesh))
+        params, opt_state = nv.shard_params(fp32, mesh, rules, policy), tx.init(fp32)
+        want = jax.device_put((params, opt_state), nv.shardings((params, opt_state), mesh))
     got = nv.sharded_state(fp32, tx, mesh, rules, policy)
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

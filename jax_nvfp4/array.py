@@ -41,6 +41,7 @@ from typing import Optional, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jax_nvfp4 import numerics as nx
 
@@ -82,6 +83,22 @@ def _check_block(block) -> Tuple[int, int]:
 def _concrete(x) -> bool:
     """True for a host or device array with a known value (not a tracer, not abstract)."""
     return isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
+
+
+def _replicated(x, core: int = 2):
+    """``x`` with its last ``core`` dimensions replicated where its type shards them over an
+    Explicit mesh axis (batch dimensions before them keep their sharding). A quantization or
+    a tile relayout reshapes across those dimensions' shards, which explicit sharding types do
+    not express (JAX refuses the reshape): they are gathered first, as under an Auto mesh the
+    compiler would gather them."""
+    if isinstance(x, np.ndarray):
+        return x
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec)) if sharding is not None else ()
+    if all(e is None for e in spec[x.ndim - core:]):
+        return x
+    kept = P(*spec[:x.ndim - core], *(None,) * core)
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, kept))
 
 
 def _check_amax(amax, batch) -> jax.Array:
@@ -316,7 +333,7 @@ def quantize(
     """
     block = _check_block(block)
     check_rounding(rounding, key)
-    x = as_array(x)
+    x = _replicated(as_array(x))
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"quantize expects a floating-point array, got dtype {x.dtype}")
     if x.ndim < 2:

@@ -60,3 +60,28 @@ def test_explicit_and_auto_meshes_train_the_same_bits():
     loss_a, params_a = _train(AxisType.Auto)
     assert loss_e == loss_a
     assert [p.tobytes() for p in params_e] == [p.tobytes() for p in params_a]
+
+
+def test_the_logical_view_of_a_state_sharded_over_explicit_axes():
+    """``nv.sharding.logical`` of params and masters whose tiles are sharded over an Explicit
+    data axis, called eagerly and under jit, gives what it gives for their host copy (its
+    relayouts move entries between shards: the result is replicated), and ``shard_params`` of
+    float params sharded over that axis stores the bits it stores from unsharded ones."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (conftest asks for 8 simulated CPU devices)")
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
+    fp32 = {"w": jax.random.normal(jax.random.key(0), (96, 256)) * 0.1, "b": jnp.ones((256,))}
+    params, state = nv.sharded_state(fp32, nv.master_weights(optax.adam(1e-3)), mesh, nv.Rules(), nv.Policy())
+    tree = {"params": params, "master": nv.find_state(state).master}
+    assert "data" in tuple(jax.typeof(params["w"].data).sharding.spec)
+    host = nv.sharding.logical(jax.device_get(tree))
+    for view in (nv.sharding.logical(tree), jax.jit(nv.sharding.logical)(tree)):
+        leaves = jax.tree.leaves(view)
+        assert [np.asarray(a).tobytes() for a in leaves] == [np.asarray(a).tobytes() for a in jax.tree.leaves(host)]
+        assert all(a.sharding.is_fully_replicated for a in leaves)
+    np.testing.assert_array_equal(host["master"]["w"], fp32["w"])  # the master is the float param
+    with jax.set_mesh(mesh):
+        split = jax.device_put(fp32["w"], jax.sharding.NamedSharding(mesh, jax.P("data")))
+        stored = nv.shard_params({"w": split}, mesh, nv.Rules(), nv.Policy())["w"]
+    assert stored.data.tobytes() == params["w"].data.tobytes()
+    assert stored.scale_bits.tobytes() == params["w"].scale_bits.tobytes()

@@ -303,15 +303,13 @@ def apply_updates(params, updates):
     return optax.apply_updates(params, updates)
 
 
-def sharded_state(params, tx, mesh=None, rules: Optional[Rules] = None, policy: Optional[Policy] = None):
-    """``(stored params, optimizer state)`` of float ``params`` (a tree, or a function of no arguments returning one,
-    such as a model's init), in one jitted program whose outputs are laid out where they live
-    (:func:`~jax_nvfp4.sharding.shardings`): :func:`~jax_nvfp4.sharding.shard_params` with ``mesh``, ``rules``,
-    ``policy``, and ``tx.init`` with the float32 masters set to the float params in the stored layouts (those values,
-    not their 4-bit quantization: what fine-tuning a pretrained model needs). ``tx`` is :func:`master_weights` (or an
-    optax state holding it) wherever a param is NVFP4. No device holds an unsharded copy of the state; from a
-    function, not of the float params either (each device initialises what its shards need; the init's values may
-    then differ by a few float32 ulps from another compilation of it, as XLA compiles it with the quantization)."""
+def state_init(tx, mesh=None, rules: Optional[Rules] = None, policy: Optional[Policy] = None):
+    """The pure function :func:`sharded_state` compiles: float params -> ``(stored params, optimizer state)``,
+    :func:`~jax_nvfp4.sharding.shard_params` with ``mesh``, ``rules``, ``policy``, and ``tx.init`` with the float32
+    masters set to the float params in the stored layouts. Compose it with a model's init and ``jit`` it with
+    ``out_shardings`` from ``jax.eval_shape`` (:func:`~jax_nvfp4.sharding.shardings`) to build a state from
+    arguments (a seed's key) in one program compiled once. TypeError (when traced): ``tx`` holds no
+    :func:`master_weights` state while a param is NVFP4."""
     mesh = context_mesh(mesh)
     if mesh is None:
         raise ValueError("sharded_state: no mesh: pass mesh= or call it under jax.set_mesh")
@@ -322,15 +320,29 @@ def sharded_state(params, tx, mesh=None, rules: Optional[Rules] = None, policy: 
 
     def state(tree):
         stored = shard_params(tree, mesh, rules, policy)
-        return stored, tx.init(jax.tree.map(float_in, stored, tree, is_leaf=is_tiled))
+        opt_state = tx.init(jax.tree.map(float_in, stored, tree, is_leaf=is_tiled))
+        if find_state(opt_state) is None and any(isinstance(x, TiledNVFP4) for x in
+                                                 jax.tree.leaves(stored, is_leaf=is_tiled)):
+            raise TypeError("sharded_state: tx holds no nv.master_weights state, so the NVFP4 params would be updated "
+                            "as 4-bit codes; wrap the optax transform: tx = nv.master_weights(optax.adamw(...), "
+                            "rules=rules)")
+        return stored, opt_state
 
+    return state
+
+
+def sharded_state(params, tx, mesh=None, rules: Optional[Rules] = None, policy: Optional[Policy] = None):
+    """``(stored params, optimizer state)`` of float ``params`` (a tree, or a function of no arguments returning one,
+    such as a model's init), in one jitted program whose outputs are laid out where they live
+    (:func:`~jax_nvfp4.sharding.shardings`): :func:`state_init`'s, with the float32 masters set to the float params
+    (those values, not their 4-bit quantization: what fine-tuning a pretrained model needs). ``tx`` is
+    :func:`master_weights` (or an optax state holding it) wherever a param is NVFP4. No device holds an unsharded
+    copy of the state; from a function, not of the float params either (each device initialises what its shards
+    need; the init's values may then differ by a few float32 ulps from another compilation of it, as XLA compiles it
+    with the quantization)."""
+    state = state_init(tx, mesh, rules, policy)
     fn, args = ((lambda: state(params())), ()) if callable(params) else (state, (params,))
-    abstract = jax.eval_shape(fn, *args)
-    if find_state(abstract[1]) is None and any(isinstance(x, TiledNVFP4) for x in
-                                               jax.tree.leaves(abstract[0], is_leaf=is_tiled)):
-        raise TypeError("sharded_state: tx holds no nv.master_weights state, so the NVFP4 params would be updated as "
-                        "4-bit codes; wrap the optax transform: tx = nv.master_weights(optax.adamw(...), rules=rules)")
-    return jax.jit(fn, out_shardings=shardings(abstract, mesh))(*args)
+    return jax.jit(fn, out_shardings=shardings(jax.eval_shape(fn, *args), context_mesh(mesh)))(*args)
 
 
 def find_state(state) -> Optional[MasterWeightsState]:

@@ -67,11 +67,10 @@ def _plan(cfg: Config, mesh) -> Trainer:
     model = from_config(cfg.model, cfg.nvfp4)
     policy, rules = policy_for(cfg), rules_for(cfg, nv.rules.axis_size(mesh, "tensor"))
     tx = make_optimizer(cfg, rules, policy, mesh)
-    tokens = jnp.zeros((1, cfg.model.seq_len), jnp.int32)
+    tokens, state = jnp.zeros((1, cfg.model.seq_len), jnp.int32), nv.optim.state_init(tx, mesh, rules, policy)
 
     def create(rng):
-        fp32 = jax.tree.map(lambda a: a.astype(jnp.float32), model.init({"params": rng}, tokens)["params"])
-        return nv.shard_params(nv.quantize_params(fp32, policy), mesh, rules), tx.init(fp32)
+        return state(jax.tree.map(lambda a: a.astype(jnp.float32), model.init({"params": rng}, tokens)["params"]))
 
     with jax.set_mesh(mesh):  # shapes and shardings only; the trace is cached for the jit below
         a_params, a_state = jax.eval_shape(create, jax.random.key(0))

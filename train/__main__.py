@@ -253,9 +253,9 @@ def _run(args, cfg, out_dir, fault) -> int:
         summary = summary_lib.summarize(runs, out_dir)
     except Stopped as e:
         if multi:  # every process has saved: leave together (a launcher may stop the others once one exits)
-            from train.peers import wait_at_barrier
+            from train.peers import coordination_client
             with contextlib.suppress(Exception):  # a peer gone meanwhile: its checkpoint is written
-                wait_at_barrier(f"train_stopped_{e.step}", 300_000)
+                coordination_client().wait_at_barrier(f"train_stopped_{e.step}", 300_000)
         if is_main:
             print(e.line(), file=sys.stderr, flush=True)
         return exit_code(e.signum)
@@ -362,7 +362,8 @@ def export_hf(cfg, params, directory: str, *, layout: str = "compressed-tensors"
         source = hf_import.read_hf_config(cfg.train.init_from)
         eos, bos = source.get("eos_token_id", eos), source.get("bos_token_id")
         max_positions = max(max_positions, int(source.get("max_position_embeddings") or 0))
-        tokenizer = hf_import.tokenizer_source(cfg.train.init_from) or tokenizer
+        if os.path.isfile(os.path.join(cfg.train.init_from, "tokenizer.json")):
+            tokenizer = cfg.train.init_from
     hf_cfg = hf_import.hf_config(cfg, max_position_embeddings=max_positions, eos_token_id=eos, bos_token_id=bos)
     files = hf_import.tokenizer_files(tokenizer, max_positions, eos_id=eos, bos_id=bos)
     input_amax = None
@@ -392,11 +393,8 @@ def _within(path: str, folder: str) -> bool:
 
 
 def output_refusal(args, cfg, out_dir: str) -> str:
-    """Why the outputs of this command cannot all be written (empty if they can), checked before
-    anything runs: ``--out`` a file or an earlier run's that this one does not resume; an export
-    folder on, in or around the run folders, the checkpoint folders, a file the run writes or the
-    other export; an ``--export`` folder not empty and not a previous export; an ``--export-hf``
-    folder not empty."""
+    """Why the outputs of this command cannot all be written (empty if they can), checked before anything runs:
+    exports overlap no run, checkpoint or other export and replace only a previous export; --out is new or resumed."""
     from jax_nvfp4.export import is_export
     from train.lock import LOCK_NAME
 
@@ -447,9 +445,8 @@ def output_refusal(args, cfg, out_dir: str) -> str:
 
 
 def print_summary(summary, out_dir: str) -> None:
-    """The end-of-run lines: per run, the training loss (named), the last step's loss and the
-    validation loss; then ONE gather ratio, named by what it divides, and every other ratio
-    labelled with its denominator."""
+    """The end-of-run lines: per run, the training loss (named), the last step's and the validation loss;
+    then ONE gather ratio, named by what it divides, and every other ratio labelled with its denominator."""
     r0 = summary["runs"][0]
     floor = r0["entropy_floor"]
     print(f"\n== summary ({out_dir}) ==")

@@ -60,10 +60,9 @@ def validation_losses(model, params, input_amax: Dict[str, Any], batches: Sequen
 
 
 def calibration_batches(cfg, n: int) -> List[np.ndarray]:
-    """The first ``n`` of the run's evaluation batches (``data.batch_size`` rows each, every process all of them)."""
+    """The first ``n`` of the run's evaluation batches (``data.batch_size`` rows each, every process all of them);
+    ``n`` < 1 raises ``train.eval_batches``' ConfigError."""
     from train import data as data_lib
-    if n < 1:
-        raise ValueError(f"calibration needs at least one batch, got {n}")
     source = data_lib.make_source(cfg.data, cfg.model, split="val")
     return data_lib.eval_batches(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=n)), source)
 

@@ -10,7 +10,6 @@ own. Every failure is a one-line :class:`ConfigError` naming the key. No jax her
 import dataclasses
 import functools
 import itertools
-import json
 import os
 import re
 import sys
@@ -25,9 +24,9 @@ from pydantic import Field, Strict
 from train.config_errors import ConfigError, one_line, short, suggest
 
 __all__ = ["AFFECTS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "Key", "MeshConfig", "ModelConfig",
-           "NVFP4Config", "OptimConfig", "RopeScaling", "SECTIONS", "TrainConfig", "apply_overrides", "config_keys",
-           "default_gin", "default_yaml", "from_dict", "load_config", "mesh_error", "override_keys",
-           "resolve_mesh_axes", "save_config", "setting", "to_dict", "to_yaml", "trajectory_keys",
+           "NVFP4Config", "OptimConfig", "ROPE_SCALING_KEYS", "RopeScaling", "SECTIONS", "TrainConfig",
+           "apply_overrides", "config_keys", "default_gin", "default_yaml", "from_dict", "load_config", "mesh_error",
+           "override_keys", "resolve_mesh_axes", "save_config", "setting", "to_dict", "to_yaml", "trajectory_keys",
            "validate_for_devices"]
 
 # Strict types (`layers: true` is not 1, `1` is not true); an int widens to a float.
@@ -103,6 +102,11 @@ class RopeScaling:
         if self.high_freq_factor <= self.low_freq_factor:
             raise ConfigError(f"model.rope_scaling.high_freq_factor={self.high_freq_factor}: must be > "
                               f"model.rope_scaling.low_freq_factor={self.low_freq_factor}")
+
+
+# The numeric keys of a llama3 rotary scaling, as transformers' config.json names them (train.model writes them,
+# train.hf_import reads them).
+ROPE_SCALING_KEYS = tuple(f.name for f in dataclasses.fields(RopeScaling) if f.name != "rope_type")
 
 
 def _rope_scaling(value):
@@ -489,11 +493,10 @@ CONFIGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"
 _GENERATED = "python -m train.config --write-defaults"
 
 
-def default_yaml(config_cls: Optional[type] = None, width: int = 100) -> str:
-    """``configs/default.yaml``: every key of ``config_cls`` (default :class:`Config`) with its default, after its
-    description and what a change of it affects, as comments."""
-    config_cls = Config if config_cls is None else config_cls
-    cfg = config_cls()
+def default_yaml(width: int = 100) -> str:
+    """``configs/default.yaml``: every key of :class:`Config` with its default, after its description and what a
+    change of it affects, as comments."""
+    cfg = Config()
     wrap = functools.partial(textwrap.wrap, break_long_words=False, break_on_hyphens=False)
     intro = (f"The default experiment: a {cfg.model.layers}-layer, d_model={cfg.model.d_model} byte-level "
              "transformer on the embedded Markov corpus (entropy rate ~1.515 nats/token = the loss floor), "
@@ -506,7 +509,7 @@ def default_yaml(config_cls: Optional[type] = None, width: int = 100) -> str:
     lines = []
     for para in (intro, legend, source):
         lines += ["#"] * bool(lines) + [f"# {line}" for line in wrap(para, width - 2)]
-    for section, keys in itertools.groupby(config_keys(config_cls), key=lambda k: k.section):
+    for section, keys in itertools.groupby(config_keys(), key=lambda k: k.section):
         lines += ["", f"{section}:"]
         for k in keys:
             lines += [f"  # {line}" for line in wrap(f"{k.explained()} [{k.affects}]", width - 4)]
@@ -514,27 +517,15 @@ def default_yaml(config_cls: Optional[type] = None, width: int = 100) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _gin_value(value: Any) -> str:
-    """``value`` (as :func:`to_dict` gives it) as a gin literal."""
-    if value is None or isinstance(value, (bool, int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "(" + ", ".join(map(_gin_value, value)) + ("," if len(value) == 1 else "") + ")"
-    return "{" + ", ".join(f"{json.dumps(k)}: {_gin_value(v)}" for k, v in value.items()) + "}"
-
-
-def default_gin(config_cls: Optional[type] = None) -> str:
-    """``configs/default.gin``: every key of ``config_cls`` (default :class:`Config`) bound to its default."""
-    config_cls = Config if config_cls is None else config_cls
-    values, classes = to_dict(config_cls()), {f.name: f.type.__name__ for f in dataclasses.fields(config_cls)}
+def default_gin() -> str:
+    """``configs/default.gin``: every key of :class:`Config` bound to its default."""
+    values, classes = to_dict(Config()), {f.name: f.type.__name__ for f in dataclasses.fields(Config)}
     lines = ["# The default experiment as gin bindings: every key, bound to its default. Each section is a",
              "# configurable named like its class in train/config.py; unbound keys keep their defaults.",
              "# Load with: python -m train --config train/configs/default.gin. What each key means:",
              f"# default.yaml, or python -m train --help. Written by {_GENERATED}."]
-    for section, keys in itertools.groupby(config_keys(config_cls), key=lambda k: k.section):
-        lines += [""] + [f"{classes[section]}.{k.name} = {_gin_value(values[section][k.name])}" for k in keys]
+    for section, keys in itertools.groupby(config_keys(), key=lambda k: k.section):
+        lines += [""] + [f"{classes[section]}.{k.name} = {values[section][k.name]!r}" for k in keys]
     return "\n".join(lines) + "\n"
 
 

@@ -35,33 +35,30 @@ class Source(Protocol):
 class MarkovSource:
     """A sparse first-order Markov chain over tokens ``0 .. states-1``, built from ``seed``.
 
-    Token ``i`` has ``k_i`` uniform in ``[min_successors, max_successors]`` successors with Zipf
-    probabilities ``∝ 1/j**zipf``; one successor walks a random Hamiltonian cycle (irreducible) and
+    Token ``i`` has ``k_i`` uniform in ``[4, 8]`` successors (at most ``states``) with Zipf
+    probabilities ``∝ 1/j``; one successor walks a random Hamiltonian cycle (irreducible) and
     one token points to itself (aperiodic), so the stationary ``π`` is unique. Windows start from ``π``.
     """
 
-    def __init__(self, vocab: int = 256, states: int = 64, seed: int = 0, *,
-                 min_successors: int = 4, max_successors: int = 8, zipf: float = 1.0):
+    def __init__(self, vocab: int = 256, states: int = 64, seed: int = 0):
         if not 2 <= states <= vocab:
             raise ConfigError(f"data.markov_states={states}: must be in [2, model.vocab={vocab}]")
-        if not 1 <= min_successors <= max_successors:
-            raise ValueError(f"need 1 <= min_successors <= max_successors, got {min_successors}, {max_successors}")
         self.vocab, self.states, self.seed = int(vocab), int(states), int(seed)
         # A fixed second entry keeps the structure stream apart from the batch streams.
         rng = np.random.default_rng([self.seed, 0x4D61726B])
         cycle = rng.permutation(states)
         nxt_on_cycle = np.empty(states, np.int64)
         nxt_on_cycle[cycle] = np.roll(cycle, -1)
-        kmax = min(max_successors, states)
+        kmax = min(8, states)
         succ, cdf = np.zeros((states, kmax), np.int64), np.ones((states, kmax), np.float64)
         trans = np.zeros((states, states), np.float64)
         for i in range(states):
-            k = int(rng.integers(min(min_successors, states), kmax + 1))
+            k = int(rng.integers(min(4, states), kmax + 1))
             must = [int(nxt_on_cycle[i])] + ([i] if i == cycle[0] else [])
             others = rng.permutation(np.setdiff1d(np.arange(states), must))
             targets = np.array((must + list(others))[:max(k, len(must))])
             rng.shuffle(targets)
-            p = 1.0 / np.arange(1, len(targets) + 1) ** zipf
+            p = 1.0 / np.arange(1, len(targets) + 1)
             p /= p.sum()
             trans[i, targets] = p
             k = len(targets)
@@ -97,10 +94,6 @@ class MarkovSource:
         for t in range(1, length):
             s = out[:, t] = self._succ[s, (u[:, t, None] >= self._cdf[s]).sum(axis=1)]
         return out
-
-    def __repr__(self) -> str:
-        return (f"MarkovSource(vocab={self.vocab}, states={self.states}, seed={self.seed}, "
-                f"entropy_rate={self.entropy_rate():.4f} nats)")
 
 
 def _check_file(path: str, key: str) -> int:
@@ -160,9 +153,6 @@ class TextFileSource(_FileSource):
             start = int(r.integers(0, n - length + 1))
             out[i] = self.tokens[start:start + length]
         return out
-
-    def __repr__(self) -> str:
-        return f"TextFileSource({self.path!r}, {len(self)} bytes)"
 
 
 def read_token_header(path: str | os.PathLike, key: str = "data.path") -> dict[str, Any]:
@@ -243,9 +233,6 @@ class TokenFileSource(_FileSource):
                               "python -m train.prepare); write the file again")
         return out
 
-    def __repr__(self) -> str:
-        return f"TokenFileSource({self.path!r}, {len(self)} tokens, vocab {self.vocab})"
-
 
 class DataIterator:
     """Batches ``[rows, seq_len + 1] int32`` of this process; batch ``s`` depends only on
@@ -315,8 +302,6 @@ def make_source(data: DataConfig, model: ModelConfig, split: str = "train") -> S
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     if data.source == "markov":
         return MarkovSource(vocab=model.vocab, states=data.markov_states, seed=data.seed)
-    if data.source not in ("file", "tokens"):
-        raise ConfigError(f"data.source={data.source!r}: must be 'markov', 'file' or 'tokens'")
     cls = TextFileSource if data.source == "file" else TokenFileSource
     n = model.seq_len + 1
     if split == "train":

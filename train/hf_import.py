@@ -12,13 +12,10 @@ import json
 import os
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from train.config import Config, ConfigError, RopeScaling
+from train.config import ROPE_SCALING_KEYS, Config, ConfigError, RopeScaling
 
-__all__ = ["hf_config", "load", "model_values", "notice", "plan", "read_hf_config", "resolve_config",
-           "tokenizer_source"]
+__all__ = ["hf_config", "load", "model_values", "notice", "plan", "read_hf_config", "resolve_config"]
 
-# transformers' keys of a Llama 3.x rotary scaling (rope_type "llama3"), as train.model reads them.
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # The weights of jax_nvfp4.export's NVFP4A16_QUANTIZATION_CONFIG (resolving a config imports no JAX).
 _NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group"}
 # model config key -> its config.json name.
@@ -66,10 +63,10 @@ def _rope(hf: Dict[str, Any], where: str) -> Tuple[float, Optional[RopeScaling]]
         if kind != "llama3":
             _fail(where, f"config.json {name}.rope_type={kind!r}: this model has plain rotary positions and Llama "
                          "3.x's scaling (rope_type 'llama3') only")
-        missing = [k for k in _LLAMA3_KEYS if d.get(k) is None]
+        missing = [k for k in ROPE_SCALING_KEYS if d.get(k) is None]
         if missing:
             _fail(where, f"config.json {name} (rope_type 'llama3') has no {missing[0]}")
-        values = {k: d[k] for k in _LLAMA3_KEYS}
+        values = {k: d[k] for k in ROPE_SCALING_KEYS}
         old = values["original_max_position_embeddings"]
         values["original_max_position_embeddings"] = int(old) if isinstance(old, float) and old.is_integer() else old
         try:
@@ -175,11 +172,6 @@ def hf_config(cfg: Config, **kw) -> Dict[str, Any]:
     return llama_config(vocab=m.vocab, d_model=m.d_model, layers=m.layers, heads=m.heads, kv_heads=m.n_kv_heads,
                         mlp_hidden=m.mlp_hidden, rope_theta=m.rope_theta, rope_scaling=m.rope_scaling,
                         norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings, **kw)
-
-
-def tokenizer_source(directory: Optional[str]) -> Optional[str]:
-    """``directory`` when it holds a Hugging Face tokenizer (``tokenizer.json``), else None."""
-    return directory if directory and os.path.isfile(os.path.join(directory, "tokenizer.json")) else None
 
 
 def tokenizer_files(tokenizer: Optional[str], max_positions: int, *, eos_id: Optional[int] = None,

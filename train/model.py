@@ -18,6 +18,7 @@ from jax_nvfp4.nn import NVFP4_COLLECTION, ROUNDING_RNG, NVFP4Dense, Recipe
 from jax_nvfp4.params import Policy
 from jax_nvfp4.tensor_parallel import TensorParallel, vocab_embed, vocab_token_losses
 from train.attention import attention
+from train.config import ROPE_SCALING_KEYS
 
 # Megatron tensor-parallel splits: q/k/v/gate/up along their outputs, out/down along their inputs,
 # embedding and head along the vocabulary (the residual between blocks is split along the sequence).
@@ -77,10 +78,6 @@ class RMSNorm(nn.Module):
         xf = x.astype(jnp.float32)
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return y.astype(self.dtype) * scale.astype(self.dtype)
-
-
-# A Llama 3.x rotary scaling (transformers' rope_type "llama3").
-ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def _rope_scaling_json(scaling) -> Optional[Dict[str, Any]]:

@@ -10,8 +10,7 @@ import threading
 import time
 from typing import Dict, Optional
 
-__all__ = ["PeerWatch", "EXIT_LOST_PEER", "coordination_client", "preemption_sync_available", "wait_at_barrier",
-           "watch_peers"]
+__all__ = ["PeerWatch", "EXIT_LOST_PEER", "coordination_client", "preemption_sync_available", "watch_peers"]
 
 EXIT_LOST_PEER = 4
 _PREFIX = "train_peers"
@@ -92,11 +91,6 @@ def preemption_sync_available() -> bool:
     """Whether ``jax.distributed``'s preemption sync service runs here (:mod:`train.preemption`)."""
     from jax_nvfp4.internals import distributed_state
     return distributed_state().preemption_sync_manager is not None
-
-
-def wait_at_barrier(name: str, timeout_ms: int) -> None:
-    """Wait for every process at barrier ``name`` (raises after ``timeout_ms`` or when one is gone)."""
-    coordination_client().wait_at_barrier(name, timeout_ms)
 
 
 def watch_peers(heartbeat_timeout: float) -> Optional[PeerWatch]:

@@ -247,21 +247,22 @@ def test_tensor_axis_splits_the_weights_and_trains_like_the_data_axis(tmp_path, 
 
 @job_worker
 def test_weights_kept_in_bf16_split_over_the_tensor_axis_like_nvfp4_ones(tmp_path):
-    """Every storage choice under tensor parallelism in one model: its first and last blocks
-    kept in bf16, the middle block's attention kept by pattern (its MLP NVFP4), the embedding
-    and head kept by the default patterns; data 4 x tensor 2 trains like data 8 (within bf16
-    rounding), and each kept kernel is split over the tensor axis as an NVFP4 one is."""
-    storage = ("model.layers=3", "nvfp4.keep_first_blocks=1", "nvfp4.keep_last_blocks=1",
-               "nvfp4.keep_bf16=[embed,head,norm,attn]")
+    """Every storage choice under tensor parallelism in one model: its last block kept in bf16,
+    the first block's attention kept by pattern (its MLP NVFP4), the embedding and head kept by
+    the default patterns; data 4 x tensor 2 trains like data 8 (within bf16 rounding), and each
+    kept kernel is split over the tensor axis as an NVFP4 one is."""
+    storage = ("nvfp4.keep_last_blocks=1", "nvfp4.keep_bf16=[embed,head,norm,attn]")
     flat = loop.run(job(*storage), mesh_of(job(*storage), 8), str(tmp_path / "flat"), progress=False)
     cfg = job("mesh.data=4", "mesh.tensor=2", *storage)
     split = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path / "split"), progress=False)
     np.testing.assert_allclose(split["history"], flat["history"], rtol=3e-3)
     import jax_nvfp4 as nv
 
-    kept = [x for x in jax.tree.leaves(split["params"], is_leaf=nv.layout.is_tiled)
-            if isinstance(x, nv.Tiled) and x.layout.n_tensor == 2]
-    assert kept, "no bf16 kernel split over the tensor axis"
+    stored = {jax.tree_util.keystr(p): type(x).__name__ for p, x in jax.tree_util.tree_flatten_with_path(
+        split["params"], is_leaf=nv.layout.is_tiled)[0] if nv.layout.is_tiled(x) and x.layout.n_tensor == 2}
+    nvfp4 = {p for p, kind in stored.items() if kind == "TiledNVFP4"}
+    assert nvfp4 == {f"['blocks']['mlp']['{k}']['kernel']" for k in ("gate", "up", "down")}, stored
+    assert len(stored) == 2 + 3 + 4 + 7, stored  # embed, head; and each block's kept kernels, split too
     assert {r.axes for r in split["step_program"].select(op="all-gather", purpose="weight gather")} == {("data",)}
 
 

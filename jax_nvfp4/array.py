@@ -85,20 +85,17 @@ def _concrete(x) -> bool:
     return isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
 
 
-def _replicated(x, core: int = 2):
-    """``x`` with its last ``core`` dimensions replicated where its type shards them over an
-    Explicit mesh axis (batch dimensions before them keep their sharding). A quantization or
-    a tile relayout reshapes across those dimensions' shards, which explicit sharding types do
-    not express (JAX refuses the reshape): they are gathered first, as under an Auto mesh the
-    compiler would gather them."""
+def _replicated(x):
+    """``x``, replicated if its type shards it over an Explicit mesh axis. A quantization or a
+    tile relayout reshapes it (blocks, tiles), which explicit sharding types express only for
+    reshapes that split one axis (JAX refuses the others, even with the sharded axis kept): it
+    is gathered first, as under an Auto mesh the compiler gathers it."""
     if isinstance(x, np.ndarray):
         return x
     sharding = getattr(jax.typeof(x), "sharding", None)
-    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec)) if sharding is not None else ()
-    if all(e is None for e in spec[x.ndim - core:]):
+    if sharding is None or all(e is None for e in sharding.spec):
         return x
-    kept = P(*spec[:x.ndim - core], *(None,) * core)
-    return jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, kept))
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, P()))
 
 
 def _check_amax(amax, batch) -> jax.Array:

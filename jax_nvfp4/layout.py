@@ -53,35 +53,29 @@ def _xp(x):
     return np if isinstance(x, np.ndarray) else jnp
 
 
-def _relayout(core):
-    """A :class:`Layout` relayout (reshapes, pads, transposes, slices) of an array whose last
-    ``core`` dimensions it moves (``core``: a number, or a function of the call's arguments),
-    run where its input is: a NumPy array stays on the host in NumPy (a checkpoint's or an
-    export's host copy compiles nothing); a traced one is inlined into the caller's program; a
-    concrete ``jax.Array`` runs it as one compiled program per shape (op by op, each of its ops
-    would compile its own). Those dimensions, where sharded over an Explicit mesh axis (a
-    stored leaf's tiles over the data axis), are replicated first
-    (:func:`~jax_nvfp4.array._replicated`), and so in the result."""
+def _relayout(method):
+    """A :class:`Layout` relayout (reshapes, pads, transposes, slices), run where its input is:
+    a NumPy array stays on the host in NumPy (a checkpoint's or an export's host copy compiles
+    nothing); a traced one is inlined into the caller's program; a concrete ``jax.Array`` runs
+    it as one compiled program per shape (op by op, each of its ops would compile its own).
+    An input sharded over an Explicit mesh axis (a stored leaf's tiles over the data axis) is
+    replicated first (:func:`~jax_nvfp4.array._replicated`), and so is the result."""
+    self_name, _array, *rest = inspect.signature(method).parameters
+    static = (self_name, *rest)
 
-    def decorate(method):
-        self_name, _array, *rest = inspect.signature(method).parameters
-        static = (self_name, *rest)
+    @functools.wraps(method)  # jit reads the static arguments' names from its signature
+    def replicated(self, x, *args, **kwargs):
+        return method(self, _replicated(x), *args, **kwargs)
 
-        @functools.wraps(method)  # jit reads the static arguments' names from its signature
-        def replicated(self, x, *args, **kwargs):
-            return method(self, _replicated(x, core(*args, **kwargs) if callable(core) else core), *args, **kwargs)
+    program = jax.jit(replicated, static_argnames=static)
 
-        program = jax.jit(replicated, static_argnames=static)
+    @functools.wraps(method)
+    def run(self, x, *args, **kwargs):
+        if _concrete(x) and not isinstance(x, np.ndarray):
+            return program(self, x, *args, **kwargs)
+        return replicated(self, x, *args, **kwargs)
 
-        @functools.wraps(method)
-        def run(self, x, *args, **kwargs):
-            if _concrete(x) and not isinstance(x, np.ndarray):
-                return program(self, x, *args, **kwargs)
-            return replicated(self, x, *args, **kwargs)
-
-        return run
-
-    return decorate
+    return run
 
 
 def tile_scales(block) -> Tuple[int, int]:
@@ -200,7 +194,7 @@ class Layout:
             return x.reshape(*batch, nt, r // nt, c)
         return x[..., None, :, :]
 
-    @_relayout(2)
+    @_relayout
     def to_tiles(self, x: jax.Array, width: int = TILE, height: int = TILE) -> jax.Array:
         """``[..., rows', cols']`` -> ``[..., nt, T, height, width]``, zero-padded: each tile's
         ``height x width`` entries. 16 x 16 for values; 16 x 8 for packed codes (``cols'`` =
@@ -217,7 +211,7 @@ class Layout:
             x = xp.pad(x, [(0, 0)] * (k + 1) + [(0, self.padded_tiles - self.tiles), (0, 0), (0, 0)])
         return x
 
-    @_relayout(4)
+    @_relayout
     def from_tiles(self, t: jax.Array, cols: Optional[int] = None) -> jax.Array:
         """``[..., nt, T, height, width]`` -> ``[..., rows, cols]`` (the inverse of
         :meth:`to_tiles`; rows and ``cols`` default to the logical ones scaled by
@@ -240,7 +234,7 @@ class Layout:
             x = x[..., :cols]
         return x
 
-    @_relayout(2)
+    @_relayout
     def scales_to_tiles(self, s: jax.Array, block=BLOCK_2D) -> jax.Array:
         """Compact block scales ``[..., ceil(R/br), ceil(C/bc)]`` -> ``[..., nt, T]`` (2D tiles)
         or ``[..., nt, T, 16]`` (1D blocks: the tile's 16 scales)."""
@@ -248,7 +242,7 @@ class Layout:
         t = self.to_tiles(s, width=w, height=h)
         return t.reshape(*t.shape[:-2], h * w) if h * w > 1 else t[..., 0, 0]
 
-    @_relayout(lambda block=BLOCK_2D: 2 if tile_scales(block) == (1, 1) else 3)
+    @_relayout
     def scales_from_tiles(self, s: jax.Array, block=BLOCK_2D) -> jax.Array:
         """The tiles' scales (:meth:`scales_to_tiles`) -> compact ``[..., ceil(R/br), ceil(C/bc)]``."""
         h, w = tile_scales(block)

@@ -65,8 +65,9 @@ def test_explicit_and_auto_meshes_train_the_same_bits():
 def test_the_logical_view_of_a_state_sharded_over_explicit_axes():
     """``nv.sharding.logical`` of params and masters whose tiles are sharded over an Explicit
     data axis, called eagerly and under jit, gives what it gives for their host copy (its
-    relayouts move entries between shards: the result is replicated), and ``shard_params`` of
-    float params sharded over that axis stores the bits it stores from unsharded ones."""
+    relayouts move entries between shards: the result is replicated); ``shard_params`` of
+    float params sharded over that axis stores the bits it stores from unsharded ones, and
+    ``quantize`` of a stack sharded along its batch axis the bits of the host copy's."""
     if jax.device_count() < 4:
         pytest.skip("needs 4 devices (conftest asks for 8 simulated CPU devices)")
     mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
@@ -85,3 +86,11 @@ def test_the_logical_view_of_a_state_sharded_over_explicit_axes():
         stored = nv.shard_params({"w": split}, mesh, nv.Rules(), nv.Policy())["w"]
     assert stored.data.tobytes() == params["w"].data.tobytes()
     assert stored.scale_bits.tobytes() == params["w"].scale_bits.tobytes()
+    # A stack of matrices sharded along its batch axis, eagerly and inside shard_map's manual data axis.
+    stack = jax.device_put(jax.random.normal(jax.random.key(1), (4, 32, 48)),
+                           jax.sharding.NamedSharding(mesh, jax.P("data")))
+    want = nv.quantize(np.asarray(stack))
+    assert np.asarray(nv.quantize(stack).data).tobytes() == np.asarray(want.data).tobytes()
+    per_shard = jax.jit(jax.shard_map(lambda x: nv.quantize(x[0]).data[None], mesh=mesh, in_specs=jax.P("data"),
+                                      out_specs=jax.P("data")))
+    assert np.asarray(per_shard(stack)).tobytes() == np.asarray(want.data).tobytes()

@@ -308,7 +308,9 @@ def state_init(tx, mesh=None, rules: Optional[Rules] = None, policy: Optional[Po
     :func:`~jax_nvfp4.sharding.shard_params` with ``mesh``, ``rules``, ``policy``, and ``tx.init`` with the float32
     masters set to the float params in the stored layouts. Compose it with a model's init and ``jit`` it with
     ``out_shardings`` from ``jax.eval_shape`` (:func:`~jax_nvfp4.sharding.shardings`) to build a state from
-    arguments (a seed's key) in one program compiled once. TypeError (when traced): ``tx`` holds no
+    arguments (a seed's key) in one program compiled once; on a mesh with Explicit axes, inside
+    ``jax.sharding.auto_axes(..., out_sharding=those shardings)`` as :func:`sharded_state` does (else each device
+    computes the whole state its explicit types call replicated). TypeError (when traced): ``tx`` holds no
     :func:`master_weights` state while a param is NVFP4."""
     mesh = context_mesh(mesh)
     if mesh is None:
@@ -340,9 +342,13 @@ def sharded_state(params, tx, mesh=None, rules: Optional[Rules] = None, policy: 
     copy of the state; from a function, not of the float params either (each device initialises what its shards
     need; the init's values may then differ by a few float32 ulps from another compilation of it, as XLA compiles it
     with the quantization)."""
-    state = state_init(tx, mesh, rules, policy)
+    state, mesh = state_init(tx, mesh, rules, policy), context_mesh(mesh)
     fn, args = ((lambda: state(params())), ()) if callable(params) else (state, (params,))
-    return jax.jit(fn, out_shardings=shardings(jax.eval_shape(fn, *args), context_mesh(mesh)))(*args)
+    out = shardings(jax.eval_shape(fn, *args), mesh)
+    explicit = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit)
+    if explicit:  # the compiler places the work from the outputs' shardings, as on Auto axes
+        fn = jax.sharding.auto_axes(fn, axes=explicit, out_sharding=out)
+    return jax.jit(fn, out_shardings=out)(*args)
 
 
 def find_state(state) -> Optional[MasterWeightsState]:

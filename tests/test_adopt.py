@@ -249,8 +249,8 @@ def test_the_state_is_built_where_it_lives():
     params (the masters: those values) and a ``device_put`` give op by op. Given the model's
     init instead of its params, the same state (the init's float rounding aside), and the
     program's temporaries are under a quarter of the float32 model per device (0.15 of it when
-    written; 1.0 or more if the init ran replicated): the 8 devices initialise their own shards,
-    none holds the whole float model or state."""
+    written; 1.0 or more if the init ran replicated), on Auto and Explicit mesh axes alike: the
+    8 devices initialise their own shards, none holds the whole float model or state."""
     import flax.linen as nn
 
     class Block(nn.Module):
@@ -297,10 +297,15 @@ def test_the_state_is_built_where_it_lives():
     # A plain optax transform would update the 4-bit codes themselves: refused, naming the fix.
     with pytest.raises(TypeError, match=r"no nv.master_weights state.*nv.master_weights\(optax"):
         nv.sharded_state(fp32, optax.adamw(1e-3), mesh, rules, policy)
-    memory = jax.jit(lambda: nv.sharded_state(init, tx, mesh, rules, policy)).lower().compile().memory_analysis()
-    assert memory.argument_size_in_bytes == 0
-    assert memory.output_size_in_bytes < state / 6  # each device its eighth, small leaves replicated
-    assert memory.temp_size_in_bytes < whole / 4, (memory.temp_size_in_bytes, whole)
+    # The same on Explicit axes (jax.make_mesh's default) set as the context mesh, as the README
+    # does, where the init's types say replicated.
+    explicit = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    for m in (mesh, explicit):
+        with jax.set_mesh(m):
+            memory = jax.jit(lambda: nv.sharded_state(init, tx, m, rules, policy)).lower().compile().memory_analysis()
+        assert memory.argument_size_in_bytes == 0
+        assert memory.output_size_in_bytes < state / 6  # each device its eighth, small leaves replicated
+        assert memory.temp_size_in_bytes < whole / 4, (m.axis_types, memory.temp_size_in_bytes, whole)
 
 
 def test_a_mesh_without_the_data_axis_is_refused():

@@ -72,8 +72,13 @@ def spec_of(leaf) -> P:
 # ----------------------------------------------------------------------------- placement (outside shard_map)
 def constrain(x, sharding):
     """``with_sharding_constraint``, or ``jax.sharding.reshard`` on meshes with Explicit axes
-    (the default of ``jax.make_mesh``), where a constraint is refused."""
+    (the default of ``jax.make_mesh``), where a constraint is refused. Under a context mesh of
+    the same axes (a ``jax.set_mesh``, or a ``jax.sharding.auto_axes`` region that retypes
+    them), the axes are typed as the context types them."""
     mesh = getattr(sharding, "mesh", None)
+    context = jax.sharding.get_abstract_mesh()
+    if isinstance(sharding, NamedSharding) and not context.empty and context.axis_names == mesh.axis_names:
+        sharding, mesh = NamedSharding(context, sharding.spec), context
     types = getattr(mesh, "axis_types", ())
     if any(str(t).endswith("Explicit") for t in types):
         return jax.sharding.reshard(x, sharding)

@@ -66,7 +66,8 @@ def test_the_logical_view_of_a_state_sharded_over_explicit_axes():
     """``nv.sharding.logical`` of params and masters whose tiles are sharded over an Explicit
     data axis, called eagerly and under jit, gives what it gives for their host copy (its
     relayouts move entries between shards: the result is replicated); ``sharded_state`` of
-    float params sharded over that axis builds the state it builds from unsharded ones, and
+    float params sharded over that axis builds the state it builds from unsharded ones (its tx
+    told the mesh, so the masters are constrained inside its program too), and
     ``quantize`` of a stack sharded along its batch axis the bits of the host copy's."""
     if jax.device_count() < 4:
         pytest.skip("needs 4 devices (conftest asks for 8 simulated CPU devices)")
@@ -83,7 +84,7 @@ def test_the_logical_view_of_a_state_sharded_over_explicit_axes():
     np.testing.assert_array_equal(host["master"]["w"], fp32["w"])  # the master is the float param
     # Float params sharded over the axis (as an NNX model's partitioned init makes them).
     split = dict(fp32, w=jax.device_put(fp32["w"], jax.sharding.NamedSharding(mesh, jax.P("data"))))
-    again = nv.sharded_state(split, nv.master_weights(optax.adam(1e-3)), mesh, nv.Rules(), nv.Policy())
+    again = nv.sharded_state(split, nv.master_weights(optax.adam(1e-3), mesh=mesh), mesh, nv.Rules(), nv.Policy())
     assert [np.asarray(a).tobytes() for a in jax.tree.leaves(again)] == [
         np.asarray(a).tobytes() for a in jax.tree.leaves((params, state))]
     # A stack of matrices sharded along its batch axis, eagerly and inside shard_map's manual data axis.

@@ -87,7 +87,7 @@ def _gather_forward(stored, cfg: GatherConfig):
             return (None, stored.to_array()) if cfg.nvfp4 else (stored.dequantize(cfg.dtype), None)
         if isinstance(stored, Tiled):
             return stored.logical().astype(cfg.dtype), None
-        return stored.astype(cfg.dtype), None
+        return _in_dtype(stored, cfg.dtype), None
     with jax.named_scope(GATHER_SCOPE):
         if isinstance(stored, TiledNVFP4):
             dim = stored.data.ndim - 3
@@ -104,7 +104,12 @@ def _gather_forward(stored, cfg: GatherConfig):
             dim = stored.value.ndim - 3
             full = all_gather_bits(stored.value, axis, dim=dim, tiled=True)
             return stored.layout.from_tiles(full).astype(cfg.dtype), None
-        return stored.astype(cfg.dtype), None
+        return _in_dtype(stored, cfg.dtype), None
+
+
+def _in_dtype(x, dtype):
+    """A replicated leaf as the weights compute: a float one in ``dtype``; others (ids, flags) as they are."""
+    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
 def _zero_cotangent(x):

@@ -107,6 +107,10 @@ def master_weights(
             # donates both.
             if isinstance(leaf, Tiled):
                 return Tiled(jnp.array(leaf.value, jnp.float32, copy=True), leaf.layout)
+            if not is_nvfp4(leaf) and not jnp.issubdtype(dtype := jnp.asarray(leaf).dtype, jnp.floating):
+                raise TypeError(f"master_weights: param {p!r} is {dtype}: only float params are trained (each has a "
+                                "float32 master); keep integer, boolean and RNG-key state out of the params tree "
+                                "(NNX: nnx.split(model, nnx.Param, ...))")
             nvfp4 = is_nvfp4(leaf) or policy.wants(p, leaf, rules.stacked_axes(p))
             value = leaf.dequantize(jnp.float32) if is_nvfp4(leaf) else jnp.array(leaf, jnp.float32, copy=True)
             lay = layout_for(p, value.shape, nvfp4, m, rules)

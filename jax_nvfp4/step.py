@@ -86,14 +86,23 @@ class _Plan:
                              axis_names=set(self.manual), check_vma=False)
 
 
+def _rows(batch) -> int:
+    """The rows of a batch: an array's leading axis, or a tree's (a tuple or dict of arrays), which
+    every leaf shares (a clear error otherwise)."""
+    shapes = [jnp.shape(x) for x in jax.tree.leaves(batch)]
+    if not shapes or any(not shape for shape in shapes) or len({shape[0] for shape in shapes}) > 1:
+        raise ValueError(f"a batch is an array of rows, or a tree of arrays sharing their leading axis (rows); got "
+                         f"leaves of shapes {shapes}")
+    return shapes[0][0]
+
+
 def _split_rows(batch, plan: _Plan):
     """The batch placed with its rows split over the batch axes (a clear error if they do not divide)."""
-    n = int(np.prod([plan.mesh.shape[a] for a in plan.batch]))
-    rows = jnp.shape(batch)[0] if jnp.ndim(batch) else 0
+    n, rows = int(np.prod([plan.mesh.shape[a] for a in plan.batch])), _rows(batch)
     if rows % n:
         raise ValueError(f"the batch's {rows} rows do not split evenly over the batch axes {plan.batch} "
                          f"({n} devices): use a multiple of {n}")
-    return constrain(batch, NamedSharding(plan.mesh, P(plan.batch)))
+    return jax.tree.map(lambda x: constrain(x, NamedSharding(plan.mesh, P(plan.batch))), batch)
 
 
 def _plan(mesh, rules: Rules, dtype, packed: bool, tensor: str) -> _Plan:
@@ -120,7 +129,8 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: 
               dtype=jnp.bfloat16, packed: bool = True, grad_accum: int = 1, tensor: str = "gspmd"):
     """The sharded train step ``step(params, opt_state, batch, key=None, *args)`` ->
     ``(params, opt_state, {"loss", "skipped"})``. Call it under ``jax.jit`` (donate the
-    params and state).
+    params and state). ``batch``: an array of rows, or a tree of them (``(inputs, labels)``, a
+    dict) sharing their leading axis; its rows are split over the batch axes.
 
     Args:
       loss_fn: ``loss_fn(params, rows, key, *args) -> scalar``: the mean loss of this
@@ -160,9 +170,9 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: 
         if grad_accum == 1:
             loss, grads = grad_fn(masters, rows, key)
         else:
-            b = rows.shape[0] // grad_accum
-            if b * grad_accum != rows.shape[0]:
-                raise ValueError(f"{rows.shape[0]} rows per device are not divisible by grad_accum={grad_accum}")
+            b = _rows(rows) // grad_accum
+            if b * grad_accum != _rows(rows):
+                raise ValueError(f"{_rows(rows)} rows per device are not divisible by grad_accum={grad_accum}")
 
             def body(carry, xs):
                 i, r = xs
@@ -170,7 +180,7 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: 
                 return jax.tree.map(jnp.add, carry, (l, g)), None
 
             zero = jax.tree.map(jnp.zeros_like, (jnp.zeros([], jnp.float32), masters))
-            micro = rows.reshape(grad_accum, b, *rows.shape[1:])
+            micro = jax.tree.map(lambda r: r.reshape(grad_accum, b, *r.shape[1:]), rows)
             (loss, grads), _ = jax.lax.scan(body, zero, (jnp.arange(grad_accum), micro))
             loss, grads = loss / grad_accum, jax.tree.map(lambda g: g / np.float32(grad_accum), grads)
         with jax.named_scope(LOSS_SCOPE):
@@ -178,6 +188,10 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: 
 
     def step(params, opt_state, batch, key=None, *args):
         batch = _split_rows(batch, plan)
+        if find_state(opt_state) is None:
+            raise TypeError("make_step: opt_state holds no nv.master_weights state (the step updates the float32 "
+                            "masters); build it from tx = nv.master_weights(optax.adamw(...), rules=rules) with "
+                            "nv.sharded_state(params, tx, ...)")
         masters = find_state(opt_state).master
         m_specs = plan.specs(masters)
         arg_specs = tuple(P() for _ in args)

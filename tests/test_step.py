@@ -1,0 +1,91 @@
+"""The sharded step's and evaluation's batches: an array of rows, or a tree of arrays that
+share their rows (``(inputs, labels)``, a dict), split over the data axis alike."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jax_nvfp4 as nv
+
+
+def _setup():
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    fp32 = {"w1": jax.random.normal(k1, (32, 64)) * 0.2, "w2": jax.random.normal(k2, (64, 8)) * 0.2}
+    x = jax.random.normal(k3, (16, 32))
+    y = jnp.arange(16) % 8
+    return mesh, fp32, x, y
+
+
+def _loss(p, x, y):
+    logits = jax.nn.relu(x @ p["w1"]) @ p["w2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+
+
+def test_a_tree_batch_trains_and_evaluates_as_its_rows_packed_in_one_array():
+    """``(inputs, labels)`` and ``{"x", "y"}`` batches give the losses, params and evaluation
+    of one array holding the same rows, with and without gradient accumulation; leaves that
+    do not share their rows, and rows that do not split over the data axis, are one-line
+    errors."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (conftest asks for 8 simulated CPU devices)")
+    import flax.linen as nn
+
+    mesh, fp32, x, y = _setup()
+    packed = jnp.concatenate([x, y[:, None].astype(jnp.float32)], axis=1)
+    losses = {
+        "array": lambda p, r, k: _loss(nn.meta.unbox(p), r[:, :-1], r[:, -1].astype(jnp.int32)),
+        "tuple": lambda p, r, k: _loss(nn.meta.unbox(p), r[0], r[1]),
+        "dict": lambda p, r, k: _loss(nn.meta.unbox(p), r["x"], r["y"]),
+    }
+    batches = {"array": packed, "tuple": (x, y), "dict": {"x": x, "y": y}}
+    out = {}
+    with jax.set_mesh(mesh):
+        tx = nv.master_weights(optax.adam(1e-2))
+        for accum in (1, 2):
+            for kind in batches:
+                params, state = nv.sharded_state(fp32, tx, mesh, nv.Rules(), nv.Policy())
+                step = jax.jit(nv.make_step(losses[kind], tx, mesh, grad_accum=accum))
+                history = []
+                for _ in range(3):
+                    params, state, metrics = step(params, state, batches[kind])
+                    history.append(float(metrics["loss"]))
+                out[kind, accum] = history, [np.asarray(a).tobytes() for a in jax.tree.leaves((params, state))]
+            assert out["tuple", accum] == out["array", accum] == out["dict", accum]
+            assert out["array", accum][0][-1] < out["array", accum][0][0]
+        rows = lambda p, r: jnp.sum(jax.nn.relu(r["x"] @ nn.meta.unbox(p)["w1"]), axis=-1)
+        evaluate = jax.jit(nv.make_eval(rows, mesh))
+        whole = np.asarray(jnp.sum(jax.nn.relu(x @ nv.dequantize_params(nv.gather(params))["w1"]), axis=-1))
+        np.testing.assert_allclose(np.asarray(evaluate(params, {"x": x})), whole, rtol=1e-2)
+        step = jax.jit(nv.make_step(losses["tuple"], tx, mesh))
+        with pytest.raises(ValueError, match=r"^a batch is an array of rows, or a tree of arrays sharing"):
+            step(params, state, (x, y[:8]))
+        with pytest.raises(ValueError, match=r"^the batch's 6 rows do not split evenly"):
+            step(params, state, (x[:6], y[:6]))
+
+
+def test_leaves_that_are_not_float_weights():
+    """The model reads an integer leaf as it is (not rounded through the weights' bf16); the
+    master-weight optimizer refuses one (and an RNG key, as an unfiltered NNX state holds),
+    naming the leaf; a state without it is refused by the step, naming the fix."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (conftest asks for 8 simulated CPU devices)")
+    import flax.linen as nn
+
+    mesh, fp32, x, y = _setup()
+    ids = jnp.array([257, 3, 1025, 7], jnp.int32)  # 257 and 1025 are not bf16 numbers
+    with jax.set_mesh(mesh):
+        params = nv.shard_params(dict(fp32, ids=ids), mesh, nv.Rules(), nv.Policy())
+        params = jax.device_put(params, nv.shardings(params, mesh))
+        read = jax.jit(nv.make_eval(lambda p, r: jnp.broadcast_to(nn.meta.unbox(p)["ids"], (r.shape[0], 4)), mesh))
+        assert np.asarray(read(params, x)).tolist() == [ids.tolist()] * 16
+        tx = nv.master_weights(optax.adam(1e-2))
+        for name, extra in (("ids", {"ids": ids}), ("rngs/key", {"rngs": {"key": jax.random.key(0)}})):
+            with pytest.raises(TypeError, match=rf"^master_weights: param '{name}' is .*only float params are trained"):
+                nv.sharded_state({**fp32, **extra}, tx, mesh, nv.Rules(), nv.Policy())
+        plain = nv.sharded_state(fp32, optax.adam(1e-2), mesh, nv.Rules(), nv.Policy(keep=(".*",)))
+        step = jax.jit(nv.make_step(lambda p, r, k: _loss(nn.meta.unbox(p), r[0], r[1]), optax.adam(1e-2), mesh))
+        with pytest.raises(TypeError, match=r"^make_step: opt_state holds no nv.master_weights state"):
+            step(*plain, (x, y))

@@ -38,7 +38,7 @@ from jax_nvfp4.layout import Tiled, TiledNVFP4, is_tiled
 from jax_nvfp4.params import DEFAULT_POLICY, Policy, path_str, shared_amaxes
 from jax_nvfp4.rules import DEFAULT_RULES, Rules, layout_for
 from jax_nvfp4.sharding import (constrain, context_mesh, global_amax, global_norm, requantize, scatter_replicated,
-                                shard_params, shardings)
+                                shard_params, shardings, typed_mesh)
 
 
 class MasterWeightsState(NamedTuple):
@@ -81,7 +81,8 @@ def master_weights(
       policy: which float leaves passed to ``init`` are NVFP4 params (the policy given to
         ``quantize_params``; default the default policy). ``NVFP4Array`` leaves always are.
         Its ``four_over_six`` applies to every re-quantization.
-      mesh: the mesh; default the context mesh (``jax.set_mesh``), or none (one device).
+      mesh: the mesh; default the context mesh (``jax.set_mesh``), else (in the update) the mesh
+        the masters' types name on Explicit axes, else none (one device).
       rules: sharding rules (data/tensor axes); default data axis ``data_axis``.
       stochastic_rounding: re-quantize with stochastic rounding (key carried in the state).
       key: PRNG key for stochastic rounding (default ``jax.random.key(0)``).
@@ -141,7 +142,7 @@ def master_weights(
                                 "must be float arrays shaped like the dequantized weights (take them with respect "
                                 "to nv.dequantize_params(params), not the NVFP4 params)")
         _check_stored_form(params, state.master)
-        m = context_mesh(mesh)
+        m = context_mesh(mesh) or typed_mesh(state.master)
         grads_m = _grads_to_master(grads, state.master, m)
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads_m)]))
         updates_m, inner_state = inner.update(grads_m, state.inner_state, state.master, **extra)

@@ -58,6 +58,16 @@ def context_mesh(mesh=None):
     return m
 
 
+def typed_mesh(tree):
+    """The mesh a leaf of ``tree`` names in its type (sharded over Explicit axes), or None: under
+    ``jit`` without a context mesh, where a state's arrays still carry their mesh."""
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
+        if sharding is not None and any(e is not None for e in sharding.spec):
+            return sharding.mesh
+    return None
+
+
 def _is_node(x) -> bool:
     return is_nvfp4(x) or is_tiled(x)
 

@@ -95,3 +95,26 @@ def test_the_logical_view_of_a_state_sharded_over_explicit_axes():
     per_shard = jax.jit(jax.shard_map(lambda x: nv.quantize(x[0]).data[None], mesh=mesh, in_specs=jax.P("data"),
                                       out_specs=jax.P("data")))
     assert np.asarray(per_shard(stack)).tobytes() == np.asarray(want.data).tobytes()
+
+
+def test_the_optimizer_finds_the_mesh_in_its_state_without_a_context_mesh():
+    """Without ``jax.set_mesh`` and a ``master_weights`` not told the mesh, the step on an
+    Explicit mesh re-quantizes each device's shard over the mesh its masters' types name: the
+    bits of the optimizer told the mesh."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (conftest asks for 8 simulated CPU devices)")
+    import flax.linen as nn
+
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
+    fp32 = {"w": jax.random.normal(jax.random.key(0), (64, 96)) * 0.1}
+    x = jax.random.normal(jax.random.key(1), (8, 64))
+    loss = lambda p, rows, key: jnp.mean((rows @ nn.meta.unbox(p)["w"].astype(jnp.float32)) ** 2)
+    out = []
+    for told in (mesh, None):
+        tx = nv.master_weights(optax.adam(1e-2), mesh=told)
+        params, state = nv.sharded_state(fp32, tx, mesh, nv.Rules(), nv.Policy())
+        step = jax.jit(nv.make_step(loss, tx, mesh))
+        for _ in range(2):
+            params, state, _ = step(params, state, x)
+        out.append([np.asarray(a).tobytes() for a in jax.tree.leaves((params, state))])
+    assert out[0] == out[1]

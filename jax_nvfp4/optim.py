@@ -25,7 +25,7 @@ counted in the state). What to do about a skipped step is the host's decision:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -429,6 +429,23 @@ def _grads_to_master(grads, master, mesh):
         else:
             out.append(jnp.asarray(g, jnp.float32))
     return jax.tree.unflatten(treedef, out)
+
+
+def logical_mask(fn: Callable):
+    """A mask or labels function for the optax transforms inside :func:`master_weights`
+    (``optax.masked``, ``optax.adamw(mask=...)``, ``optax.multi_transform``): ``fn`` is called
+    on each param as a ``jax.ShapeDtypeStruct`` of its logical shape. The inner transform sees
+    the masters, whose tiled leaves are ``[..., nt, T, 16, 16]`` arrays: a function of their
+    ``shape`` or ``ndim`` would see the tiles (``lambda p: p.ndim == 2`` would mask out every
+    matrix). Its result holds ``fn``'s value where the masters hold a tiled node (a tree prefix
+    of the masters, as optax's masks may be)."""
+
+    def mask(tree):
+        return jax.tree.map(lambda x: fn(jax.ShapeDtypeStruct(x.shape if is_tiled(x) else jnp.shape(x),
+                                                              jnp.result_type(x.dtype if is_tiled(x) else x))),
+                            tree, is_leaf=is_tiled)
+
+    return mask
 
 
 def clip_by_global_norm(max_norm: float, mesh=None, rules: Optional[Rules] = None) -> optax.GradientTransformation:

@@ -89,3 +89,33 @@ def test_leaves_that_are_not_float_weights():
         step = jax.jit(nv.make_step(lambda p, r, k: _loss(nn.meta.unbox(p), r[0], r[1]), optax.adam(1e-2), mesh))
         with pytest.raises(TypeError, match=r"^make_step: opt_state holds no nv.master_weights state"):
             step(*plain, (x, y))
+
+
+def test_a_shape_based_weight_decay_mask_sees_the_logical_params():
+    """``optax.adamw(mask=nv.optim.logical_mask(lambda p: p.ndim == 2))`` inside
+    ``master_weights`` decays the matrices and not the vectors, as the same mask does for a
+    plain optax reference on float params (the masters' tiled leaves are 4-D arrays); so do
+    ``optax.masked`` and ``optax.multi_transform`` labels through it."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (conftest asks for 8 simulated CPU devices)")
+    mesh, _, x, y = _setup()
+    fp32 = {"kernel": jnp.ones((64, 96)), "bias": jnp.ones((96,))}
+    matrices = nv.optim.logical_mask(lambda p: p.ndim == 2)
+    labels = nv.optim.logical_mask(lambda p: "matrix" if p.ndim == 2 else "vector")
+    decayed = optax.chain(optax.add_decayed_weights(1.0), optax.sgd(0.5))
+    for make in (lambda: optax.adamw(0.5, weight_decay=1.0, mask=matrices),
+                 lambda: optax.chain(optax.masked(optax.add_decayed_weights(1.0), matrices), optax.sgd(0.5)),
+                 lambda: optax.multi_transform({"matrix": decayed, "vector": optax.sgd(0.5)}, labels)):
+        ref = make()
+        zeros = jax.tree.map(jnp.zeros_like, fp32)
+        want = optax.apply_updates(fp32, ref.update(zeros, ref.init(fp32), fp32)[0])
+        with jax.set_mesh(mesh):
+            tx = nv.master_weights(make())
+            params, state = nv.sharded_state(fp32, tx, mesh, nv.Rules(), nv.Policy(keep=("bias",)))
+            step = jax.jit(nv.make_step(lambda p, r, k: 0.0 * jnp.sum(r), tx, mesh))
+            params, state, _ = step(params, state, x)
+            got = nv.sharding.logical(nv.find_state(state).master)
+        assert isinstance(nv.find_state(state).master["kernel"], nv.Tiled)  # its leaf is 4-D
+        for k in fp32:
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+        assert float(want["kernel"][0, 0]) == 0.5 and float(want["bias"][0]) == 1.0

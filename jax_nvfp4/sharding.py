@@ -156,6 +156,7 @@ def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optiona
     the result."""
     rules = rules or DEFAULT_RULES
     mesh = context_mesh(mesh)
+    _refuse_mesh_boxes(tree)
     wanted = lambda p, leaf: (not is_tiled(leaf) and not is_nvfp4(leaf) and policy is not None
                               and policy.wants(p, leaf, rules.stacked_axes(p)))
     amax = shared_amaxes({p: matrix_amax(x) for p, x in ((path_str(k), x) for k, x in
@@ -179,6 +180,19 @@ def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optiona
         return Tiled.from_logical(leaf, lay)
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_node)
+
+
+def _refuse_mesh_boxes(tree) -> None:
+    """ValueError for a Linen ``nn.Partitioned`` box (``nn.with_partitioning``) in ``tree``: its
+    unbox constrains the value to the mesh axes it names, which the step's per-device program
+    refuses far from here. (``nn.LogicallyPartitioned`` boxes unbox without a constraint.)"""
+    from flax.core import meta
+
+    box = lambda x: type(x) is meta.Partitioned
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=box)[0]:
+        if box(leaf):
+            raise ValueError(f"{path_str(path)!r} is a flax nn.Partitioned box (nn.with_partitioning): pass the "
+                             "unboxed params, nn.unbox(params); the library lays them out over the mesh itself")
 
 
 def host_array(x) -> np.ndarray:

@@ -217,15 +217,19 @@ def make_eval(fn: Callable, mesh, rules: Optional[Rules] = None, *, dtype=jnp.bf
               tensor: str = "gspmd"):
     """``evaluate(params, batch)``: ``fn(params, rows)`` on each device's rows with the step's
     per-layer gathers (forward only: no device ever holds the whole model), its per-row
-    results (``[rows, ...]`` float32, e.g. each row's loss) gathered as bits in row order and
-    returned replicated, so a host-side mean does not depend on how devices sum. Call it
-    under ``jax.jit``. Arguments as :func:`make_step`."""
+    results (``[rows, ...]`` arrays or a tree of them, e.g. each row's loss) gathered as bits
+    in row order and returned replicated, so a host-side mean does not depend on how devices
+    sum. Call it under ``jax.jit``. Arguments as :func:`make_step`."""
     plan = _plan(mesh, rules, dtype, packed, tensor)
 
     def local(params, rows):
-        out = fn(shard_tree(params, None, plan.gather), rows)
+        out, n = fn(shard_tree(params, None, plan.gather), rows), _rows(rows)
+        shapes = [jnp.shape(o) for o in jax.tree.leaves(out)]
+        if not shapes or any(shape[:1] != (n,) for shape in shapes):
+            raise ValueError(f"make_eval: fn(params, rows) returns per-row results, arrays (or a tree of them) whose "
+                             f"leading axis is this device's {n} rows; got shapes {shapes}")
         with jax.named_scope(LOSS_SCOPE):
-            return all_gather_bits(out, plan.batch, tiled=True)
+            return jax.tree.map(lambda o: all_gather_bits(o, plan.batch, tiled=True), out)
 
     def evaluate(params, batch):
         batch = _split_rows(batch, plan)

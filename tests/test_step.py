@@ -27,8 +27,8 @@ def _loss(p, x, y):
 def test_a_tree_batch_trains_and_evaluates_as_its_rows_packed_in_one_array():
     """``(inputs, labels)`` and ``{"x", "y"}`` batches give the losses, params and evaluation
     of one array holding the same rows, with and without gradient accumulation; leaves that
-    do not share their rows, and rows that do not split over the data axis, are one-line
-    errors."""
+    do not share their rows, rows that do not split over the data axis and an evaluation that
+    does not return per-row results are one-line errors."""
     if jax.device_count() < 4:
         pytest.skip("needs 4 devices (conftest asks for 8 simulated CPU devices)")
     import flax.linen as nn
@@ -59,6 +59,10 @@ def test_a_tree_batch_trains_and_evaluates_as_its_rows_packed_in_one_array():
         evaluate = jax.jit(nv.make_eval(rows, mesh))
         whole = np.asarray(jnp.sum(jax.nn.relu(x @ nv.dequantize_params(nv.gather(params))["w1"]), axis=-1))
         np.testing.assert_allclose(np.asarray(evaluate(params, {"x": x})), whole, rtol=1e-2)
+        both = jax.jit(nv.make_eval(lambda p, r: {"sum": rows(p, r), "x": r["x"]}, mesh))(params, {"x": x})
+        assert np.asarray(both["x"]).tobytes() == np.asarray(x).tobytes()  # a tree of per-row results
+        with pytest.raises(ValueError, match=r"^make_eval: fn\(params, rows\) returns per-row results"):
+            jax.jit(nv.make_eval(lambda p, r: jnp.sum(r["x"]), mesh))(params, {"x": x})
         step = jax.jit(nv.make_step(losses["tuple"], tx, mesh))
         with pytest.raises(ValueError, match=r"^a batch is an array of rows, or a tree of arrays sharing"):
             step(params, state, (x, y[:8]))
@@ -69,7 +73,9 @@ def test_a_tree_batch_trains_and_evaluates_as_its_rows_packed_in_one_array():
 def test_leaves_that_are_not_float_weights():
     """The model reads an integer leaf as it is (not rounded through the weights' bf16); the
     master-weight optimizer refuses one (and an RNG key, as an unfiltered NNX state holds),
-    naming the leaf; a state without it is refused by the step, naming the fix."""
+    naming the leaf; so is a Linen nn.Partitioned box (its unbox would constrain the value
+    inside the step's per-device program); a state without master weights is refused by the
+    step, naming the fix."""
     if jax.device_count() < 4:
         pytest.skip("needs 4 devices (conftest asks for 8 simulated CPU devices)")
     import flax.linen as nn
@@ -85,6 +91,9 @@ def test_leaves_that_are_not_float_weights():
         for name, extra in (("ids", {"ids": ids}), ("rngs/key", {"rngs": {"key": jax.random.key(0)}})):
             with pytest.raises(TypeError, match=rf"^master_weights: param '{name}' is .*only float params are trained"):
                 nv.sharded_state({**fp32, **extra}, tx, mesh, nv.Rules(), nv.Policy())
+        boxed = dict(fp32, w1=nn.Partitioned(fp32["w1"], (None, "data")))  # nn.with_partitioning's box
+        with pytest.raises(ValueError, match=r"^'w1' is a flax nn.Partitioned box .*nn.unbox\(params\)"):
+            nv.sharded_state(boxed, tx, mesh, nv.Rules(), nv.Policy())
         plain = nv.sharded_state(fp32, optax.adam(1e-2), mesh, nv.Rules(), nv.Policy(keep=(".*",)))
         step = jax.jit(nv.make_step(lambda p, r, k: _loss(nn.meta.unbox(p), r[0], r[1]), optax.adam(1e-2), mesh))
         with pytest.raises(TypeError, match=r"^make_step: opt_state holds no nv.master_weights state"):

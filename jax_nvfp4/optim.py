@@ -36,7 +36,7 @@ from jax_nvfp4.array import NVFP4Array, is_nvfp4
 from jax_nvfp4.collectives import OPTIMIZER_SCOPE
 from jax_nvfp4.layout import Tiled, TiledNVFP4, is_tiled
 from jax_nvfp4.params import DEFAULT_POLICY, Policy, path_str, shared_amaxes
-from jax_nvfp4.rules import DEFAULT_RULES, Rules, layout_for
+from jax_nvfp4.rules import DEFAULT_RULES, Rules, batch_axes, layout_for
 from jax_nvfp4.sharding import (constrain, context_mesh, global_amax, global_norm, requantize, scatter_replicated,
                                 shard_params, shardings, typed_mesh)
 
@@ -348,6 +348,7 @@ def sharded_state(params, tx, mesh=None, rules: Optional[Rules] = None, policy: 
     need; the init's values may then differ by a few float32 ulps from another compilation of it, as XLA compiles it
     with the quantization)."""
     state, mesh = state_init(tx, mesh, rules, policy), context_mesh(mesh)
+    batch_axes(mesh, rules or DEFAULT_RULES)  # a mesh without them would replicate the whole state
     fn, args = ((lambda: state(params())), ()) if callable(params) else (state, (params,))
     out = shardings(jax.eval_shape(fn, *args), mesh)
     explicit = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit)

@@ -74,6 +74,16 @@ class Rules:
 DEFAULT_RULES = Rules()
 
 
+def batch_axes(mesh, rules: Rules) -> Tuple[str, ...]:
+    """The mesh axes the batch rows are split over, in mesh order (each process's rows consecutive).
+    Raises ValueError: the mesh has none of them."""
+    axes = tuple(a for a in mesh.axis_names if a in rules.batch_axes)
+    if not axes:
+        raise ValueError(f"the mesh {dict(mesh.shape)} has none of the rules' batch axes {rules.batch_axes}: "
+                         "nothing would be sharded (name the data axis in nv.Rules(data_axis=...))")
+    return axes
+
+
 def axis_size(mesh, name) -> int:
     """Size of mesh axis ``name`` (a tuple of axes: their product); 1 when absent."""
     if mesh is None or name is None:

@@ -42,23 +42,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_nvfp4.collectives import LOSS_SCOPE, all_gather_bits, ordered_mean
 from jax_nvfp4.fetch import GatherConfig, _manual_specs, shard_tree
 from jax_nvfp4.optim import find_state
-from jax_nvfp4.rules import DEFAULT_RULES, Rules, axis_size
+from jax_nvfp4.rules import DEFAULT_RULES, Rules, axis_size, batch_axes
 from jax_nvfp4.sharding import constrain, partition_specs
 from jax_nvfp4.tensor_parallel import TensorParallel
 
 __all__ = ["batch_axes", "make_step", "make_eval", "tensor_parallel", "tensor_rules_from_logical"]
 
 TENSOR_MODES = ("gspmd", "manual")
-
-
-def batch_axes(mesh, rules: Rules) -> Tuple[str, ...]:
-    """The mesh axes the batch rows are split over, in mesh order (each process's rows consecutive).
-    Raises ValueError: the mesh has none of them."""
-    axes = tuple(a for a in mesh.axis_names if a in rules.batch_axes)
-    if not axes:
-        raise ValueError(f"the mesh {dict(mesh.shape)} has none of the rules' batch axes {rules.batch_axes}: "
-                         "nothing would be sharded (name the data axis in nv.Rules(data_axis=...))")
-    return axes
 
 
 def tensor_parallel(mesh, rules: Rules = DEFAULT_RULES) -> TensorParallel:

@@ -310,13 +310,15 @@ def test_the_state_is_built_where_it_lives():
 
 def test_a_mesh_without_the_data_axis_is_refused():
     """The README's recipe on a mesh whose axis is not named "data" (or the rules' data axis):
-    the step refuses to build with one error naming the mesh and the fix, instead of running
-    fully replicated."""
+    the state and the step refuse to build with one error naming the mesh and the fix, instead
+    of running fully replicated."""
     mesh = jax.make_mesh((4,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
     tx = nv.master_weights(optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"none of the rules' batch axes .*nv.Rules\(data_axis=") as e:
         nv.make_step(lambda p, r, k: 0.0, tx, mesh, nv.Rules())
     assert "'batch': 4" in str(e.value)
+    with pytest.raises(ValueError, match=r"none of the rules' batch axes"):  # nor is a whole state built replicated
+        nv.sharded_state({"w": jnp.ones((64, 64))}, tx, mesh, nv.Rules(), nv.Policy())
     nv.make_step(lambda p, r, k: 0.0, tx, mesh, nv.Rules(data_axis="batch"))  # named: accepted
     # The batch's axes, in mesh order (a rack-major process layout keeps each process's rows together).
     racked = jax.make_mesh((2, 2, 2), ("rack", "data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3)

@@ -85,17 +85,22 @@ def _concrete(x) -> bool:
     return isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
 
 
+def explicit_sharding(x):
+    """The sharding ``x``'s type names where it shards a dimension over an Explicit mesh axis
+    (under ``jit`` too: the type carries its mesh), else None."""
+    if isinstance(x, np.ndarray) or not isinstance(x, jax.Array):
+        return None
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return sharding if sharding is not None and any(e is not None for e in sharding.spec) else None
+
+
 def _replicated(x):
     """``x``, replicated if its type shards it over an Explicit mesh axis. A quantization or a
     tile relayout reshapes it (blocks, tiles), which explicit sharding types express only for
     reshapes that split one axis (JAX refuses the others, even with the sharded axis kept): it
     is gathered first, as under an Auto mesh the compiler gathers it."""
-    if isinstance(x, np.ndarray):
-        return x
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    if sharding is None or all(e is None for e in sharding.spec):
-        return x
-    return jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, P()))
+    sharding = explicit_sharding(x)
+    return x if sharding is None else jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, P()))
 
 
 def _check_amax(amax, batch) -> jax.Array:

@@ -319,7 +319,7 @@ def state_init(tx, mesh=None, rules: Optional[Rules] = None, policy: Optional[Po
     :func:`master_weights` state while a param is NVFP4."""
     mesh = context_mesh(mesh)
     if mesh is None:
-        raise ValueError("sharded_state: no mesh: pass mesh= or call it under jax.set_mesh")
+        raise ValueError("state_init / sharded_state: no mesh: pass mesh= or call it under jax.set_mesh")
 
     def float_in(stored, x):
         x = x.dequantize(jnp.float32) if is_nvfp4(x) else x
@@ -347,7 +347,7 @@ def sharded_state(params, tx, mesh=None, rules: Optional[Rules] = None, policy: 
     copy of the state; from a function, not of the float params either (each device initialises what its shards
     need; the init's values may then differ by a few float32 ulps from another compilation of it, as XLA compiles it
     with the quantization)."""
-    state, mesh = state_init(tx, mesh, rules, policy), context_mesh(mesh)
+    state, mesh = state_init(tx, mesh, rules, policy), context_mesh(mesh)  # state_init refuses no mesh
     batch_axes(mesh, rules or DEFAULT_RULES)  # a mesh without them would replicate the whole state
     fn, args = ((lambda: state(params())), ()) if callable(params) else (state, (params,))
     out = shardings(jax.eval_shape(fn, *args), mesh)

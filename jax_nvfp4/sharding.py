@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_nvfp4 import numerics as nx
-from jax_nvfp4.array import BLOCK_2D, is_nvfp4, quantize
+from jax_nvfp4.array import BLOCK_2D, explicit_sharding, is_nvfp4, quantize
 from jax_nvfp4.collectives import (GATHER_SCOPE, NORM_SCOPE, REQUANTIZE_SCOPE, all_gather_bits, fold_sum, from_bits,
                                    to_bits)
 from jax_nvfp4.layout import Layout, Tiled, TiledNVFP4, is_tiled, quantize_tiles, tile_scales
@@ -61,11 +61,7 @@ def context_mesh(mesh=None):
 def typed_mesh(tree):
     """The mesh a leaf of ``tree`` names in its type (sharded over Explicit axes), or None: under
     ``jit`` without a context mesh, where a state's arrays still carry their mesh."""
-    for x in jax.tree.leaves(tree):
-        sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
-        if sharding is not None and any(e is not None for e in sharding.spec):
-            return sharding.mesh
-    return None
+    return next((s.mesh for s in map(explicit_sharding, jax.tree.leaves(tree)) if s is not None), None)
 
 
 def _is_node(x) -> bool:

@@ -160,9 +160,10 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: 
         if grad_accum == 1:
             loss, grads = grad_fn(masters, rows, key)
         else:
-            b = _rows(rows) // grad_accum
-            if b * grad_accum != _rows(rows):
-                raise ValueError(f"{_rows(rows)} rows per device are not divisible by grad_accum={grad_accum}")
+            n = _rows(rows)
+            b = n // grad_accum
+            if b * grad_accum != n:
+                raise ValueError(f"{n} rows per device are not divisible by grad_accum={grad_accum}")
 
             def body(carry, xs):
                 i, r = xs
@@ -178,11 +179,12 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: 
 
     def step(params, opt_state, batch, key=None, *args):
         batch = _split_rows(batch, plan)
-        if find_state(opt_state) is None:
+        state = find_state(opt_state)
+        if state is None:
             raise TypeError("make_step: opt_state holds no nv.master_weights state (the step updates the float32 "
                             "masters); build it from tx = nv.master_weights(optax.adamw(...), rules=rules) with "
                             "nv.sharded_state(params, tx, ...)")
-        masters = find_state(opt_state).master
+        masters = state.master
         m_specs = plan.specs(masters)
         arg_specs = tuple(P() for _ in args)
         if key is None:

@@ -202,7 +202,13 @@ def master_weights(
         )
         return jax.tree.unflatten(treedef, updates), new_state
 
+    update_fn.master_weights = True  # what is_master_weights reads
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def is_master_weights(tx) -> bool:
+    """Whether ``tx`` is a :func:`master_weights` optimizer (not a transform wrapping one)."""
+    return getattr(getattr(tx, "update", None), "master_weights", False) is True
 
 
 def _sharded(layout) -> bool:

@@ -41,7 +41,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_nvfp4.collectives import LOSS_SCOPE, all_gather_bits, ordered_mean
 from jax_nvfp4.fetch import GatherConfig, _manual_specs, shard_tree
-from jax_nvfp4.optim import find_state
+from jax_nvfp4.layout import is_tiled
+from jax_nvfp4.optim import MasterWeightsState, find_state, is_master_weights
+from jax_nvfp4.params import path_str
 from jax_nvfp4.rules import DEFAULT_RULES, Rules, axis_size, batch_axes
 from jax_nvfp4.sharding import constrain, partition_specs
 from jax_nvfp4.tensor_parallel import TensorParallel
@@ -70,6 +72,22 @@ class _Plan:
     def specs(self, tree):
         return jax.tree.map(lambda s: _manual_specs(s, self.manual), partition_specs(tree),
                             is_leaf=lambda x: isinstance(x, P))
+
+    def check_layouts(self, tree, who: str) -> None:
+        """A clear error where a stored leaf of ``tree`` was laid out for another mesh (its data or
+        tensor shards are not this mesh's), before the gathers would misread its tiles."""
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_tiled)[0]:
+            if not is_tiled(leaf):
+                continue
+            lay = leaf.layout  # a leaf split over the tensor axis: its shards there too
+            axes = (lay.data_axis,) + ((lay.tensor_axis,) if lay.n_tensor > 1 else ())
+            stored, here = (lay.n_data, lay.n_tensor)[:len(axes)], tuple(axis_size(self.mesh, a) for a in axes)
+            if stored != here:
+                raise ValueError(
+                    f"{who}: {path_str(path)!r} is stored as {' x '.join(map(str, stored))} shards over "
+                    f"{' x '.join(map(repr, axes))}, which this mesh {dict(self.mesh.shape)} makes "
+                    f"{' x '.join(map(str, here))}: build the state on the mesh the step runs on "
+                    "(nv.sharded_state(params, tx, mesh, rules)), or restore a checkpoint onto it")
 
     def shard_map(self, fn, in_specs, out_specs):
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
@@ -184,7 +202,13 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: 
             raise TypeError("make_step: opt_state holds no nv.master_weights state (the step updates the float32 "
                             "masters); build it from tx = nv.master_weights(optax.adamw(...), rules=rules) with "
                             "nv.sharded_state(params, tx, ...)")
+        if isinstance(opt_state, MasterWeightsState) and not is_master_weights(tx):
+            raise TypeError("make_step: opt_state is a nv.master_weights state but tx is not that optimizer; pass "
+                            "tx = nv.master_weights(optax..., rules=rules), the one the state was built with, not "
+                            "the optax transform inside it")
         masters = state.master
+        plan.check_layouts(params, "make_step")
+        plan.check_layouts(masters, "make_step")
         m_specs = plan.specs(masters)
         arg_specs = tuple(P() for _ in args)
         if key is None:
@@ -224,6 +248,7 @@ def make_eval(fn: Callable, mesh, rules: Optional[Rules] = None, *, dtype=jnp.bf
             return jax.tree.map(lambda o: all_gather_bits(o, plan.batch, tiled=True), out)
 
     def evaluate(params, batch):
+        plan.check_layouts(params, "make_eval")
         batch = _split_rows(batch, plan)
         return plan.shard_map(local, (plan.specs(params), P(plan.batch)), P())(params, batch)
 

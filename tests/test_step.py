@@ -100,6 +100,31 @@ def test_leaves_that_are_not_float_weights():
             step(*plain, (x, y))
 
 
+def test_a_state_stepped_with_another_mesh_or_optimizer_is_refused_naming_the_fix():
+    """A state stored for 4 data shards, stepped or evaluated on a mesh of 2, is refused before
+    its tiles are misread; so is the bare optax transform in place of the master-weight
+    optimizer the state was built with. The same state trains on its own mesh."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (conftest asks for 8 simulated CPU devices)")
+    import flax.linen as nn
+
+    mesh, fp32, x, y = _setup()
+    two = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    loss = lambda p, r, k: _loss(nn.meta.unbox(p), r[0], r[1])
+    tx = nv.master_weights(optax.adam(1e-2))
+    with jax.set_mesh(mesh):
+        params, state = nv.sharded_state(fp32, tx, mesh, nv.Rules(), nv.Policy())
+        with pytest.raises(TypeError, match=r"^make_step: opt_state is a nv.master_weights state but tx is not"):
+            jax.jit(nv.make_step(loss, optax.adam(1e-2), mesh))(params, state, (x, y))
+        assert np.isfinite(float(jax.jit(nv.make_step(loss, tx, mesh))(params, state, (x, y))[2]["loss"]))
+    with jax.set_mesh(two):
+        with pytest.raises(ValueError, match=r"^make_step: 'w1' is stored as 4 shards over 'data', which this mesh "
+                                             r"\{'data': 2\} makes 2: build the state on the mesh the step runs on"):
+            jax.jit(nv.make_step(loss, tx, two))(params, state, (x, y))
+        with pytest.raises(ValueError, match=r"^make_eval: 'w1' is stored as 4 shards over 'data'"):
+            jax.jit(nv.make_eval(lambda p, r: r[:, 0], two))(params, x)
+
+
 def test_a_shape_based_weight_decay_mask_sees_the_logical_params():
     """``optax.adamw(mask=nv.optim.logical_mask(lambda p: p.ndim == 2))`` inside
     ``master_weights`` decays the matrices and not the vectors, as the same mask does for a

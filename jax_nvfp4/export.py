@@ -812,7 +812,11 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, names: HFNames,
     safetensors header (:data:`AMAX_METADATA`), which readers ignore: the global scale
     ``448 * 6 / amax`` alone does not always give the amax back, and a checkpoint read back by
     :func:`jax_nvfp4.hf.load_hf` (compressed-tensors, weight-only) or :func:`read_modelopt` is then
-    bit-identical to the exported params.
+    bit-identical to the exported params. An NVFP4 leaf that is not a Linear kernel (an NVFP4
+    embedding, as the default :class:`~jax_nvfp4.Policy` stores ``nn.Embed``'s) has no NVFP4 form
+    in these formats: it is written as bf16 dequantized values and reads back re-quantized from
+    them (within bf16 rounding, not bit-identical); keep embeddings out of the policy
+    (``keep=("embed",)``) for a lossless round trip.
 
     Call it on every process; process 0 writes. Returns ``directory``.
 

@@ -298,8 +298,12 @@ class Tiled:
     def dtype(self):
         return self.value.dtype
 
-    def spec(self) -> P:
-        return self.layout.spec(self.value.ndim - 4)
+    def spec(self):
+        """The value's PartitionSpec; replicated for what an optimizer keeps per matrix inside the
+        node (a scalar statistic, or an empty node such as optax's ``MaskedNode``)."""
+        if getattr(self.value, "ndim", 0) >= 4:
+            return self.layout.spec(self.value.ndim - 4)
+        return jax.tree.map(lambda _: P(), self.value)
 
     def __repr__(self) -> str:
         if not hasattr(self.value, "shape"):  # a tree of specs or shardings

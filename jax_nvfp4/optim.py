@@ -24,6 +24,7 @@ counted in the state). What to do about a skipped step is the host's decision:
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -37,8 +38,8 @@ from jax_nvfp4.collectives import OPTIMIZER_SCOPE
 from jax_nvfp4.layout import Tiled, TiledNVFP4, is_tiled
 from jax_nvfp4.params import DEFAULT_POLICY, Policy, path_str, shared_amaxes
 from jax_nvfp4.rules import DEFAULT_RULES, Rules, batch_axes, layout_for
-from jax_nvfp4.sharding import (constrain, context_mesh, global_amax, global_norm, requantize, scatter_replicated,
-                                shard_params, shardings, typed_mesh)
+from jax_nvfp4.sharding import (_split_spec, constrain, context_mesh, global_amax, global_norm, requantize,
+                                scatter_replicated, shard_params, shardings, typed_mesh)
 
 
 class MasterWeightsState(NamedTuple):
@@ -60,6 +61,11 @@ class MasterWeightsState(NamedTuple):
 
 def _is_param_leaf(x) -> bool:
     return is_nvfp4(x) or is_tiled(x)
+
+
+# The policies of the master_weights inits a state_init traces (it may be wrapped: chain, MultiSteps...).
+_INIT_POLICIES: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("master_weights_policies",
+                                                                                 default=None)
 
 
 def master_weights(
@@ -98,6 +104,8 @@ def master_weights(
     policy = policy or DEFAULT_POLICY
 
     def init_fn(params):
+        if (seen := _INIT_POLICIES.get()) is not None:
+            seen.append(policy)
         m = context_mesh(mesh)
 
         def one(path, leaf):
@@ -122,9 +130,11 @@ def master_weights(
         k = None
         if stochastic_rounding:
             k = key if key is not None else jax.random.key(0)
+        inner_state = inner.init(master)
+        _refuse_matrix_state(inner_state, master)
         return MasterWeightsState(
             master=master,
-            inner_state=inner.init(master),
+            inner_state=inner_state,
             skipped=jnp.zeros([], jnp.int32),
             key=k,
         )
@@ -204,6 +214,32 @@ def master_weights(
 
     update_fn.master_weights = True  # what is_master_weights reads
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _refuse_matrix_state(inner_state, master) -> None:
+    """The inner optimizer sees each matrix's master as its 16x16 tiles ``[..., nt, T, 16, 16]``:
+    element-wise state (the tiles' shape) and per-matrix scalars are what they are for the
+    matrix; any other state (factored moments, per-row or per-column statistics) was built from
+    the tiles' axes, not the matrix's rows and columns, and is refused."""
+    tiles = {t.value.shape for t in jax.tree.leaves(master, is_leaf=is_tiled) if isinstance(t, Tiled)}
+    # Muon picks its matrices by their number of axes (the tiles have four): its state would be
+    # masked out and every matrix silently trained by its Adam branch.
+    muon = getattr(getattr(optax, "contrib", None), "MuonState", ())
+    if tiles and any(isinstance(x, muon) for x in jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, muon))):
+        raise TypeError("master_weights: the inner optimizer is Muon, which orthogonalises each matrix by its rows and "
+                        "columns; it would see 16x16 tiles and train every matrix with its Adam branch. Use an "
+                        "element-wise optimizer (adam, adamw, lion, sgd, ...)")
+    for path, node in jax.tree_util.tree_flatten_with_path(inner_state, is_leaf=is_tiled)[0]:
+        if not isinstance(node, Tiled):
+            continue
+        for leaf in jax.tree.leaves(node.value):
+            if jnp.shape(leaf) != () and jnp.shape(leaf) not in tiles:
+                raise TypeError(
+                    f"master_weights: the inner optimizer keeps state of shape {jnp.shape(leaf)} at "
+                    f"{jax.tree_util.keystr(path)} for a matrix stored as 16x16 tiles {node.layout.matrix}: it sees "
+                    "the tiles, not the matrix's rows and columns, so transforms that factor or precondition a "
+                    "matrix (adafactor, sm3, shampoo, muon) are not supported; use an element-wise one (adam, "
+                    "adamw, lion, sgd, ...)")
 
 
 def is_master_weights(tx) -> bool:
@@ -333,7 +369,16 @@ def state_init(tx, mesh=None, rules: Optional[Rules] = None, policy: Optional[Po
 
     def state(tree):
         stored = shard_params(tree, mesh, rules, policy)
-        opt_state = tx.init(jax.tree.map(float_in, stored, tree, is_leaf=is_tiled))
+        token = _INIT_POLICIES.set(seen := [])
+        try:
+            opt_state = tx.init(jax.tree.map(float_in, stored, tree, is_leaf=is_tiled))
+        finally:
+            _INIT_POLICIES.reset(token)
+        requantized = lambda p: {"shared_amax": p.shared_amax, "four_over_six": p.four_over_six}
+        if policy is not None and any(requantized(own) != requantized(policy) for own in seen):
+            raise ValueError(f"sharded_state: the policy quantizes with {requantized(policy)}, the nv.master_weights "
+                             f"optimizer re-quantizes after every step with {requantized(seen[0])}; pass the same "
+                             "policy to both, nv.master_weights(..., policy=policy)")
         if find_state(opt_state) is None and any(isinstance(x, TiledNVFP4) for x in
                                                  jax.tree.leaves(stored, is_leaf=is_tiled)):
             raise TypeError("sharded_state: tx holds no nv.master_weights state, so the NVFP4 params would be updated "
@@ -359,7 +404,8 @@ def sharded_state(params, tx, mesh=None, rules: Optional[Rules] = None, policy: 
     out = shardings(jax.eval_shape(fn, *args), mesh)
     explicit = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit)
     if explicit:  # the compiler places the work from the outputs' shardings, as on Auto axes
-        fn = jax.sharding.auto_axes(fn, axes=explicit, out_sharding=out)
+        typed = jax.tree.map(lambda s: NamedSharding(s.mesh, _split_spec(s.spec, explicit)), out)
+        fn = jax.sharding.auto_axes(fn, axes=explicit, out_sharding=typed)
     return jax.jit(fn, out_shardings=out)(*args)
 
 

@@ -85,10 +85,27 @@ def constrain(x, sharding):
     context = jax.sharding.get_abstract_mesh()
     if isinstance(sharding, NamedSharding) and not context.empty and context.axis_names == mesh.axis_names:
         sharding, mesh = NamedSharding(context, sharding.spec), context
-    types = getattr(mesh, "axis_types", ())
-    if any(str(t).endswith("Explicit") for t in types):
+    types = dict(zip(getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())))
+    explicit = {a for a, t in types.items() if str(t).endswith("Explicit")}
+    if not explicit:
+        return jax.lax.with_sharding_constraint(x, sharding)
+    if not isinstance(sharding, NamedSharding):
         return jax.sharding.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, sharding)
+    # A spec naming Explicit and Auto axes (an Explicit data axis, an Auto tensor axis): the
+    # Explicit part is the value's type (reshard), the Auto part a constraint on it.
+    ex, auto = _split_spec(sharding.spec, explicit), _split_spec(sharding.spec, set(types) - explicit)
+    x = jax.sharding.reshard(x, NamedSharding(mesh, ex))
+    if any(e is not None for e in auto):
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, auto))
+    return x
+
+
+def _split_spec(spec: P, names) -> P:
+    """``spec`` with only the mesh axes in ``names`` kept."""
+    def keep(entry):
+        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in names)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+    return P(*(keep(e) for e in spec))
 
 
 def reshard_bits(x, sharding, *, min_itemsize: int = 1):
@@ -164,7 +181,7 @@ def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optiona
             return leaf
         p = path_str(path)
         if wanted(p, leaf):
-            leaf = quantize(leaf, block=policy.block, amax=amax.get(p))
+            leaf = quantize(leaf, block=policy.block, amax=amax.get(p), four_over_six=policy.four_over_six)
         elif (policy is not None and policy.keep_dtype is not None and policy.kept(p) and not is_nvfp4(leaf)
               and jnp.issubdtype(leaf.dtype, jnp.floating)):
             leaf = jnp.asarray(leaf).astype(policy.keep_dtype)  # as quantize_params stores a kept leaf

@@ -185,6 +185,20 @@ def test_yaml_base_inheritance_and_floats(tmp_path):
     assert cfg.train.steps == 70
 
 
+def test_an_empty_section_of_a_child_changes_nothing_of_its_base(tmp_path):
+    # `model:` with its keys commented out reads as null: the base's section stays, as without it.
+    _write(tmp_path, "base.yaml", "model: {layers: 6, mlp_hidden: 176}\n")
+    path = _write(tmp_path, "run.yaml", """
+        base: base.yaml
+        model:
+          # layers: 3
+        train: {steps: 70}
+        """)
+    cfg = load_config(path, [])
+    assert (cfg.model.layers, cfg.model.mlp_hidden, cfg.train.steps) == (6, 176, 70)
+    assert load_config(path, ["model.rope_scaling=null"]).model.rope_scaling is None  # a null key still replaces
+
+
 def test_yaml_base_cycle(tmp_path):
     _write(tmp_path, "a.yaml", "base: b.yaml\n")
     _write(tmp_path, "b.yaml", "base: a.yaml\n")
@@ -221,6 +235,10 @@ def test_gin_key_bound_twice_is_an_error(tmp_path):
 
 
 def test_gin_errors(tmp_path):
+    # A scoped binding would configure nothing the stack reads.
+    msg = _error(path=_write(tmp_path, "s.gin", "ModelConfig.heads = 2\nscope/ModelConfig.layers = 3\n"))
+    assert msg.endswith("line 2: scope/ModelConfig.layers is a scoped binding, which no section reads; bind "
+                        "ModelConfig.layers"), msg
     msg = _error(path=_write(tmp_path, "a.gin", "ModelConfig.layer = 2\n"))
     assert "model.layer" in msg and "model.layers" in msg
     msg = _error(path=_write(tmp_path, "b.gin", "ModelConfg.layers = 2\n"))
@@ -319,6 +337,8 @@ def test_each_class_of_error_is_one_line_naming_the_key(overrides, message):
     (["mesh.tensor=-1"], "mesh.data=-1 and mesh.tensor=-1"),
     (["nvfp4.max_skipped_in_a_row=-1"], "nvfp4.max_skipped_in_a_row="),
     (["mesh.simulate_devices=1024"], "mesh.simulate_devices="),
+    (["model.layers=99999999999999999999999"], "model.layers=99999999999999999999999: must be < 2147483648"),
+    (["model.vocab=2147483648"], "model.vocab="),
     # keys that alias: JAX keys take 32 bits, the token files' shuffle a 31-bit seed
     (["train.seed=4294967296"], "train.seed="),
     (["data.seed=2147483648"], "data.seed="),

@@ -375,6 +375,13 @@ def test_output_collisions_and_bad_locations_are_refused_before_training(tmp_pat
         # A traceback after compiling.
         (["--out", str(a_file)], f"error: --out {a_file}: exists and is not a folder"),
         (["--out", str(a_file / "run")], f"error: --out {a_file / 'run'}: cannot create it: Not a directory"),
+        # Found only after training (exit 5, the weights lost): an export folder that cannot be made.
+        (["--export-hf", str(a_file / "hf"), "--out", str(out)],
+         f"error: --export-hf {a_file / 'hf'}: cannot create it: {a_file} is not a folder; nothing written"),
+        (["--export", str(a_file / "w"), "--out", str(out)], f"error: --export {a_file / 'w'}: cannot create it"),
+        # Trained bf16 twice and reported a 0.0000 NVFP4-bf16 gap.
+        (["--compare", "bf16", "--set", "nvfp4.weights=bf16", "--out", str(out)],
+         "config error: --compare bf16 trains a bf16 run beside the NVFP4 one, but nvfp4.weights=bf16"),
     ]
     for args, needle in cases:
         rc, said, err = main_here([*sets(JOB), *args], capfd)

@@ -322,6 +322,9 @@ def test_prepare_trains_a_bpe_and_round_trips(tmp_path):
     # Refusals: an existing output, a missing input (one line, exit 2, nothing written).
     assert main([str(docs[0]), "--out", str(out)]) == 2
     assert main([str(tmp_path / "missing.txt"), "--out", str(tmp_path / "n.bin")]) == 2
+    # A vocabulary past what the BPE trainer can allocate, or one beside a given tokenizer's.
+    for extra in (["--vocab-size", "5000000000"], ["--tokenizer", str(out) + ".tokenizer.json", "--vocab-size", "300"]):
+        assert main([str(docs[0]), "--out", str(tmp_path / "n.bin"), *extra]) == 2
     assert not (tmp_path / "n.bin").exists()
     # A given tokenizer.json is used as is.
     out2 = tmp_path / "c2.bin"

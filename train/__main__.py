@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import tempfile
 import threading
 
 
@@ -141,6 +142,9 @@ def main(argv=None) -> int:
             cfg = resolve_config(cfg, override_keys(args.overrides))
     except ConfigError as e:
         return _fail(2, f"config error: {e}")
+    if args.compare == "bf16" and cfg.nvfp4.weights == "bf16":
+        return _fail(2, "config error: --compare bf16 trains a bf16 run beside the NVFP4 one, but nvfp4.weights=bf16: "
+                        "both would be bf16; set nvfp4.weights=nvfp4 or drop --compare")
     out_dir = args.out or cfg.train.out_dir
     why = output_refusal(args, cfg, out_dir)
     if why:
@@ -392,6 +396,23 @@ def _within(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
+def _uncreatable(path: str) -> str:
+    """Why the folder ``path`` could not be created (empty if it exists or could be): its nearest existing
+    ancestor must be a folder this process may write."""
+    d = os.path.abspath(path)
+    while not os.path.exists(d):
+        d = os.path.dirname(d)
+    if os.path.abspath(path) == d:
+        return ""
+    if not os.path.isdir(d):
+        return f"cannot create it: {d} is not a folder"
+    try:  # permissions alone do not tell (read-only or special file systems): a folder made and removed
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=d))
+    except OSError as e:
+        return f"cannot create it in {d}: {e.strerror or e}"
+    return ""
+
+
 def output_refusal(args, cfg, out_dir: str) -> str:
     """Why the outputs of this command cannot all be written (empty if they can), checked before anything runs:
     exports overlap no run, checkpoint or other export and replace only a previous export; --out is new or resumed."""
@@ -414,6 +435,9 @@ def output_refusal(args, cfg, out_dir: str) -> str:
     exports = [(f"--export {args.export}", real(args.export))] if args.export else []
     if args.export_hf:
         exports.append((f"--export-hf {args.export_hf}", real(args.export_hf)))
+    for name, target in exports:
+        if why := _uncreatable(target):
+            return f"{name}: {why}"
     ckpts = [real(d) for d in checkpoint_dirs(cfg, args.compare)]
     for name, target in exports:
         hits = [(what, d) for what, d in runs if _within(d, target) or _within(target, d)]

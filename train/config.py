@@ -33,7 +33,8 @@ __all__ = ["AFFECTS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
 Int, Str, Bool = Annotated[int, Strict()], Annotated[str, Strict()], Annotated[bool, Strict()]
 Float = Annotated[float, pydantic.BeforeValidator(lambda v: float(v) if type(v) is int else v), Strict(),
                   pydantic.AllowInfNan(False)]
-Pos, NonNeg = Annotated[Int, Field(gt=0)], Annotated[Int, Field(ge=0)]
+# Counts and sizes: past 2^31 - 1 no array dimension or step count is meaningful (JAX's are C longs).
+Pos, NonNeg = Annotated[Int, Field(gt=0, lt=2**31)], Annotated[Int, Field(ge=0, lt=2**31)]
 PosFloat, NonNegFloat = Annotated[Float, Field(gt=0)], Annotated[Float, Field(ge=0)]
 Fraction = Annotated[Float, Field(ge=0, lt=1)]
 
@@ -601,6 +602,8 @@ def _merge(base: Mapping[str, Any], top: Mapping[str, Any], depth: int = 3) -> d
     """Sections and mapping-valued keys (``model.rope_scaling``) merge key by key; other values are replaced."""
     out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in base.items()}
     for k, v in top.items():
+        if depth == 3 and v is None and isinstance(out.get(k), Mapping):
+            continue  # an empty section (``model:`` and no keys) changes nothing
         if depth > 1 and isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
             out[k] = _merge(out[k], v, depth - 1)
         else:
@@ -657,6 +660,9 @@ def _read_gin(path: str) -> dict[str, Any]:
         if isinstance(st, config_parser.BindingStatement):
             # "train.config.ModelConfig" and "ModelConfig" name the same configurable.
             key, line = (st.scope, st.selector.rsplit(".", 1)[-1], st.arg_name), st.location.line_num
+            if st.scope:
+                raise ConfigError(f"{path}: line {line}: {st.scope}/{st.selector}.{st.arg_name} is a scoped binding, "
+                                  f"which no section reads; bind {st.selector}.{st.arg_name}")
             if key in seen:
                 raise ConfigError(f"{path}: {'.'.join(k for k in key if k)} is bound twice, on line {seen[key]} and "
                                   f"line {line}; keep one (gin would silently use the last)")

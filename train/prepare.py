@@ -42,6 +42,10 @@ _JSON = {dict: "object", list: "array", str: "string", bool: "boolean", int: "nu
          type(None): "null"}  # the types json.loads returns
 
 
+DEFAULT_VOCAB = 4096  # the BPE trained without --tokenizer
+MAX_VOCAB = 1 << 24  # about 1 GB of the BPE trainer's tables (the largest released vocabularies: ~0.26M)
+
+
 class PrepareError(ValueError):
     """A bad argument or input file; the message is one line."""
 
@@ -345,7 +349,7 @@ def _encode_all(paths, chunk, rd, state, workers, f, bar) -> tuple[int, int]:
     return n, docs
 
 
-def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, vocab_size: int = 4096,
+def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, vocab_size: int | None = None,
             chunk_mb: float = 1.0, eos: str | None = None, text_key: str = "text", errors: str = "strict",
             workers: int | None = None, progress: bool = False) -> dict:
     """Tokenize ``paths`` into ``out``, ``out.json`` and ``out.tokenizer.json``; returns the sidecar.
@@ -375,11 +379,15 @@ def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, voc
         if os.path.lexists(path):
             raise PrepareError(f"--out {out!r}: {path} exists; choose a new name (prepare never replaces a file)")
     chunk = max(1, int(chunk_mb * (1 << 20)))
+    if tokenizer and vocab_size is not None:
+        raise PrepareError(f"--vocab-size {vocab_size}: sizes the BPE trained without --tokenizer; --tokenizer "
+                           f"{tokenizer} brings its own vocabulary: give one of them")
     if tokenizer:
         tok, config = load_tokenizer(tokenizer)
         saved, bos_id, eos_id = _for_encoding(tok, config, eos)
-    elif vocab_size < 257:
-        raise PrepareError(f"--vocab-size {vocab_size}: must be >= 257 (256 bytes + end-of-text)")
+    elif not 257 <= (vocab_size := DEFAULT_VOCAB if vocab_size is None else vocab_size) <= MAX_VOCAB:
+        raise PrepareError(f"--vocab-size {vocab_size}: must be >= 257 (256 bytes + end-of-text) and <= {MAX_VOCAB} "
+                           "(the BPE trainer allocates its tables for the whole vocabulary up front)")
     parent = os.path.dirname(os.path.abspath(out))
     written: list[str] = []  # what this call created, newest first: removed on a failure (folders last)
     temps: list[str] = []
@@ -502,7 +510,8 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=None, help="pieces encoded at a time, and the tokenizer's threads "
                    "(RAYON_NUM_THREADS unless set); 1: one by one in this thread (default: the CPU count)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--vocab-size", type=int, default=4096, help="size of the BPE trained without --tokenizer")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help=f"size of the BPE trained without --tokenizer (default: {DEFAULT_VOCAB})")
     p.add_argument("--chunk-mb", type=float, default=1.0, help="text encoded per piece, in MiB (> 0)")
     args = p.parse_args(argv)
     if args.workers is not None and args.workers >= 1:  # the tokenizer's thread pool, sized at its first use

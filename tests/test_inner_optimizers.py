@@ -47,7 +47,8 @@ def test_per_matrix_statistics_update_the_masters_as_optax_updates_the_matrix(na
     ref = make()
     want = optax.apply_updates(fp, ref.update(grads, ref.init(fp), fp)[0])
     got = nv.sharding.logical(nv.find_state(state).master)
-    for (path, g), w, f in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), jax.tree.leaves(fp)):
+    leaves = zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), jax.tree.leaves(fp))
+    for (path, g), w, f in leaves:
         moved = float(jnp.max(jnp.abs(w - f)))
         # Within 0.2% of the move: float32 rounding of the gradient sums, which Adam's first
         # step (g / (|g| + eps)) magnifies where |g| is near eps. A statistic taken per tile or per

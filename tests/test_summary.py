@@ -37,6 +37,13 @@ def test_summary_names_its_loss_and_one_gather_ratio(capsys):
     assert "whole model, weights kept in bf16 included: 172,864 B = 0.3517 x a bf16 gather of the same params" in out
     assert "params all-gathered, NVFP4 run / bf16 run (each run's own HLO" in out
     assert "limit" not in out
+    # A compare rerun onto a finished checkpoint trains no NVFP4 step: no gap and no step time to divide.
+    s = _summary([_run("nvfp4 weights", h), _run("bf16 weights", h)])
+    s.update(final_loss_gap=float("nan"))
+    del s["step_time_ratio"]
+    cli.print_summary(s, "out")
+    out = capsys.readouterr().out
+    assert "above): n/a (a run trained no step here)" in out and "nan" not in out
 
 
 def test_loss_plot_has_a_difference_panel_and_plain_labels(tmp_path):

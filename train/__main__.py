@@ -26,6 +26,7 @@ import argparse
 import atexit
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 import tempfile
@@ -504,10 +505,13 @@ def print_summary(summary, out_dir: str) -> None:
         print(f"  whole model, weights kept in bf16 included: {r0['all_gather_bytes']:,} B = "
               f"{summary['gather_vs_bf16']:.4f} x a bf16 gather of the same params ({r0['bf16_gather_bytes']:,} B)")
     if "final_loss_gap" in summary:
-        print(f"NVFP4 - bf16 training loss (means over the last steps, above): {summary['final_loss_gap']:+.4f} nats")
+        shown = lambda key, fmt, unit="": (f"{summary[key]:{fmt}}{unit}" if isinstance(summary.get(key), float)
+                                           and math.isfinite(summary[key]) else "n/a (a run trained no step here)")
+        gap = shown("final_loss_gap", "+.4f", " nats")
+        print(f"NVFP4 - bf16 training loss (means over the last steps, above): {gap}")
         print(f"  params all-gathered, NVFP4 run / bf16 run (each run's own HLO; the bf16 run keeps weights below "
-              f"the shard size replicated, not gathered): {summary.get('gathered_bytes_ratio', float('nan')):.4f}; "
-              f"median step time, NVFP4 run / bf16 run: {summary.get('step_time_ratio', float('nan')):.3f}")
+              f"the shard size replicated, not gathered): {shown('gathered_bytes_ratio', '.4f')}; "
+              f"median step time, NVFP4 run / bf16 run: {shown('step_time_ratio', '.3f')}")
     print(f"files: {out_dir}/metrics.jsonl, {out_dir}/loss.png, {out_dir}/summary.json")
 
 

@@ -382,6 +382,8 @@ def test_output_collisions_and_bad_locations_are_refused_before_training(tmp_pat
         # Trained bf16 twice and reported a 0.0000 NVFP4-bf16 gap.
         (["--compare", "bf16", "--set", "nvfp4.weights=bf16", "--out", str(out)],
          "config error: --compare bf16 trains a bf16 run beside the NVFP4 one, but nvfp4.weights=bf16"),
+        (["--export-hf", str(x), "--calibrate", "2", "--set", "nvfp4.weights=bf16", "--out", str(out)],
+         "config error: --calibrate and --hf-format shape the NVFP4 export of --export-hf, but nvfp4.weights=bf16"),
     ]
     for args, needle in cases:
         rc, said, err = main_here([*sets(JOB), *args], capfd)

@@ -95,6 +95,11 @@ def test_bf16_export_reads_back_with_bf16_weights(job_run, exports, tmp_path):
     export_hf(params, hf_import.hf_config(cfg), str(tmp_path / "again"), fmt="bf16", names=HF_NAMES)
     again, _ = hf_import.load(str(tmp_path / "again"), trainer)
     assert_bits_equal(again, params)
+    # --export-hf of a bf16-weights run writes DIR/bf16 alone (no NVFP4 checkpoint of nothing NVFP4).
+    from train.__main__ import export_hf as cli_export_hf
+
+    cli_export_hf(cfg, params, str(tmp_path / "cli"))
+    assert os.listdir(tmp_path / "cli") == ["bf16"]
 
 
 def test_bf16_weights_imported_into_nvfp4_share_the_fused_amax(exports):

@@ -70,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--export", action=_Once, metavar="DIR", help="after training, write the NVFP4 weights to DIR")
     p.add_argument("--export-hf", action=_Once, metavar="DIR", help="after training, write Hugging Face Llama "
-                   "checkpoints to DIR/bf16 and DIR/nvfp4 (DIR must be new or empty)")
+                   "checkpoints to DIR/bf16 and DIR/nvfp4 (bf16 weights: DIR/bf16 alone; DIR must be new or empty)")
     p.add_argument("--hf-format", choices=["compressed-tensors", "modelopt"],
                    help="the layout of --export-hf's DIR/nvfp4: compressed-tensors (default) or NVIDIA ModelOpt's")
     p.add_argument("--calibrate", type=batches, metavar="N", help="with --export-hf: export W4A4, each NVFP4 "
@@ -87,7 +87,7 @@ def parse_args(argv=None):
         p.error("--calibrate N calibrates an --export-hf export: give --export-hf DIR too")
     if args.hf_format and not args.export_hf:
         p.error(f"--hf-format {args.hf_format} chooses the layout of an --export-hf export: give --export-hf DIR too")
-    args.hf_format = args.hf_format or "compressed-tensors"
+    args.hf_format_given, args.hf_format = args.hf_format is not None, args.hf_format or "compressed-tensors"
     args.overrides = [*args.sets, *args.rest]  # rest: only arguments that are not KEY=VALUE (refused)
     return args
 
@@ -143,6 +143,9 @@ def main(argv=None) -> int:
             cfg = resolve_config(cfg, override_keys(args.overrides))
     except ConfigError as e:
         return _fail(2, f"config error: {e}")
+    if cfg.nvfp4.weights == "bf16" and (args.calibrate or args.hf_format_given):
+        return _fail(2, "config error: --calibrate and --hf-format shape the NVFP4 export of --export-hf, but "
+                        "nvfp4.weights=bf16: the run has no NVFP4 weights (DIR/bf16 is written alone)")
     if args.compare == "bf16" and cfg.nvfp4.weights == "bf16":
         return _fail(2, "config error: --compare bf16 trains a bf16 run beside the NVFP4 one, but nvfp4.weights=bf16: "
                         "both would be bf16; set nvfp4.weights=nvfp4 or drop --compare")
@@ -252,7 +255,10 @@ def _run(args, cfg, out_dir, fault) -> int:
         if args.export_hf:
             export_hf(cfg, runs[0]["params"], args.export_hf, layout=args.hf_format, calibrate=args.calibrate or 0,
                       run=runs[0])
-            if is_main:
+            if is_main and cfg.nvfp4.weights == "bf16":
+                print(f"exported a Hugging Face Llama checkpoint: {args.export_hf}/bf16 (the run's weights are bf16: "
+                      "no nvfp4 one)")
+            elif is_main:
                 print(f"exported Hugging Face Llama checkpoints: {args.export_hf}/bf16, {args.export_hf}/nvfp4 "
                       f"({args.hf_format}, {'W4A4' if args.calibrate else 'weight-only'})")
         summary = summary_lib.summarize(runs, out_dir)
@@ -383,7 +389,8 @@ def export_hf(cfg, params, directory: str, *, layout: str = "compressed-tensors"
                                if losses[k.lower()] is not None)
             print(f"calibrated the NVFP4 layers' input amax on {calibrate} validation batch"
                   f"{'es' if calibrate > 1 else ''}; validation loss on them: {shown}", flush=True)
-    for fmt in ("bf16", "nvfp4"):
+    # A run with bf16 weights has no NVFP4 kernel for DIR/nvfp4: a checkpoint whose every Linear is ignored.
+    for fmt in ("bf16", "nvfp4") if cfg.nvfp4.weights == "nvfp4" else ("bf16",):
         export_lib.export_hf(params, hf_cfg, os.path.join(directory, fmt), names=HF_NAMES, fmt=fmt, files=files,
                              layout=layout, input_amax=input_amax if fmt == "nvfp4" else None)
 

@@ -441,3 +441,10 @@ def test_a_token_file_with_ids_past_its_sidecars_vocabulary_is_named(tmp_path, c
                             "--out", str(tmp_path / "out")], capfd)
     assert rc == 2 and len(err) == 1 and "is past the vocabulary of 150 its sidecar declares" in err[0], err
     assert "token id 1" in err[0]
+    # It stopped before its first step: the same --out takes the corrected file's run.
+    assert (tmp_path / "out" / "metrics.jsonl").stat().st_size == 0
+    (tmp_path / "toks.bin.json").write_text(json.dumps(
+        {"format": "jax_nvfp4.tokens", "version": 2, "dtype": "uint16", "vocab": 200, "tokens": len(tokens)}))
+    rc, _, err = main_here([*sets(JOB), "--set", "data.source=tokens", "--set", f"data.path={path}",
+                            "--out", str(tmp_path / "out")], capfd)
+    assert rc == 0, err

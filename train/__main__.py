@@ -468,6 +468,11 @@ def output_refusal(args, cfg, out_dir: str) -> str:
             return f"--export {args.export}: is not empty and is not a previous NVFP4 export; refusing to replace it"
     for i, (what, d) in enumerate(runs):
         earlier = [f for f in RUN_FILES if os.path.isfile(os.path.join(d, f))]
+        # A run stopped before its first step (a data error) leaves its config and no metrics: nothing to keep.
+        metrics = os.path.join(d, "metrics.jsonl")
+        if set(earlier) <= {"config.yaml", "metrics.jsonl"} and not (os.path.isfile(metrics)
+                                                                     and os.path.getsize(metrics)):
+            earlier = []
         # Resuming: the run's (i 0) or the compare run's (i 1) checkpoint folder holds a step.
         ck = ckpts[min(i, len(ckpts) - 1)] if ckpts else None
         if earlier and not (ck and os.path.isdir(ck) and any(name.isdigit() for name in os.listdir(ck))):

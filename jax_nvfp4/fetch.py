@@ -196,8 +196,10 @@ def _fetch_tensor_split(stored, master, cfg: GatherConfig):
     lay = stored.layout
     keep = {cfg.tensor_gspmd}
     local_cfg = dataclasses.replace(cfg, tensor_axis=cfg.tensor_gspmd, tensor_gspmd=None)
-    k = stored.data.ndim - 4
-    s_specs = jax.tree.map(lambda sp: _manual_specs(sp, keep), stored.specs(), is_leaf=lambda x: isinstance(x, P))
+    nvfp4 = isinstance(stored, TiledNVFP4)  # else a plain (kept) weight, split the same way
+    k = (stored.data if nvfp4 else stored.value).ndim - 4
+    specs = stored.specs() if nvfp4 else Tiled(stored.spec(), lay)
+    s_specs = jax.tree.map(lambda sp: _manual_specs(sp, keep), specs, is_leaf=lambda x: isinstance(x, P))
     out = [None] * (k + 2)
     out[lay.tensor_dim] = cfg.tensor_gspmd
     if master is None:
@@ -217,7 +219,7 @@ class Shard(struct.PyTreeNode, meta.AxisMetadata):
     uses): a Linen module reading it with ``self.param`` (``nn.Dense``, ``nn.DenseGeneral``,
     ``nn.Einsum``, ``nn.Embed``, norms...) unboxes it, which gathers the weight right there,
     inside the user's scan or loop over blocks; an NNX variable holding it reads it with
-    ``variable[...]``. ``nn.scan`` / ``nnx.scan`` slice its leaves per layer. Every read
+    ``variable[...]``, ``.value``, ``.get_value()`` or its operators (``x @ variable``). ``nn.scan`` / ``nnx.scan`` slice its leaves per layer. Every read
     gathers: a weight read twice is gathered twice and its gradient is the sum."""
 
     stored: Any
@@ -255,6 +257,10 @@ class Shard(struct.PyTreeNode, meta.AxisMetadata):
         # NNX: ``variable[...]`` indexes the variable's raw value, this box.
         return self.unbox()[index]
 
+    def __jax_array__(self) -> jax.Array:
+        # A model reading the box as an array (NNX ``variable.value``, ``jnp.asarray(variable)``, ``x @ w``).
+        return self.unbox()
+
     def __len__(self) -> int:
         # NNX layers test an optional variable's truth (``if self.scale``), i.e. its length.
         return self.shape[0]
@@ -267,6 +273,19 @@ class Shard(struct.PyTreeNode, meta.AxisMetadata):
 
     def remove_axis(self, index: int, params: dict) -> "Shard":
         return self
+
+
+def _gathered(name: str):
+    def op(self, *args):
+        return getattr(self.unbox(), name)(*args)
+    op.__name__ = name
+    return op
+
+
+# NNX variables forward their operators to their value, this box (``x @ variable``, ``variable * 2``).
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__matmul__", "__rmatmul__",
+              "__truediv__", "__rtruediv__", "__pow__", "__neg__", "__pos__"):
+    setattr(Shard, _name, _gathered(_name))
 
 
 def shard_tree(params, masters, config: GatherConfig):

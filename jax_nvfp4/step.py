@@ -5,7 +5,7 @@ tensor parallelism.
 mesh, and returns the step. Inside one ``shard_map`` each parameter reaches the loss function
 as a :class:`~jax_nvfp4.fetch.Shard` box in the params tree: the Flax layer that reads it
 (``self.param`` in Linen: ``nn.Dense``, ``nn.DenseGeneral``, ``nn.Einsum``, ``nn.Embed``...;
-``variable[...]`` in NNX: ``nnx.Linear``, ``nnx.Einsum``...) all-gathers its packed bytes
+``variable[...]``, ``.value`` or its operators in NNX: ``nnx.Linear``...) all-gathers its packed bytes
 over the data axes right there, inside the model's scan or loop over blocks, and dequantizes.
 The gather's VJP reduce-scatters the weight gradient straight into this device's float32
 master tiles, summed in a fixed order (bitwise the same for any process layout). The model's

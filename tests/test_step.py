@@ -153,3 +153,75 @@ def test_a_shape_based_weight_decay_mask_sees_the_logical_params():
         for k in fp32:
             np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
         assert float(want["kernel"][0, 0]) == 0.5 and float(want["bias"][0]) == 1.0
+
+
+def test_a_kept_float_kernel_split_over_the_tensor_axis_trains_like_data_parallel():
+    """A kernel the policy keeps in float (a head) but a tensor rule splits is gathered as its
+    tensor shard, as an NVFP4 one is: data 4 x tensor 2 trains and evaluates like data 8 (within
+    bf16 rounding: the tensor sums run in another order)."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (conftest asks for 8 simulated CPU devices)")
+    import flax.linen as nn
+
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(64, use_bias=False, name="head")(jax.nn.gelu(nn.Dense(256, use_bias=False, name="up")(x)))
+
+    model, x = M(), jax.random.normal(jax.random.key(1), (16, 64))
+    fp32 = model.init(jax.random.key(0), x)["params"]
+    loss = lambda p, rows, key: jnp.mean((model.apply({"params": p}, rows) - rows) ** 2)
+    rules = nv.Rules(tensor=(("up/kernel$", -1), ("head/kernel$", -2)))
+    policy, out = nv.Policy(keep=("head",)), {}
+    for shape in ((8, 1), (4, 2)):
+        mesh = jax.make_mesh(shape, ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        tx = nv.master_weights(optax.adam(1e-2), rules=rules, policy=policy)
+        with jax.set_mesh(mesh):
+            params, state = nv.sharded_state(fp32, tx, mesh, rules, policy)
+            if shape == (4, 2):
+                assert not nv.array.is_nvfp4(params["head"]["kernel"]) and params["head"]["kernel"].layout.n_tensor == 2
+            # The same stored bits on either mesh: their evaluation first, then three steps.
+            rows = jax.jit(nv.make_eval(lambda p, r: jnp.mean((model.apply({"params": p}, r) - r) ** 2, -1), mesh,
+                                        rules))(params, x)
+            step = jax.jit(nv.make_step(loss, tx, mesh, rules))
+            losses = []
+            for _ in range(3):
+                params, state, metrics = step(params, state, x)
+                losses.append(float(metrics["loss"]))
+        out[shape] = losses, np.asarray(rows)
+    np.testing.assert_allclose(out[(4, 2)][0], out[(8, 1)][0], rtol=3e-3)
+    np.testing.assert_allclose(out[(4, 2)][1], out[(8, 1)][1], rtol=3e-3)
+    assert out[(8, 1)][0][-1] < out[(8, 1)][0][0]
+
+
+@pytest.mark.filterwarnings("ignore:'.value' access is now deprecated")  # Flax's, for the read it still allows
+def test_an_nnx_module_may_read_its_params_any_way_nnx_allows():
+    """``variable[...]``, ``variable.value``, ``variable.get_value()`` and the variable's own
+    operators (``x @ variable``) all read the gathered weight: the same step, loss and gradients."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (conftest asks for 8 simulated CPU devices)")
+    from flax import nnx
+
+    reads = {"getitem": lambda v: v[...], "value": lambda v: v.value, "get_value": lambda v: v.get_value(),
+             "operator": lambda v: v}
+
+    class M(nnx.Module):
+        def __init__(self, read, rngs):
+            self.read = read
+            self.w = nnx.Param(jax.random.normal(rngs.params(), (64, 64)) * 0.1)
+
+        def __call__(self, x):
+            return x @ reads[self.read](self.w) * 1.5
+
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    out = {}
+    for read in reads:
+        graph, state = nnx.split(M(read, nnx.Rngs(0)))
+        loss = lambda p, r, k: jnp.mean((nnx.merge(graph, p)(r) - r) ** 2)
+        tx = nv.master_weights(optax.adam(1e-2))
+        with jax.set_mesh(mesh):
+            params, opt = nv.sharded_state(nnx.to_pure_dict(state), tx, mesh, nv.Rules(), nv.Policy())
+            params, opt, metrics = jax.jit(nv.make_step(loss, tx, mesh))(params, opt, x)
+        out[read] = float(metrics["loss"]), [np.asarray(a).tobytes() for a in jax.tree.leaves(params)]
+    assert out["value"] == out["get_value"] == out["operator"] == out["getitem"]

@@ -219,7 +219,8 @@ class Shard(struct.PyTreeNode, meta.AxisMetadata):
     uses): a Linen module reading it with ``self.param`` (``nn.Dense``, ``nn.DenseGeneral``,
     ``nn.Einsum``, ``nn.Embed``, norms...) unboxes it, which gathers the weight right there,
     inside the user's scan or loop over blocks; an NNX variable holding it reads it with
-    ``variable[...]``, ``.value``, ``.get_value()`` or its operators (``x @ variable``). ``nn.scan`` / ``nnx.scan`` slice its leaves per layer. Every read
+    ``variable[...]``, ``.value``, ``.get_value()`` or its operators (``x @ variable``).
+    ``nn.scan`` / ``nnx.scan`` slice its leaves per layer. Every read
     gathers: a weight read twice is gathered twice and its gradient is the sum."""
 
     stored: Any
@@ -258,7 +259,7 @@ class Shard(struct.PyTreeNode, meta.AxisMetadata):
         return self.unbox()[index]
 
     def __jax_array__(self) -> jax.Array:
-        # A model reading the box as an array (NNX ``variable.value``, ``jnp.asarray(variable)``, ``x @ w``).
+        # A model reading the box as an array (``x @ variable.value``, ``jnp.dot(x, variable.get_value())``).
         return self.unbox()
 
     def __len__(self) -> int:

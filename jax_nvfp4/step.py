@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_nvfp4.collectives import LOSS_SCOPE, all_gather_bits, ordered_mean
@@ -92,6 +93,41 @@ class _Plan:
     def shard_map(self, fn, in_specs, out_specs):
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                              axis_names=set(self.manual), check_vma=False)
+
+
+# Primitives that name a mesh axis without moving data between its devices.
+_NOT_COMMUNICATION = frozenset({"axis_index", "pvary", "pcast", "preduced", "vary_unreduced_cast_p"})
+
+
+def _sends_over(jaxpr, axis: str) -> bool:
+    """Whether ``jaxpr`` (or one nested in it: a scan, remat, custom VJP...) moves data over ``axis``."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in _NOT_COMMUNICATION:
+            for key in ("axes", "axis_name"):
+                names = eqn.params.get(key)
+                if axis in (names if isinstance(names, (tuple, list)) else (names,)):
+                    return True
+        if any(_sends_over(sub, axis) for sub in jex_core.jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
+def _check_manual_model(plan: "_Plan", params, forward, *args) -> None:
+    """Under ``tensor="manual"`` a weight split over the tensor axis reaches the model as this
+    rank's sub-matrix: a model that never communicates over that axis (stock ``nn.Dense`` /
+    ``nnx.Linear`` layers) would compute a different partial result on each rank and train on it
+    silently. Refused at trace time, from the forward's jaxpr (``forward(*args)``)."""
+    if not plan.tensor.on:
+        return
+    split = [path_str(path) for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_tiled)[0]
+             if is_tiled(leaf) and leaf.layout.n_tensor > 1]
+    if split and not _sends_over(jax.make_jaxpr(forward)(*args).jaxpr, plan.tensor.axis):
+        raise ValueError(
+            f"tensor='manual': {len(split)} weights split over the tensor axis {plan.tensor.axis!r} reach the model as "
+            f"this rank's sub-matrix (e.g. {split[0]!r}), but the model sends nothing over that axis, so each rank "
+            "would compute a different partial result. Stock layers (nn.Dense, nnx.Linear) run with tensor='gspmd'; "
+            "a model written for tensor='manual' combines its ranks' results (nv.TensorParallel's sum, "
+            "gather_sequence, scatter_sequence)")
 
 
 def _rows(batch) -> int:
@@ -174,6 +210,7 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: 
         def value(masters, r, k):
             return loss_fn(shard_tree(params, masters, plan.gather), r, k, *args)
 
+        _check_manual_model(plan, params, value, masters, rows, key)
         grad_fn = jax.value_and_grad(value)
         if grad_accum == 1:
             loss, grads = grad_fn(masters, rows, key)
@@ -239,6 +276,7 @@ def make_eval(fn: Callable, mesh, rules: Optional[Rules] = None, *, dtype=jnp.bf
     plan = _plan(mesh, rules, dtype, packed, tensor)
 
     def local(params, rows):
+        _check_manual_model(plan, params, lambda p, r: fn(shard_tree(p, None, plan.gather), r), params, rows)
         out, n = fn(shard_tree(params, None, plan.gather), rows), _rows(rows)
         shapes = [jnp.shape(o) for o in jax.tree.leaves(out)]
         if not shapes or any(shape[:1] != (n,) for shape in shapes):

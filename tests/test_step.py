@@ -225,3 +225,41 @@ def test_an_nnx_module_may_read_its_params_any_way_nnx_allows():
             params, opt, metrics = jax.jit(nv.make_step(loss, tx, mesh))(params, opt, x)
         out[read] = float(metrics["loss"]), [np.asarray(a).tobytes() for a in jax.tree.leaves(params)]
     assert out["value"] == out["get_value"] == out["operator"] == out["getitem"]
+
+
+def test_tensor_manual_refuses_a_model_that_never_combines_its_ranks():
+    """Under ``tensor="manual"`` a split weight reaches the model as this rank's sub-matrix: a
+    model that never communicates over the tensor axis (stock layers) is refused at trace time,
+    in the step and the evaluation, instead of training on each rank's partial result; the same
+    model summing its ranks' partial outputs (``nv.step.tensor_parallel(mesh).sum``) trains like
+    data parallelism."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (conftest asks for 8 simulated CPU devices)")
+    _, fp32, x, y = _setup()
+    rules = nv.Rules(tensor=(("^w1$", -1), ("^w2$", -2)))
+
+    def logits(p, x, combine):
+        return combine(jax.nn.relu(x @ p["w1"][...]) @ p["w2"][...])
+
+    out = {}
+    for shape, tensor in (((8, 1), "gspmd"), ((4, 2), "manual")):
+        mesh = jax.make_mesh(shape, ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        tp = nv.step.tensor_parallel(mesh, rules)
+        loss = lambda combine: lambda p, r, k: optax.softmax_cross_entropy_with_integer_labels(
+            logits(p, r[0], combine).astype(jnp.float32), r[1]).mean()
+        tx = nv.master_weights(optax.adam(1e-2), rules=rules)
+        with jax.set_mesh(mesh):
+            params, state = nv.sharded_state(fp32, tx, mesh, rules, nv.Policy())
+            if tensor == "manual":
+                with pytest.raises(ValueError, match=r"^tensor='manual': 2 weights split over the tensor axis 'tensor'"):
+                    jax.jit(nv.make_step(loss(lambda z: z), tx, mesh, rules, tensor=tensor))(params, state, (x, y))
+                with pytest.raises(ValueError, match=r"^tensor='manual': .* sends nothing over that axis"):
+                    jax.jit(nv.make_eval(lambda p, r: logits(p, r, lambda z: z), mesh, rules, tensor=tensor))(params, x)
+            step = jax.jit(nv.make_step(loss(tp.sum), tx, mesh, rules, tensor=tensor))
+            losses = []
+            for _ in range(3):
+                params, state, metrics = step(params, state, (x, y))
+                losses.append(float(metrics["loss"]))
+        out[tensor] = losses
+    np.testing.assert_allclose(out["manual"], out["gspmd"], rtol=3e-3)
+    assert out["gspmd"][-1] < out["gspmd"][0]

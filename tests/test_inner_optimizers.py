@@ -43,10 +43,14 @@ def test_per_matrix_statistics_update_the_masters_as_optax_updates_the_matrix(na
         params, state = nv.sharded_state(fp, tx, mesh, rules, nv.Policy())
         step = jax.jit(nv.make_step(loss, tx, mesh, rules, dtype=jnp.float32))
         state = step(params, state, batch)[1]
-    grads = jax.grad(loss)(nv.dequantize_params(nv.sharding.logical(params), jnp.float32), batch, None)
     ref = make()
-    want = optax.apply_updates(fp, ref.update(grads, ref.init(fp), fp)[0])
-    got = nv.sharding.logical(nv.find_state(state).master)
+
+    @jax.jit  # the reference and the masters' logical form in one program (eagerly: a program an op)
+    def reference(params, master):
+        grads = jax.grad(loss)(nv.dequantize_params(nv.sharding.logical(params), jnp.float32), batch, None)
+        return optax.apply_updates(fp, ref.update(grads, ref.init(fp), fp)[0]), nv.sharding.logical(master)
+
+    want, got = reference(jax.device_get(params), jax.device_get(nv.find_state(state).master))
     leaves = zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), jax.tree.leaves(fp))
     for (path, g), w, f in leaves:
         moved = float(jnp.max(jnp.abs(w - f)))

@@ -419,3 +419,43 @@ def test_validation_file_of_another_tokenizer_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="not made with the tokenizer of data.path") as e:
         val(other)
     assert "\n" not in str(e.value) and "tokenizer sha256" in str(e.value)
+    # The same tokenizer with another end-of-document token frames the documents otherwise.
+    framed = str(tmp_path / "framed.bin")
+    prepare([str(doc)], framed, tokenizer=gap_tokenizer(tmp_path / "d.json"), eos="[UNK]")
+    with pytest.raises(ConfigError, match=r"its documents have eos_id \d+, those of data.path \d+"):
+        val(framed)
+    # A sidecar whose version is not a number this code reads: one line, not a TypeError.
+    for version in ("3", None, 99):
+        meta = json.loads((tmp_path / "val.bin.json").read_text())
+        (tmp_path / "val.bin.json").write_text(json.dumps(dict(meta, version=version)))
+        with pytest.raises(ConfigError, match=rf"sidecar version {version!r}: this code reads versions 1 to"):
+            read_token_header(same)
+
+
+def test_ids_are_the_tokenizers_for_each_whole_document_at_any_chunk_size(tmp_path):
+    """A document longer than a piece is cut only where the tokenizer encodes both sides as the
+    whole (byte-level BPE merges a newline with the indentation after it); a tokenizer that
+    prefixes its input (Metaspace) gets no cut; a special token's text in a document is text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    code = "".join(f"def f{i}(x):\n    return x + {i}  # <|endoftext|> or <s>\n\n" for i in range(400))
+    doc = tmp_path / "code.py"
+    doc.write_text(code)
+    byte_bpe = tmp_path / "bpe.json"
+    tok = bpe(specials=("<s>", "</s>", "<|endoftext|>"))
+    tok.save(str(byte_bpe))
+    meta = Tokenizer.from_file(str(byte_bpe))
+    meta.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    meta.decoder = decoders.Metaspace(prepend_scheme="first")
+    prefixing = tmp_path / "metaspace.json"
+    meta.save(str(prefixing))
+    for tokenizer in (byte_bpe, prefixing):
+        whole = Tokenizer.from_file(str(tokenizer))
+        whole.encode_special_tokens = True
+        want = whole.encode(code, add_special_tokens=False).ids + [whole.token_to_id("<|endoftext|>")]
+        for chunk_mb in (1, 300 / 2**20, 40 / 2**20):
+            out = str(tmp_path / f"{tokenizer.stem}-{len(os.listdir(tmp_path))}.bin")
+            prep.prepare([str(doc)], out, tokenizer=str(tokenizer), chunk_mb=chunk_mb, workers=1)
+            ids = np.fromfile(out, dtype=read_token_header(out)["dtype"]).tolist()
+            assert ids == want, (tokenizer.stem, chunk_mb)
+    assert want.count(whole.token_to_id("<|endoftext|>")) == 1 and "<s>" not in [whole.id_to_token(i) for i in want]

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import numpy as np
 
 from train.config import Config, ConfigError, DataConfig, ModelConfig
-from train.prepare import FORMAT as TOKENS_FORMAT
+from train.prepare import FORMAT as TOKENS_FORMAT, VERSION as TOKENS_VERSION
 
 __all__ = ["DataIterator", "MarkovSource", "Source", "TextFileSource", "TokenFileSource", "read_token_header",
            "file_fingerprint", "make_data_iterator", "make_source"]
@@ -179,7 +179,11 @@ def read_token_header(path: str | os.PathLike, key: str = "data.path") -> dict[s
                           f"{meta['dtype']} tokens its sidecar declares (truncated or altered)")
     if not isinstance(meta.get("vocab"), int) or meta["vocab"] < 1:
         raise ConfigError(f"{key}={path!r}: sidecar vocab {meta.get('vocab')!r} is not a positive integer")
-    if meta.get("version", 1) < 2:
+    version = meta.get("version", 1)
+    if type(version) is not int or not 1 <= version <= TOKENS_VERSION:
+        raise ConfigError(f"{key}={path!r}: sidecar version {version!r}: this code reads versions 1 to "
+                          f"{TOKENS_VERSION} (python -m train.prepare writes {TOKENS_VERSION})")
+    if version < 2:
         ids, step = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r"), 1 << 26
         meta["vocab"] = max(meta["vocab"], max(int(ids[i:i + step].max()) for i in range(0, len(ids), step)) + 1)
     return meta
@@ -316,6 +320,11 @@ def make_source(data: DataConfig, model: ModelConfig, split: str = "train") -> S
                         if a or b else f"vocabulary {src.meta.get('vocab')} against {train_meta.get('vocab')}")
                 raise ConfigError(f"data.val_path={src.path!r}: not made with the tokenizer of data.path ({what}); "
                                   "prepare both with the same --tokenizer")
+            for mark in ("bos_id", "eos_id"):  # documents framed otherwise: another token stream
+                if src.meta.get(mark) != train_meta.get(mark):
+                    raise ConfigError(f"data.val_path={src.path!r}: its documents have {mark} {src.meta.get(mark)}, "
+                                      f"those of data.path {train_meta.get(mark)}; prepare both with the same "
+                                      "--tokenizer and --eos")
     elif data.val_fraction > 0:
         src = cls(data.path, n, part=(1.0 - data.val_fraction, 1.0))
     else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import errno
+import functools
 import gzip
 import hashlib
 import itertools
@@ -36,7 +37,9 @@ FORMAT = "jax_nvfp4.tokens"
 # documents, each ending with "eos_id" (and starting with "bos_id" unless null), with "errors"/"files_replaced".
 VERSION = 3
 START, END = 1, 2  # a piece of text's marks: it starts a document (BOS before it), it ends one (EOS after)
-MAX_PIECE_CHUNKS = 8  # a piece ends after the first newline past --chunk-mb, or at this many chunks
+MAX_PIECE_CHUNKS = 8  # without a tokenizer (the BPE's training text): a piece ends at this many chunks at most
+CUT_CONTEXT = 256  # characters each side of a cut that the tokenizer must encode as the two sides apart
+CUT_TRIES = 256  # newlines tried for a piece's cut; past them the document is encoded whole from there
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _JSON = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number",
          type(None): "null"}  # the types json.loads returns
@@ -62,6 +65,7 @@ class _Reading:
         if errors not in ("strict", "replace"):
             raise PrepareError(f"--errors {errors!r}: must be strict or replace")
         self.errors, self.text_key, self.replaced = errors, text_key, set()
+        self.cut_ok = None  # (text, j) -> whether the tokenizer encodes text[:j] and text[j:] apart as together
 
     def bad(self, path: str, place: str, what: str) -> None:
         """Undecodable input of ``path`` at ``place``: refused, or noted (to be replaced)."""
@@ -78,19 +82,31 @@ class _Reading:
             return data.decode("utf-8", "replace")
 
 
-def _pieces(blocks, chunk: int) -> Iterator[tuple]:
+def _pieces(blocks, chunk: int, cut_ok=None) -> Iterator[tuple]:
     """One document, its text given as ``(text, bytes of the file read so far)`` blocks, as marked
-    pieces: each ends after the first newline at or past ``chunk`` characters, or at ``MAX_PIECE_CHUNKS``
-    chunks without one (the same cut however the text is split into blocks)."""
-    buf, marks, pos, most = "", START, 0, MAX_PIECE_CHUNKS * chunk
+    pieces, the same cut however the text is split into blocks. With ``cut_ok`` (encoding): each
+    piece ends after the first newline at or past ``chunk`` characters where ``cut_ok`` says the
+    tokenizer encodes both sides apart as it does together, so the ids are those of the whole
+    document; after ``CUT_TRIES`` refused newlines (a tokenizer that merges across lines or prefixes
+    its input) the rest of the document is one piece. Without (the BPE's training text): after the
+    first newline past ``chunk``, or at ``MAX_PIECE_CHUNKS`` chunks without one."""
+    buf, marks, pos, most, start, tries = "", START, 0, MAX_PIECE_CHUNKS * chunk, chunk - 1, 0
     for text, pos in blocks:
         buf += text
-        while len(buf) >= chunk:
-            j = buf.find("\n", chunk - 1, most) + 1 or most  # after that newline, else at the longest piece
-            if j >= len(buf):  # the piece may go on in the next block
-                break
+        while len(buf) >= chunk and tries < CUT_TRIES:
+            if cut_ok is None:
+                j = buf.find("\n", chunk - 1, most) + 1 or most  # after that newline, else at the longest piece
+                if j >= len(buf):  # the piece may go on in the next block
+                    break
+            else:
+                j = buf.find("\n", start) + 1
+                if not j or j + CUT_CONTEXT > len(buf):  # its context may go on in the next block
+                    break
+                if not cut_ok(buf[max(0, j - CUT_CONTEXT):j + CUT_CONTEXT], min(j, CUT_CONTEXT)):
+                    start, tries = j, tries + 1
+                    continue
             yield buf[:j], marks, pos
-            buf, marks = buf[j:], 0
+            buf, marks, start, tries = buf[j:], 0, chunk - 1, 0
     yield buf, marks | END, pos
 
 
@@ -147,7 +163,7 @@ def _jsonl_segments(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
                     rd.bad(path, f"{where}: {key!r}", f"a lone surrogate U+{ord(m.group()):04X} (an escape that "
                                                       "is not text)")
                     text = _SURROGATE.sub("\ufffd", text)
-                yield from _pieces([(text, raw.tell())], chunk)
+                yield from _pieces([(text, raw.tell())], chunk, rd.cut_ok)
         except (OSError, EOFError, zlib.error) as e:  # a corrupt or truncated gzip stream
             raise PrepareError(f"{path}: cannot read{' (gzip)' if gz else ''} after line {lineno}: "
                                f"{_first_line(e)}") from None
@@ -182,7 +198,7 @@ def _parquet_segments(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
                 row += 1
                 if v is None:
                     raise PrepareError(f"{path}: row {row}: {key!r} is null")
-                yield from _pieces([(rd.decode(v, path, f"{path}: row {row}: "), size * row // rows)], chunk)
+                yield from _pieces([(rd.decode(v, path, f"{path}: row {row}: "), size * row // rows)], chunk, rd.cut_ok)
     except PrepareError:
         raise
     except Exception as e:  # noqa: BLE001 - a corrupt file, pyarrow's own types
@@ -198,7 +214,7 @@ def _documents(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
         elif low.endswith(".parquet"):
             yield from _parquet_segments(path, chunk, rd)
         else:
-            yield from _pieces(_text_blocks(path, chunk, rd), chunk)
+            yield from _pieces(_text_blocks(path, chunk, rd), chunk, rd.cut_ok)
     except OSError as e:
         raise PrepareError(f"{path}: cannot read: {e.strerror or _first_line(e)}") from None
 
@@ -428,6 +444,7 @@ def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, voc
         vocab = max(tok.get_vocab(with_added_tokens=True).values()) + 1
         dtype = np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
         state = {"tok": tok, "bos": bos_id, "eos": eos_id, "dtype": dtype}
+        rd.cut_ok = functools.partial(_encodes_apart, tok)
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=sum(os.path.getsize(p) for p in paths), unit="B", unit_scale=True, unit_divisor=1024,
@@ -469,11 +486,20 @@ def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, voc
 
 def _for_encoding(tok, config: dict, eos: str | None) -> tuple[str, int | None, int]:
     """``(the tokenizer's JSON, for OUT.tokenizer.json, bos_id, eos_id)``; then ``tok`` has no truncation
-    or padding (a tokenizer.json may carry them for serving): pieces are encoded whole."""
+    or padding (a tokenizer.json may carry them for serving): pieces are encoded whole; and it reads a
+    special token's text in a document as text (``<|endoftext|>`` in a source file is not a document end)."""
     saved = tok.to_str(pretty=True)
     tok.no_truncation()
     tok.no_padding()
-    return (saved, *special_ids(tok, config, eos))
+    ids = special_ids(tok, config, eos)
+    tok.encode_special_tokens = True
+    return (saved, *ids)
+
+
+def _encodes_apart(tok, text: str, j: int) -> bool:
+    """Whether ``tok`` encodes ``text[:j]`` and ``text[j:]`` one after the other as it encodes ``text``."""
+    ids = lambda s: tok.encode(s, add_special_tokens=False).ids
+    return ids(text) == ids(text[:j]) + ids(text[j:])
 
 
 def _publish(tmp: str, final: str) -> None:

@@ -571,7 +571,9 @@ def _to_compressed_tensors(q: NVFP4Array):
     n_out = t.shape[-2]
     scale = t.scale if t.block == BLOCK_1D else jnp.repeat(t.scale, 16, axis=-2)[..., :n_out, :]
     return {"weight_packed": t.data, "weight_scale": scale,
-            "weight_global_scale": nx.global_encode_scale(t.amax)[..., None]}
+            # NaN for a non-finite matrix (as its decode scale): never a plausible weight.
+            "weight_global_scale": jnp.where(jnp.isfinite(t.amax), nx.global_encode_scale(t.amax),
+                                             jnp.float32(jnp.nan))[..., None]}
 
 
 @jax.jit

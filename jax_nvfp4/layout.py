@@ -182,6 +182,15 @@ class Layout:
         r, c = self.matrix
         return 1.0 - r * c / (self.n_tensor * self.padded_tiles * TILE * TILE)
 
+    def holds(self, shape: Sequence[int]) -> jax.Array:
+        """bool ``shape`` (a whole tiled array, ``[..., nt, T, 16, 16]``): True where an element
+        of the matrix is stored, False on padding."""
+        nd = len(shape)
+        t = jax.lax.broadcasted_iota(jnp.int32, shape, nd - 3)
+        row = (t // self.grid[1]) * TILE + jax.lax.broadcasted_iota(jnp.int32, shape, nd - 2)
+        col = (t % self.grid[1]) * TILE + jax.lax.broadcasted_iota(jnp.int32, shape, nd - 1)
+        return (row < self.sub[0]) & (col < self.sub[1])
+
     # -- logical <-> tiles
     def _split(self, x: jax.Array) -> jax.Array:
         """``[..., R, C]`` -> ``[..., nt, R / nt, C]`` or ``[..., nt, R, C / nt]``: the tensor
@@ -288,6 +297,14 @@ class Tiled:
     def logical(self) -> jax.Array:
         """The ``[..., rows, cols]`` array."""
         return self.layout.from_tiles(self.value)
+
+    def zero_padding(self) -> "Tiled":
+        """``self`` with its padding set to zero (an optimizer may have moved it: noise, a
+        transform that is not element-wise), as quantizing the logical matrix assumes."""
+        if self.layout.padding() == 0:
+            return self
+        return Tiled(jnp.where(self.layout.holds(self.value.shape), self.value, 0).astype(self.value.dtype),
+                     self.layout)
 
     @property
     def shape(self) -> Tuple[int, ...]:

@@ -5,9 +5,10 @@ recipe and its pure-Python reference quantizer), computed in float32 in the orde
 there. The functions are pure and work under ``jit``, ``vmap`` and ``shard_map``.
 
 Platform note: XLA:CPU flushes float32 subnormals to zero. Inputs below 2**-126 therefore
-quantize as zeros there, and matrices whose amax is below 2688 * 2**-126 (about 3.2e-35),
-where the global decode scale itself is subnormal, may differ from a reference that keeps
-subnormals. Everything above that is bit-exact.
+quantize as zeros there, and matrices whose amax is below 2688 * 2**-117 (about 1.6e-32),
+where a block's decode scale (its E4M3 scale times the global decode scale, down to 2**-9
+times it) can be subnormal, may differ from a reference that keeps subnormals. Everything
+above that is bit-exact.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ re-quantizes each NVFP4 leaf shard by shard with the global amax, and returns up
 - Narrower float leaves (bf16): ``master.astype(dtype) - p`` in float32, which ``p + u``
   reproduces (exactly whenever old and new values are within a factor 2**16).
 
-Non-finite gradients skip the step (master, params, inner state and key unchanged; the skip is
-counted in the state). What to do about a skipped step is the host's decision:
+Non-finite gradients, or an update that makes a master non-finite (a float32 overflow), skip the
+step (master, params, inner state and key unchanged; the skip is counted in the state). What to do about a skipped step is the host's decision:
 :func:`raise_if_skipped`, called after the step, turns it into an error.
 """
 
@@ -49,7 +49,7 @@ class MasterWeightsState(NamedTuple):
       master: params-structured tree of float32 masters: :class:`~jax_nvfp4.layout.Tiled`
         (sharded) for large leaves, plain arrays for small replicated ones.
       inner_state: the inner transform's state (over the masters).
-      skipped: int32 count of steps skipped for non-finite gradients.
+      skipped: int32 count of steps skipped for non-finite gradients or masters.
       key: PRNG key for stochastic re-quantization (None when off).
     """
 
@@ -162,7 +162,11 @@ def master_weights(
         f32_plain = _f32_plain_mask(params, updates_m)
         updates_m = jax.tree.map(lambda u, b: jax.lax.optimization_barrier(u) if b else u, updates_m, f32_plain)
         master = optax.apply_updates(state.master, updates_m)
+        # Padding stays zero (re-quantization reads whole tiles) whatever the inner transform adds there.
+        master = jax.tree.map(lambda x: x.zero_padding() if isinstance(x, Tiled) else x, master, is_leaf=is_tiled)
         master = _constrain_master(master, m)
+        # An update that overflows a master (finite gradients, a float32 sum past its range) is skipped too.
+        finite = finite & jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(master)]))
 
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         master = keep(master, state.master)
@@ -438,7 +442,7 @@ def raise_if_skipped(state, before: int = 0) -> None:
     skipped = int(mw.skipped)
     if skipped > before:
         raise FloatingPointError(
-            f"master_weights: non-finite gradients (NaN or Inf) in {skipped - before} step(s); "
+            f"master_weights: non-finite gradients or updated masters (NaN or Inf) in {skipped - before} step(s); "
             "those updates were not applied and no state was changed"
         )
 

@@ -215,6 +215,11 @@ def test_either_weight_block_converts_without_requantizing(block):
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     with pytest.raises(ValueError, match="groups of 16"):
         nvfp4_to_compressed_tensors(nv.quantize(jnp.asarray(x), block=nv.BLOCK_1D))
+    # A matrix marked non-finite (an Inf in its source) converts to a NaN global scale, as its
+    # ModelOpt decode scale is: never a plausible weight (it used to be 1.0).
+    x[1, 3, 4] = np.inf
+    scales = np.asarray(nvfp4_to_compressed_tensors(nv.quantize(jnp.asarray(x), block=block))["weight_global_scale"])
+    assert np.isfinite(scales[0]).all() and np.isnan(scales[1]).all()
 
 
 def test_bf16_export_equals_dequantized_weights(exported):

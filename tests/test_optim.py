@@ -356,6 +356,37 @@ def test_non_finite_step_is_skipped_bit_identically(bad):
     assert int(state2.skipped) == 1 and int(state.skipped) == 0
 
 
+def test_an_update_that_overflows_a_master_is_skipped():
+    # Finite gradients whose update takes a float32 master past its range: the step changes
+    # nothing and counts itself skipped (it used to write an Inf amax: a NaN weight).
+    w = {"w": np.full((32, 32), 3e38, np.float32)}
+    tx = nv.master_weights(optax.sgd(-1.0))
+    params = nv.quantize_params(w)
+    state = tx.init(params)
+    u, after = jax.jit(tx.update)({"w": np.full((32, 32), 1e38, np.float32)}, state, params)
+    assert int(after.skipped) == 1 and bool(apply_updates(params, u)["w"].isfinite())
+    for a, b in zip(tree_bytes((after.master, after.inner_state)), tree_bytes((state.master, state.inner_state))):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(FloatingPointError, match="non-finite gradients or updated masters"):
+        nv.optim.raise_if_skipped(after)
+
+
+def test_padding_stays_zero_whatever_the_inner_transform_adds():
+    # A 20x37 kernel's tiles are mostly padding; noisy SGD adds noise there too. The masters'
+    # padding stays zero, so the re-quantized param is quantize(master) bit for bit (the noise
+    # used to enter its amax and the edge tiles' scales).
+    w = {"w": (np.random.default_rng(1).standard_normal((20, 37)) * 0.02).astype(np.float32)}
+    tx = nv.master_weights(optax.noisy_sgd(1e-2, eta=100.0, key=0))
+    params = nv.quantize_params(w)
+    u, state = jax.jit(tx.update)({"w": np.ones((20, 37), np.float32)}, tx.init(params), params)
+    m = state.master["w"]
+    assert float(jnp.max(jnp.abs(m.value))) == float(jnp.max(jnp.abs(m.logical()))) > 0.2
+    got, want = apply_updates(params, u)["w"], nv.quantize(m.logical())
+    for a, b in zip(tree_bytes(got), tree_bytes(want)):
+        np.testing.assert_array_equal(a, b)
+    assert int(jnp.count_nonzero(m.value)) == 20 * 37
+
+
 def test_non_finite_error_mode():
     mesh, fp32, params, tx, state = _single_step_setup(optax.sgd(0.1))
     upd = jax.jit(tx.update)

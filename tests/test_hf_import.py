@@ -620,6 +620,34 @@ def test_an_export_names_the_token_files_bos_and_eos(tmp_path):
     assert plain["eos_token"] == "<|endoftext|>" and "bos_token" not in plain
 
 
+def test_an_export_names_the_bos_and_eos_of_the_tokenizer_it_ships(fresh, tmp_path):
+    """The checkpoint's tokenizer (a Llama 3.x Instruct list of end ids: the first names the
+    token) or, where it has none, the token file's: never the checkpoint's ids over the token
+    file's tokenizer; resolved before training (a list used to fail the export after it)."""
+    from tokenizers import Tokenizer, models
+
+    from train.__main__ import hf_metadata
+    from train.prepare import prepare
+
+    words = {"<s>": 0, "</s>": 1, "<eot>": 2, "the": 3, "cat": 4, "sat": 5}
+    tok = tmp_path / "tok.json"
+    Tokenizer(models.WordLevel(words, unk_token="the")).save(str(tok))
+    with_tok = variant(fresh, tmp_path, config={"eos_token_id": [2, 1], "bos_token_id": 0})
+    shutil.copy(tok, with_tok / "tokenizer.json")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the cat sat")
+    tokens = str(tmp_path / "t.bin")
+    prepare([str(doc)], tokens, tokenizer=str(tok), eos="</s>")
+    without = variant(fresh, tmp_path, fmt="nvfp4", config={"eos_token_id": 2, "bos_token_id": 0})
+    for folder, data, want in ((with_tok, (), ([2, 1], "<eot>", "<s>")),
+                               (without, ("data.source=tokens", f"data.path={tokens}"), (1, "</s>", None))):
+        cfg = job(*data)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=str(folder)))
+        hf_cfg, files = hf_metadata(cfg)
+        config = json.loads(files["tokenizer_config.json"])
+        assert (hf_cfg["eos_token_id"], config["eos_token"], config.get("bos_token")) == want
+
+
 # ----------------------------------------------------------------------------- the library, another model
 # A user's model, not train's Llama: GPT-2-like names, a stacked block of two tensor-split NVFP4
 # kernels and a norm scale, an unstacked NVFP4 head, an embedding kept out of NVFP4 (a float32

@@ -345,6 +345,7 @@ def hf_check(cfg, mesh) -> None:
     from train.programs import build
 
     params = jax.eval_shape(nv.sharding.logical, build(cfg, mesh, init=False)[0].abstract_params)
+    hf_metadata(cfg)  # the config.json and tokenizer files, resolved now rather than after training
     for fmt in ("bf16", "nvfp4"):
         try:
             export_lib.check_hf(params, HF_NAMES, fmt=fmt)
@@ -352,15 +353,11 @@ def hf_check(cfg, mesh) -> None:
             raise ConfigError(f"--export-hf ({fmt}): {e}; set model sizes it can hold, or drop --export-hf") from None
 
 
-def export_hf(cfg, params, directory: str, *, layout: str = "compressed-tensors", calibrate: int = 0,
-              run=None) -> None:
-    """``--export-hf DIR``: Hugging Face Llama checkpoints of ``params`` in DIR/bf16 and DIR/nvfp4
-    (``layout``: ``--hf-format``), with the token file's or the imported checkpoint's tokenizer;
-    ``calibrate`` N: DIR/nvfp4 is W4A4 (:mod:`train.calibrate`; ``run``, the ``train.loop.run``
-    result, gives the float32 masters for the bf16 loss), the three validation losses printed."""
-    from jax_nvfp4 import export as export_lib
+def hf_metadata(cfg) -> tuple:
+    """``(config.json, tokenizer files)`` of ``cfg``'s Hugging Face export. The tokenizer is the
+    imported checkpoint's where it has one, else the token file's, and the BOS/EOS ids are that
+    tokenizer's: the ones the model was trained with."""
     from train import data as data_lib, hf_import
-    from train.model import HF_NAMES
 
     tokenizer = eos = bos = None
     max_positions = cfg.model.seq_len
@@ -371,12 +368,25 @@ def export_hf(cfg, params, directory: str, *, layout: str = "compressed-tensors"
             tokenizer, eos, bos = path, meta.get("eos_id"), meta.get("bos_id")
     if cfg.train.init_from:
         source = hf_import.read_hf_config(cfg.train.init_from)
-        eos, bos = source.get("eos_token_id", eos), source.get("bos_token_id")
         max_positions = max(max_positions, int(source.get("max_position_embeddings") or 0))
         if os.path.isfile(os.path.join(cfg.train.init_from, "tokenizer.json")):
             tokenizer = cfg.train.init_from
+        if tokenizer in (None, cfg.train.init_from):
+            eos, bos = source.get("eos_token_id"), source.get("bos_token_id")
     hf_cfg = hf_import.hf_config(cfg, max_position_embeddings=max_positions, eos_token_id=eos, bos_token_id=bos)
-    files = hf_import.tokenizer_files(tokenizer, max_positions, eos_id=eos, bos_id=bos)
+    return hf_cfg, hf_import.tokenizer_files(tokenizer, max_positions, eos_id=eos, bos_id=bos)
+
+
+def export_hf(cfg, params, directory: str, *, layout: str = "compressed-tensors", calibrate: int = 0,
+              run=None) -> None:
+    """``--export-hf DIR``: Hugging Face Llama checkpoints of ``params`` in DIR/bf16 and DIR/nvfp4
+    (``layout``: ``--hf-format``), with the token file's or the imported checkpoint's tokenizer;
+    ``calibrate`` N: DIR/nvfp4 is W4A4 (:mod:`train.calibrate`; ``run``, the ``train.loop.run``
+    result, gives the float32 masters for the bf16 loss), the three validation losses printed."""
+    from jax_nvfp4 import export as export_lib
+    from train.model import HF_NAMES
+
+    hf_cfg, files = hf_metadata(cfg)
     input_amax = None
     if calibrate:
         import jax

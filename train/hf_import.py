@@ -190,7 +190,9 @@ def tokenizer_files(tokenizer: Optional[str], max_positions: int, *, eos_id: Opt
                 tok = Tokenizer.from_file(files["tokenizer.json"])
             except Exception:  # noqa: BLE001 - a tokenizer this package cannot read is copied as it is
                 pass
-        eos, bos = (tok.id_to_token(int(i)) if tok is not None and i is not None else None for i in (eos_id, bos_id))
+        # An id may be a list (Llama 3.x Instruct ends on any of several): the first names the token.
+        ids = (i[0] if isinstance(i, (list, tuple)) and i else i for i in (eos_id, bos_id))
+        eos, bos = (tok.id_to_token(int(i)) if tok is not None and isinstance(i, int) else None for i in ids)
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos or "<|endoftext|>",
                   "model_max_length": max_positions}
         if bos:

@@ -445,6 +445,10 @@ def test_a_token_file_with_ids_past_its_sidecars_vocabulary_is_named(tmp_path, c
     assert (tmp_path / "out" / "metrics.jsonl").stat().st_size == 0
     (tmp_path / "toks.bin.json").write_text(json.dumps(
         {"format": "jax_nvfp4.tokens", "version": 2, "dtype": "uint16", "vocab": 200, "tokens": len(tokens)}))
+    # Its validation split (1%: 40 tokens) holds one window: the evaluation's rows repeat it, said once.
     rc, _, err = main_here([*sets(JOB), "--set", "data.source=tokens", "--set", f"data.path={path}",
+                            "--set", "data.val_fraction=0.01", "--set", "train.eval_every=6",
                             "--out", str(tmp_path / "out")], capfd)
     assert rc == 0, err
+    assert err.count("notice: the val tokens hold 1 window(s) of model.seq_len + 1 tokens; an evaluation reads 96 "
+                     "rows, so they repeat") == 1, err

@@ -459,3 +459,24 @@ def test_ids_are_the_tokenizers_for_each_whole_document_at_any_chunk_size(tmp_pa
             ids = np.fromfile(out, dtype=read_token_header(out)["dtype"]).tolist()
             assert ids == want, (tokenizer.stem, chunk_mb)
     assert want.count(whole.token_to_id("<|endoftext|>")) == 1 and "<s>" not in [whole.id_to_token(i) for i in want]
+
+
+def test_a_byte_order_mark_and_a_categorical_parquet_column_read_as_their_text(tmp_path):
+    """A text file's UTF-8 byte order mark is not text (as in JSON Lines); a dictionary-encoded
+    (categorical) Parquet string column reads as its strings."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok = tmp_path / "tok.json"
+    bpe().save(str(tok))
+    texts = docs(40)
+    pq.write_table(pa.table({"text": pa.array(texts)}), str(tmp_path / "plain.parquet"))
+    pq.write_table(pa.table({"text": pa.array(texts).dictionary_encode()}), str(tmp_path / "coded.parquet"))
+    (tmp_path / "plain.txt").write_text(texts[0], encoding="utf-8")
+    (tmp_path / "bom.txt").write_text(texts[0], encoding="utf-8-sig")
+    ids = {}
+    for name in ("plain.parquet", "coded.parquet", "plain.txt", "bom.txt"):
+        out = str(tmp_path / f"{name}.bin")
+        prep.prepare([str(tmp_path / name)], out, tokenizer=str(tok), eos="</s>", workers=1)
+        ids[name] = np.fromfile(out, dtype=np.uint16).tolist()
+    assert ids["coded.parquet"] == ids["plain.parquet"] and ids["bom.txt"] == ids["plain.txt"]

@@ -123,6 +123,8 @@ def _text_blocks(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
                        f"invalid UTF-8 ({e.reason})")
                 dec.errors = "replace"  # the decoder kept its state: decode the block again
                 text = dec.decode(block, not block)
+            if not pos and text.startswith("\ufeff"):  # a byte order mark, not text (as in JSON Lines)
+                text = text[1:]
             pos += len(block)
             yield text, pos
             if not block:
@@ -186,14 +188,16 @@ def _parquet_segments(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
         cols = ", ".join(repr(c) for c in schema.names[:8]) or "none"
         raise PrepareError(f"{path}: no column {key!r} (its columns: {cols}); choose one with --text-key")
     typ = schema.field(key).type
+    coded = pa.types.is_dictionary(typ)  # a categorical column: its values are the dictionary's
+    typ = typ.value_type if coded else typ
     # Strings are viewed as bytes, decoded here: an undecodable one is named by its byte offset.
     views = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary(), pa.string_view(): pa.binary_view()}
     if typ not in views and typ not in views.values():
-        raise PrepareError(f"{path}: column {key!r} is {typ}, not a string column")
+        raise PrepareError(f"{path}: column {key!r} is {schema.field(key).type}, not a string column")
     rows, size, row = max(1, pf.metadata.num_rows), os.path.getsize(path), 0
     try:
         for batch in pf.iter_batches(batch_size=256, columns=[key], use_threads=False):
-            col = batch.column(0)
+            col = batch.column(0).dictionary_decode() if coded else batch.column(0)
             for v in (col.view(views[typ]) if typ in views else col).to_pylist():
                 row += 1
                 if v is None:

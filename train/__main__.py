@@ -357,6 +357,10 @@ def hf_check(cfg, mesh) -> None:
             export_lib.check_hf(params, HF_NAMES, fmt=fmt)
         except export_lib.ExportError as e:
             raise ConfigError(f"--export-hf ({fmt}): {e}; set model sizes it can hold, or drop --export-hf") from None
+    if cfg.nvfp4.weights == "nvfp4" and not cfg.nvfp4.fused_amax and jax.process_index() == 0:
+        print("notice: nvfp4.fused_amax=false: the --export-hf NVFP4 checkpoint gives q/k/v and gate/up a global "
+              "scale each; serving engines that fuse them (vLLM, SGLang) read each group under its largest scale, "
+              "which shrinks the other parts' weights (transformers reads it as trained)", file=sys.stderr, flush=True)
 
 
 def hf_metadata(cfg) -> tuple:

@@ -499,5 +499,8 @@ def dot(
         quantize_x=bool(quantize_x),
     )
     lead = x.shape[:-1]
+    if x.size == 0:  # no tokens: nothing to quantize; an empty y, zero gradients
+        return (x.reshape(0, k) @ (jnp.zeros((k, n), x.dtype) if w is None else w.astype(x.dtype))).astype(
+            cfg.out_dtype).reshape(*lead, n)
     y = _dot(x.reshape(-1, k), w_q, w, key, cfg)
     return y.reshape(*lead, n)

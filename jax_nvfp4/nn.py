@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import warnings
 from typing import Any, Callable, Iterator, Optional
 
 import flax.linen as nn
@@ -140,6 +142,9 @@ def _recipe_dot(module: nn.Module, x, w_q, sink, key, recipe: "Recipe", backend:
                     rht_wgrad=recipe.hadamard_wgrad, quantize_x=recipe.quantize_activations)
 
 
+_DENSE_CALL = inspect.unwrap(nn.Dense.__call__)  # nn.Dense's own __call__, as the interceptors see it
+
+
 @contextlib.contextmanager
 def intercept_dense(recipe: Recipe = Recipe(), *, backend: str = "auto") -> Iterator[None]:
     """Run every stock ``flax.linen.Dense`` whose kernel is an NVFP4 :class:`Shard` (inside
@@ -150,8 +155,12 @@ def intercept_dense(recipe: Recipe = Recipe(), *, backend: str = "auto") -> Iter
             with nv.intercept_dense():
                 logits = model.apply({"params": params}, rows[:, :-1], rngs={"rounding": key})
 
-    The layer's code is unchanged: ``y = x @ kernel (+ bias)`` in its ``dtype`` (else the
-    promoted dtype of ``x`` and the gathered weight). Stochastic rounding of the gradients
+    The layer's code is unchanged: ``nn.Dense``'s own ``y = x @ kernel (+ bias)`` in its
+    ``dtype`` (else the promoted dtype of ``x`` and the gathered weight) runs as the recipe GEMM,
+    also where a subclass calls it (``super().__call__``: the rest of the subclass runs as
+    written). A Dense with its own ``dot_general``, and other layers reading an NVFP4 kernel
+    (``nn.DenseGeneral``, ``nn.Einsum``), run as written on the dequantized weight, with a
+    warning: the recipe GEMM is one ``[K, N]`` matrix product. Stochastic rounding of the gradients
     draws from the ``"rounding"`` RNG stream when the model has one (under ``nn.scan`` split
     it per layer, as ``"params"``), else rounds to nearest. A Dense whose kernel is not an
     NVFP4 ``Shard`` (kept in bf16 by the :class:`~jax_nvfp4.Policy`, or outside the step, e.g.
@@ -159,14 +168,28 @@ def intercept_dense(recipe: Recipe = Recipe(), *, backend: str = "auto") -> Iter
     bit for bit.
     """
 
+    def where(m):
+        return "/".join(m.scope.path) or m.name or type(m).__name__
+
     def interceptor(next_fun, args, kwargs, context):
         m = context.module
-        if context.method_name != "__call__" or not isinstance(m, nn.Dense) or len(args) != 1 or kwargs:
+        if context.method_name != "__call__" or not isinstance(m, (nn.Dense, nn.DenseGeneral, nn.Einsum)):
             return next_fun(*args, **kwargs)
         shard = _shard(m, "kernel")
         if shard is None or not shard.is_nvfp4:
             return next_fun(*args, **kwargs)
-        x = jnp.asarray(args[0])
+        if context.orig_method.func is not _DENSE_CALL:  # a subclass's own __call__: its super() call comes here
+            if not isinstance(m, nn.Dense):
+                warnings.warn(f"intercept_dense: {type(m).__name__} {where(m)!r} reads an NVFP4 kernel and runs as "
+                              "written on the dequantized weight (the recipe GEMM is nn.Dense's)", stacklevel=2)
+            return next_fun(*args, **kwargs)
+        if m.dot_general is not None or m.dot_general_cls is not None:
+            warnings.warn(f"intercept_dense: Dense {where(m)!r} has its own dot_general and runs it on the "
+                          "dequantized weight, not the recipe GEMM", stacklevel=2)
+            return next_fun(*args, **kwargs)
+        if len(args) + len(kwargs) != 1 or (kwargs and "inputs" not in kwargs):
+            return next_fun(*args, **kwargs)
+        x = jnp.asarray(args[0] if args else kwargs["inputs"])
         dtype = m.dtype or jnp.promote_types(x.dtype, shard.config.dtype)
         w_q, sink = shard.nvfp4()
         y = _recipe_dot(m, x.astype(dtype), w_q, sink, None, recipe, backend, dtype)

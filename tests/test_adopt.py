@@ -324,3 +324,47 @@ def test_a_mesh_without_the_data_axis_is_refused():
     racked = jax.make_mesh((2, 2, 2), ("rack", "data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
     assert nv.step.batch_axes(racked, nv.Rules(data_axis=("data", "rack"))) == ("rack", "data")
     assert nv.step.batch_axes(mesh, nv.Rules(data_axis="batch")) == ("batch",)
+
+
+def test_the_interceptor_replaces_dense_s_own_product_only():
+    """Under ``nv.intercept_dense()`` a subclass of ``nn.Dense`` keeps its own code around its
+    ``super().__call__`` (which runs the recipe), ``inputs=`` by keyword runs it too, a
+    ``DenseGeneral`` reading an NVFP4 kernel runs as written with a warning, and a batch of
+    no tokens is an empty result."""
+    import warnings
+
+    import flax.linen as nn
+
+    class Scaled(nn.Dense):
+        def __call__(self, x):
+            return 100 * super().__call__(x) + 7
+
+    x = jax.random.normal(jax.random.key(1), (8, 32))
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+
+    def rows(model, call=lambda m, p, r: m.apply({"params": p}, r), intercept=True):
+        fp32 = model.init(jax.random.key(0), x)["params"]
+        with jax.set_mesh(mesh):
+            params = nv.shard_params(fp32, mesh, nv.Rules(), nv.Policy())
+            ctx = nv.intercept_dense() if intercept else contextlib.nullcontext()
+
+            def fn(p, r):
+                with ctx:
+                    return call(model, p, r)
+            return np.asarray(jax.jit(nv.make_eval(fn, mesh))(params, x))
+
+    dense = rows(nn.Dense(16, use_bias=False))
+    assert not np.array_equal(dense, rows(nn.Dense(16, use_bias=False), intercept=False))  # the recipe ran
+    np.testing.assert_array_equal(rows(Scaled(16, use_bias=False)), 100 * dense + 7)
+    np.testing.assert_array_equal(rows(nn.Dense(16, use_bias=False), lambda m, p, r: m.apply({"params": p}, inputs=r)),
+                                  dense)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        general = rows(nn.DenseGeneral(16, use_bias=False))
+    assert any("DenseGeneral" in str(w.message) and "runs as written" in str(w.message) for w in caught)
+    np.testing.assert_array_equal(general, rows(nn.DenseGeneral(16, use_bias=False), intercept=False))
+    # No tokens: an empty product, zero gradients (quantize refuses an empty matrix).
+    w = np.asarray(x[:, :16].T @ x[:, :16], np.float32)
+    y, grads = jax.value_and_grad(lambda a, b: nv.gemm.dot(a, nv.quantize(w), b).sum(), argnums=(0, 1))(
+        jnp.zeros((0, 16)), jnp.asarray(w))
+    assert float(y) == 0 and grads[0].shape == (0, 16) and not np.any(np.asarray(grads[1]))

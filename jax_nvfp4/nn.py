@@ -160,9 +160,9 @@ def intercept_dense(recipe: Recipe = Recipe(), *, backend: str = "auto") -> Iter
     also where a subclass calls it (``super().__call__``: the rest of the subclass runs as
     written). A Dense with its own ``dot_general``, and other layers reading an NVFP4 kernel
     (``nn.DenseGeneral``, ``nn.Einsum``), run as written on the dequantized weight, with a
-    warning: the recipe GEMM is one ``[K, N]`` matrix product. Stochastic rounding of the gradients
-    draws from the ``"rounding"`` RNG stream when the model has one (under ``nn.scan`` split
-    it per layer, as ``"params"``), else rounds to nearest. A Dense whose kernel is not an
+    warning: the recipe GEMM is one ``[K, N]`` matrix product. Stochastic rounding of the
+    gradients draws from the ``"rounding"`` RNG stream when the model has one (under ``nn.scan``
+    split it per layer, as ``"params"``), else rounds to nearest. A Dense whose kernel is not an
     NVFP4 ``Shard`` (kept in bf16 by the :class:`~jax_nvfp4.Policy`, or outside the step, e.g.
     at init) runs as written. The same recipe as :class:`NVFP4Dense` ``(compute="nvfp4")``,
     bit for bit.

@@ -18,8 +18,9 @@ re-quantizes each NVFP4 leaf shard by shard with the global amax, and returns up
   reproduces (exactly whenever old and new values are within a factor 2**16).
 
 Non-finite gradients, or an update that makes a master non-finite (a float32 overflow), skip the
-step (master, params, inner state and key unchanged; the skip is counted in the state). What to do about a skipped step is the host's decision:
-:func:`raise_if_skipped`, called after the step, turns it into an error.
+step (master, params, inner state and key unchanged; the skip is counted in the state). What to
+do about a skipped step is the host's decision: :func:`raise_if_skipped`, called after the step,
+turns it into an error.
 """
 
 from __future__ import annotations

@@ -436,7 +436,7 @@ def test_ids_are_the_tokenizers_for_each_whole_document_at_any_chunk_size(tmp_pa
     """A document longer than a piece is cut only where the tokenizer encodes both sides as the
     whole (byte-level BPE merges a newline with the indentation after it); a tokenizer that
     prefixes its input (Metaspace) gets no cut; a special token's text in a document is text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
 
     code = "".join(f"def f{i}(x):\n    return x + {i}  # <|endoftext|> or <s>\n\n" for i in range(400))
     doc = tmp_path / "code.py"

@@ -155,7 +155,6 @@ def master_weights(
         _check_stored_form(params, state.master)
         m = context_mesh(mesh) or typed_mesh(state.master)
         grads_m = _grads_to_master(grads, state.master, m)
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads_m)]))
         updates_m, inner_state = inner.update(grads_m, state.inner_state, state.master, **extra)
         # The update of a float32 plain param is materialised once: master + u and param + u
         # are then the same addition (XLA may otherwise contract one of them into a
@@ -166,8 +165,9 @@ def master_weights(
         # Padding stays zero (re-quantization reads whole tiles) whatever the inner transform adds there.
         master = jax.tree.map(lambda x: x.zero_padding() if isinstance(x, Tiled) else x, master, is_leaf=is_tiled)
         master = _constrain_master(master, m)
-        # An update that overflows a master (finite gradients, a float32 sum past its range) is skipped too.
-        finite = finite & jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(master)]))
+        # Non-finite gradients skip the step, and so does an update that overflows a master (finite
+        # gradients, a float32 sum past its range): one verdict over both.
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves((grads_m, master))]))
 
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         master = keep(master, state.master)

@@ -206,11 +206,11 @@ def _run(args, cfg, out_dir, fault) -> int:
         mesh = mesh_lib.build_mesh(cfg.mesh)
         for split in ("train", "val"):  # a missing or unreadable data file fails here
             source = data_lib.make_source(cfg.data, cfg.model, split=split)
-            rows = cfg.data.batch_size * (cfg.train.eval_batches if split == "val" else 1)
-            if (split == "train" or cfg.train.eval_every) and jax.process_index() == 0 and \
-                    (n := getattr(source, "num_windows", lambda _: rows)(cfg.model.seq_len + 1)) < rows:
+            read = cfg.data.batch_size * (cfg.train.eval_batches if split == "val" else 1)  # rows a step/evaluation
+            if isinstance(source, data_lib.TokenFileSource) and (split == "train" or cfg.train.eval_every) and \
+                    (n := source.num_windows(cfg.model.seq_len + 1)) < read and jax.process_index() == 0:
                 print(f"notice: the {split} tokens hold {n} window(s) of model.seq_len + 1 tokens; "
-                      f"{'a step' if split == 'train' else 'an evaluation'} reads {rows} rows, so they repeat",
+                      f"{'a step' if split == 'train' else 'an evaluation'} reads {read} rows, so they repeat",
                       file=sys.stderr, flush=True)
         if args.export_hf:
             hf_check(cfg, mesh)

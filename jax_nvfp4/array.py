@@ -94,11 +94,32 @@ def explicit_sharding(x):
     return sharding if sharding is not None and any(e is not None for e in sharding.spec) else None
 
 
+def _where_it_lives(fn, x, shapes, assemble):
+    """``fn`` run where ``x`` lives: ``fn`` itself, or, if ``x`` is split over Explicit mesh axes,
+    ``fn`` under ``jax.sharding.auto_axes`` with outputs of ``shapes`` split as ``x`` splits the
+    dimension each comes from (the same place counted from the first; a dimension whose size
+    does not divide evenly over those axes whole); ``assemble`` builds the output tree from
+    their shardings. Quantizing reshapes into blocks, which Explicit sharding types express only
+    for reshapes that split one axis: the compiler places the work instead, as on Auto axes,
+    and a split weight stays split (no device gathers it whole)."""
+    sharding = explicit_sharding(x)
+    if sharding is None:
+        return fn
+    mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+
+    def split(shape):
+        def keep(entry, size):
+            axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            return entry if axes and size % math.prod(mesh.shape[a] for a in axes) == 0 else None
+        return jax.sharding.NamedSharding(mesh, P(*map(keep, spec, shape)))
+    out = assemble(*map(split, shapes))
+    return jax.sharding.auto_axes(fn, axes=mesh.explicit_axes, out_sharding=out)
+
+
 def _replicated(x):
-    """``x``, replicated if its type shards it over an Explicit mesh axis. A quantization or a
-    tile relayout reshapes it (blocks, tiles), which explicit sharding types express only for
-    reshapes that split one axis (JAX refuses the others, even with the sharded axis kept): it
-    is gathered first, as under an Auto mesh the compiler gathers it."""
+    """``x``, replicated if its type shards it over an Explicit mesh axis: a tile relayout
+    reshapes it, which explicit sharding types express only for reshapes that split one axis
+    (JAX refuses the others, even with the sharded axis kept)."""
     sharding = explicit_sharding(x)
     return x if sharding is None else jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, P()))
 
@@ -335,7 +356,7 @@ def quantize(
     """
     block = _check_block(block)
     check_rounding(rounding, key)
-    x = _replicated(as_array(x))
+    x = as_array(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"quantize expects a floating-point array, got dtype {x.dtype}")
     if x.ndim < 2:
@@ -353,7 +374,10 @@ def quantize(
                                  "zeros; pass its max(|x|) (0 is the amax of an all-zero matrix only)")
         if not (known and _concrete(x)):
             amax = _poison_invalid_amax(x, amax, batch)
-    return _quantize(x, key if rounding == "stochastic" else None, amax, block, bool(four_over_six))
+    run = _where_it_lives(functools.partial(_quantize, block=block, four_over_six=bool(four_over_six)), x,
+                          packed_shapes(x.shape, block),
+                          lambda d, s, a: NVFP4Array(d, s, a, tuple(x.shape[-2:]), block))
+    return run(x, key if rounding == "stochastic" else None, amax)
 
 
 @jax.jit
@@ -510,7 +534,10 @@ def dequantize(q: NVFP4Array, dtype=jnp.bfloat16) -> jax.Array:
     if not jnp.issubdtype(dtype, jnp.floating):
         # An integer or bool result would be silently truncated weights.
         raise TypeError(f"dequantize: dtype must be a floating-point dtype, got {jnp.dtype(dtype).name}")
-    return _dequantize(q, jnp.dtype(dtype))
+    # The values' shape, for their sharding: the packed bytes' with the columns unpacked.
+    values = (*q.data.shape[:-1], q.matrix_shape[1])
+    return _where_it_lives(functools.partial(_dequantize, dtype=jnp.dtype(dtype)), q.data, [values],
+                           lambda s: s)(q)
 
 
 @functools.partial(jax.jit, static_argnames="dtype")

@@ -362,8 +362,9 @@ def state_init(tx, mesh=None, rules: Optional[Rules] = None, policy: Optional[Po
     ``out_shardings`` from ``jax.eval_shape`` (:func:`~jax_nvfp4.sharding.shardings`) to build a state from
     arguments (a seed's key) in one program compiled once; on a mesh with Explicit axes, inside
     ``jax.sharding.auto_axes(..., out_sharding=those shardings)`` as :func:`sharded_state` does (else each device
-    computes the whole state its explicit types call replicated). TypeError (when traced): ``tx`` holds no
-    :func:`master_weights` state while a param is NVFP4."""
+    computes the whole state its explicit types call replicated). ``policy`` None: the one ``tx``'s
+    :func:`master_weights` re-quantizes with (its default, unless it was given one). TypeError (when traced):
+    ``tx`` holds no :func:`master_weights` state while a param is NVFP4."""
     mesh = context_mesh(mesh)
     if mesh is None:
         raise ValueError("state_init / sharded_state: no mesh: pass mesh= or call it under jax.set_mesh")
@@ -372,16 +373,28 @@ def state_init(tx, mesh=None, rules: Optional[Rules] = None, policy: Optional[Po
         x = x.dequantize(jnp.float32) if is_nvfp4(x) else x
         return Tiled.from_logical(jnp.asarray(x, jnp.float32), stored.layout) if is_tiled(stored) else x
 
-    def state(tree):
-        stored = shard_params(tree, mesh, rules, policy)
+    def init(params):
+        """``tx.init(params)`` and the policies of the ``master_weights`` inits it ran."""
         token = _INIT_POLICIES.set(seen := [])
         try:
-            opt_state = tx.init(jax.tree.map(float_in, stored, tree, is_leaf=is_tiled))
+            return tx.init(params), seen
         finally:
             _INIT_POLICIES.reset(token)
+
+    def state(tree):
+        own = policy
+        if own is None:  # master_weights' own (its default included), found by tracing its init
+            seen = []
+            jax.eval_shape(lambda t: seen.extend(init(t)[1]), tree)
+            if any(other != seen[0] for other in seen):
+                raise ValueError("sharded_state: tx holds nv.master_weights with different policies; pass the one "
+                                 "the params are quantized with, policy=...")
+            own = seen[0] if seen else None
+        stored = shard_params(tree, mesh, rules, own)
+        opt_state, seen = init(jax.tree.map(float_in, stored, tree, is_leaf=is_tiled))
         requantized = lambda p: {"shared_amax": p.shared_amax, "four_over_six": p.four_over_six}
-        if policy is not None and any(requantized(own) != requantized(policy) for own in seen):
-            raise ValueError(f"sharded_state: the policy quantizes with {requantized(policy)}, the nv.master_weights "
+        if own is not None and any(requantized(other) != requantized(own) for other in seen):
+            raise ValueError(f"sharded_state: the policy quantizes with {requantized(own)}, the nv.master_weights "
                              f"optimizer re-quantizes after every step with {requantized(seen[0])}; pass the same "
                              "policy to both, nv.master_weights(..., policy=policy)")
         if find_state(opt_state) is None and any(isinstance(x, TiledNVFP4) for x in

@@ -93,6 +93,26 @@ def test_the_state_is_quantized_with_the_policy_the_optimizer_requantizes_with()
     assert bits(plain) != bits(want)  # four_over_six moved some scales
 
 
+def test_without_a_policy_the_state_takes_the_optimizers():
+    """``sharded_state`` without ``policy=`` quantizes what the ``master_weights`` inside ``tx``
+    re-quantizes (its default policy, or the one it was given), not nothing: float params are
+    never silently trained in float32."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (conftest asks for 8 simulated CPU devices)")
+    fp, _, _, mesh = _setup()
+    bits = lambda t: [np.asarray(a).tobytes() for a in jax.tree.leaves(t)]
+    kept = nv.Policy(keep=("Dense_1",), four_over_six=True)
+    for tx, policy in ((nv.master_weights(optax.adam(1e-3)), nv.Policy()),
+                       (optax.chain(optax.clip(1.0), nv.master_weights(optax.adam(1e-3), policy=kept)), kept)):
+        with jax.set_mesh(mesh):
+            params, _ = nv.sharded_state(fp, tx, mesh, nv.Rules())
+        assert isinstance(params["Dense_0"]["kernel"], nv.TiledNVFP4)
+        assert bits(nv.sharding.logical(params)) == bits(nv.quantize_params(fp, policy))
+    with jax.set_mesh(mesh):
+        params, _ = nv.sharded_state(fp, optax.adam(1e-3), mesh, nv.Rules())  # no master weights: float training
+    assert not any(isinstance(x, nv.TiledNVFP4) for x in jax.tree.leaves(params, is_leaf=nv.layout.is_tiled))
+
+
 def test_an_explicit_data_axis_with_an_auto_tensor_axis_trains_like_auto_axes():
     """make_step asks for an Auto tensor axis; the data axis may stay Explicit (jax.make_mesh's
     default): the state is built and the step gives the losses of an all-Auto mesh."""

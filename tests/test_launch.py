@@ -163,3 +163,38 @@ def test_metrics_path_follows_out_and_config(tmp_path):
     assert runs.metrics_path(["--config", os.path.join(ROOT, "train", "configs", "tiny.yaml")]) == os.path.join(
         "runs/tiny", "metrics.jsonl")
     assert runs.metrics_path(["--set", "train.out_dir=z"]) == os.path.join("z", "metrics.jsonl")
+
+
+def test_the_slurm_script_passes_the_config_once_and_the_overrides_after_its_own(tmp_path):
+    """``sbatch scripts/slurm_gb200.sbatch [--config FILE] [--set k=v ...]`` as its header says,
+    run with stand-ins for SLURM's commands and Python: ``python -m train`` gets one
+    ``--config`` (the argument's, else ``$CONFIG``, else the default) and the user's overrides
+    after the script's mesh ones."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    stubs = {
+        "scontrol": "echo node1",
+        # srun: drop its options, run the command (the GPU check passes).
+        "srun": 'while [ "${1#--}" != "$1" ]; do shift; done\n[ "$1 $3" = "python --check-gpu" ] && exit 0\nexec "$@"',
+        "python": f'if [ "$2" = train ]; then shift 2; exec {sys.executable} -c '
+                  '"import json, sys; print(json.dumps(sys.argv[1:]))" "$@"; fi\necho --xla_flag=1',
+    }
+    for name, body in stubs.items():
+        (bin_ / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_ / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "SLURM_NNODES": "36", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "node[1-36]", "SLURM_NTASKS": "144", "SLURM_PROCID": "0"}
+    env.pop("CONFIG", None)
+
+    def train_argv(*args, **extra):
+        out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm_gb200.sbatch"), *args], cwd=ROOT,
+                             env={**env, **extra}, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    argv = train_argv("--config", "train/configs/small.yaml", "--set", "train.steps=5")
+    assert argv.count("--config") == 1 and argv[argv.index("--config") + 1] == "train/configs/small.yaml"
+    assert argv[-2:] == ["--set", "train.steps=5"] and "mesh.racks=2" in argv
+    assert train_argv("--config=a.yaml")[:2] == ["--config", "a.yaml"]
+    assert train_argv(CONFIG="b.yaml")[:2] == ["--config", "b.yaml"]
+    assert train_argv()[:2] == ["--config", "train/configs/default.yaml"]

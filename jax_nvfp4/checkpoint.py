@@ -204,7 +204,7 @@ def _first_line(e: BaseException) -> str:
 
 class Checkpointer:
     """Saves and restores states under ``directory``: orbax step folders ``<directory>/<step>`` holding ``state``
-    (the pytree, each process writing its shards), ``meta`` (JSON: the caller's ``meta`` and ``leaves``,
+    (the pytree, each process writing its shards), ``meta`` (JSON: the caller's ``meta``, the ``step`` and ``leaves``,
     :func:`describe` of the state) and each process's content hashes; the ``keep`` newest kept. ``async_save``:
     saves write in the background, their hashes recorded once committed. Every process creates it and calls
     :meth:`save`, :meth:`restorable_step`, :meth:`verify` and :meth:`restore` together; the directory is shared.
@@ -254,11 +254,14 @@ class Checkpointer:
     def save(self, step: int, state, meta: Optional[Dict[str, Any]] = None) -> None:
         """Write checkpoint ``step`` of ``state`` with the JSON ``meta`` (``async_save``: in the background);
         ``step`` must be newer than every step in the directory. CheckpointWriteError: this save (or the previous
-        asynchronous one) failed; CheckpointError: the step is not newer; TypeError: ``meta`` is not a JSON object."""
+        asynchronous one) failed; CheckpointError: the step is not newer, or ``state`` holds non-finite values
+        (:meth:`restore` would refuse them); TypeError: ``meta`` is not a JSON object, or names another ``step``."""
         ocp = self._ocp
         if not isinstance(meta := {} if meta is None else meta, Mapping) or "leaves" in meta:
             raise TypeError(f"meta: expected a mapping without the key 'leaves' (the state's description), got "
                             f"{type(meta).__name__}{' with leaves' if isinstance(meta, Mapping) else ''}")
+        if meta.get("step", step) != step:
+            raise TypeError(f"meta: its 'step' {meta['step']!r} is not the step saved, {step}")
         try:
             json.dumps(meta)
         except (TypeError, ValueError) as e:
@@ -268,7 +271,11 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {step} not written: {self.directory} holds step {latest}, and a "
                                   "save must be newer than the newest (restore from an earlier step: remove the "
                                   "newer ones first)")
-        meta = {**meta, "leaves": describe(state)}
+        bad = nonfinite(state)
+        if bad:  # restore refuses them: a newest checkpoint that can never be restored
+            raise CheckpointError(f"checkpoint {step} not written: non-finite values (NaN or Inf) in {bad[0]}"
+                                  + (f" (and {len(bad) - 1} more leaves)" if len(bad) > 1 else ""))
+        meta = {**meta, "step": int(step), "leaves": describe(state)}
         if self.async_save and self._unhashed:
             self.wait()  # orbax waits for the previous save: report its failure under its own step
         with self._hash_lock:
@@ -327,6 +334,7 @@ class Checkpointer:
             if isinstance(e, integrity.Unrecorded):
                 self.read_meta(step)  # a subclass's read_meta refuses a checkpoint of another format as such
             raise CheckpointError(f"checkpoint {self._dir(step)}: {e}") from None
+        self.read_meta(step)  # the step it holds (a folder renamed or copied verifies: its hashes are relative)
 
     def restorable_step(self, fallback: bool = False) -> Tuple[Optional[int], List[Tuple[int, str]]]:
         """``(step, corrupt)``: the newest step that verifies (None: there is none) and, with
@@ -375,6 +383,9 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {self._dir(step)}: cannot read its metadata: {_first_line(e)}") from None
         if not isinstance(meta, dict):
             raise CheckpointError(f"checkpoint {self._dir(step)}: its metadata is not a JSON object")
+        if meta.get("step", step) != step:  # a checkpoint written before the step was recorded has none
+            raise CheckpointError(f"checkpoint {self._dir(step)}: holds step {meta['step']!r}, not {step} (its "
+                                  "folder was renamed or copied)")
         return meta
 
     def restore(self, step: int, abstract, shardings) -> Tuple[Any, Dict[str, Any]]:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import jax_nvfp4 as nv
+from jax_nvfp4 import checkpoint as nvck
 from train import checkpoint as ckpt_lib
 from train import data as data_lib
 from train import loop
@@ -194,7 +195,9 @@ def test_checkpoint_of_another_optimizer_is_refused(resumed):
 
 
 @pytest.mark.parametrize("where", ["master", "amax"])
-def test_nonfinite_checkpoint_is_refused(reference, tmp_path, where):
+def test_nonfinite_checkpoint_is_refused(reference, tmp_path, monkeypatch, where):
+    """A non-finite state is not saved (no restore would take it), and one on disk (written
+    another way) is not restored; both name the leaf."""
     cfg = job()
     mesh = mesh_of(cfg, 8)
     trainer, _, _ = programs.build(cfg, mesh, init=False)
@@ -214,7 +217,12 @@ def test_nonfinite_checkpoint_is_refused(reference, tmp_path, where):
         params = {**params, "blocks": {**params["blocks"], "mlp": {**params["blocks"]["mlp"], "down": {"kernel": q}}}}
         needle = "params/blocks/mlp/down/kernel/amax_bits"
     ck = ckpt_lib.Checkpointer(str(tmp_path / "ck"))
-    ck.save(6, params, opt_state, mesh=mesh, data_state={"step": 6, "seed": 0})
+    with pytest.raises(ckpt_lib.CheckpointError, match="checkpoint 6 not written: non-finite") as e:
+        ck.save(6, params, opt_state, mesh=mesh, data_state={"step": 6, "seed": 0})
+    assert needle in str(e.value) and ck.all_steps() == []
+    with monkeypatch.context() as m:
+        m.setattr(nvck, "nonfinite", lambda tree: [])
+        ck.save(6, params, opt_state, mesh=mesh, data_state={"step": 6, "seed": 0})
     ck.close()
     ck = ckpt_lib.Checkpointer(str(tmp_path / "ck"))
     with pytest.raises(ckpt_lib.CheckpointError, match="non-finite") as e:

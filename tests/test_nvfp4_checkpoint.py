@@ -124,6 +124,22 @@ def test_a_corrupt_step_is_refused_or_set_aside_and_another_model_is_refused(sav
     ckpt.close()
 
 
+def test_a_step_folder_renamed_over_another_is_refused_or_set_aside(saved, tmp_path):
+    """Each step's hashes are relative to its folder, so a copy verifies: the step its metadata
+    records is what tells step 1's state under the name 2 from step 2."""
+    directory, _ = saved
+    d = tmp_path / "copy"
+    shutil.copytree(directory, d)
+    shutil.rmtree(d / "2")
+    shutil.copytree(d / "1", d / "2")
+    ckpt = nvck.Checkpointer(str(d))
+    with pytest.raises(nvck.CheckpointError, match=r"2: holds step 1, not 2 \(its folder was renamed or copied\)"):
+        ckpt.restorable_step()
+    step, corrupt = ckpt.restorable_step(fallback=True)
+    assert step == 1 and [s for s, _ in corrupt] == [2]
+    ckpt.close()
+
+
 def test_what_a_checkpointer_refuses_before_writing(saved, tmp_path):
     directory, _ = saved
     state, _, _ = _state(2, 2)
@@ -131,9 +147,14 @@ def test_what_a_checkpointer_refuses_before_writing(saved, tmp_path):
         nvck.Checkpointer(str(tmp_path / "k"), keep=0)
     ckpt = nvck.Checkpointer(str(tmp_path / "c"))
     for meta, match in (({"lr": np.float32(1)}, "meta: not JSON-serializable"), ({"leaves": 1}, "without the key"),
-                        ([1, 2], "expected a mapping")):
+                        ([1, 2], "expected a mapping"), ({"step": 2}, "its 'step' 2 is not the step saved, 1")):
         with pytest.raises(TypeError, match=match):
             ckpt.save(1, state, meta=meta)
+    poisoned = jax.tree.map(lambda x: x, state)
+    poisoned["params"]["norm"]["scale"] = poisoned["params"]["norm"]["scale"].at[3].set(np.inf)
+    with pytest.raises(nvck.CheckpointError, match=r"checkpoint 1 not written: non-finite values \(NaN or Inf\) "
+                                                   "in params/norm/scale"):
+        ckpt.save(1, poisoned)  # restore would refuse it: the newest step could never be restored
     assert ckpt.all_steps() == [] and os.listdir(tmp_path / "c") == []  # nothing written
     with pytest.raises(nvck.CheckpointError, match="no checkpoint to restore in"):
         ckpt.restore(ckpt.restorable_step()[0], state, None)

@@ -52,7 +52,7 @@ class Checkpointer(nvck.Checkpointer):
     def save(self, step: int, params, opt_state, *, mesh, base_key: Optional[jax.Array] = None,
              data_state: Optional[Dict[str, int]] = None, run: Optional[Dict[str, Any]] = None) -> None:
         super().save(step, {"params": params, "opt_state": opt_state}, {
-            "format": FORMAT, "version": FORMAT_VERSION, "step": int(step),
+            "format": FORMAT, "version": FORMAT_VERSION,
             "data_state": {k: int(v) for k, v in (data_state or {}).items()},
             "base_key": None if base_key is None else {"impl": str(jax.random.key_impl(base_key)),
                                                        "data": np.asarray(jax.random.key_data(base_key)).tolist()},

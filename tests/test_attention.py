@@ -68,3 +68,17 @@ def test_blockwise_memory_grows_linearly_with_the_sequence():
     assert blk[2048] * 4 < xla[2048]
     # Less than a third of one layer's 8 x 2048 x 2048 float32 scores (128 MiB).
     assert blk[2048] < 8 * 2048 * 2048 * 4 / 3
+
+
+def test_cudnn_where_it_cannot_run_is_a_config_error_before_anything_compiles():
+    from train import programs
+    from train.attention import cudnn_available
+    from train.config import ConfigError
+
+    from conftest import mesh_of, tiny
+
+    if cudnn_available():
+        pytest.skip("cuDNN's attention runs here")
+    cfg = tiny("model.attention=cudnn")
+    with pytest.raises(ConfigError, match=r"^model.attention=cudnn: cuDNN's attention is not available here"):
+        programs.build(cfg, mesh_of(cfg, 8), init=False)

@@ -29,6 +29,18 @@ def cudnn_available() -> bool:
     return True
 
 
+def check_cudnn(head_dim: int) -> None:
+    """ConfigError unless cuDNN's attention can run heads of ``head_dim`` here (``model.attention=cudnn``)."""
+    from train.config_errors import ConfigError
+
+    if not cudnn_available():
+        raise ConfigError("model.attention=cudnn: cuDNN's attention is not available here (it needs the CUDA build "
+                          "of JAX on a GPU with cuDNN); use auto (cuDNN where available, else blockwise) or blockwise")
+    if head_dim % 8 or head_dim > 128:
+        raise ConfigError(f"model.attention=cudnn: cuDNN's attention takes head sizes that are multiples of 8 up "
+                          f"to 128, this model's is {head_dim}; use auto or blockwise")
+
+
 def attention(q, k, v, implementation: str = "auto", block: int = BLOCK):
     """Causal attention ``[B, S, H, D] x [B, S, K, D]^2 -> [B, S, H, D]``, query head ``h`` on key/value
     head ``h // (H / K)``. ``implementation``: ``auto`` (cuDNN in the CUDA branch where it takes the

@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_nvfp4 as nv
+from train.attention import check_cudnn
 from train.config import Config, config_keys, validate_for_devices
 from train.model import from_config
 from train.optimizer import make_optimizer
@@ -98,6 +99,8 @@ def build(cfg: Config, mesh, *, init: bool = True) -> tuple:
     planned (``trainer.abstract_params`` / ``abstract_state``, e.g. to restore into) and ``params``/``opt_state`` are
     None. The programs are shared by every build with the same :func:`program_key` and mesh in this process."""
     validate_for_devices(cfg, mesh.size)
+    if cfg.model.attention == "cudnn":
+        check_cudnn(cfg.model.head_dim)
     trainer = dataclasses.replace(_plan(cfg, mesh), cfg=cfg)
     params = opt_state = None
     if init:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import sysconfig
 
 import jax
@@ -103,11 +104,34 @@ def test_cli_config_errors_are_one_line_and_write_nothing(tmp_path, capfd):
         (["--set", "mesh.data=3"], "mesh"),
         (["--set", "data.batch_size=12"], "batch_size"),
         (["--set", "data.source=file", "--set", "data.path=/nonexistent/file.txt"], "data.path"),
+        (["--set", "train.out_dir=''"], "train.out_dir"),  # --out below: the config's own folder
     ):
         rc, _, err = main_here(["--out", str(out), *args], capfd)
         assert rc == 2, (args, err)
         assert len(err) == 1 and err[0].startswith("config error: ") and needle in err[0], (args, err)
         assert not out.exists(), args
+    for args in (["--out", ""], ["--export", ""], ["--init-from="]):
+        with pytest.raises(SystemExit) as e:  # argparse's exit
+            main_here(args, capfd)
+        err = capfd.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and err == [f"error: {args[0].rstrip('=')}: an empty path"], (args, err)
+
+
+def test_a_malformed_launch_environment_is_named_before_jax_distributed_starts():
+    from train.__main__ import distributed_args
+
+    base = {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234"}
+    assert distributed_args({}) == (None, 30)
+    assert distributed_args({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "JAX_HEARTBEAT_TIMEOUT": "12"}) == ({}, 12)
+    kw, heartbeat = distributed_args({**base, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"})
+    assert (kw["num_processes"], kw["process_id"], kw["heartbeat_timeout_seconds"], heartbeat) == (2, 1, 30, 30)
+    for env, needle in (({**base, "JAX_NUM_PROCESSES": "abc", "JAX_PROCESS_ID": "0"}, "JAX_NUM_PROCESSES='abc'"),
+                        ({**base, "JAX_NUM_PROCESSES": "2"}, "JAX_PROCESS_ID is not set"),
+                        ({**base, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "5"}, "JAX_PROCESS_ID=5: must be below"),
+                        ({"JAX_HEARTBEAT_TIMEOUT": "abc"}, "JAX_HEARTBEAT_TIMEOUT='abc'"),
+                        ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "x"}, "SLURM_NTASKS='x'")):
+        with pytest.raises(ValueError, match=f"^{re.escape(needle)}"):
+            distributed_args(env)
 
 
 @job_worker

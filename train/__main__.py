@@ -39,6 +39,8 @@ class _Once(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         if getattr(namespace, self.dest, None) is not None:
             parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)} and {values}); give it once")
+        if not values:
+            parser.error(f"{option_string}: an empty path")
         setattr(namespace, self.dest, values)
 
 
@@ -166,6 +168,37 @@ def main(argv=None) -> int:
         return _fail(130, "interrupted (SIGINT) before training started; nothing saved")
 
 
+def distributed_args(env) -> tuple:
+    """``(arguments, heartbeat)``: ``jax.distributed.initialize``'s arguments from the launch environment ``env``,
+    JAX_COORDINATOR_ADDRESS (with JAX_NUM_PROCESSES and JAX_PROCESS_ID, or what JAX detects) and the timeouts
+    JAX_HEARTBEAT_TIMEOUT, JAX_INIT_TIMEOUT, JAX_SHUTDOWN_TIMEOUT (seconds: a process that dies takes the others
+    down within the heartbeat timeout); ``{}`` in a SLURM step of several tasks (JAX detects it); None for one
+    process. ValueError: a variable that is not a number, or a process id outside the process count."""
+    def number(name, default=None, low=1):
+        text = env.get(name, default)
+        if text is None:
+            raise ValueError(f"{name} is not set (JAX_NUM_PROCESSES and JAX_PROCESS_ID go together)")
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise ValueError(f"{name}={text!r}: expected a whole number >= {low}")
+        return value
+    heartbeat = number("JAX_HEARTBEAT_TIMEOUT", "30")
+    if not env.get("JAX_COORDINATOR_ADDRESS"):
+        return {} if env.get("SLURM_JOB_ID") and number("SLURM_NTASKS", "1") > 1 else None, heartbeat
+    kw = dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"], heartbeat_timeout_seconds=heartbeat,
+              initialization_timeout=number("JAX_INIT_TIMEOUT", "300"),
+              shutdown_timeout_seconds=number("JAX_SHUTDOWN_TIMEOUT", "60"))
+    if env.get("JAX_NUM_PROCESSES"):
+        kw.update(num_processes=number("JAX_NUM_PROCESSES"), process_id=number("JAX_PROCESS_ID", low=0))
+        if kw["process_id"] >= kw["num_processes"]:
+            raise ValueError(f"JAX_PROCESS_ID={kw['process_id']}: must be below JAX_NUM_PROCESSES="
+                             f"{kw['num_processes']}")
+    return kw, heartbeat
+
+
 def _run(args, cfg, out_dir, fault) -> int:
     """:func:`main` once its config and output locations are known good."""
     from jax_nvfp4 import xla_flags
@@ -178,25 +211,19 @@ def _run(args, cfg, out_dir, fault) -> int:
     from train import mesh as mesh_lib
 
     mesh_lib.configure_host_devices(cfg.mesh)  # simulated CPU devices: before the backend starts too
-    env = os.environ.get
-    if env("JAX_COORDINATOR_ADDRESS"):
-        if env("JAX_PLATFORMS", "") == "cpu":  # gloo carries CPU collectives between processes
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        kw = {}
-        if env("JAX_NUM_PROCESSES"):
-            kw = dict(num_processes=int(os.environ["JAX_NUM_PROCESSES"]), process_id=int(os.environ["JAX_PROCESS_ID"]))
-        # Bounded waits: a process that dies takes the others down within the heartbeat timeout.
-        jax.distributed.initialize(coordinator_address=env("JAX_COORDINATOR_ADDRESS"),
-                                   heartbeat_timeout_seconds=int(env("JAX_HEARTBEAT_TIMEOUT", "30")),
-                                   initialization_timeout=int(env("JAX_INIT_TIMEOUT", "300")),
-                                   shutdown_timeout_seconds=int(env("JAX_SHUTDOWN_TIMEOUT", "60")), **kw)
-    elif env("SLURM_JOB_ID") and int(env("SLURM_NTASKS", "1")) > 1:
-        jax.distributed.initialize()
+    try:
+        launch, heartbeat = distributed_args(os.environ)
+        if launch is not None:
+            if launch.get("coordinator_address") and os.environ.get("JAX_PLATFORMS", "") == "cpu":
+                jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives between processes
+            jax.distributed.initialize(**launch)
+    except ValueError as e:  # a malformed launch environment (jax.distributed's own checks included)
+        return _fail(2, f"error: cannot start the multi-process run: {e}")
     from train.peers import preemption_sync_available, watch_peers
 
     # A dead or frozen peer ends this process in one line (exit 4) before the runtime's heartbeat
     # check aborts it with a C++ stack dump.
-    peers = watch_peers(float(env("JAX_HEARTBEAT_TIMEOUT", "30")))
+    peers = watch_peers(float(heartbeat))
     if peers is not None:  # registered after jax.distributed's shutdown hook, so it runs before it
         atexit.register(peers.done)
     from train import data as data_lib

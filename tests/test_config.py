@@ -185,6 +185,28 @@ def test_yaml_base_inheritance_and_floats(tmp_path):
     assert cfg.train.steps == 70
 
 
+def test_scalars_read_as_yaml_1_2_and_merge_keys_merge(tmp_path):
+    """PyYAML's YAML 1.1 would read 010 as octal 8, 1_000 and 1:30 as numbers, on/yes as true."""
+    assert load_config(None, ["data.seed=010"]).data.seed == 10
+    assert load_config(None, ["data.seed=0o10"]).data.seed == 8
+    assert load_config(None, ["optim.lr=-.5e-2", "optim.lr=.5e-2"]).optim.lr == 0.005
+    for value in ("1_000", "1:30", "0b11"):
+        assert _error([f"data.seed={value}"]) == f"data.seed: expected int, got str '{value}'"
+    for value in ("on", "yes"):
+        assert _error([f"model.tie_embeddings={value}"]).startswith("model.tie_embeddings")
+    path = _write(tmp_path, "merge.yaml", """
+        model: &shape {layers: 3, heads: 4, d_model: 128}
+        optim: {lr: 1e-3}
+        """)
+    assert load_config(path, []).model.layers == 3
+    path = _write(tmp_path, "merged.yaml", """
+        model:
+          <<: {layers: 3, heads: 4}
+          heads: 8
+        """)
+    assert (load_config(path, []).model.layers, load_config(path, []).model.heads) == (3, 8)
+
+
 def test_an_empty_section_of_a_child_changes_nothing_of_its_base(tmp_path):
     # `model:` with its keys commented out reads as null: the base's section stays, as without it.
     _write(tmp_path, "base.yaml", "model: {layers: 6, mlp_hidden: 176}\n")
@@ -357,6 +379,9 @@ def test_each_class_of_error_is_one_line_naming_the_key(overrides, message):
     (["checkpoint.async_save=true"], "checkpoint.async_save="),
     (["checkpoint.fallback=true"], "checkpoint.fallback="),
     (["checkpoint.allow_change=[data.seed]"], "checkpoint.allow_change="),
+    (["checkpoint.dir=ck", "checkpoint.allow_change=[mesh.data]"], "checkpoint.allow_change: 'mesh.data' is not "
+                                                                      "compared on resume (a program key"),
+    (["checkpoint.dir=ck", "checkpoint.allow_change=[train.log_every]"], "checkpoint.allow_change: 'train.log_every'"),
     (["data.val_fraction=0.1"], "data.val_fraction="),
     (["data.val_path=held_out.txt"], "data.val_path="),
 ])

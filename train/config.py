@@ -184,8 +184,9 @@ class DataConfig:
         "it draws validation rows from its own stream.", program_key=False)] = 0.0
     batch_size: Annotated[Pos, setting(
         "trajectory", "Global sequences per step (all processes); divisible by the data axis x optim.grad_accum.")] = 16
-    markov_states: Annotated[Int, Field(ge=2), setting(
-        "trajectory", "Markov chain alphabet size: tokens 0..states-1; at most model.vocab.", program_key=False)] = 32
+    markov_states: Annotated[Int, Field(ge=2, le=4096), setting(
+        "trajectory", "Markov chain alphabet size: tokens 0..states-1; at most model.vocab, and 4096 (its transition "
+        "matrix is dense, its stationary distribution a linear solve: 7 s at 4096).", program_key=False)] = 32
     seed: Annotated[Int, Field(ge=0, lt=2**31), setting(
         "trajectory", "Seed of the data stream (the Markov chain, the token files' shuffle); < 2^31, as the shuffle "
         "takes a 31-bit seed.", program_key=False)] = 0
@@ -342,7 +343,7 @@ class TrainConfig:
     log_every: Annotated[Pos, setting("host", "Log the step metrics every N steps (metrics.jsonl, progress bar).")] = 10
     eval_every: Annotated[NonNeg, setting("host", "Validation loss every N steps and at the end; 0 = none.")] = 0
     eval_batches: Annotated[Pos, setting("host", "Batches of data.batch_size per evaluation, the same each time.")] = 4
-    out_dir: Annotated[Str, setting(
+    out_dir: Annotated[Str, Field(min_length=1), setting(
         "host", "The run's output folder (metrics, plots, the resolved config); --out overrides it.")] = "runs/default"
     seed: Annotated[Int, Field(ge=0, lt=2**32 - 2), setting(
         "trajectory", "Seed of the run's 32-bit JAX keys: seed for the init, seed + 1 for the weights' stochastic "
@@ -380,6 +381,10 @@ class CheckpointConfig:
             section, _, name = key.partition(".")
             if section not in SECTIONS or name not in {f.name for f in dataclasses.fields(SECTIONS[section])}:
                 raise ConfigError(f"checkpoint.allow_change: {key!r} is not a config key (section.key)")
+            affects = SECTIONS[section].__pydantic_fields__[name].json_schema_extra["affects"]
+            if affects != "trajectory":  # a resume never compares it: allowing it would say nothing
+                raise ConfigError(f"checkpoint.allow_change: {key!r} is not compared on resume (a {affects} key: "
+                                  "it may change anyway); leave it out")
         for f in dataclasses.fields(self):  # without a directory, a setting of checkpoints would be ignored
             if not self.dir and f.name != "dir" and (value := getattr(self, f.name)) != f.default:
                 shown = str(value).lower() if isinstance(value, bool) else short(
@@ -560,12 +565,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads ``1e-3`` as a float (YAML 1.2's resolver: PyYAML's YAML 1.1 needs a dot, so ``lr: 1e-3``
-    would be a string) and refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+    """SafeLoader with YAML 1.2's core schema for scalars (PyYAML implements YAML 1.1: ``1e-3`` would be a string,
+    ``010`` octal 8, ``1_000`` and ``1:30`` numbers, ``on``/``yes`` true) and refusing a key given twice in one
+    mapping (PyYAML keeps the last silently); merge keys (``<<: *anchor``) merge, the mapping's own keys winning."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
             try:
                 dup = key in seen
@@ -576,15 +584,25 @@ class _Loader(yaml.SafeLoader):
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
 
+    def construct_yaml_int(self, node):
+        text = self.construct_scalar(node)
+        sign, digits = (-1 if text[0] == "-" else 1), text.lstrip("+-")
+        base = {"0o": 8, "0x": 16}.get(digits[:2], 10)
+        return sign * int(digits[2:] if base != 10 else digits, base)
 
+
+_YAML = "tag:yaml.org,2002:"
+_Loader.yaml_implicit_resolvers = {  # YAML 1.1's bool, int and float resolvers out; 1.2's core ones in
+    first: [(tag, regex) for tag, regex in resolvers if tag not in (_YAML + "bool", _YAML + "int", _YAML + "float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(_YAML + "bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_Loader.add_implicit_resolver(_YAML + "int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+                              list("-+0123456789"))
 _Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                   |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                   |\.[0-9_]+(?:[eE][-+][0-9]+)?
-                   |[-+]?\.(?:inf|Inf|INF)
-                   |\.(?:nan|NaN|NAN))$""", re.X),
+    _YAML + "float",
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
     list("-+0123456789."))
+_Loader.add_constructor(_YAML + "int", _Loader.construct_yaml_int)
 
 
 def _yaml_load(text: str, where: str) -> Any:

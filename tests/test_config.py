@@ -270,6 +270,27 @@ def test_gin_errors(tmp_path):
     assert "c.gin" in _error(path=_write(tmp_path, "c.gin", "ModelConfig.layers = 2 +\n"))
 
 
+def test_gin_includes_are_files_beside_the_includer_checked_like_it(tmp_path):
+    """``include`` names a file relative to the including one (as YAML's ``base:``), whose own
+    bindings are checked (a key bound twice there too); the includer may rebind what it includes.
+    Imports (which would run code) and references to configurables are refused by line."""
+    os.mkdir(tmp_path / "sub")
+    _write(tmp_path, "sub/shape.gin", "ModelConfig.heads = 4\nSTEPS = 7\n")
+    cfg = load_config(_write(tmp_path, "run.gin", 'include "sub/shape.gin"\nModelConfig.heads = 8\n'
+                                                  "ModelConfig.layers = 3\nTrainConfig.steps = %STEPS\n"))
+    assert (cfg.model.heads, cfg.model.layers, cfg.train.steps) == (8, 3, 7)
+    _write(tmp_path, "sub/dup.gin", "ModelConfig.layers = 3\nModelConfig.layers = 4\n")
+    assert "sub/dup.gin: ModelConfig.layers is bound twice, on line 1 and line 2" in _error(
+        path=_write(tmp_path, "inc.gin", 'include "sub/dup.gin"\n'))
+    assert _error(path=_write(tmp_path, "cycle.gin", 'include "cycle.gin"\n')).startswith("gin include cycle: ")
+    assert _error(path=_write(tmp_path, "none.gin", 'include "nothere.gin"\n')).endswith(
+        f"include 'nothere.gin': no such file {tmp_path}/nothere.gin")
+    assert ": line 1: import this: a config file imports nothing" in _error(path=_write(tmp_path, "i.gin", "import this\n"))
+    assert ": line 1: ModelConfig.layers is bound to a configurable" in _error(
+        path=_write(tmp_path, "r.gin", "ModelConfig.layers = @ModelConfig()\n"))
+    assert "a macro (%NAME) that is not defined" in _error(path=_write(tmp_path, "m.gin", "ModelConfig.layers = %X\n"))
+
+
 def test_overrides():
     cfg = load_config(None, ["model.layers=2", "nvfp4.weights=bf16", "optim.lr=1e-3",
                              "nvfp4.keep_bf16=[embed,head]", "data.path=null",

@@ -656,35 +656,60 @@ def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
 _GIN_COLLECTORS: dict[str, Any] = {}  # registered once per process: gin's registry is global and refuses duplicates
 
 
+def _gin_text(path: str, chain: tuple = ()) -> str:
+    """The gin file ``path``'s text with each ``include`` replaced by the included file's (a name relative to
+    ``path``'s folder, as YAML's ``base:``), each file checked on its own: no imports (a config runs no code), no
+    scoped bindings or references to configurables (no section reads them), no key bound twice (gin would keep the
+    last silently; an including file may bind what it includes, as a YAML file its base)."""
+    from gin import config, config_parser
+    real = os.path.realpath(path)
+    if real in chain:
+        raise ConfigError(f"gin include cycle: {' -> '.join(chain + (real,))}")
+    text = _read_text(path)
+    try:
+        statements = list(config_parser.ConfigParser(text, config.ParserDelegate(skip_unknown=True)))
+    except Exception:  # noqa: BLE001 - a syntax error: gin.parse_config reports it with its line
+        return text
+    lines, seen = text.splitlines(keepends=True), {}
+    for st in statements:
+        line = st.location.line_num
+        if isinstance(st, config_parser.ImportStatement):
+            raise ConfigError(f"{path}: line {line}: import {st.module}: a config file imports nothing (its bindings "
+                              f"name the sections: {', '.join(_GIN_SECTIONS)})")
+        if isinstance(st, config_parser.IncludeStatement):
+            included = os.path.join(os.path.dirname(path), st.filename)
+            if not os.path.isfile(included):
+                raise ConfigError(f"{path}: line {line}: include {st.filename!r}: no such file {included}")
+            lines[line - 1] = _gin_text(included, chain + (real,)).rstrip("\n") + "\n"
+        elif isinstance(st, config_parser.BindingStatement):
+            name = f"{st.selector}.{st.arg_name}" if st.arg_name else st.selector
+            if st.scope:
+                raise ConfigError(f"{path}: line {line}: {st.scope}/{name} is a scoped binding, which no section "
+                                  f"reads; bind {name}")
+            values = st.value if isinstance(st.value, (list, tuple)) else [st.value]
+            if any(type(v).__name__.endswith("ConfigurableReference") and not repr(v).startswith("%") for v in values):
+                raise ConfigError(f"{path}: line {line}: {name} is bound to a configurable (@...), which no section "
+                                  "takes; give a value")
+            key = (st.selector.rsplit(".", 1)[-1], st.arg_name)  # "train.config.ModelConfig" is "ModelConfig"
+            if key in seen:
+                raise ConfigError(f"{path}: {name} is bound twice, on line {seen[key]} and line {line}; keep one "
+                                  "(gin would silently use the last)")
+            seen[key] = line
+    return "".join(lines)
+
+
 def _read_gin(path: str) -> dict[str, Any]:
-    """``{section: bindings}`` from the gin file ``path``: one configurable per section, named like its class
-    (``ModelConfig``, module ``train.config``), returning its ``**kwargs``, so unknown keys get the checks of YAML's."""
+    """``{section: bindings}`` from the gin file ``path`` (:func:`_gin_text`): one configurable per section, named
+    like its class (``ModelConfig``, module ``train.config``), returning its ``**kwargs``, so unknown keys get the
+    checks of YAML's."""
     import gin
-    from gin import config_parser
     for name in _GIN_SECTIONS:
         if name not in _GIN_COLLECTORS:
             def collect(**kwargs):
                 return kwargs
             collect.__name__ = name
             _GIN_COLLECTORS[name] = gin.external_configurable(collect, name=name, module="train.config")
-    text = _read_text(path)
-    # A key bound twice is an error (gin keeps the last binding silently).
-    try:
-        statements = list(config_parser.ConfigParser(text, gin.config.ParserDelegate(skip_unknown=True)))
-    except Exception:  # noqa: BLE001 - a syntax error: gin.parse_config reports it with its line
-        statements = []
-    seen: dict[tuple, int] = {}
-    for st in statements:
-        if isinstance(st, config_parser.BindingStatement):
-            # "train.config.ModelConfig" and "ModelConfig" name the same configurable.
-            key, line = (st.scope, st.selector.rsplit(".", 1)[-1], st.arg_name), st.location.line_num
-            if st.scope:
-                raise ConfigError(f"{path}: line {line}: {st.scope}/{st.selector}.{st.arg_name} is a scoped binding, "
-                                  f"which no section reads; bind {st.selector}.{st.arg_name}")
-            if key in seen:
-                raise ConfigError(f"{path}: {'.'.join(k for k in key if k)} is bound twice, on line {seen[key]} and "
-                                  f"line {line}; keep one (gin would silently use the last)")
-            seen[key] = line
+    text = _gin_text(path)
     gin.clear_config()  # bindings are global gin state: start clean and leave clean so loads do not leak
     try:
         gin.parse_config(text)
@@ -696,6 +721,10 @@ def _read_gin(path: str) -> dict[str, Any]:
         if match := re.search(r"No configurable matching '([^']+)'", first):
             first = (f"unknown gin configurable {match.group(1)!r}{suggest(match.group(1), list(_GIN_SECTIONS))}; "
                      f"use one of {', '.join(_GIN_SECTIONS)}")
+        elif "macro()" in first:
+            first = "a macro (%NAME) that is not defined; define it first (NAME = value)"
+        elif "malformed node or string" in first:
+            first = "a value that is not a Python literal (a number, 'string', True/False/None or a list of them)"
         raise ConfigError(f"{path}: {first}") from None
     finally:
         gin.clear_config()

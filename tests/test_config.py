@@ -221,6 +221,10 @@ def test_an_empty_section_of_a_child_changes_nothing_of_its_base(tmp_path):
     assert load_config(path, ["model.rope_scaling=null"]).model.rope_scaling is None  # a null key still replaces
 
 
+def test_an_empty_base_is_named(tmp_path):
+    assert _error(path=_write(tmp_path, "e.yaml", 'base: ""\n')).endswith("e.yaml: base: expected a file name, got ''")
+
+
 def test_yaml_base_cycle(tmp_path):
     _write(tmp_path, "a.yaml", "base: b.yaml\n")
     _write(tmp_path, "b.yaml", "base: a.yaml\n")

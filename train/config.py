@@ -648,7 +648,7 @@ def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
     raw = dict(raw)
     if (base := raw.pop("base", None)) is None:
         return raw
-    if not isinstance(base, str):
+    if not isinstance(base, str) or not base:
         raise ConfigError(f"{path}: base: expected a file name, got {short(base)}")
     return _merge(_read_yaml(os.path.join(os.path.dirname(path), base), chain + (real,)), raw)
 

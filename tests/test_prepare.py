@@ -180,6 +180,7 @@ def test_undecodable_input_is_refused_or_replaced(tmp_path, capsys):
     bpe(specials=("<|endoftext|>",)).save(tok)
     (tmp_path / "latin1.txt").write_bytes("café au lait\nnaïve\n".encode("latin-1"))
     (tmp_path / "bad.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress((tmp_path / "bad.jsonl").read_bytes()))
     (tmp_path / "surrogate.jsonl").write_text('{"text": "ok"}\n{"text": "a \\ud800 b"}\n')
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -189,6 +190,7 @@ def test_undecodable_input_is_refused_or_replaced(tmp_path, capsys):
     before = sorted(os.listdir(tmp_path))
     for name, needle in (("latin1.txt", "latin1.txt: byte 3: invalid UTF-8"),
                          ("bad.jsonl", "bad.jsonl:2: byte 28: invalid UTF-8"),
+                         ("bad.jsonl.gz", "bad.jsonl.gz:2: uncompressed byte 28: invalid UTF-8"),
                          ("surrogate.jsonl", "surrogate.jsonl:2: 'text': a lone surrogate U+D800"),
                          ("bytes.parquet", "bytes.parquet: row 2: byte 1: invalid UTF-8")):
         rc, err = run([str(tmp_path / name), "--out", str(tmp_path / "o.bin"), "--tokenizer", tok], capsys)

@@ -144,7 +144,7 @@ def _jsonl_segments(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
                 if not line.strip():
                     continue
                 where = f"{path}:{lineno}"
-                s = rd.decode(line, path, f"{where}: ", start)
+                s = rd.decode(line, path, f"{where}: {'uncompressed ' if gz else ''}", start)
                 if lineno == 1 and s.startswith("\ufeff"):  # a byte order mark
                     s = s[1:]
                 try:

@@ -47,9 +47,9 @@ __all__ = ["TileScalesError", "load_hf", "plan_hf"]
 # _Target kind -> (its tensor, logical rows (inputs) per entry: 2 codes a byte, 16 a scale; 0: all, per layer).
 _READS = {"whole": ("weight", 0), "amax": ("weight_global_scale", 0), "values": ("weight", 1),
           "codes": ("weight_packed", 2), "scales": ("weight_scale", 16)}
-# Buffers of older transformers exports that are not weights: config.json defines the positions (transformers
-# skips them too).
-_SKIPPED = re.compile(r"\.rotary_emb\.inv_freq$")
+# Tensors that are not weights, skipped: buffers of older transformers exports (config.json defines the positions;
+# transformers skips them too) and a W4A4 checkpoint's activation scales (the model computes its own).
+_SKIPPED = re.compile(r"\.rotary_emb\.inv_freq$|\.input_global_scale$")
 
 
 class TileScalesError(ExportError):

@@ -561,6 +561,36 @@ def test_refused_a_tied_config_over_a_head_of_its_own(fresh, tmp_path, capfd):
     assert "head" not in params
 
 
+def test_a_w4a4_checkpoint_imports_its_weights(fresh, tmp_path, capfd):
+    """The W4A4 preset (NVFP4 weights and Linear inputs, each module's input_global_scale, as
+    --calibrate exports) imports the weights of its W4A16 twin bit for bit, with a notice that
+    the activation scales are not read; activations quantized another way are refused."""
+    from safetensors.numpy import save_file
+
+    w4a4 = variant(fresh, tmp_path, "nvfp4", config={"quantization_config": nv.export.NVFP4_QUANTIZATION_CONFIG})
+    names = list(Safetensors(str(w4a4)).entries)  # the scales in a second shard, beside the weights' file
+    scales = {k.replace("weight_packed", "input_global_scale"): np.float32([3.5]) for k in names
+              if k.endswith(".weight_packed")}
+    save_file(scales, str(w4a4 / "model-scales.safetensors"))
+    (w4a4 / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        **{k: "model.safetensors" for k in names}, **{k: "model-scales.safetensors" for k in scales}}}))
+    cfg = import_config(str(w4a4), *JOB)
+    trainer, _, _ = build(cfg, mesh_of(cfg, 8), init=False)
+    capfd.readouterr()
+    params, _ = hf_import.load(str(w4a4), trainer)
+    out = capfd.readouterr().out.splitlines()
+    assert out == [f"train.init_from={w4a4}: config.json quantization_config quantizes the Linear inputs (W4A4): "
+                   "their input_global_scale are not read (this run computes its own activation scales)"], out
+    twin, _ = hf_import.load(str(fresh / "nvfp4"), trainer)
+    bits = lambda t: [np.asarray(a).tobytes() for a in jax.tree.leaves(jax.device_get(t))]
+    assert bits(params) == bits(twin)
+    fp8 = {**nv.export.NVFP4_QUANTIZATION_CONFIG["config_groups"]["group_0"]["input_activations"], "num_bits": 8}
+    q = {**nv.export.NVFP4_QUANTIZATION_CONFIG, "config_groups": {"group_0": {
+        **nv.export.NVFP4_QUANTIZATION_CONFIG["config_groups"]["group_0"], "input_activations": fp8}}}
+    err = refusal(variant(fresh, tmp_path / "fp8", "nvfp4", config={"quantization_config": q}), capfd)
+    assert "quantizes activations other than the Linear inputs in NVFP4" in err, err
+
+
 def test_refused_tensors_the_model_does_not_read(fresh, tmp_path, capfd):
     # A Qwen2 relabelled llama: the same names plus q/k/v biases.
     biases = lambda t: {**t, **{f"model.layers.{i}.self_attn.{m}.bias": t[f"model.layers.{i}.input_layernorm.weight"]

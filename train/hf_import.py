@@ -108,17 +108,25 @@ def _check_quantization(hf: Dict[str, Any], where: str) -> None:
         if group.get("format", fmt) != fmt or got != _NVFP4_WEIGHTS:
             _fail(where, f"config.json quantization_config.config_groups.{name}: weights {json.dumps(got)} in format "
                          f"{group.get('format', fmt)!r}; only NVFP4 weights ({json.dumps(_NVFP4_WEIGHTS)}) are read")
-        if group.get("input_activations") or group.get("output_activations"):
-            _fail(where, f"config.json quantization_config.config_groups.{name} quantizes activations; this import "
-                         "reads weight-only NVFP4 (NVFP4A16), the model computes its own activation scales")
+        acts = group.get("input_activations")
+        if group.get("output_activations") or (acts and not (
+                isinstance(acts, dict) and {k: acts.get(k) for k in _NVFP4_WEIGHTS} == _NVFP4_WEIGHTS)):
+            _fail(where, f"config.json quantization_config.config_groups.{name} quantizes activations other than "
+                         "the Linear inputs in NVFP4; this import reads NVFP4 weights (NVFP4A16, or NVFP4 W4A4's "
+                         "weights)")
 
 
 def notice(hf: Dict[str, Any], where: str = "DIR") -> Optional[str]:
-    """The line :func:`load` prints for the non-zero dropouts of ``config.json`` it ignores, or None."""
+    """The line :func:`load` prints for what of ``config.json`` it ignores (non-zero dropouts, W4A4's activation
+    scales), or None."""
     shown = ", ".join(f"{k}={v}" for k, v in hf.items() if (k.endswith("dropout") or k.endswith("pdrop"))
                       and isinstance(v, (int, float)) and not isinstance(v, bool) and v != 0)
-    return (f"train.init_from={where}: config.json {shown} ignored: this model has no dropout (it trains without)"
-            if shown else None)
+    parts = [f"{shown} ignored: this model has no dropout (it trains without)"] if shown else []
+    groups = (hf.get("quantization_config") or {}).get("config_groups") or {}
+    if any(isinstance(g, dict) and g.get("input_activations") for g in groups.values()):
+        parts.append("quantization_config quantizes the Linear inputs (W4A4): their input_global_scale are not "
+                     "read (this run computes its own activation scales)")
+    return f"train.init_from={where}: config.json {'; '.join(parts)}" if parts else None
 
 
 def model_values(hf: Dict[str, Any], where: str = "DIR") -> Tuple[Dict[str, Any], Dict[str, str]]:

@@ -182,6 +182,22 @@ def _check_dtypes(leaves) -> None:
             raise TypeError(f"NVFP4Array: {name} must be {what} ({np.dtype(dtype).name}), got dtype {leaf.dtype}")
 
 
+def check_values(data, scale_bits, amax_bits) -> None:
+    """Raise ValueError where concrete NVFP4 leaves hold what no quantization writes and a reader would decode
+    as plausible but wrong weights: a negative amax (or -Inf), an amax of 0 over non-zero codes, or a scale byte
+    that is negative (sign bit set) or NaN (0x7F / 0xFF). A NaN or +Inf amax marks a poisoned matrix by design."""
+    amax = jax.lax.bitcast_convert_type(jnp.asarray(amax_bits), jnp.float32)
+    if bool(jnp.any(amax < 0)):
+        raise ValueError("NVFP4Array: a negative amax would decode to sign-flipped weights")
+    codes = jnp.asarray(data) & 0x77  # both nibbles' magnitudes: a code of -0 is zero
+    if bool(jnp.any((amax == 0) & jnp.any(codes != 0, axis=(-2, -1)))):
+        raise ValueError("NVFP4Array: amax 0 over non-zero codes would decode them to zeros")
+    scale = jnp.asarray(scale_bits)
+    if bool(jnp.any((scale & 0x80) != 0) | jnp.any((scale & 0x7F) == 0x7F)):
+        raise ValueError("NVFP4Array: a scale byte is negative or NaN (E4M3 0x80.. / 0x7F), which no quantization "
+                         "writes")
+
+
 def _check_layout(data, scale_bits, amax_bits, matrix_shape, block) -> None:
     """Raise ValueError unless the three leaves have the shapes of ``matrix_shape``/``block``."""
     if len(np.shape(data)) < 2:
@@ -215,6 +231,7 @@ class NVFP4Array:
         # Arrays built by hand must fit together: a wrong scale shape would otherwise be
         # broadcast or zero-filled silently. Tracers and abstract leaves (inside jit,
         # shard_map, tree utilities) are not checked here; create() checks those too.
+        _check_matrix_shape(self.matrix_shape)
         if all(_concrete(x) for x in (self.data, self.scale_bits, self.amax_bits)):
             _check_dtypes((self.data, self.scale_bits, self.amax_bits))
             _check_layout(self.data, self.scale_bits, self.amax_bits, self.matrix_shape, self.block)
@@ -225,7 +242,9 @@ class NVFP4Array:
 
         Raises:
           ValueError / TypeError: shapes or dtypes that do not form an NVFP4 array of
-            ``matrix_shape`` with ``block`` (see :func:`packed_shapes`).
+            ``matrix_shape`` with ``block`` (see :func:`packed_shapes`); where the values are
+            known, values no quantization writes (:func:`check_values`: a negative amax, negative
+            or NaN scales).
         """
         block = _check_block(block)
         data, scale = as_array(data), as_array(scale)
@@ -235,10 +254,15 @@ class NVFP4Array:
         if not jnp.issubdtype(amax.dtype, jnp.floating):
             raise TypeError(f"NVFP4Array.create: amax must be float32, got dtype {amax.dtype}")
         bits = jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.uint32)
+        if jnp.issubdtype(scale.dtype, jnp.integer) and scale.dtype != jnp.uint8:
+            raise TypeError(f"NVFP4Array.create: scale must be E4M3 values (a float dtype) or their bytes (uint8), "
+                            f"got dtype {scale.dtype}")
         if scale.dtype != jnp.uint8:
             scale = jax.lax.bitcast_convert_type(scale.astype(jnp.float8_e4m3fn), jnp.uint8)
         matrix_shape = _check_matrix_shape(matrix_shape)
         _check_layout(data, scale, bits, matrix_shape, block)
+        if all(_concrete(x) for x in (data, scale, bits)):
+            check_values(data, scale, bits)
         return cls(data, scale, bits, matrix_shape, block)
 
     @property

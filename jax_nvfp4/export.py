@@ -46,8 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_nvfp4.array import (BLOCK_1D, BLOCK_2D, BLOCK_COLUMN, NVFP4Array, as_array, dequantize, is_nvfp4,
-                             packed_shapes)
+from jax_nvfp4.array import (BLOCK_1D, BLOCK_2D, BLOCK_COLUMN, NVFP4Array, as_array, check_values, dequantize,
+                             is_nvfp4, packed_shapes)
 from jax_nvfp4.params import path_str
 from jax_nvfp4.sharding import host_array
 
@@ -137,7 +137,8 @@ def export_nvfp4(params, directory: str, *, overwrite: bool = False) -> str:
       FileExistsError: ``directory`` exists and is not empty, unless ``overwrite`` and it is a
         previous export (:func:`is_export`); anything else in it is never deleted.
       TypeError: a leaf that is neither an ``NVFP4Array`` nor an array (e.g. a PRNG key).
-      ExportError: a leaf holding NaN or Inf (an NVFP4 leaf: a non-finite amax).
+      ExportError: a leaf holding NaN or Inf (an NVFP4 leaf: a non-finite amax); two leaves with
+        one path (``{"a/b": x, "a": {"b": y}}``).
     """
     from jax_nvfp4.sharding import logical
 
@@ -157,6 +158,10 @@ def export_nvfp4(params, directory: str, *, overwrite: bool = False) -> str:
             hosts.append((path, leaf, {"value": host_array(leaf)}))
         else:
             raise TypeError(f"export_nvfp4: leaf {path_str(path)!r} is a {type(leaf).__name__}, not an array")
+    names = [path_str(path) for path, _, _ in hosts]
+    if len(set(names)) < len(names):  # e.g. {"a/b": x, "a": {"b": y}}: the manifest names leaves by path
+        twice = next(n for n in names if names.count(n) > 1)
+        raise ExportError(f"export_nvfp4: two leaves have the path {twice!r} (a key holding '/'?); nothing written")
     for path, leaf, arrays in hosts:
         if not all(_finite(a) for a in arrays.values()):
             what = "amax" if is_nvfp4(leaf) else "values"
@@ -315,11 +320,12 @@ def load_nvfp4(directory: str, *, like=None):
 
     The tree is rebuilt from the manifest's paths as nested dicts (lists for sequence
     indices); pass ``like`` (any tree with the same leaf paths, e.g. the params or their
-    ``jax.eval_shape``) to get exactly its structure.
+    ``jax.eval_shape``) to get exactly its structure, its leaves' shapes, dtypes and blocks checked.
 
     Raises:
       ExportError: missing/unreadable manifest or file, a sha256 mismatch, shapes that do not
-        fit, or non-finite values (an NVFP4 amax or a float leaf holding NaN/Inf).
+        fit (the export's, or ``like``'s), non-finite values (an NVFP4 amax or a float leaf
+        holding NaN/Inf), or NVFP4 values no quantization writes (:func:`~jax_nvfp4.array.check_values`).
     """
     directory = os.path.abspath(os.fspath(directory))
     mpath = os.path.join(directory, MANIFEST)
@@ -353,6 +359,10 @@ def load_nvfp4(directory: str, *, like=None):
                     raise ExportError(f"{where}: amax must be float32, got {amax.dtype}")
                 if not _finite(amax):
                     raise ExportError(f"{where}: non-finite amax (NaN or Inf): the weights it scales are invalid")
+                try:
+                    check_values(data, scale, amax.view(np.uint32))
+                except ValueError as e:
+                    raise ExportError(f"{where}: {e}") from None
                 value = NVFP4Array(as_array(data), as_array(scale), as_array(amax.view(np.uint32)),
                                    (int(shape[-2]), int(shape[-1])), block)
             elif entry.get("kind") == "array":
@@ -375,6 +385,15 @@ def load_nvfp4(directory: str, *, like=None):
             missing = sorted(set(want) - set(by_path))
             extra = sorted(set(by_path) - set(want))
             raise ExportError(f"{directory}: leaves do not match `like`: missing {missing[:3]}, extra {extra[:3]}")
+        for (p, like_leaf), name in zip(flat, want):  # what `like` says of each leaf's shape, dtype and block
+            got, shape = by_path[name], getattr(like_leaf, "shape", None)
+            kind = "NVFP4" if is_nvfp4(got) else str(got.dtype)
+            like_kind = "NVFP4" if is_nvfp4(like_leaf) else str(getattr(like_leaf, "dtype", kind))
+            if (shape is not None and tuple(shape) != tuple(got.shape)) or like_kind != kind or (
+                    is_nvfp4(got) and tuple(like_leaf.block) != tuple(got.block)):
+                held = lambda x, k: f"{k} {list(x.shape)}" + (f" block {list(x.block)}" if is_nvfp4(x) else "")
+                raise ExportError(f"{directory}: leaf {name!r} is {held(got, kind)}, but `like` has "
+                                  f"{held(like_leaf, like_kind) if shape is not None else like_kind}")
         return jax.tree_util.tree_unflatten(treedef, [by_path[p] for p in want])
     return _build([(keys, v) for _, keys, v in out])
 

@@ -148,7 +148,7 @@ def quantize_params(tree, policy: Optional[Policy] = None, *, rounding="nearest"
         if policy.wants(p, leaf):
             return quantize(leaf, block=policy.block, rounding=rounding, key=key, amax=amax.get(p),
                             four_over_six=policy.four_over_six)
-        if policy.keep_dtype is not None and policy.kept(p) and jnp.issubdtype(leaf.dtype, jnp.floating):
+        if policy.keep_dtype is not None and policy.kept(p) and jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
             return as_array(leaf).astype(policy.keep_dtype)
         return leaf
 

@@ -183,7 +183,7 @@ def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optiona
         if wanted(p, leaf):
             leaf = quantize(leaf, block=policy.block, amax=amax.get(p), four_over_six=policy.four_over_six)
         elif (policy is not None and policy.keep_dtype is not None and policy.kept(p) and not is_nvfp4(leaf)
-              and jnp.issubdtype(leaf.dtype, jnp.floating)):
+              and jnp.issubdtype(jnp.result_type(leaf), jnp.floating)):
             leaf = jnp.asarray(leaf).astype(policy.keep_dtype)  # as quantize_params stores a kept leaf
         lay = layout_for(p, leaf.shape, is_nvfp4(leaf), mesh, rules)
         if is_nvfp4(leaf):

@@ -280,6 +280,34 @@ def test_boundary_inputs_are_refused():
     assert nv.dequantize(q, jnp.float16).dtype == jnp.float16
 
 
+def test_create_refuses_values_no_quantization_writes():
+    """Bytes from outside (a loader, a conversion) that would decode to plausible but wrong
+    weights under isfinite() True: a negative amax (every weight negated), an amax of 0 over
+    non-zero codes (zeros), a negative or NaN scale byte; integer scale values other than the
+    bytes themselves; a float matrix_shape."""
+    q = nv.quantize(jnp.asarray(np.random.default_rng(12).standard_normal((2, 32, 32)), jnp.float32))
+    create = lambda data=q.data, scale=q.scale_bits, amax=q.amax: nv.NVFP4Array.create(data, scale, amax, (32, 32))
+    assert np.array_equal(np.asarray(create().data), np.asarray(q.data))
+    for kw, needle in (({"amax": -q.amax}, "negative amax"), ({"amax": q.amax.at[1].set(-jnp.inf)}, "negative amax"),
+                       ({"amax": q.amax.at[0].set(0.0)}, "amax 0 over non-zero codes"),
+                       ({"scale": q.scale_bits.at[0, 0, 0].set(0x7F)}, "negative or NaN"),
+                       ({"scale": q.scale_bits.at[1, 1, 1].set(0x81)}, "negative or NaN")):
+        with pytest.raises(ValueError, match=needle):
+            create(**kw)
+    zero = nv.quantize(jnp.zeros((16, 16)))  # amax 0 over zero codes: an all-zero matrix
+    assert float(nv.NVFP4Array.create(zero.data, zero.scale_bits, zero.amax, (16, 16)).amax) == 0.0
+    with pytest.raises(TypeError, match="E4M3 values .* or their bytes"):
+        create(scale=q.scale_bits.astype(jnp.int32))
+    with pytest.raises(ValueError, match="matrix_shape must be two positive ints"):
+        nv.NVFP4Array(q.data, q.scale_bits, q.amax_bits, (32.0, 32.0))
+
+
+def test_a_kept_python_scalar_leaf_takes_the_keep_dtype():
+    policy = nv.Policy(keep=("temperature",), keep_dtype=jnp.bfloat16)
+    params = {"temperature": 0.7, "w": jnp.ones((16, 16))}
+    assert nv.quantize_params(params, policy)["temperature"].dtype == jnp.bfloat16
+
+
 def test_quantize_refuses_a_zero_amax_for_a_nonzero_matrix():
     # It quantized every value to zero with isfinite() True.
     x = jnp.asarray(np.random.default_rng(10).standard_normal((2, 16, 32)), jnp.float32)

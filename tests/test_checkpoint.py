@@ -407,6 +407,46 @@ def test_export_of_any_pytree_and_its_refusals(tmp_path):
         nv.export.load_nvfp4(str(tmp_path))
     with pytest.raises(TypeError, match="PRNG key"):
         nv.export.export_nvfp4({"k": jax.random.key(0)}, str(tmp_path / "k"))
+    # Two leaves the manifest would name alike: refused before writing, not at load.
+    with pytest.raises(nv.export.ExportError, match="two leaves have the path 'a/b'.*nothing written"):
+        nv.export.export_nvfp4({"a/b": jnp.ones(2), "a": {"b": jnp.ones(3)}}, str(tmp_path / "c"))
+    assert not os.path.exists(tmp_path / "c")
+
+
+def test_load_checks_the_values_and_what_like_says(tmp_path):
+    """A re-hashed file with a negative amax or a NaN scale byte is refused (each would decode
+    to plausible wrong weights under isfinite() True); ``like`` refuses another shape, dtype or
+    block than the export holds."""
+    import hashlib
+
+    rng = np.random.default_rng(2)
+    tree = {"w": nv.quantize(jnp.asarray(rng.standard_normal((32, 48)), jnp.float32), block=(1, 16)),
+            "b": jnp.zeros(4, jnp.float32)}
+    for field, poison, needle in (("amax", lambda a: -a, "negative amax"),
+                                  ("scale", lambda a: np.where(np.arange(a.size).reshape(a.shape) == 5, 0x7F, a)
+                                   .astype(np.uint8), "scale byte is negative or NaN")):
+        d = str(tmp_path / field)
+        nv.export.export_nvfp4(tree, d)
+        m = json.load(open(os.path.join(d, "manifest.json")))
+        entry = next(x for x in m["leaves"] if x["kind"] == "nvfp4")["files"][field]
+        path = os.path.join(d, entry["name"])
+        np.save(path, poison(np.load(path)))
+        entry["sha256"] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+        m["sha256"] = nv.export._manifest_digest(m)
+        json.dump(m, open(os.path.join(d, "manifest.json"), "w"))
+        with pytest.raises(nv.export.ExportError, match=f"leaf 'w': NVFP4Array: a {needle}"):
+            nv.export.load_nvfp4(d)
+    d = str(tmp_path / "ok")
+    nv.export.export_nvfp4(tree, d)
+    for like, needle in (({**tree, "b": jnp.zeros(5, jnp.float32)}, "leaf 'b' is float32 \\[4\\], but `like` has "
+                                                                     "float32 \\[5\\]"),
+                         ({**tree, "b": jnp.zeros(4, jnp.int32)}, "but `like` has int32 \\[4\\]"),
+                         ({**tree, "w": nv.NVFP4Array.abstract((32, 48))}, "leaf 'w' is NVFP4 \\[32, 48\\] block "
+                                                                            "\\[1, 16\\], but `like` has NVFP4 "
+                                                                            "\\[32, 48\\] block \\[16, 16\\]")):
+        with pytest.raises(nv.export.ExportError, match=needle):
+            nv.export.load_nvfp4(d, like=like)
+    assert nv.export.load_nvfp4(d, like=jax.eval_shape(lambda: tree))["w"].block == (1, 16)
 
 
 def test_load_refuses_a_malformed_or_edited_manifest(tmp_path):

@@ -36,7 +36,7 @@ from jax_nvfp4.array import BLOCK_2D, explicit_sharding, is_nvfp4, quantize
 from jax_nvfp4.collectives import (GATHER_SCOPE, NORM_SCOPE, REQUANTIZE_SCOPE, all_gather_bits, fold_sum, from_bits,
                                    to_bits)
 from jax_nvfp4.layout import Layout, Tiled, TiledNVFP4, is_tiled, quantize_tiles, tile_scales
-from jax_nvfp4.rules import DEFAULT_RULES, Rules, layout_for
+from jax_nvfp4.rules import DEFAULT_RULES, Rules, batch_axes, layout_for
 from jax_nvfp4.params import Policy, dequantize_params, matrix_amax, path_str, shared_amaxes
 
 __all__ = ["Rules", "context_mesh", "shard_params", "logical", "partition_specs", "shardings", "gather",
@@ -169,6 +169,8 @@ def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optiona
     the result."""
     rules = rules or DEFAULT_RULES
     mesh = context_mesh(mesh)
+    if mesh is not None:
+        batch_axes(mesh, rules)  # a data axis the mesh lacks (a typo) would store every leaf whole on every device
     _refuse_mesh_boxes(tree)
     wanted = lambda p, leaf: (not is_tiled(leaf) and not is_nvfp4(leaf) and policy is not None
                               and policy.wants(p, leaf, rules.stacked_axes(p)))

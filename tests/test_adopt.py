@@ -319,6 +319,8 @@ def test_a_mesh_without_the_data_axis_is_refused():
     assert "'batch': 4" in str(e.value)
     with pytest.raises(ValueError, match=r"none of the rules' batch axes"):  # nor is a whole state built replicated
         nv.sharded_state({"w": jnp.ones((64, 64))}, tx, mesh, nv.Rules(), nv.Policy())
+    with pytest.raises(ValueError, match=r"none of the rules' batch axes \('dta',\)"):  # nor laid out whole
+        nv.shard_params({"w": jnp.ones((64, 64))}, mesh, nv.Rules(data_axis="dta"), nv.Policy())
     nv.make_step(lambda p, r, k: 0.0, tx, mesh, nv.Rules(data_axis="batch"))  # named: accepted
     # The batch's axes, in mesh order (a rack-major process layout keeps each process's rows together).
     racked = jax.make_mesh((2, 2, 2), ("rack", "data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3)

@@ -75,6 +75,9 @@ def test_overrides_apply_in_command_line_order_and_single_options_are_given_once
     assert load_config(None, args.overrides).model.layers == 3
     args = train_main.parse_args(["--set", "model.layers=3", "model.layers=1"])
     assert load_config(None, args.overrides).model.layers == 1
+    # After "--", the overrides as they are (no --set was read there as one).
+    assert train_main.parse_args(["--set", "a.b=1", "--", "model.layers=0", "c.d=2"]).overrides == [
+        "a.b=1", "model.layers=0", "c.d=2"]
     for flag in ("--config", "--out"):
         with pytest.raises(SystemExit) as e:
             train_main.parse_args([flag, "a", flag, "b"])

@@ -80,8 +80,11 @@ def parse_args(argv=None):
     p.add_argument("--init-from", action=_Once, metavar="DIR", help="start from the Hugging Face Llama checkpoint "
                    "in DIR (train.init_from; its config.json sets the model's shape)")
     p.add_argument("rest", nargs="*", metavar="KEY=VALUE", help="more overrides, in order with --set")
-    ordered, value_next = [], False
-    for a in sys.argv[1:] if argv is None else argv:  # a bare KEY=VALUE as --set KEY=VALUE, in its place
+    ordered, value_next, given = [], False, list(sys.argv[1:] if argv is None else argv)
+    for i, a in enumerate(given):  # a bare KEY=VALUE as --set KEY=VALUE, in its place
+        if a == "--" and not value_next:  # the rest are KEY=VALUE overrides as they are
+            ordered += given[i:]
+            break
         ordered += ["--set", a] if not value_next and not a.startswith("-") and "=" in a else [a]
         value_next = not value_next and a in _VALUED
     args = p.parse_args(ordered)

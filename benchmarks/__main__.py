@@ -187,14 +187,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     flags = _flags(argv)
     t_start = time.perf_counter()
+    A.make_output_dir(args.out)
     devices = request_cpu_devices(args.host_devices)
-    os.makedirs(args.out, exist_ok=True)
 
     from benchmarks import report
     from benchmarks import train_step as ts
 
     data_sizes = ts.data_sizes_for(devices, args.data_sizes)
     dropped = sorted(set(args.data_sizes) - set(data_sizes))
+    if not data_sizes:
+        print(f"error: --data-sizes {','.join(map(str, args.data_sizes))}: each is more than the {len(devices)} "
+              "devices; nothing would be measured", file=sys.stderr)
+        return 2
     print(f"benchmarks: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}); "
           f"sections {', '.join(args.sections)}; results in {args.out}"
           + (f"; data sizes {dropped} skipped (more than the {len(devices)} devices)" if dropped else ""),

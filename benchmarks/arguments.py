@@ -200,10 +200,30 @@ def git_revision(text: str) -> str:
 
 
 def output_dir(text: str) -> str:
-    """A ``type=`` for a folder results go into: refused when a file of that name is in the way."""
-    if text and os.path.exists(text) and not os.path.isdir(text):
+    """A ``type=`` for a folder results go into: refused when its name is empty, a file is in the way, or the
+    nearest folder that exists is not writable (nothing is made here: :func:`make_output_dir` does, before the
+    work)."""
+    if not text:
+        _fail(text, "an empty path")
+    if os.path.exists(text) and not os.path.isdir(text):
         _fail(text, "exists and is not a folder")
+    ancestor = os.path.abspath(text)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        _fail(text, f"is under {ancestor}, which is not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        _fail(text, f"cannot be written ({ancestor} is not writable)")
     return text
+
+
+def make_output_dir(path: str) -> None:
+    """Make the results folder ``path`` before any work, or end in one line, exit 2."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        print(f"error: --out {show(path)}: cannot be made: {e.strerror or e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def output_file(text: str) -> str:

@@ -825,7 +825,11 @@ def _request_devices(n: int) -> None:
 
 
 def main(argv=None) -> Dict[str, Any]:
+    from benchmarks import arguments as A
+
     args = parse_args(argv)
+    if args.out:
+        A.make_output_dir(args.out)
     if args.table:
         text = sharding_table(args.out)
         with open(os.path.join(args.out, "SHARDING.md"), "w") as f:

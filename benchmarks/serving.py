@@ -358,6 +358,7 @@ def parse_args(argv: Sequence[str]):
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    A.make_output_dir(args.out)
     t_start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t_start:6.0f}s] {msg}", flush=True)
     corpus = ct.build_corpus(args.cache, max_bytes=args.max_bytes)

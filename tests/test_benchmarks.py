@@ -182,6 +182,7 @@ BAD_ARGUMENTS = [
     (["--conv-size", "huge"], "--conv-size"), (["--against", "nosuchrev"], "--against"),
     (["traffic", "--against", "HEAD"], "--against"), (["--repeats"], "--repeats"), (["--quik"], "--quik"),
     (["--quick=1"], "--quick"), (["nosuch"], "nosuch"), (["--out", "a-file"], "--out"),
+    (["--out", "a-file/under"], "--out"), (["--out="], "--out"), (["serving", "--out", "a-file/x"], "--out"),
     # gpu
     (["gpu", "--cpu", "--steps", "0"], "--steps"), (["gpu", "--steps", "x"], "--steps"), (["gpu", "--size", "0"], "--size"),
     (["gpu", "--repeats", "0"], "--repeats"), (["gpu", "--models", "default,huge"], "--models"),
@@ -294,3 +295,10 @@ def test_each_committed_convergence_report_holds_its_own_grid():
         assert want is None or want in command, (name, meta["command"])
         assert not set(flags[kind]) & set(command), (name, meta["command"])
         assert meta["runs_done"] == meta["runs_total"] or kind == "recipe", (name, meta["runs_done"], meta["runs_total"])
+
+
+def test_data_sizes_past_the_devices_measure_nothing_and_say_so(tmp_path, capsys):
+    """Every --data-sizes entry above the device count: exit 2, not a report whose every ratio
+    is n/a and whose checks pass vacuously."""
+    assert cli.main(["--data-sizes", "16", "--out", str(tmp_path / "r"), "traffic"]) == 2
+    assert "--data-sizes 16: each is more than the 8 devices; nothing would be measured" in capsys.readouterr().err

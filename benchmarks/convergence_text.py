@@ -608,8 +608,7 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
               ""]
     a = agg["acceptance"]
     L += ["## Acceptance", "",
-          "Rule: mean gap <= target, or zero inside the seeds' spread of the gap (at least one seed with NVFP4 at "
-          "or below bf16).", "",
+          "Rule: mean gap <= target.", "",
           f"- Weights-only NVFP4 (default), {agg['lever_size']} model, {agg['lever_steps']} steps: target "
           f"{WEIGHTS_ONLY_TARGET}% -> **{met_text(a['weights_only'])}** ({a['weights_only']['why']}).",
           f"- Full recipe (`nvfp4.compute=nvfp4`): target {RECIPE_TARGET}% -> **{met_text(a['full_recipe'])}** "

@@ -87,18 +87,14 @@ def gap_curve(results, size, steps, seeds, variant="nvfp4", base="bf16"):
 
 
 def verdict(g: Optional[Dict[str, Any]], target: float) -> Dict[str, Any]:
-    """Met when the mean gap is <= ``target`` % of the bf16 loss, or zero lies inside the seeds'
-    spread of the gap (min <= 0: at least one seed has NVFP4 at or below bf16)."""
+    """Met when the mean gap is <= ``target`` % of the bf16 loss (the seeds' spread is reported, never a reason: a
+    rule that any seed at or below bf16 meets would favour noisier results)."""
     if g is None:
         return {"met": None, "why": "not run"}
     m, lo, hi = g["gap_pct"]["mean"], g["gap_pct"]["min"], g["gap_pct"]["max"]
     if m <= target:
         return {"met": True, "why": f"mean gap {m:+.3f}% <= {target}%"}
-    if lo <= 0:
-        return {"met": True, "why": f"mean gap {m:+.3f}% > {target}%, but inside the seed spread "
-                                    f"[{lo:+.3f}%, {hi:+.3f}%]"}
-    return {"met": False, "why": f"mean gap {m:+.3f}% > {target}% and every seed positive "
-                                 f"[{lo:+.3f}%, {hi:+.3f}%]"}
+    return {"met": False, "why": f"mean gap {m:+.3f}% > {target}% (seeds [{lo:+.3f}%, {hi:+.3f}%])"}
 
 
 def met_text(v: Dict[str, Any]) -> str:

@@ -262,6 +262,14 @@ def non_embedding_params(cfg) -> int:
                for x in jax.tree.leaves(sub))
 
 
+def non_embedding_of(model: Dict[str, Any]) -> int:
+    """:func:`non_embedding_params` of a report's model summary (``{"d_model": 64, "layers": 2, ...}``: model keys,
+    and ``batch_size``)."""
+    from train.config import load_config
+
+    return non_embedding_params(load_config(None, [f"model.{k}={v}" for k, v in model.items() if k != "batch_size"]))
+
+
 def budget_steps(budget: float, non_embedding: int, tokens_per_step: int) -> int:
     """Steps that train ``budget`` tokens per non-embedding parameter (rounded to the nearest)."""
     return max(1, int(round(budget * non_embedding / tokens_per_step)))

@@ -82,8 +82,8 @@ from benchmarks.common import request_cpu_devices, source_state, use_compile_cac
 from benchmarks.convergence_grid import (STORAGE_FORMATS, EVAL_BATCHES, HEADLINE_SEEDS, HEADLINE_VARIANTS, LENGTHS, LEVER_BASE,
                                          LENGTH_BUDGETS, LENGTH_SIZE, LEVER_NAMES, LEVER_SIZE, LEVERS, LR_HALF, RECIPE_LEVERS, RECIPE_SIZES,
                                          RECIPE_TARGET, SEEDS, SEEDS_AT_BOUND, SIZES, WEIGHTS_ONLY_TARGET, WEIGHTS_SIZES, grid,
-                                         headline_seeds, length_grid, recipe_grid, run_config, run_name,
-                                         size_shape)
+                                         headline_seeds, length_grid, non_embedding_of, recipe_grid, run_config,
+                                         run_name, size_shape)
 from benchmarks.stats import (gap_curve, gaps, lever_effect, met_text, pct_text, run_meta, source_lines, stored_runs,
                               verdict)
 
@@ -563,14 +563,17 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
           f"every pair: **{meta['same_data_order']}**) and are evaluated on the same {EVAL_BATCHES} held-out "
           f"batches, every tenth of the run and at the end. Metric: the final validation loss. Gap = (NVFP4 - bf16) "
           f"/ bf16, in % of the bf16 validation loss, paired by seed; shown as mean [min, max] (std) over seeds.", "",
-          "| size | model | steps | tokens seen | bf16 val loss (mean) | NVFP4 val loss (mean) | gap % of bf16 |",
+          "| size | model | steps | tokens seen (per non-embedding parameter) | bf16 val loss (mean) | "
+          "NVFP4 val loss (mean) | gap % of bf16 |",
           "|---|---|---:|---:|---:|---:|---|"]
     L[-2:-2] = source_lines(meta, agg)
+    params = {size: non_embedding_of(m) for size, m in meta["models"].items()}
     for g in agg["table"]:
-        m = meta["models"][g["size"]]
+        m, tokens = meta["models"][g["size"]], g["steps"] * meta["models"][g["size"]]["batch_size"] * \
+            meta["models"][g["size"]]["seq_len"]
         L.append(f"| {g['size']} | {m['layers']} layers, d {m['d_model']}, MLP {m['mlp_hidden']}, "
                  f"{m['batch_size']}x{m['seq_len']} tokens/step | {g['steps']} | "
-                 f"{g['steps'] * m['batch_size'] * m['seq_len']:,} | {g['base_val']['mean']:.4f} | "
+                 f"{tokens:,} ({tokens / params[g['size']]:.2f}) | {g['base_val']['mean']:.4f} | "
                  f"{g['val']['mean']:.4f} | {pct_text(g['gap_pct'])} |")
     L += ["", "![gap against steps](convergence_text.png)", ""]
     L += width_section(agg["table"], meta["models"])

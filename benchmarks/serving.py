@@ -297,8 +297,25 @@ def plot(agg: Dict[str, Any], path: str, steps: int) -> None:
     plt.close(fig)
 
 
+def code_line(runs: Dict[str, Dict[str, Any]]) -> str:
+    """Which code trained the runs (:func:`benchmarks.stats.source_summary`): a gap is a gap only between runs
+    of one code state."""
+    # A W4A4 row's record keeps its code state under "source_state" ("source": the export it read).
+    src = stats.source_summary({k: {"source": r["source_state"]} if "source_state" in r else r for k, r in runs.items()})
+    states = [f"`{s['sha256'][:12]}` ({s['runs']} runs; commit `{(s['git_commit'] or '?')[:10]}`"
+              + (", with uncommitted changes" if s["dirty"] else "") + ")" for s in src["states"]]
+    if src["unrecorded"]:
+        states.append(f"{len(src['unrecorded'])} runs without a record")
+    one = len(src["states"]) == 1 and not src["unrecorded"]
+    return (f"Code: each run records the sha256 of the sources it trained with (`source` in serving.json): "
+            + "; ".join(states) + (". Every gap compares runs of that one state." if one else
+                                   ". The gaps compare runs trained by different code."))
+
+
 def report(payload: Dict[str, Any], out: str) -> str:
     meta, agg = payload["meta"], payload["aggregate"]
+    for g in agg["rows"].values():  # read back from JSON, the seeds are string keys
+        g["per_seed"] = {int(k): v for k, v in g["per_seed"].items()}
     L = ["# Served in NVFP4: post-training quantization, native NVFP4 training, fine-tuning", "",
          f"`{meta['command']}` — {meta['where']}; commit `{(meta['git_commit'] or '?')[:10]}`; "
          f"{meta['wall_min']:.0f} min wall clock ({meta['runs_done']}/{meta['runs_total']} runs and evaluations).", "",
@@ -311,7 +328,7 @@ def report(payload: Dict[str, Any], out: str) -> str:
             f"(1x16 groups, E4M3 scales, round to nearest, the global scale from that layer's input amax; "
             f"emulated), the amax calibrated on {meta['calibration_batches']} other held-out batches (the "
             f"validation stream's next {meta['calibration_batches']} after the {grid.EVAL_BATCHES} evaluated)."
-            if any(r in agg["rows"] for r in W4A4) else ""), "",
+            if any(r in agg["rows"] for r in W4A4) else ""), "", code_line(payload["runs"]), "",
          "| served model | validation loss (mean) | gap vs bf16, % (mean) | seeds' range | 95% interval of the mean |",
          "|---|---:|---:|---|---|"]
     for row, g in agg["rows"].items():

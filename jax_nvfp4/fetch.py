@@ -251,7 +251,11 @@ class Shard(struct.PyTreeNode, meta.AxisMetadata):
         """``(NVFP4Array, sink)``: the gathered stored weight for the recipe GEMM and a float
         array that only carries the weight gradient (its values are never read)."""
         if self.config.tensor_gspmd is not None and _split_over_tensor(self.stored):
-            raise NotImplementedError("the recipe GEMM under GSPMD tensor parallelism: use tensor='manual'")
+            raise NotImplementedError(
+                "the recipe GEMM (nv.dot, nv.intercept_dense) of a kernel split over the tensor axis under "
+                "tensor='gspmd' is not implemented: run the recipe on a data-only mesh, keep the split kernels out of "
+                "it, or write the model for tensor='manual' (each rank's GEMM on its shard, combined with "
+                "nv.TensorParallel)")
         return gather_weight(self.stored, self.master, dataclasses.replace(self.config, nvfp4=True))
 
     def __getitem__(self, index):

@@ -121,7 +121,18 @@ def _check_manual_model(plan: "_Plan", params, forward, *args) -> None:
         return
     split = [path_str(path) for path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_tiled)[0]
              if is_tiled(leaf) and leaf.layout.n_tensor > 1]
-    if split and not _sends_over(jax.make_jaxpr(forward)(*args).jaxpr, plan.tensor.axis):
+    if not split:
+        return
+    try:
+        jaxpr = jax.make_jaxpr(forward)(*args).jaxpr
+    except Exception as e:  # noqa: BLE001 - a stock layer checks the shard's shape against its own features
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(
+            f"tensor='manual': the model fails on this rank's sub-matrices of the {len(split)} weights split over the "
+            f"tensor axis {plan.tensor.axis!r} (e.g. {split[0]!r}): {type(e).__name__}: {first}. Stock layers "
+            "(nn.Dense, nnx.Linear) run with tensor='gspmd'; a model written for tensor='manual' takes its shards and "
+            "combines its ranks' results (nv.TensorParallel)") from e
+    if not _sends_over(jaxpr, plan.tensor.axis):
         raise ValueError(
             f"tensor='manual': {len(split)} weights split over the tensor axis {plan.tensor.axis!r} reach the model as "
             f"this rank's sub-matrix (e.g. {split[0]!r}), but the model sends nothing over that axis, so each rank "

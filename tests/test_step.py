@@ -116,6 +116,9 @@ def test_a_state_stepped_with_another_mesh_or_optimizer_is_refused_naming_the_fi
         params, state = nv.sharded_state(fp32, tx, mesh, nv.Rules(), nv.Policy())
         with pytest.raises(TypeError, match=r"^make_step: opt_state is a nv.master_weights state but tx is not"):
             jax.jit(nv.make_step(loss, optax.adam(1e-2), mesh))(params, state, (x, y))
+        with pytest.raises(ValueError, match=r"^master_weights: the optimizer state was built by another inner "
+                                             r"optimizer than this one's"):
+            jax.jit(nv.make_step(loss, nv.master_weights(optax.sgd(1e-2)), mesh))(params, state, (x, y))
         assert np.isfinite(float(jax.jit(nv.make_step(loss, tx, mesh))(params, state, (x, y))[2]["loss"]))
     with jax.set_mesh(two):
         with pytest.raises(ValueError, match=r"^make_step: 'w1' is stored as 4 shards over 'data', which this mesh "
@@ -255,6 +258,21 @@ def test_tensor_manual_refuses_a_model_that_never_combines_its_ranks():
                     jax.jit(nv.make_step(loss(lambda z: z), tx, mesh, rules, tensor=tensor))(params, state, (x, y))
                 with pytest.raises(ValueError, match=r"^tensor='manual': .* sends nothing over that axis"):
                     jax.jit(nv.make_eval(lambda p, r: logits(p, r, lambda z: z), mesh, rules, tensor=tensor))(params, x)
+                # A stock layer checks its kernel against its features: it fails on the shard, named as such.
+                import flax.linen as nn
+
+                dense = nn.Dense(fp32["w1"].shape[1], use_bias=False)
+                stock = lambda p, r: dense.apply({"params": {"kernel": p["w1"]}}, r)
+                with pytest.raises(ValueError, match=r"^tensor='manual': the model fails on this rank's sub-matrices "
+                                                     r".*ScopeParamShapeError.*run with tensor='gspmd'"):
+                    jax.jit(nv.make_eval(stock, mesh, rules, tensor=tensor))(params, x)
+                # The recipe GEMM on a kernel split over the tensor axis is not implemented under gspmd: named.
+                def recipe(p, r):
+                    with nv.intercept_dense():
+                        return stock(p, r)
+                with pytest.raises(NotImplementedError, match=r"recipe GEMM .* tensor='gspmd' is not implemented: run "
+                                                              r"the recipe on a data-only mesh"):
+                    jax.jit(nv.make_eval(recipe, mesh, rules, tensor="gspmd"))(params, x)
             step = jax.jit(nv.make_step(loss(tp.sum), tx, mesh, rules, tensor=tensor))
             losses = []
             for _ in range(3):

@@ -184,18 +184,22 @@ def _check_dtypes(leaves) -> None:
 
 def check_values(data, scale_bits, amax_bits) -> None:
     """Raise ValueError where concrete NVFP4 leaves hold what no quantization writes and a reader would decode
-    as plausible but wrong weights: a negative amax (or -Inf), an amax of 0 over non-zero codes, or a scale byte
-    that is negative (sign bit set) or NaN (0x7F / 0xFF). A NaN or +Inf amax marks a poisoned matrix by design."""
-    amax = jax.lax.bitcast_convert_type(jnp.asarray(amax_bits), jnp.float32)
-    if bool(jnp.any(amax < 0)):
+    as plausible but wrong weights: a negative amax (or -Inf), an amax of 0 over non-zero codes, or, in a matrix
+    with a finite amax, a scale byte that is negative (sign bit set) or NaN (0x7F / 0xFF). A NaN or +Inf amax
+    marks a poisoned matrix by design (its scales may be NaN); NumPy inputs are checked in NumPy."""
+    xp = np if all(isinstance(x, np.ndarray) for x in (data, scale_bits, amax_bits)) else jnp
+    amax = xp.asarray(amax_bits).astype(np.uint32).view(np.float32) if xp is np else \
+        jax.lax.bitcast_convert_type(jnp.asarray(amax_bits), jnp.float32)
+    if bool(xp.any(amax < 0)):
         raise ValueError("NVFP4Array: a negative amax would decode to sign-flipped weights")
-    codes = jnp.asarray(data) & 0x77  # both nibbles' magnitudes: a code of -0 is zero
-    if bool(jnp.any((amax == 0) & jnp.any(codes != 0, axis=(-2, -1)))):
+    codes = xp.asarray(data) & 0x77  # both nibbles' magnitudes: a code of -0 is zero
+    if bool(xp.any((amax == 0) & xp.any(codes != 0, axis=(-2, -1)))):
         raise ValueError("NVFP4Array: amax 0 over non-zero codes would decode them to zeros")
-    scale = jnp.asarray(scale_bits)
-    if bool(jnp.any((scale & 0x80) != 0) | jnp.any((scale & 0x7F) == 0x7F)):
-        raise ValueError("NVFP4Array: a scale byte is negative or NaN (E4M3 0x80.. / 0x7F), which no quantization "
-                         "writes")
+    scale = xp.asarray(scale_bits)
+    bad = xp.any(((scale & 0x80) != 0) | ((scale & 0x7F) == 0x7F), axis=(-2, -1))
+    if bool(xp.any(bad & xp.isfinite(amax))):
+        raise ValueError("NVFP4Array: a scale byte of a matrix with a finite amax is negative or NaN (E4M3 0x80.. / "
+                         "0x7F), which no quantization writes")
 
 
 def _check_layout(data, scale_bits, amax_bits, matrix_shape, block) -> None:

@@ -294,6 +294,8 @@ def test_create_refuses_values_no_quantization_writes():
                        ({"scale": q.scale_bits.at[1, 1, 1].set(0x81)}, "negative or NaN")):
         with pytest.raises(ValueError, match=needle):
             create(**kw)
+    poisoned = nv.quantize(q.dequantize(jnp.float32).at[1, 0, 0].set(jnp.nan))  # NaN scales, by design
+    assert not bool(create(scale=poisoned.scale_bits, amax=poisoned.amax).isfinite()[1])
     zero = nv.quantize(jnp.zeros((16, 16)))  # amax 0 over zero codes: an all-zero matrix
     assert float(nv.NVFP4Array.create(zero.data, zero.scale_bits, zero.amax, (16, 16)).amax) == 0.0
     with pytest.raises(TypeError, match="E4M3 values .* or their bytes"):

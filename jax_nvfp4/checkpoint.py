@@ -202,9 +202,14 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
+# The keys of a checkpoint's ``meta`` the checkpointer writes itself: the step it was saved as (a step folder
+# renamed or copied is then told from the step it names) and the state's description.
+RESERVED = ("saved_step", "leaves")
+
+
 class Checkpointer:
     """Saves and restores states under ``directory``: orbax step folders ``<directory>/<step>`` holding ``state``
-    (the pytree, each process writing its shards), ``meta`` (JSON: the caller's ``meta``, the ``step`` and ``leaves``,
+    (the pytree, each process writing its shards), ``meta`` (JSON: the caller's ``meta``, ``saved_step`` and ``leaves``,
     :func:`describe` of the state) and each process's content hashes; the ``keep`` newest kept. ``async_save``:
     saves write in the background, their hashes recorded once committed. Every process creates it and calls
     :meth:`save`, :meth:`restorable_step`, :meth:`verify` and :meth:`restore` together; the directory is shared.
@@ -255,13 +260,14 @@ class Checkpointer:
         """Write checkpoint ``step`` of ``state`` with the JSON ``meta`` (``async_save``: in the background);
         ``step`` must be newer than every step in the directory. CheckpointWriteError: this save (or the previous
         asynchronous one) failed; CheckpointError: the step is not newer, or ``state`` holds non-finite values
-        (:meth:`restore` would refuse them); TypeError: ``meta`` is not a JSON object, or names another ``step``."""
+        (:meth:`restore` would refuse them); TypeError: ``meta`` is not a JSON object, or holds a key of
+        :data:`RESERVED`."""
         ocp = self._ocp
-        if not isinstance(meta := {} if meta is None else meta, Mapping) or "leaves" in meta:
-            raise TypeError(f"meta: expected a mapping without the key 'leaves' (the state's description), got "
-                            f"{type(meta).__name__}{' with leaves' if isinstance(meta, Mapping) else ''}")
-        if meta.get("step", step) != step:
-            raise TypeError(f"meta: its 'step' {meta['step']!r} is not the step saved, {step}")
+        reserved = [k for k in RESERVED if isinstance(meta, Mapping) and k in meta]
+        if not isinstance(meta := {} if meta is None else meta, Mapping) or reserved:
+            raise TypeError(f"meta: expected a mapping without the keys {', '.join(map(repr, RESERVED))} (what the "
+                            f"checkpointer records), got {type(meta).__name__}"
+                            + (f" with {reserved[0]!r}" if reserved else ""))
         try:
             json.dumps(meta)
         except (TypeError, ValueError) as e:
@@ -275,7 +281,7 @@ class Checkpointer:
         if bad:  # restore refuses them: a newest checkpoint that can never be restored
             raise CheckpointError(f"checkpoint {step} not written: non-finite values (NaN or Inf) in {bad[0]}"
                                   + (f" (and {len(bad) - 1} more leaves)" if len(bad) > 1 else ""))
-        meta = {**meta, "step": int(step), "leaves": describe(state)}
+        meta = {**meta, "saved_step": int(step), "leaves": describe(state)}
         if self.async_save and self._unhashed:
             self.wait()  # orbax waits for the previous save: report its failure under its own step
         with self._hash_lock:
@@ -383,8 +389,8 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {self._dir(step)}: cannot read its metadata: {_first_line(e)}") from None
         if not isinstance(meta, dict):
             raise CheckpointError(f"checkpoint {self._dir(step)}: its metadata is not a JSON object")
-        if meta.get("step", step) != step:  # a checkpoint written before the step was recorded has none
-            raise CheckpointError(f"checkpoint {self._dir(step)}: holds step {meta['step']!r}, not {step} (its "
+        if meta.get("saved_step", step) != step:  # a checkpoint written before the step was recorded has none
+            raise CheckpointError(f"checkpoint {self._dir(step)}: holds step {meta['saved_step']!r}, not {step} (its "
                                   "folder was renamed or copied)")
         return meta
 

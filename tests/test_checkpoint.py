@@ -424,7 +424,7 @@ def test_load_checks_the_values_and_what_like_says(tmp_path):
             "b": jnp.zeros(4, jnp.float32)}
     for field, poison, needle in (("amax", lambda a: -a, "negative amax"),
                                   ("scale", lambda a: np.where(np.arange(a.size).reshape(a.shape) == 5, 0x7F, a)
-                                   .astype(np.uint8), "scale byte is negative or NaN")):
+                                   .astype(np.uint8), "scale byte of a matrix with a finite amax is negative or NaN")):
         d = str(tmp_path / field)
         nv.export.export_nvfp4(tree, d)
         m = json.load(open(os.path.join(d, "manifest.json")))
@@ -554,6 +554,19 @@ def test_fallback_renames_nothing_when_the_resume_is_then_refused(resumed, tmp_p
     assert step == 4 and [s for s, _ in corrupt] == [6]
     c.set_aside(corrupt, step, log=lambda m: None)
     assert "corrupt-6" in os.listdir(ck) and c.all_steps() == [2, 4]
+
+
+def test_a_step_folder_copied_over_another_is_refused(resumed, tmp_path):
+    """Step 4's folder under the name 6 verifies (its hashes are relative): the step its meta
+    records refuses it, so a resume never continues step 4's state as step 6."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(resumed["ck"], ck)
+    shutil.rmtree(ck / "6")
+    shutil.copytree(ck / "4", ck / "6")
+    with pytest.raises(ckpt_lib.CheckpointError, match=r"ck/6: holds step 4, not 6 \(its folder was renamed"):
+        ckpt_lib.Checkpointer(str(ck)).restorable_step()
 
 
 def test_hidden_files_in_a_checkpoint_do_not_make_it_corrupt(two_checkpoints, tmp_path):

@@ -55,7 +55,7 @@ def saved(tmp_path_factory):
     directory = tmp_path_factory.mktemp("nvck")
     ckpt = nvck.Checkpointer(str(directory), keep=2)
     for step in (1, 2):
-        ckpt.save(step, state, meta={"data_position": 10 * step})
+        ckpt.save(step, state, meta={"data_position": 10 * step, "step": 1000 * step})  # the caller's own "step"
     ckpt.close()
     return directory, nvck.host_arrays(state)
 
@@ -146,8 +146,8 @@ def test_what_a_checkpointer_refuses_before_writing(saved, tmp_path):
     with pytest.raises(ValueError, match="keep=0: must be a positive number"):
         nvck.Checkpointer(str(tmp_path / "k"), keep=0)
     ckpt = nvck.Checkpointer(str(tmp_path / "c"))
-    for meta, match in (({"lr": np.float32(1)}, "meta: not JSON-serializable"), ({"leaves": 1}, "without the key"),
-                        ([1, 2], "expected a mapping"), ({"step": 2}, "its 'step' 2 is not the step saved, 1")):
+    for meta, match in (({"lr": np.float32(1)}, "meta: not JSON-serializable"), ({"leaves": 1}, "with 'leaves'"),
+                        ([1, 2], "expected a mapping"), ({"saved_step": 2}, "without the keys 'saved_step', 'leaves'")):
         with pytest.raises(TypeError, match=match):
             ckpt.save(1, state, meta=meta)
     poisoned = jax.tree.map(lambda x: x, state)

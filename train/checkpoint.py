@@ -52,7 +52,7 @@ class Checkpointer(nvck.Checkpointer):
     def save(self, step: int, params, opt_state, *, mesh, base_key: Optional[jax.Array] = None,
              data_state: Optional[Dict[str, int]] = None, run: Optional[Dict[str, Any]] = None) -> None:
         super().save(step, {"params": params, "opt_state": opt_state}, {
-            "format": FORMAT, "version": FORMAT_VERSION,
+            "format": FORMAT, "version": FORMAT_VERSION, "step": int(step),
             "data_state": {k: int(v) for k, v in (data_state or {}).items()},
             "base_key": None if base_key is None else {"impl": str(jax.random.key_impl(base_key)),
                                                        "data": np.asarray(jax.random.key_data(base_key)).tolist()},
@@ -69,6 +69,9 @@ class Checkpointer(nvck.Checkpointer):
         if meta.get("version") != FORMAT_VERSION:
             raise CheckpointError(f"checkpoint {where}: format version {meta.get('version')}, this code reads "
                                   f"{FORMAT_VERSION}")
+        if meta.get("step") != step:  # checkpoints saved before the library recorded saved_step too
+            raise CheckpointError(f"checkpoint {where}: holds step {meta.get('step')!r}, not {step} (its folder was "
+                                  "renamed or copied)")
         return meta
 
     def restore(self, step: int, abstract_params, abstract_state, param_shardings, state_shardings) -> Restored:

@@ -287,6 +287,14 @@ def test_gin_includes_are_files_beside_the_includer_checked_like_it(tmp_path):
     assert "sub/dup.gin: ModelConfig.layers is bound twice, on line 1 and line 2" in _error(
         path=_write(tmp_path, "inc.gin", 'include "sub/dup.gin"\n'))
     assert _error(path=_write(tmp_path, "cycle.gin", 'include "cycle.gin"\n')).startswith("gin include cycle: ")
+    # A key two includes bind, or one bound before the include that binds it again: the include would win.
+    _write(tmp_path, "sub/again.gin", "ModelConfig.heads = 2\n")
+    for text in ('include "sub/shape.gin"\ninclude "sub/again.gin"\n',
+                 'ModelConfig.heads = 8\ninclude "sub/shape.gin"\n'):
+        assert "binds ModelConfig.heads again" in _error(path=_write(tmp_path, "twice.gin", text))
+    _write(tmp_path, "sub/broken.gin", "ModelConfig.heads = (2,\n")
+    broken = _error(path=_write(tmp_path, "b.gin", 'include "sub/broken.gin"\n'))
+    assert broken.startswith(f"{tmp_path}/sub/broken.gin: ")
     assert _error(path=_write(tmp_path, "none.gin", 'include "nothere.gin"\n')).endswith(
         f"include 'nothere.gin': no such file {tmp_path}/nothere.gin")
     assert ": line 1: import this: a config file imports nothing" in _error(path=_write(tmp_path, "i.gin", "import this\n"))

@@ -592,15 +592,17 @@ class _Loader(yaml.SafeLoader):
 
 
 _YAML = "tag:yaml.org,2002:"
-_Loader.yaml_implicit_resolvers = {  # YAML 1.1's bool, int and float resolvers out; 1.2's core ones in
-    first: [(tag, regex) for tag, regex in resolvers if tag not in (_YAML + "bool", _YAML + "int", _YAML + "float")]
+_YAML_1_1 = tuple(_YAML + t for t in ("bool", "int", "float", "timestamp"))
+_Loader.yaml_implicit_resolvers = {  # YAML 1.1's bool, int, float and timestamp resolvers out; 1.2's core ones in
+    first: [(tag, regex) for tag, regex in resolvers if tag not in _YAML_1_1]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 _Loader.add_implicit_resolver(_YAML + "bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 _Loader.add_implicit_resolver(_YAML + "int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
                               list("-+0123456789"))
 _Loader.add_implicit_resolver(
     _YAML + "float",
-    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
     list("-+0123456789."))
 _Loader.add_constructor(_YAML + "int", _Loader.construct_yaml_int)
 
@@ -610,8 +612,8 @@ def _yaml_load(text: str, where: str) -> Any:
     loader.name = where
     try:
         return loader.get_single_data()
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: invalid YAML: {e}") from None
+    except (yaml.YAMLError, ValueError) as e:  # ValueError: an explicit tag's constructor (!!int 0b11)
+        raise ConfigError(f"{where}: invalid YAML: {' '.join(str(e).split())}") from None
     finally:
         loader.dispose()
 
@@ -656,11 +658,12 @@ def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
 _GIN_COLLECTORS: dict[str, Any] = {}  # registered once per process: gin's registry is global and refuses duplicates
 
 
-def _gin_text(path: str, chain: tuple = ()) -> str:
-    """The gin file ``path``'s text with each ``include`` replaced by the included file's (a name relative to
-    ``path``'s folder, as YAML's ``base:``), each file checked on its own: no imports (a config runs no code), no
-    scoped bindings or references to configurables (no section reads them), no key bound twice (gin would keep the
-    last silently; an including file may bind what it includes, as a YAML file its base)."""
+def _gin_text(path: str, chain: tuple = ()) -> tuple[str, dict]:
+    """``(text, bound)``: the gin file ``path``'s text with each ``include`` replaced by the included file's (a name
+    relative to ``path``'s folder, as YAML's ``base:``), and ``{key: (file, line)}`` of what it binds. Checked: a
+    syntax error named in its own file, no imports (a config runs no code), no scoped bindings or references to
+    configurables (no section reads them), no key bound twice (gin would keep the last silently) but a file's own
+    binding after the include it overrides, as a YAML file overrides its base."""
     from gin import config, config_parser
     real = os.path.realpath(path)
     if real in chain:
@@ -668,34 +671,44 @@ def _gin_text(path: str, chain: tuple = ()) -> str:
     text = _read_text(path)
     try:
         statements = list(config_parser.ConfigParser(text, config.ParserDelegate(skip_unknown=True)))
-    except Exception:  # noqa: BLE001 - a syntax error: gin.parse_config reports it with its line
-        return text
-    lines, seen = text.splitlines(keepends=True), {}
+    except Exception as e:  # noqa: BLE001 - gin's syntax errors (SyntaxError, ValueError...)
+        raise ConfigError(f"{path}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
+    lines, bound, included = text.splitlines(keepends=True), {}, set()
     for st in statements:
         line = st.location.line_num
+        where = f"{path}: line {line}"
         if isinstance(st, config_parser.ImportStatement):
-            raise ConfigError(f"{path}: line {line}: import {st.module}: a config file imports nothing (its bindings "
-                              f"name the sections: {', '.join(_GIN_SECTIONS)})")
+            raise ConfigError(f"{where}: import {st.module}: a config file imports nothing (its bindings name the "
+                              f"sections: {', '.join(_GIN_SECTIONS)})")
         if isinstance(st, config_parser.IncludeStatement):
-            included = os.path.join(os.path.dirname(path), st.filename)
-            if not os.path.isfile(included):
-                raise ConfigError(f"{path}: line {line}: include {st.filename!r}: no such file {included}")
-            lines[line - 1] = _gin_text(included, chain + (real,)).rstrip("\n") + "\n"
+            inc = os.path.join(os.path.dirname(path), st.filename)
+            if not os.path.isfile(inc):
+                raise ConfigError(f"{where}: include {st.filename!r}: no such file {inc}")
+            inc_text, inc_bound = _gin_text(inc, chain + (real,))
+            for key, there in inc_bound.items():
+                if key in bound:
+                    raise ConfigError(f"{where}: include {st.filename!r} binds {'.'.join(filter(None, key))} again "
+                                      f"({there[0]}, line {there[1]}) after {bound[key][0]}, line {bound[key][1]}: the "
+                                      "include would win; bind it once, after the includes")
+            bound.update(inc_bound)
+            included |= set(inc_bound)
+            lines[line - 1] = inc_text.rstrip("\n") + "\n"
         elif isinstance(st, config_parser.BindingStatement):
             name = f"{st.selector}.{st.arg_name}" if st.arg_name else st.selector
             if st.scope:
-                raise ConfigError(f"{path}: line {line}: {st.scope}/{name} is a scoped binding, which no section "
-                                  f"reads; bind {name}")
+                raise ConfigError(f"{where}: {st.scope}/{name} is a scoped binding, which no section reads; bind "
+                                  f"{name}")
             values = st.value if isinstance(st.value, (list, tuple)) else [st.value]
             if any(type(v).__name__.endswith("ConfigurableReference") and not repr(v).startswith("%") for v in values):
-                raise ConfigError(f"{path}: line {line}: {name} is bound to a configurable (@...), which no section "
-                                  "takes; give a value")
+                raise ConfigError(f"{where}: {name} is bound to a configurable (@...), which no section takes; give "
+                                  "a value")
             key = (st.selector.rsplit(".", 1)[-1], st.arg_name)  # "train.config.ModelConfig" is "ModelConfig"
-            if key in seen:
-                raise ConfigError(f"{path}: {name} is bound twice, on line {seen[key]} and line {line}; keep one "
+            if key in bound and key not in included:
+                raise ConfigError(f"{path}: {name} is bound twice, on line {bound[key][1]} and line {line}; keep one "
                                   "(gin would silently use the last)")
-            seen[key] = line
-    return "".join(lines)
+            bound[key] = (path, line)
+            included.discard(key)
+    return "".join(lines), bound
 
 
 def _read_gin(path: str) -> dict[str, Any]:
@@ -709,7 +722,7 @@ def _read_gin(path: str) -> dict[str, Any]:
                 return kwargs
             collect.__name__ = name
             _GIN_COLLECTORS[name] = gin.external_configurable(collect, name=name, module="train.config")
-    text = _gin_text(path)
+    text = _gin_text(path)[0]
     gin.clear_config()  # bindings are global gin state: start clean and leave clean so loads do not leak
     try:
         gin.parse_config(text)

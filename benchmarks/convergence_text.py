@@ -492,10 +492,7 @@ def aggregate(results: Dict[str, Dict[str, Any]], seeds: Sequence[int], sizes: S
                  "diff_pct": 100 * (b["final_val_loss"] - a["final_val_loss"]) / a["final_val_loss"],
                  "plain_train": a["final_train_loss"], "wrapper_train": b["final_train_loss"],
                  "same_data_order": a["data_order_sha256"] == b["data_order_sha256"]}
-    accept = {"weights_only": verdict(levers.get("nvfp4"), WEIGHTS_ONLY_TARGET),
-              "full_recipe": verdict(levers.get("compute_nvfp4"), RECIPE_TARGET),
-              "full_recipe_keep_last": verdict(levers.get("compute_nvfp4_keep_last_blocks_1"), RECIPE_TARGET)}
-    return {"table": table, "levers": levers, "plain_baseline": plain, "acceptance": accept,
+    return {"table": table, "levers": levers, "plain_baseline": plain, "acceptance": acceptance(levers),
             "lever_size": lever_size, "lever_steps": top}
 
 
@@ -534,6 +531,13 @@ def plot(agg: Dict[str, Any], sizes: Sequence[str], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def acceptance(levers: Dict[str, Any]) -> Dict[str, Any]:
+    """The verdicts of the headline cell's levers against their targets (:func:`benchmarks.stats.verdict`)."""
+    return {"weights_only": verdict(levers.get("nvfp4"), WEIGHTS_ONLY_TARGET),
+            "full_recipe": verdict(levers.get("compute_nvfp4"), RECIPE_TARGET),
+            "full_recipe_keep_last": verdict(levers.get("compute_nvfp4_keep_last_blocks_1"), RECIPE_TARGET)}
 
 
 def write_report(out: str, payload: Dict[str, Any]) -> str:
@@ -609,7 +613,7 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
               f"| plain optax + flax | {p['plain_val']:.4f} | {p['plain_train']:.4f} |",
               f"| difference | {p['diff']:+.4f} ({p['diff_pct']:+.3f}%) | {p['wrapper_train'] - p['plain_train']:+.4f} |",
               ""]
-    a = agg["acceptance"]
+    a = acceptance(agg["levers"])  # judged by today's rule, also for a payload read back from its JSON
     L += ["## Acceptance", "",
           "Rule: mean gap <= target.", "",
           f"- Weights-only NVFP4 (default), {agg['lever_size']} model, {agg['lever_steps']} steps: target "

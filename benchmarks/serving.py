@@ -301,7 +301,8 @@ def code_line(runs: Dict[str, Dict[str, Any]]) -> str:
     """Which code trained the runs (:func:`benchmarks.stats.source_summary`): a gap is a gap only between runs
     of one code state."""
     # A W4A4 row's record keeps its code state under "source_state" ("source": the export it read).
-    src = stats.source_summary({k: {"source": r["source_state"]} if "source_state" in r else r for k, r in runs.items()})
+    src = stats.source_summary({k: {"source": r["source_state"]} if "source_state" in r else r
+                                for k, r in runs.items()})
     states = [f"`{s['sha256'][:12]}` ({s['runs']} runs; commit `{(s['git_commit'] or '?')[:10]}`"
               + (", with uncommitted changes" if s["dirty"] else "") + ")" for s in src["states"]]
     if src["unrecorded"]:

@@ -94,7 +94,7 @@ def verdict(g: Optional[Dict[str, Any]], target: float) -> Dict[str, Any]:
     m, lo, hi = g["gap_pct"]["mean"], g["gap_pct"]["min"], g["gap_pct"]["max"]
     if m <= target:
         return {"met": True, "why": f"mean gap {m:+.3f}% <= {target}%"}
-    return {"met": False, "why": f"mean gap {m:+.3f}% > {target}% (seeds [{lo:+.3f}%, {hi:+.3f}%])"}
+    return {"met": False, "why": f"mean gap {m:+.3f}% > {target}%; seeds [{lo:+.3f}%, {hi:+.3f}%]"}
 
 
 def met_text(v: Dict[str, Any]) -> str:

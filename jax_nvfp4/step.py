@@ -128,10 +128,10 @@ def _check_manual_model(plan: "_Plan", params, forward, *args) -> None:
     except Exception as e:  # noqa: BLE001 - a stock layer checks the shard's shape against its own features
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ValueError(
-            f"tensor='manual': the model fails on this rank's sub-matrices of the {len(split)} weights split over the "
-            f"tensor axis {plan.tensor.axis!r} (e.g. {split[0]!r}): {type(e).__name__}: {first}. Stock layers "
-            "(nn.Dense, nnx.Linear) run with tensor='gspmd'; a model written for tensor='manual' takes its shards and "
-            "combines its ranks' results (nv.TensorParallel)") from e
+            f"tensor='manual': the model failed on this rank's sub-matrices of the {len(split)} weights split over "
+            f"the tensor axis {plan.tensor.axis!r} (e.g. {split[0]!r}): {type(e).__name__}: {first}. If it is made of "
+            "stock layers (nn.Dense, nnx.Linear), they run with tensor='gspmd'; a model written for tensor='manual' "
+            "takes its shards and combines its ranks' results (nv.TensorParallel)") from e
     if not _sends_over(jaxpr, plan.tensor.axis):
         raise ValueError(
             f"tensor='manual': {len(split)} weights split over the tensor axis {plan.tensor.axis!r} reach the model as "

@@ -113,7 +113,7 @@ def test_gap_and_acceptance_arithmetic():
     assert g["same_data_order"] and g["curve"] == [(100, pytest.approx([1.0, -0.5, 2.0]))]
     # 0.83% > 0.5%: not met, though one seed is below bf16 (a seed's luck is no reason).
     assert agg["acceptance"]["weights_only"] == {"met": False,
-                                                 "why": "mean gap +0.833% > 0.5% (seeds [-0.500%, +2.000%])"}
+                                                 "why": "mean gap +0.833% > 0.5%; seeds [-0.500%, +2.000%]"}
     # Full recipe: +3.5% mean with every seed above bf16.
     assert agg["acceptance"]["full_recipe"]["met"] is False
     assert agg["levers"]["compute_nvfp4"]["vs_default_pct"]["mean"] > 0
@@ -184,7 +184,7 @@ def test_width_section_orders_by_width_and_judges_each_size():
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| size")]
     assert [r.split(" | ")[0] for r in rows] == ["| narrow", "| mid", "| wide"]
     assert "NOT MET" in rows[0] and "| met: mean gap +0.300% <= 0.5%" in rows[1]
-    assert "NOT MET: mean gap" in rows[2] and "(seeds [" in rows[2]
+    assert "NOT MET: mean gap" in rows[2] and "; seeds [" in rows[2]
     assert ct.width_section(agg["table"][:2], models) == []  # fewer than three sizes share a length
 
 

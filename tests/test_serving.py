@@ -53,7 +53,9 @@ def test_gaps_report_and_plot(tmp_path):
              for s in seeds for r in serving.ROWS]
     vals = {"bf16": [2.0, 2.1, 2.2], "ptq": [2.1, 2.2, 2.3], "native": [2.02, 2.1, 2.24], "qat": [2.04, 2.12, 2.2],
             "ptq_w4a4": [2.2, 2.31, 2.42], "native_w4a4": [2.04, 2.142, 2.266], "qat_w4a4": [2.06, 2.12, 2.2]}
-    results = {f"{r}-{s}": {"final_val_loss": vals[r][s], "val_history": [[200, vals[r][s] + 0.5], [2000, vals[r][s]]]}
+    state = {"sha256": "ab" * 32, "git_commit": "cd" * 20, "dirty": False}
+    results = {f"{r}-{s}": {"final_val_loss": vals[r][s], "val_history": [[200, vals[r][s] + 0.5], [2000, vals[r][s]]],
+                            **({"source_state": state} if "w4a4" in r else {"source": state})}
                for r in serving.ROWS for s in seeds}
     agg = serving.aggregate(results, specs, seeds)
     assert agg["rows"]["bf16"]["gap_pct"]["mean"] == 0
@@ -73,8 +75,9 @@ def test_gaps_report_and_plot(tmp_path):
     meta = {"command": "python -m benchmarks serving", "where": "here", "git_commit": None, "wall_min": 1.0,
             "runs_done": 12, "runs_total": 12, "size": "default", "model": "m", "steps": 2000, "tail_steps": 200,
             "tokens_per_step": "16 x 64", "seeds": seeds, "calibration_batches": 16}
-    path = serving.report({"meta": meta, "aggregate": agg}, str(tmp_path))
+    path = serving.report({"meta": meta, "aggregate": agg, "runs": results}, str(tmp_path))
     text = open(path).read()
+    assert "`abababababab` (21 runs; commit `cdcdcdcdcd`). Every gap compares runs of that one state." in text
     assert "| bf16 training, then round-to-nearest NVFP4" in text and "+5.00" in text
     assert "| ptq, W4A4: activations NVFP4 too (calibrated) | 2.3100 | +10.00 |" in text
     assert "- native_w4a4 - native: mean +1.39" in text

@@ -263,7 +263,7 @@ def test_tensor_manual_refuses_a_model_that_never_combines_its_ranks():
 
                 dense = nn.Dense(fp32["w1"].shape[1], use_bias=False)
                 stock = lambda p, r: dense.apply({"params": {"kernel": p["w1"]}}, r)
-                with pytest.raises(ValueError, match=r"^tensor='manual': the model fails on this rank's sub-matrices "
+                with pytest.raises(ValueError, match=r"^tensor='manual': the model failed on this rank's sub-matrices "
                                                      r".*ScopeParamShapeError.*run with tensor='gspmd'"):
                     jax.jit(nv.make_eval(stock, mesh, rules, tensor=tensor))(params, x)
                 # The recipe GEMM on a kernel split over the tensor axis is not implemented under gspmd: named.

@@ -121,14 +121,14 @@ def test_a_malformed_launch_environment_is_named_before_jax_distributed_starts()
     from train.__main__ import distributed_args
 
     base = {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234"}
-    assert distributed_args({}) == (None, 30)
+    assert distributed_args({}) == distributed_args({"JAX_HEARTBEAT_TIMEOUT": "30.5"}) == (None, 30)  # one process
     assert distributed_args({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "JAX_HEARTBEAT_TIMEOUT": "12"}) == ({}, 12)
     kw, heartbeat = distributed_args({**base, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"})
     assert (kw["num_processes"], kw["process_id"], kw["heartbeat_timeout_seconds"], heartbeat) == (2, 1, 30, 30)
     for env, needle in (({**base, "JAX_NUM_PROCESSES": "abc", "JAX_PROCESS_ID": "0"}, "JAX_NUM_PROCESSES='abc'"),
                         ({**base, "JAX_NUM_PROCESSES": "2"}, "JAX_PROCESS_ID is not set"),
                         ({**base, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "5"}, "JAX_PROCESS_ID=5: must be below"),
-                        ({"JAX_HEARTBEAT_TIMEOUT": "abc"}, "JAX_HEARTBEAT_TIMEOUT='abc'"),
+                        ({**base, "JAX_HEARTBEAT_TIMEOUT": "abc"}, "JAX_HEARTBEAT_TIMEOUT='abc'"),
                         ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "x"}, "SLURM_NTASKS='x'")):
         with pytest.raises(ValueError, match=f"^{re.escape(needle)}"):
             distributed_args(env)

@@ -175,8 +175,8 @@ def distributed_args(env) -> tuple:
     """``(arguments, heartbeat)``: ``jax.distributed.initialize``'s arguments from the launch environment ``env``,
     JAX_COORDINATOR_ADDRESS (with JAX_NUM_PROCESSES and JAX_PROCESS_ID, or what JAX detects) and the timeouts
     JAX_HEARTBEAT_TIMEOUT, JAX_INIT_TIMEOUT, JAX_SHUTDOWN_TIMEOUT (seconds: a process that dies takes the others
-    down within the heartbeat timeout); ``{}`` in a SLURM step of several tasks (JAX detects it); None for one
-    process. ValueError: a variable that is not a number, or a process id outside the process count."""
+    down within the heartbeat timeout); ``{}`` in a SLURM step of several tasks (JAX detects it); ``(None, 30)`` for
+    one process. ValueError: a variable that is not a number, or a process id outside the process count."""
     def number(name, default=None, low=1):
         text = env.get(name, default)
         if text is None:
@@ -188,9 +188,12 @@ def distributed_args(env) -> tuple:
         if value is None or value < low:
             raise ValueError(f"{name}={text!r}: expected a whole number >= {low}")
         return value
+    slurm = not env.get("JAX_COORDINATOR_ADDRESS") and env.get("SLURM_JOB_ID") and number("SLURM_NTASKS", "1") > 1
+    if not env.get("JAX_COORDINATOR_ADDRESS") and not slurm:
+        return None, 30  # one process: no peers to watch, the variables unread
     heartbeat = number("JAX_HEARTBEAT_TIMEOUT", "30")
-    if not env.get("JAX_COORDINATOR_ADDRESS"):
-        return {} if env.get("SLURM_JOB_ID") and number("SLURM_NTASKS", "1") > 1 else None, heartbeat
+    if slurm:
+        return {}, heartbeat
     kw = dict(coordinator_address=env["JAX_COORDINATOR_ADDRESS"], heartbeat_timeout_seconds=heartbeat,
               initialization_timeout=number("JAX_INIT_TIMEOUT", "300"),
               shutdown_timeout_seconds=number("JAX_SHUTDOWN_TIMEOUT", "60"))

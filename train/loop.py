@@ -101,10 +101,10 @@ def run(cfg: Config, mesh, out_dir: str, *, progress: bool = True, label: str = 
             print(f"{name}: compiling the train step...", flush=True)
         imported = start is None and bool(cfg.train.init_from)
         trainer, params, opt_state, base_key, it, source = _initial_state(cfg, mesh, ckpt, start, imported, is_main)
-        if cfg.nvfp4.weights == "nvfp4" and is_main and not any(
-                isinstance(x, nv.TiledNVFP4) for x in jax.tree.leaves(trainer.abstract_params, is_leaf=nv.layout.is_tiled)):
-            print(f"notice: {name}: nvfp4.keep_bf16, keep_first_blocks and keep_last_blocks keep every weight in bf16: "
-                  "no weight of this run is NVFP4", file=sys.stderr, flush=True)
+        stored = jax.tree.leaves(trainer.abstract_params, is_leaf=nv.layout.is_tiled)
+        if cfg.nvfp4.weights == "nvfp4" and is_main and not any(isinstance(x, nv.TiledNVFP4) for x in stored):
+            print(f"notice: {name}: no weight of this run is NVFP4 (nvfp4.keep_bf16, keep_first_blocks and "
+                  "keep_last_blocks keep the rest in bf16, or a matrix axis is under 16)", file=sys.stderr, flush=True)
         val_batches = []
         if cfg.train.eval_every:  # the same batches at every evaluation
             val_source = data_lib.make_source(cfg.data, cfg.model, split="val")

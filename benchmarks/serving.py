@@ -308,7 +308,7 @@ def code_line(runs: Dict[str, Dict[str, Any]]) -> str:
     if src["unrecorded"]:
         states.append(f"{len(src['unrecorded'])} runs without a record")
     one = len(src["states"]) == 1 and not src["unrecorded"]
-    return (f"Code: each run records the sha256 of the sources it trained with (`source` in serving.json): "
+    return ("Code: each run records the sha256 of the sources it trained with (`source` in serving.json): "
             + "; ".join(states) + (". Every gap compares runs of that one state." if one else
                                    ". The gaps compare runs trained by different code."))
 

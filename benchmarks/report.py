@@ -557,8 +557,14 @@ def headline(res: Dict[str, Any], report_path: str = "benchmarks/results/REPORT.
         return "No benchmark results yet: run `python -m benchmarks`.\n"
     out = ["| figure | NVFP4 | bf16 / baseline | ratio |", "|---|---:|---:|---:|"]
     out += [f"| {a} | {b} | {c_} | {d} |" for a, b, c_, d in rows]
-    out += ["", f"Measured by `python -m benchmarks` on {_where(meta)}; details in "
-            f"[{report_path}]({report_path}).", ""]
+    runs = {name: res[name]["meta"] for name in ("traffic", "memory", "speed", "convergence", "quantize") if res.get(name)}
+    where = _where(meta)
+    if len({(m.get("git_commit"), m.get("date")) for m in runs.values()}) > 1:  # sections run apart: each its own
+        where = where.split(", commit ")[0] + ", its sections measured apart: " + "; ".join(
+            f"{name} at commit {str(m.get('git_commit'))[:10]}{' (uncommitted changes)' if m.get('dirty') else ''}, "
+            f"{m.get('date')}" + (f", host load {m['load_avg_1m']}" if m.get("load_avg_1m") is not None else "")
+            for name, m in runs.items())
+    out += ["", f"Measured by `python -m benchmarks` on {where}; details in [{report_path}]({report_path}).", ""]
     return "\n".join(out)
 
 

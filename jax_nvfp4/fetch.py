@@ -262,6 +262,12 @@ class Shard(struct.PyTreeNode, meta.AxisMetadata):
         # NNX: ``variable[...]`` indexes the variable's raw value, this box.
         return self.unbox()[index]
 
+    def __setitem__(self, index, value):
+        # NNX: a module writing one of its variables (nnx.BatchNorm's running statistics, a counter) in its call.
+        raise TypeError("a leaf of the trained params is written inside the model (e.g. nnx.BatchNorm's running "
+                        "statistics): the step trains params and returns no other state; split the model with "
+                        "nnx.split(model, nnx.Param, ...) and keep state the model writes out of the params")
+
     def __jax_array__(self) -> jax.Array:
         # A model reading the box as an array (``x @ variable.value``, ``jnp.dot(x, variable.get_value())``).
         return self.unbox()

@@ -91,8 +91,20 @@ class _Plan:
                     "(nv.sharded_state(params, tx, mesh, rules)), or restore a checkpoint onto it")
 
     def shard_map(self, fn, in_specs, out_specs):
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                             axis_names=set(self.manual), check_vma=False)
+        mapped = jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                               axis_names=set(self.manual), check_vma=False)
+
+        def run(*args):
+            try:
+                return mapped(*args)
+            except NotImplementedError as e:
+                if "Closing over inputs to shard_map" not in str(e):
+                    raise
+                raise NotImplementedError(
+                    "the model or loss closes over an array sharded over Explicit mesh axes, which jax.shard_map "
+                    "cannot take in: pass it as one of the step's extra arguments (step(params, opt_state, batch, "
+                    "key, *args)) or in the batch instead") from e
+        return run
 
 
 # Primitives that name a mesh axis without moving data between its devices.
@@ -258,7 +270,9 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: 
         plan.check_layouts(params, "make_step")
         plan.check_layouts(masters, "make_step")
         m_specs = plan.specs(masters)
-        arg_specs = tuple(P() for _ in args)
+        arg_specs = tuple(P() for _ in args)  # replicated: placed so, whatever sharding they come with
+        args = jax.tree.map(lambda a: constrain(a, NamedSharding(plan.mesh, P())) if isinstance(a, jax.Array) else a,
+                            args)
         if key is None:
             fn = lambda p, m, r, *a: local(p, m, r, None, *a)
             specs = (plan.specs(params), m_specs, P(plan.batch), *arg_specs)

@@ -281,3 +281,34 @@ def test_tensor_manual_refuses_a_model_that_never_combines_its_ranks():
         out[tensor] = losses
     np.testing.assert_allclose(out["manual"], out["gspmd"], rtol=3e-3)
     assert out["gspmd"][-1] < out["gspmd"][0]
+
+
+def test_state_a_model_writes_and_arrays_it_closes_over_are_named():
+    """A param leaf the model writes in its call (nnx.BatchNorm's running statistics in the
+    params) is refused in one TypeError naming the fix, not Flax's item-assignment error; an
+    array sharded over Explicit axes that the loss closes over is refused with the step's own
+    way in (its extra arguments), which trains."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (conftest asks for 8 simulated CPU devices)")
+    from flax import nnx
+
+    _, fp32, x, y = _setup()
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:4])
+    tx = nv.master_weights(optax.sgd(0.1))
+    bn = nnx.BatchNorm(32, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(bn)
+    with jax.set_mesh(mesh):
+        params, opt_state = nv.sharded_state({**fp32, "bn": nnx.to_pure_dict(state)}, tx, mesh)
+
+        def writes(p, r, k):
+            model = nnx.merge(graphdef, nnx.State(p["bn"]))
+            return _loss(p, model(r[0]), r[1])
+        with pytest.raises(TypeError, match=r"^a leaf of the trained params is written inside the model .*BatchNorm"):
+            jax.jit(nv.make_step(writes, tx, mesh))(params, opt_state, (x, y))
+        params, opt_state = nv.sharded_state(fp32, tx, mesh)
+        shift = jax.device_put(jnp.full((32,), 0.5), jax.sharding.NamedSharding(mesh, jax.P("data")))
+        with pytest.raises(NotImplementedError, match=r"closes over an array sharded over Explicit mesh axes.*extra "
+                                                      r"arguments"):
+            jax.jit(nv.make_step(lambda p, r, k: _loss(p, r[0] + shift, r[1]), tx, mesh))(params, opt_state, (x, y))
+        step = jax.jit(nv.make_step(lambda p, r, k, s: _loss(p, r[0] + s, r[1]), tx, mesh))
+        assert np.isfinite(float(step(params, opt_state, (x, y), None, shift)[2]["loss"]))  # replicated for it

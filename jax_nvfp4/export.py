@@ -166,6 +166,11 @@ def export_nvfp4(params, directory: str, *, overwrite: bool = False) -> str:
         if not all(_finite(a) for a in arrays.values()):
             what = "amax" if is_nvfp4(leaf) else "values"
             raise ExportError(f"export_nvfp4: leaf {path_str(path)!r} has non-finite {what} (NaN or Inf); nothing written")
+        if is_nvfp4(leaf):  # what load_nvfp4 would refuse is not written
+            try:
+                check_values(arrays["data"], arrays["scale"], arrays["amax"].view(np.uint32))
+            except ValueError as e:
+                raise ExportError(f"export_nvfp4: leaf {path_str(path)!r}: {e}; nothing written") from None
     if jax.process_index() != 0:
         return os.path.join(directory, MANIFEST)
     if os.path.exists(directory) and not os.path.isdir(directory):

@@ -155,12 +155,12 @@ def master_weights(
         _check_stored_form(params, state.master)
         m = context_mesh(mesh) or typed_mesh(state.master)
         grads_m = _grads_to_master(grads, state.master, m)
-        built = jax.tree.structure(jax.eval_shape(inner.init, state.master))
-        if built != jax.tree.structure(state.inner_state):  # else the inner transform fails in its own words
+        fresh = jax.eval_shape(inner.init, state.master)
+        if jax.tree.structure(fresh) != jax.tree.structure(state.inner_state):  # else optax fails in its own words
+            kinds = lambda s: (f"({', '.join(map(kinds, s))})" if type(s) in (tuple, list) else type(s).__name__)
             raise ValueError("master_weights: the optimizer state was built by another inner optimizer than this "
-                             f"one's ({type(state.inner_state).__name__} where its init makes "
-                             f"{type(jax.eval_shape(inner.init, state.master)).__name__}); build the state with "
-                             "the tx that steps it")
+                             f"one's (a state {kinds(state.inner_state)} where its init makes {kinds(fresh)}); build "
+                             "the state with the tx that steps it")
         updates_m, inner_state = inner.update(grads_m, state.inner_state, state.master, **extra)
         # The update of a float32 plain param is materialised once: master + u and param + u
         # are then the same addition (XLA may otherwise contract one of them into a

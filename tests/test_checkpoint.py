@@ -436,6 +436,12 @@ def test_load_checks_the_values_and_what_like_says(tmp_path):
         json.dump(m, open(os.path.join(d, "manifest.json"), "w"))
         with pytest.raises(nv.export.ExportError, match=f"leaf 'w': NVFP4Array: a {needle}"):
             nv.export.load_nvfp4(d)
+    w = tree["w"]  # the constructor checks no values (tracers, tree utilities): export does, before writing
+    flipped = nv.NVFP4Array(w.data, w.scale_bits, jax.lax.bitcast_convert_type(-w.amax, jnp.uint32), w.matrix_shape,
+                            w.block)
+    with pytest.raises(nv.export.ExportError, match="leaf 'w': NVFP4Array: a negative amax .*; nothing written"):
+        nv.export.export_nvfp4({"w": flipped}, str(tmp_path / "flipped"))
+    assert not os.path.exists(tmp_path / "flipped")
     d = str(tmp_path / "ok")
     nv.export.export_nvfp4(tree, d)
     for like, needle in (({**tree, "b": jnp.zeros(5, jnp.float32)}, "leaf 'b' is float32 \\[4\\], but `like` has "

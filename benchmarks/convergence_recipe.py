@@ -87,11 +87,15 @@ def aggregate(results: Dict[str, Dict[str, Any]], sizes: Sequence[str], seeds: S
                                                           base=BASE_KEEP),
                        "recipe_half_vs_default": stats.gaps(results, size, steps, at, FULL_KEEP + "_lr_half",
                                                             base=FULL_KEEP)})
-    at_top = next((r for r in sweep if r["size"] == top), {})
-    accept = {"size": top, "full_recipe_keep_last": stats.verdict(at_top.get(FULL_KEEP), grid.RECIPE_TARGET),
-              "full_recipe": stats.verdict(at_top.get(FULL), grid.RECIPE_TARGET)}
     return {"steps": steps, "sweep": sweep, "widest": top, "ablations": ablations, "lr_check": lr,
-            "acceptance": accept, "seeds_at": more_seeds(results, seeds_at or {})}
+            "acceptance": acceptance(sweep, top), "seeds_at": more_seeds(results, seeds_at or {})}
+
+
+def acceptance(sweep, top: str) -> Dict[str, Any]:
+    """The verdicts at the widest size ``top`` against the recipe's target (:func:`benchmarks.stats.verdict`)."""
+    at_top = next((r for r in sweep if r["size"] == top), {})
+    return {"size": top, "full_recipe_keep_last": stats.verdict(at_top.get(FULL_KEEP), grid.RECIPE_TARGET),
+            "full_recipe": stats.verdict(at_top.get(FULL), grid.RECIPE_TARGET)}
 
 
 def more_seeds(results: Dict[str, Dict[str, Any]], seeds_at: Dict[str, Sequence[int]]) -> List[Dict[str, Any]]:
@@ -292,7 +296,7 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
               "weight in 1x16 blocks along them, and sees another weight than the forward pass (the 16x16 tiles "
               "serve both as they are). Activations in bf16: the forward and weight-gradient GEMMs multiply the "
               "bf16 activations by the other operand dequantized (not an FP4 GEMM).", ""]
-    a = agg["acceptance"]
+    a = acceptance(agg["sweep"], agg["widest"])  # judged by today's rule, also for a payload read from its JSON
     L += ["## Acceptance", "",
           "Rule: mean gap <= target.", "",
           f"- Full recipe with the last block bf16 at the widest width ({a['size']}): target {grid.RECIPE_TARGET}% -> "

@@ -573,8 +573,8 @@ def write_report(out: str, payload: Dict[str, Any]) -> str:
     L[-2:-2] = source_lines(meta, agg)
     params = {size: non_embedding_of(m) for size, m in meta["models"].items()}
     for g in agg["table"]:
-        m, tokens = meta["models"][g["size"]], g["steps"] * meta["models"][g["size"]]["batch_size"] * \
-            meta["models"][g["size"]]["seq_len"]
+        m = meta["models"][g["size"]]
+        tokens = g["steps"] * m["batch_size"] * m["seq_len"]
         L.append(f"| {g['size']} | {m['layers']} layers, d {m['d_model']}, MLP {m['mlp_hidden']}, "
                  f"{m['batch_size']}x{m['seq_len']} tokens/step | {g['steps']} | "
                  f"{tokens:,} ({tokens / params[g['size']]:.2f}) | {g['base_val']['mean']:.4f} | "

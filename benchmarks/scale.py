@@ -876,7 +876,6 @@ def main(argv=None) -> Dict[str, Any]:
     text = markdown(report)
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         suffix = "".join(f"_{k[0]}{v}" for k, v in overrides.items())
         base = os.path.join(args.out, f"scale_{args.model}{suffix}_{spec.label}")
         with open(base + ".json", "w") as f:

@@ -303,8 +303,7 @@ def code_line(runs: Dict[str, Dict[str, Any]]) -> str:
     # A W4A4 row's record keeps its code state under "source_state" ("source": the export it read).
     src = stats.source_summary({k: {"source": r["source_state"]} if "source_state" in r else r
                                 for k, r in runs.items()})
-    states = [f"`{s['sha256'][:12]}` ({s['runs']} runs; commit `{(s['git_commit'] or '?')[:10]}`"
-              + (", with uncommitted changes" if s["dirty"] else "") + ")" for s in src["states"]]
+    states = stats.states_text(src)
     if src["unrecorded"]:
         states.append(f"{len(src['unrecorded'])} runs without a record")
     one = len(src["states"]) == 1 and not src["unrecorded"]
@@ -315,8 +314,9 @@ def code_line(runs: Dict[str, Dict[str, Any]]) -> str:
 
 def report(payload: Dict[str, Any], out: str) -> str:
     meta, agg = payload["meta"], payload["aggregate"]
-    for g in agg["rows"].values():  # read back from JSON, the seeds are string keys
-        g["per_seed"] = {int(k): v for k, v in g["per_seed"].items()}
+    # Read back from JSON, the seeds are string keys.
+    agg = {**agg, "rows": {r: {**g, "per_seed": {int(k): v for k, v in g["per_seed"].items()}}
+                           for r, g in agg["rows"].items()}}
     L = ["# Served in NVFP4: post-training quantization, native NVFP4 training, fine-tuning", "",
          f"`{meta['command']}` — {meta['where']}; commit `{(meta['git_commit'] or '?')[:10]}`; "
          f"{meta['wall_min']:.0f} min wall clock ({meta['runs_done']}/{meta['runs_total']} runs and evaluations).", "",
@@ -408,7 +408,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     payload = {"meta": meta, "corpus": {k: v for k, v in corpus.items() if k not in ("train", "val")},
                "aggregate": agg, "runs": {k: {kk: vv for kk, vv in v.items() if kk != "train_loss_every_10"}
                                           for k, v in results.items()}}
-    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "serving.json"), "w") as f:
         json.dump(payload, f, indent=1)
     plot(agg, os.path.join(args.out, "serving.png"), args.steps)

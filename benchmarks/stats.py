@@ -107,15 +107,20 @@ def pct_text(s: Dict[str, float]) -> str:
     return f"{s['mean']:+.2f}% [{s['min']:+.2f}, {s['max']:+.2f}] (std {s['std']:.2f}, {s['n']} seeds)"
 
 
+def states_text(src: Dict[str, Any]) -> List[str]:
+    """Each code state of :func:`source_summary` as the reports name it."""
+    return [f"`{s['sha256'][:12]}` ({s['runs']} runs; commit `{(s['git_commit'] or '?')[:10]}`"
+            + (", with uncommitted changes" if s["dirty"] else "" if s["dirty"] is False else ", tree state unknown")
+            + ")" for s in src["states"]]
+
+
 def source_lines(meta: Dict[str, Any], agg: Dict[str, Any]) -> List[str]:
     """The code the runs were trained by (:func:`source_summary`) and the pairs that mix two
     states: a gap is only a gap when both runs ran the same code."""
     src = meta.get("sources")
     if not src:
         return []
-    states = [f"`{s['sha256'][:12]}` ({s['runs']} runs; commit `{(s['git_commit'] or '?')[:10]}`"
-              + (", with uncommitted changes" if s["dirty"] else "" if s["dirty"] is False else ", tree state unknown")
-              + ")" for s in src["states"]]
+    states = states_text(src)
     mixed = sorted({f"`{run_name(g['size'], g['steps'], seed, g['variant'])}` vs `{g['base']}`"
                     for g in [*agg["table"], *agg["levers"].values()]
                     for seed, p in g["per_seed"].items() if p.get("same_source") is False})

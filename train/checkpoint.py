@@ -69,7 +69,7 @@ class Checkpointer(nvck.Checkpointer):
         if meta.get("version") != FORMAT_VERSION:
             raise CheckpointError(f"checkpoint {where}: format version {meta.get('version')}, this code reads "
                                   f"{FORMAT_VERSION}")
-        if meta.get("step") != step:  # checkpoints saved before the library recorded saved_step too
+        if "saved_step" not in meta and meta.get("step") != step:  # saved before the library recorded saved_step
             raise CheckpointError(f"checkpoint {where}: holds step {meta.get('step')!r}, not {step} (its folder was "
                                   "renamed or copied)")
         return meta

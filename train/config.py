@@ -381,7 +381,7 @@ class CheckpointConfig:
             section, _, name = key.partition(".")
             if section not in SECTIONS or name not in {f.name for f in dataclasses.fields(SECTIONS[section])}:
                 raise ConfigError(f"checkpoint.allow_change: {key!r} is not a config key (section.key)")
-            affects = SECTIONS[section].__pydantic_fields__[name].json_schema_extra["affects"]
+            affects = next(k.affects for k in config_keys() if k.key == key)
             if affects != "trajectory":  # a resume never compares it: allowing it would say nothing
                 raise ConfigError(f"checkpoint.allow_change: {key!r} is not compared on resume (a {affects} key: "
                                   "it may change anyway); leave it out")

@@ -3,6 +3,7 @@ the repository's paths, the tiny job and ways to run the CLI."""
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,9 @@ def xla_flags(devices=None):
 # Multi-device tests in this process use 8 simulated CPU devices; set before jax is imported.
 os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A suite started with SIGINT ignored (a background job of a shell without job control) would pass that on to every
+# process it starts, and the Ctrl-C tests need SIGINT's default (the training CLI keeps an ignored SIGINT ignored).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 # NumPy's OpenBLAS threads spin between calls: the simulated devices need the cores.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # One persistent XLA compile cache for this run: its test processes (pytest-xdist workers

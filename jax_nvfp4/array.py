@@ -81,8 +81,8 @@ def _check_block(block) -> Tuple[int, int]:
 
 
 def _concrete(x) -> bool:
-    """True for a host or device array with a known value (not a tracer, not abstract)."""
-    return isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
+    """True for a host or device array (a NumPy scalar included) with a known value (not a tracer, not abstract)."""
+    return isinstance(x, (np.ndarray, np.generic)) or (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer))
 
 
 def explicit_sharding(x):
@@ -509,7 +509,8 @@ def quantize_padded(xp: jax.Array, block, *, uniform=None, amax=None, reduce_ama
     br, bc = block
     tiles = xp.reshape(*batch, rp // br, br, cp // bc, bc)
     block_amax = nx.abs_max(tiles, axis=(-3, -1))
-    if amax is None:
+    given = amax is not None
+    if not given:
         # XLA's float max propagates NaN; a reduction over bit patterns here would keep
         # subnormal maxima too, but it stops XLA from fusing and costs a second pass.
         amax = jnp.max(block_amax, axis=(-2, -1))
@@ -517,13 +518,21 @@ def quantize_padded(xp: jax.Array, block, *, uniform=None, amax=None, reduce_ama
             bits = reduce_amax(jax.lax.bitcast_convert_type(amax, jnp.uint32))  # integer max
             amax = jax.lax.bitcast_convert_type(bits, jnp.float32)
     amax = jnp.broadcast_to(jnp.asarray(amax, jnp.float32), tuple(batch))
+    if given:  # a given -0.0 is the amax 0 (its reciprocal, -inf, would make every scale NaN)
+        amax = jnp.where(amax == 0, np.float32(0.0), amax)
     enc = nx.global_encode_scale(amax)
     dec = np.float32(1.0) / enc
     scale = nx.block_scales(block_amax, enc[..., None, None])
     if four_over_six:
         scale = four_over_six_scales(tiles, block_amax, scale, enc, dec)
-    e = nx.block_encode_multiplier(scale, dec[..., None, None])
-    v = jnp.clip(tiles * e[..., :, None, :, None], -nx.E2M1_MAX, nx.E2M1_MAX).reshape(*batch, rp, cp)
+    e = nx.block_encode_multiplier(scale, dec[..., None, None])[..., :, None, :, None]
+    v = tiles * e
+    # A negative element whose scaled value is a float32 subnormal encodes to -0 (code 8) in the reference; XLA:CPU
+    # flushes that product to +0. Such a value (nonzero once rounded: above 2^-150, tested exactly at 2^32 times the
+    # scale) stands in as the smallest normal, which rounds the same.
+    flushed = (v == 0) & (tiles < 0) & (jnp.abs(tiles) * (e * np.float32(2.0**32)) >= np.float32(2.0**-118))
+    v = jnp.where(flushed, np.float32(-(2.0**-126)), v)
+    v = jnp.clip(v, -nx.E2M1_MAX, nx.E2M1_MAX).reshape(*batch, rp, cp)
     codes_ = nx.encode_e2m1(v) if uniform is None else nx.encode_e2m1_stochastic(v, uniform)
     return codes_, scale, amax
 

@@ -106,7 +106,7 @@ def master_weights(
 
     def init_fn(params):
         if (seen := _INIT_POLICIES.get()) is not None:
-            seen.append(policy)
+            seen.append((policy, cast_master_bf16))
         m = context_mesh(mesh)
 
         def one(path, leaf):
@@ -380,7 +380,7 @@ def state_init(tx, mesh=None, rules: Optional[Rules] = None, policy: Optional[Po
         return Tiled.from_logical(jnp.asarray(x, jnp.float32), stored.layout) if is_tiled(stored) else x
 
     def init(params):
-        """``tx.init(params)`` and the policies of the ``master_weights`` inits it ran."""
+        """``tx.init(params)`` and the ``(policy, cast_master_bf16)`` of the ``master_weights`` inits it ran."""
         token = _INIT_POLICIES.set(seen := [])
         try:
             return tx.init(params), seen
@@ -392,17 +392,23 @@ def state_init(tx, mesh=None, rules: Optional[Rules] = None, policy: Optional[Po
         if own is None:  # master_weights' own (its default included), found by tracing its init
             seen = []
             jax.eval_shape(lambda t: seen.extend(init(t)[1]), tree)
-            if any(other != seen[0] for other in seen):
+            if any(other != seen[0][0] for other, _ in seen):
                 raise ValueError("sharded_state: tx holds nv.master_weights with different policies; pass the one "
                                  "the params are quantized with, policy=...")
-            own = seen[0] if seen else None
+            own = seen[0][0] if seen else None
         stored = shard_params(tree, mesh, rules, own)
         opt_state, seen = init(jax.tree.map(float_in, stored, tree, is_leaf=is_tiled))
         requantized = lambda p: {"shared_amax": p.shared_amax, "four_over_six": p.four_over_six}
-        if own is not None and any(requantized(other) != requantized(own) for other in seen):
+        if own is not None and any(requantized(other) != requantized(own) for other, _ in seen):
             raise ValueError(f"sharded_state: the policy quantizes with {requantized(own)}, the nv.master_weights "
-                             f"optimizer re-quantizes after every step with {requantized(seen[0])}; pass the same "
+                             f"optimizer re-quantizes after every step with {requantized(seen[0][0])}; pass the same "
                              "policy to both, nv.master_weights(..., policy=policy)")
+        casts = {cast for _, cast in seen}
+        if len(casts) > 1:
+            raise ValueError("sharded_state: tx holds nv.master_weights that differ in cast_master_bf16; the stored "
+                             "weights can be quantized one way only")
+        if casts == {True}:  # stored as its re-quantization writes them: from the masters cast to bf16
+            stored = shard_params(tree, mesh, rules, own, cast_bf16=True)
         if find_state(opt_state) is None and any(isinstance(x, TiledNVFP4) for x in
                                                  jax.tree.leaves(stored, is_leaf=is_tiled)):
             raise TypeError("sharded_state: tx holds no nv.master_weights state, so the NVFP4 params would be updated "

@@ -160,9 +160,11 @@ def global_norm(tree, mesh, rules) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- logical <-> stored
-def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optional[Policy] = None):
+def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optional[Policy] = None, *,
+                 cast_bf16: bool = False):
     """The stored form of a params tree: ``NVFP4Array`` leaves (and float leaves ``policy``
-    selects, quantized here) become :class:`TiledNVFP4`; other large float leaves
+    selects, quantized here, from their values rounded to bf16 with ``cast_bf16``: what
+    ``master_weights(..., cast_master_bf16=True)`` re-quantizes) become :class:`TiledNVFP4`; other large float leaves
     :class:`Tiled` in their own dtype (``policy.keep_dtype`` for the leaves it keeps, as
     :func:`~jax_nvfp4.params.quantize_params` stores them); small leaves stay as they are (replicated). Pure: call
     it under ``jit`` with ``out_shardings=shardings(...)``, as :func:`~jax_nvfp4.optim.sharded_state` does, or ``jax.device_put``
@@ -174,7 +176,9 @@ def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optiona
     _refuse_mesh_boxes(tree)
     wanted = lambda p, leaf: (not is_tiled(leaf) and not is_nvfp4(leaf) and policy is not None
                               and policy.wants(p, leaf, rules.stacked_axes(p)))
-    amax = shared_amaxes({p: matrix_amax(x) for p, x in ((path_str(k), x) for k, x in
+    cast = (lambda x: jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)) if cast_bf16 else \
+        (lambda x: x)
+    amax = shared_amaxes({p: matrix_amax(cast(x)) for p, x in ((path_str(k), x) for k, x in
                           jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_node)[0])
                           if wanted(p, x) and policy.amax_group(p)}, policy)
 
@@ -183,7 +187,7 @@ def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optiona
             return leaf
         p = path_str(path)
         if wanted(p, leaf):
-            leaf = quantize(leaf, block=policy.block, amax=amax.get(p), four_over_six=policy.four_over_six)
+            leaf = quantize(cast(leaf), block=policy.block, amax=amax.get(p), four_over_six=policy.four_over_six)
         elif (policy is not None and policy.keep_dtype is not None and policy.kept(p) and not is_nvfp4(leaf)
               and jnp.issubdtype(jnp.result_type(leaf), jnp.floating)):
             leaf = jnp.asarray(leaf).astype(policy.keep_dtype)  # as quantize_params stores a kept leaf

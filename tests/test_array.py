@@ -257,7 +257,7 @@ def test_stochastic_rounding_unbiased_and_reproducible(data, block):
 def test_boundary_inputs_are_refused():
     """Inputs that would quantize or decode to wrong values are clear errors."""
     x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 32, 32)), jnp.float32)
-    for amax in (-1.0, float("-inf"), jnp.asarray([1.0, -2.0])):
+    for amax in (-1.0, float("-inf"), jnp.asarray([1.0, -2.0]), np.float32(-1.0), np.float64(-2.0)):
         with pytest.raises(ValueError, match="amax must be >= 0"):
             nv.quantize(x, amax=amax)
     with pytest.raises(ValueError, match="batch shape"):
@@ -313,7 +313,7 @@ def test_a_kept_python_scalar_leaf_takes_the_keep_dtype():
 def test_quantize_refuses_a_zero_amax_for_a_nonzero_matrix():
     # It quantized every value to zero with isfinite() True.
     x = jnp.asarray(np.random.default_rng(10).standard_normal((2, 16, 32)), jnp.float32)
-    for amax in (0.0, np.asarray([3.0, 0.0], np.float32)):
+    for amax in (0.0, np.asarray([3.0, 0.0], np.float32), np.float32(0.0)):  # a NumPy scalar is a known value too
         with pytest.raises(ValueError, match="amax=0 for a matrix holding non-zero values"):
             nv.quantize(x, amax=amax)
     # 0 is the amax of an all-zero matrix, and only of it.
@@ -412,3 +412,23 @@ def test_an_invalid_traced_amax_marks_the_matrix_non_finite():
     # A traced x with a known zero amax, too.
     q = jax.jit(lambda v: nv.quantize(v, amax=0.0))(x[0])
     assert not bool(q.isfinite())
+
+
+def test_a_given_amax_of_minus_zero_is_the_amax_zero():
+    # -0.0 (max(-x.min(), x.max()) of zeros) made every scale NaN: a zero matrix decoded to NaN under isfinite() True.
+    for quantize in (nv.quantize, jax.jit(nv.quantize)):
+        q = quantize(jnp.zeros((16, 32)), amax=jnp.float32(-0.0))
+        assert int(q.amax_bits) == 0 and not np.asarray(q.scale_bits).any() and not np.asarray(q.data).any()
+        assert bool(q.isfinite()) and not np.asarray(nv.dequantize(q, jnp.float32)).any()
+
+
+def test_a_negative_value_whose_scaled_value_is_subnormal_encodes_to_minus_zero():
+    # x * e = -1e-30 * 6/1e9 is a float32 subnormal: the reference keeps its sign (code 8, -0); XLA:CPU flushes the
+    # product to +0, which gave code 0. -1.5e-38's product is below half the smallest subnormal: -0.0, code 0 in the
+    # reference too. Values and amax are normal floats, inside the contract.
+    x = np.zeros((1, 16), np.float32)
+    x[0, :4] = 1e9, -1e-30, -1e-36, -1.5e-38
+    for block in ((1, 16), (16, 16)):
+        q = nv.quantize(x, block=block)
+        np.testing.assert_array_equal(np.asarray(q.data), ref.quantize_matrix(x, block)[0])
+        assert [int(b) for b in np.asarray(q.data)[0, :2]] == [0x87, 0x08]  # codes 7 (+6), 8, 8, 0

@@ -56,7 +56,7 @@ __all__ = ["ExportError", "HFNames", "Read", "Safetensors", "SafetensorsEntry", 
            "modelopt_quant_config", "nvfp4_layout_refusal", "nvfp4_to_compressed_tensors", "nvfp4_to_modelopt",
            "read_modelopt", "scales_per_tile", "AMAX_METADATA", "EXPORT_FORMAT", "EXPORT_VERSION", "HF_LAYOUTS",
            "MODELOPT_PRODUCER", "MODELOPT_QUANT_CONFIG_FILE", "NVFP4A16_QUANTIZATION_CONFIG",
-           "NVFP4_QUANTIZATION_CONFIG"]
+           "NVFP4_QUANTIZATION_CONFIG", "TIED_HEAD"]
 
 EXPORT_FORMAT = "jax_nvfp4.export"
 EXPORT_VERSION = 2  # 2: the manifest hashes itself
@@ -436,6 +436,8 @@ class HFNames:
 # ``weight_global_scale`` (compressed-tensors) or ``weight_scale_2`` (ModelOpt), and with
 # calibrated activations their ``input_global_scale`` or ``input_scale``.
 AMAX_METADATA = "jax_nvfp4.amax"
+# transformers' name of a causal LM's head, a module of its own even where tie_word_embeddings shares the embedding.
+TIED_HEAD = "lm_head"
 
 # The layouts of ``export_hf(..., fmt="nvfp4")``: compressed-tensors' ``nvfp4-pack-quantized``
 # (the default) and NVIDIA ModelOpt's unified Hugging Face checkpoint.
@@ -822,7 +824,8 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, names: HFNames,
         ``"nvfp4"``: NVFP4 kernels in the ``layout`` (lossless: the same codes, scales and
         amax), the quantization config in ``config.json``; leaves that are not NVFP4
         (embeddings, norms, kept layers, the head) stay bf16, their Linear modules listed in
-        ``ignore`` (``exclude_modules``).
+        ``ignore`` (``exclude_modules``), and so is :data:`TIED_HEAD` where ``config`` has
+        ``tie_word_embeddings``.
       layout: with ``fmt="nvfp4"``, ``"compressed-tensors"`` (``nvfp4-pack-quantized``,
         :func:`nvfp4_to_compressed_tensors`; :data:`NVFP4A16_QUANTIZATION_CONFIG`) or
         ``"modelopt"`` (:func:`nvfp4_to_modelopt`, plus ``hf_quant_config.json``:
@@ -877,6 +880,10 @@ def export_hf(params, config: Dict[str, Any], directory: str, *, names: HFNames,
 
         _write_safetensors(tensors, tmp, max_shard_bytes, metadata)
         cfg = dict(config)
+        if fmt == "nvfp4" and config.get("tie_word_embeddings"):
+            # transformers' head of a tied model, lm_head, is a Linear with no weights of its own: quantization
+            # formats' Linear targets would make it an NVFP4 module with nothing to load.
+            ignore.append(TIED_HEAD)
         if fmt == "nvfp4" and layout == "modelopt":
             hf_quant, cfg["quantization_config"] = modelopt_quant_config(ignore, activations=input_amax is not None)
             with open(os.path.join(tmp, MODELOPT_QUANT_CONFIG_FILE), "w") as f:

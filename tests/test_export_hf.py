@@ -7,6 +7,7 @@ transformers, compressed-tensors) and the ModelOpt one (nvidia-modelopt) load th
 those libraries and skip cleanly without them.
 """
 
+import importlib.util
 import json
 import os
 import struct
@@ -245,7 +246,20 @@ def test_tied_head_and_refusals(tmp_path):
     out = tmp_path / "tied"
     export_hf(params, hf_config(tie=True), str(out), fmt="nvfp4", names=HF_NAMES)
     st = read_safetensors(out / "model.safetensors")
-    assert "lm_head.weight" not in st and json.loads((out / "config.json").read_text())["tie_word_embeddings"]
+    config = json.loads((out / "config.json").read_text())
+    assert "lm_head.weight" not in st and config["tie_word_embeddings"]
+    # The tied head has no weights of its own: quantization formats must not target it (transformers made it an
+    # NVFP4 Linear and failed to load, "'Linear' object has no attribute 'weight'").
+    assert "lm_head" in config["quantization_config"]["ignore"]
+    export_hf(params, hf_config(tie=True), str(tmp_path / "modelopt"), fmt="nvfp4", names=HF_NAMES, layout="modelopt")
+    assert "lm_head" in json.loads((tmp_path / "modelopt" / "hf_quant_config.json").read_text())[
+        "quantization"]["exclude_modules"]
+    if importlib.util.find_spec("compressed_tensors") and importlib.util.find_spec("transformers"):
+        import torch
+        import transformers
+
+        model = transformers.LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     with pytest.raises(FileExistsError, match="not empty"):
         export_hf(params, hf_config(tie=True), str(out), fmt="bf16", names=HF_NAMES)
     with pytest.raises(nv.export.ExportError, match="'blocks/odd/kernel' has no Hugging Face name"):

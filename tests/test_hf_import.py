@@ -676,6 +676,19 @@ def test_an_export_names_the_bos_and_eos_of_the_tokenizer_it_ships(fresh, tmp_pa
         hf_cfg, files = hf_metadata(cfg)
         config = json.loads(files["tokenizer_config.json"])
         assert (hf_cfg["eos_token_id"], config["eos_token"], config.get("bos_token")) == want
+    # A checkpoint's generation settings travel with its ids, and a slow (SentencePiece) tokenizer is its tokenizer:
+    # both were dropped where the folder had no tokenizer.json.
+    (without / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6}')
+    cfg = job()
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=str(without)))
+    assert hf_metadata(cfg)[1] == {"generation_config.json": str(without / "generation_config.json")}
+    (without / "tokenizer.model").write_bytes(b"sentencepiece")
+    assert set(hf_metadata(cfg)[1]) == {"generation_config.json", "tokenizer.model"}
+    cfg = job("data.source=tokens", f"data.path={tokens}")  # another tokenizer's ids: not the checkpoint's settings
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=str(tmp_path / "bare")))
+    shutil.copytree(fresh / "bf16", tmp_path / "bare")
+    (tmp_path / "bare" / "generation_config.json").write_text("{}")
+    assert "generation_config.json" not in hf_metadata(cfg)[1]
 
 
 # ----------------------------------------------------------------------------- the library, another model

@@ -409,15 +409,20 @@ def hf_metadata(cfg) -> tuple:
         path = os.path.join(os.path.dirname(os.path.abspath(cfg.data.path)), meta.get("tokenizer") or "")
         if os.path.isfile(path):
             tokenizer, eos, bos = path, meta.get("eos_id"), meta.get("bos_id")
+    generation = None
     if cfg.train.init_from:
         source = hf_import.read_hf_config(cfg.train.init_from)
         max_positions = max(max_positions, int(source.get("max_position_embeddings") or 0))
-        if os.path.isfile(os.path.join(cfg.train.init_from, "tokenizer.json")):
+        if any(os.path.isfile(os.path.join(cfg.train.init_from, n)) for n in ("tokenizer.json", "tokenizer.model")):
             tokenizer = cfg.train.init_from
-        if tokenizer in (None, cfg.train.init_from):
+        if tokenizer in (None, cfg.train.init_from):  # the source's tokens: its ids and generation settings
             eos, bos = source.get("eos_token_id"), source.get("bos_token_id")
+            generation = os.path.join(cfg.train.init_from, "generation_config.json")
     hf_cfg = hf_import.hf_config(cfg, max_position_embeddings=max_positions, eos_token_id=eos, bos_token_id=bos)
-    return hf_cfg, hf_import.tokenizer_files(tokenizer, max_positions, eos_id=eos, bos_id=bos)
+    files = hf_import.tokenizer_files(tokenizer, max_positions, eos_id=eos, bos_id=bos)
+    if generation and os.path.isfile(generation):
+        files.setdefault("generation_config.json", generation)
+    return hf_cfg, files
 
 
 def export_hf(cfg, params, directory: str, *, layout: str = "compressed-tensors", calibrate: int = 0,

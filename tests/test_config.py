@@ -524,3 +524,12 @@ def test_one_field_of_a_mapping_key_can_be_overridden():
         load_config(None, ["model.rope_scaling.factor=0.5"])
     with pytest.raises(ConfigError, match="expected section.key=value"):
         load_config(None, ["model.rope_scaling.factor.x=1"])
+
+
+def test_a_validation_file_linked_to_the_training_file_is_refused(tmp_path):
+    (tmp_path / "a.txt").write_text("some text")
+    os.symlink(tmp_path / "a.txt", tmp_path / "link.txt")
+    os.link(tmp_path / "a.txt", tmp_path / "hard.txt")
+    for other in ("link.txt", "hard.txt"):
+        err = _error(["data.source=file", f"data.path={tmp_path / 'a.txt'}", f"data.val_path={tmp_path / other}"])
+        assert err.startswith("data.val_path=") and "validation would run on the training data" in err

@@ -129,6 +129,9 @@ def test_bos_follows_the_config_or_the_tokenizer_and_eos_is_always_added(tmp_pat
     meta = prep.prepare([src], str(tmp_path / "t.bin"), tokenizer=str(tp), workers=1, eos="<s>")
     assert (meta["bos_id"], meta["eos_id"]) == (0, 0)
     assert tokens(str(tmp_path / "t.bin"))[0][:len(tok.encode(texts[0]).ids) + 2] == [0, *tok.encode(texts[0]).ids, 0]
+    # The same tokenizer.json alone (no config naming a bos_token): the post-processor's <s> still starts each one.
+    meta = prep.prepare([src], str(tmp_path / "bare.bin"), tokenizer=str(tp / "tokenizer.json"), workers=1, eos="</s>")
+    assert (meta["bos_id"], meta["eos_id"]) == (0, 1)
 
 
 def batches(monkeypatch):
@@ -321,6 +324,12 @@ def test_prepare_trains_a_bpe_and_round_trips(tmp_path):
             == docs[0].read_text() + EOS + docs[1].read_text() + EOS)  # every document ends with it
     # Fewer tokens than bytes: the BPE merged something.
     assert len(ids) < 0.8 * sum(len(d.read_bytes()) for d in docs)
+    # The same BPE and ids from 40-character pieces: they end where the BPE's words do (a cut inside a newline and
+    # the indentation after it counted other words, and trained other merges).
+    small = tmp_path / "small.bin"
+    assert main([str(d) for d in docs] + ["--out", str(small), "--vocab-size", "300", "--chunk-mb", str(40 / 2**20)]) == 0
+    assert small.read_bytes() == out.read_bytes()
+    assert (tmp_path / "small.bin.tokenizer.json").read_text() == (tmp_path / "c.bin.tokenizer.json").read_text()
     # Refusals: an existing output, a missing input (one line, exit 2, nothing written).
     assert main([str(docs[0]), "--out", str(out)]) == 2
     assert main([str(tmp_path / "missing.txt"), "--out", str(tmp_path / "n.bin")]) == 2
@@ -438,7 +447,7 @@ def test_ids_are_the_tokenizers_for_each_whole_document_at_any_chunk_size(tmp_pa
     """A document longer than a piece is cut only where the tokenizer encodes both sides as the
     whole (byte-level BPE merges a newline with the indentation after it); a tokenizer that
     prefixes its input (Metaspace) gets no cut; a special token's text in a document is text."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
 
     code = "".join(f"def f{i}(x):\n    return x + {i}  # <|endoftext|> or <s>\n\n" for i in range(400))
     doc = tmp_path / "code.py"
@@ -451,16 +460,30 @@ def test_ids_are_the_tokenizers_for_each_whole_document_at_any_chunk_size(tmp_pa
     meta.decoder = decoders.Metaspace(prepend_scheme="first")
     prefixing = tmp_path / "metaspace.json"
     meta.save(str(prefixing))
-    for tokenizer in (byte_bpe, prefixing):
+    # A BPE whose one merge is GPT-2's "\n\n" (its ids depend on where a run of newlines starts: 901 of them, from
+    # an odd offset, cross the 300-character cuts far from their start); its end token added as a plain token.
+    from tokenizers import models
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    pairs = Tokenizer(models.BPE(vocab={**{c: i for i, c in enumerate(alphabet)}, "ĊĊ": 256}, merges=[("Ċ", "Ċ")]))
+    pairs.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    pairs.add_tokens(["<|endoftext|>"])
+    newlines = tmp_path / "newlines.json"
+    pairs.save(str(newlines))
+    runs = tmp_path / "runs.txt"
+    runs.write_text(("a" * 11 + "\n" * 901 + "b <|endoftext|>\n" * 30) * 3)
+    for tokenizer, path in ((byte_bpe, doc), (prefixing, doc), (newlines, runs)):
+        text = path.read_text()
         whole = Tokenizer.from_file(str(tokenizer))
+        eos = whole.token_to_id("<|endoftext|>")
+        whole.add_special_tokens([AddedToken("<|endoftext|>", special=True)])  # its text in a document is text
         whole.encode_special_tokens = True
-        want = whole.encode(code, add_special_tokens=False).ids + [whole.token_to_id("<|endoftext|>")]
+        want = whole.encode(text, add_special_tokens=False).ids + [eos]
         for chunk_mb in (1, 300 / 2**20, 40 / 2**20):
             out = str(tmp_path / f"{tokenizer.stem}-{len(os.listdir(tmp_path))}.bin")
-            prep.prepare([str(doc)], out, tokenizer=str(tokenizer), chunk_mb=chunk_mb, workers=1)
+            prep.prepare([str(path)], out, tokenizer=str(tokenizer), chunk_mb=chunk_mb, workers=1)
             ids = np.fromfile(out, dtype=read_token_header(out)["dtype"]).tolist()
             assert ids == want, (tokenizer.stem, chunk_mb)
-    assert want.count(whole.token_to_id("<|endoftext|>")) == 1 and "<s>" not in [whole.id_to_token(i) for i in want]
+        assert want.count(eos) == 1 and "<s>" not in [whole.id_to_token(i) for i in want]
 
 
 def test_a_byte_order_mark_and_a_categorical_parquet_column_read_as_their_text(tmp_path):

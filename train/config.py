@@ -200,13 +200,20 @@ class DataConfig:
                               "set data.source=file or tokens to train on it (or data.path=null)")
         if self.val_path and self.val_fraction:
             raise ConfigError("data.val_fraction: set either data.val_path or data.val_fraction, not both")
-        if self.val_path and self.path and os.path.abspath(self.val_path) == os.path.abspath(self.path):
+        if self.val_path and self.path and _same_file(self.val_path, self.path):
             raise ConfigError(f"data.val_path={self.val_path!r}: is data.path, so validation would run on the "
                               "training data; give a held-out file or use data.val_fraction")
         if self.source == "markov" and (self.val_path or self.val_fraction):
             key = "data.val_path" if self.val_path else "data.val_fraction"
             raise ConfigError(f"{key}={self.val_path or self.val_fraction!r}: data.source='markov' draws validation "
                               "rows from its own stream and would ignore it; set data.source=file or tokens")
+
+
+def _same_file(a: str, b: str) -> bool:
+    """``a`` and ``b`` name one file (through a link too)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
 
 
 # Simulated CPU devices that still run a step (256 run a tiny one in ~50 s on 2 cores; 1024 abort in XLA:CPU's

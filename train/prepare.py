@@ -37,7 +37,6 @@ FORMAT = "jax_nvfp4.tokens"
 # documents, each ending with "eos_id" (and starting with "bos_id" unless null), with "errors"/"files_replaced".
 VERSION = 3
 START, END = 1, 2  # a piece of text's marks: it starts a document (BOS before it), it ends one (EOS after)
-MAX_PIECE_CHUNKS = 8  # without a tokenizer (the BPE's training text): a piece ends at this many chunks at most
 CUT_CONTEXT = 256  # characters each side of a cut that the tokenizer must encode as the two sides apart
 CUT_TRIES = 256  # newlines tried for a piece's cut; past them the document is encoded whole from there
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -65,7 +64,7 @@ class _Reading:
         if errors not in ("strict", "replace"):
             raise PrepareError(f"--errors {errors!r}: must be strict or replace")
         self.errors, self.text_key, self.replaced = errors, text_key, set()
-        self.cut_ok = None  # (text, j) -> whether the tokenizer encodes text[:j] and text[j:] apart as together
+        self.cut_ok = None  # (text, j) -> whether a cut of text at j changes no id (or no word the BPE trainer counts)
 
     def bad(self, path: str, place: str, what: str) -> None:
         """Undecodable input of ``path`` at ``place``: refused, or noted (to be replaced)."""
@@ -82,29 +81,22 @@ class _Reading:
             return data.decode("utf-8", "replace")
 
 
-def _pieces(blocks, chunk: int, cut_ok=None) -> Iterator[tuple]:
+def _pieces(blocks, chunk: int, cut_ok) -> Iterator[tuple]:
     """One document, its text given as ``(text, bytes of the file read so far)`` blocks, as marked
-    pieces, the same cut however the text is split into blocks. With ``cut_ok`` (encoding): each
-    piece ends after the first newline at or past ``chunk`` characters where ``cut_ok`` says the
-    tokenizer encodes both sides apart as it does together, so the ids are those of the whole
-    document; after ``CUT_TRIES`` refused newlines (a tokenizer that merges across lines or prefixes
-    its input) the rest of the document is one piece. Without (the BPE's training text): after the
-    first newline past ``chunk``, or at ``MAX_PIECE_CHUNKS`` chunks without one."""
-    buf, marks, pos, most, start, tries = "", START, 0, MAX_PIECE_CHUNKS * chunk, chunk - 1, 0
+    pieces, the same cut however the text is split into blocks: each piece ends after the first
+    newline at or past ``chunk`` characters where ``cut_ok(window, j)`` accepts the cut at ``j`` of
+    the ``CUT_CONTEXT`` characters either side (:func:`_encodes_apart`, :func:`_splits_words`);
+    after ``CUT_TRIES`` refused newlines the rest of the document is one piece."""
+    buf, marks, pos, start, tries = "", START, 0, chunk - 1, 0
     for text, pos in blocks:
         buf += text
         while len(buf) >= chunk and tries < CUT_TRIES:
-            if cut_ok is None:
-                j = buf.find("\n", chunk - 1, most) + 1 or most  # after that newline, else at the longest piece
-                if j >= len(buf):  # the piece may go on in the next block
-                    break
-            else:
-                j = buf.find("\n", start) + 1
-                if not j or j + CUT_CONTEXT > len(buf):  # its context may go on in the next block
-                    break
-                if not cut_ok(buf[max(0, j - CUT_CONTEXT):j + CUT_CONTEXT], min(j, CUT_CONTEXT)):
-                    start, tries = j, tries + 1
-                    continue
+            j = buf.find("\n", start) + 1
+            if not j or j + CUT_CONTEXT > len(buf):  # its context may go on in the next block
+                break
+            if not cut_ok(buf[max(0, j - CUT_CONTEXT):j + CUT_CONTEXT], min(j, CUT_CONTEXT)):
+                start, tries = j, tries + 1
+                continue
             yield buf[:j], marks, pos
             buf, marks, start, tries = buf[j:], 0, chunk - 1, 0
     yield buf, marks | END, pos
@@ -253,7 +245,8 @@ def load_tokenizer(spec: str):
 def special_ids(tok, config: dict, eos: str | None = None) -> tuple[int | None, int]:
     """``(bos_id or None, eos_id)``. EOS: ``eos``, else the config's ``eos_token``, else ``<|endoftext|>``
     (none of them: refused). BOS: the config's ``bos_token`` where its ``add_bos_token`` says so or,
-    not said, where the tokenizer's post-processor prepends it."""
+    not said, where the tokenizer's post-processor prepends it; without a ``bos_token``, the token the
+    post-processor prepends, unless ``add_bos_token`` is false."""
 
     def token(name):
         v = config.get(name)
@@ -274,19 +267,20 @@ def special_ids(tok, config: dict, eos: str | None = None) -> tuple[int | None, 
     elif (eos_id := tok.token_to_id(EOS)) is None:
         raise PrepareError(f"no end-of-document token: the tokenizer has no {EOS} and no tokenizer_config.json "
                            "eos_token; pass --eos TOKEN (one of its tokens)")
+    def prepended():  # the id the post-processor puts before a text (a Llama 2 style "<s> $A"), if any
+        try:
+            plain, special = (tok.encode("a", add_special_tokens=s).ids for s in (False, True))
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot encode the probe adds nothing
+            return None
+        return special[0] if len(special) > len(plain) and special[1:1 + len(plain)] == plain else None
+
     bos, add = token("bos_token"), config.get("add_bos_token")
     if bos is None:
         if add:
             raise PrepareError("tokenizer_config.json: add_bos_token is true but there is no bos_token")
-        return None, eos_id
+        return (prepended() if add is None else None), eos_id
     bos_id = id_of(bos, "tokenizer_config.json bos_token")
-    if add is None:
-        try:
-            plain, special = (tok.encode("a", add_special_tokens=s).ids for s in (False, True))
-        except Exception:  # noqa: BLE001 - a tokenizer that cannot encode the probe adds nothing
-            plain = special = []
-        add = special[:1] == [bos_id] and special[1:1 + len(plain)] == plain
-    return (bos_id if add else None), eos_id
+    return (bos_id if (prepended() == bos_id if add is None else add) else None), eos_id
 
 
 def _encode_tasks(tasks, state: dict) -> list[bytes]:
@@ -442,6 +436,7 @@ def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, voc
             trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos or EOS], show_progress=False,
                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
             rd_bpe = _Reading(errors, text_key)  # replaced files are counted by the encoding pass alone
+            rd_bpe.cut_ok = functools.partial(_splits_words, tok.pre_tokenizer)
             tok.train_from_iterator((t for p in paths for t, _, _ in _documents(p, chunk, rd_bpe)), trainer=trainer)
             saved, bos_id, eos_id = _for_encoding(tok, {}, eos)
         # The largest id + 1, not the token count: ids may have gaps, and the embedding needs a row for the largest.
@@ -491,19 +486,43 @@ def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, voc
 def _for_encoding(tok, config: dict, eos: str | None) -> tuple[str, int | None, int]:
     """``(the tokenizer's JSON, for OUT.tokenizer.json, bos_id, eos_id)``; then ``tok`` has no truncation
     or padding (a tokenizer.json may carry them for serving): pieces are encoded whole; and it reads a
-    special token's text in a document as text (``<|endoftext|>`` in a source file is not a document end)."""
+    special token's text in a document as text (``<|endoftext|>`` in a source file is not a document end),
+    BOS's and EOS's included."""
     saved = tok.to_str(pretty=True)
     tok.no_truncation()
     tok.no_padding()
     ids = special_ids(tok, config, eos)
+    from tokenizers import AddedToken
+    # BOS and EOS are special here even where the tokenizer added them as plain tokens: their text inside a
+    # document is text, never a document's end.
+    tok.add_special_tokens([AddedToken(tok.id_to_token(i), special=True) for i in ids
+                            if i is not None and i in tok.get_added_tokens_decoder()])
     tok.encode_special_tokens = True
     return (saved, *ids)
 
 
 def _encodes_apart(tok, text: str, j: int) -> bool:
-    """Whether ``tok`` encodes ``text[:j]`` and ``text[j:]`` one after the other as it encodes ``text``."""
+    """Whether ``tok`` encodes ``text[:j]`` and ``text[j:]`` one after the other as it encodes ``text``, ``j``
+    falling between two of its words (pre-tokens, each of which its model encodes alone): a word's ids depend on
+    all of it, however far it reaches past the window, and a tokenizer that keeps the text one word (no
+    pre-tokenizer, Metaspace without split) has no such cut."""
+    whole = tok.encode(text, add_special_tokens=False)
+    left = right = None  # the words of the last token before j and of the first one from j
+    for word, (a, b) in zip(whole.word_ids, whole.offsets):
+        if a < j < b:
+            return False
+        if a < b <= j:
+            left = word
+        elif j <= a < b and right is None:
+            right = word
     ids = lambda s: tok.encode(s, add_special_tokens=False).ids
-    return ids(text) == ids(text[:j]) + ids(text[j:])
+    return (left is None or left != right) and whole.ids == ids(text[:j]) + ids(text[j:])
+
+
+def _splits_words(pre_tokenizer, text: str, j: int) -> bool:
+    """Whether ``pre_tokenizer`` starts a word at ``j`` of ``text``: the BPE trainer counts the same words in
+    pieces cut there as in the whole document."""
+    return any(a == j for _, (a, _) in pre_tokenizer.pre_tokenize_str(text))
 
 
 def _publish(tmp: str, final: str) -> None:

@@ -250,7 +250,8 @@ def test_sigterm_saves_the_step_and_the_resume_is_bitwise_equal(tmp_path, capfd,
 
     assert threading.current_thread() is threading.main_thread()  # the CLI's handlers need it
     ck, out = tmp_path / "ck", tmp_path / "out"
-    args = [*sets(JOB), "--set", f"checkpoint.dir={ck}", "--set", "checkpoint.every=2", "--out", str(out)]
+    args = [*sets(JOB), "--set", f"checkpoint.dir={ck}", "--set", "checkpoint.every=2", "--set", "train.eval_every=2",
+            "--out", str(out)]
     monkeypatch.setenv("TRAIN_FAULT_SIGTERM", "3")  # a real SIGTERM to this process after step 3
     rc, _, err = main_here(args, capfd)
     assert rc == 143, err
@@ -260,8 +261,11 @@ def test_sigterm_saves_the_step_and_the_resume_is_bitwise_equal(tmp_path, capfd,
     monkeypatch.delenv("TRAIN_FAULT_SIGTERM")
     rc, said, err = main_here(args, capfd)
     assert rc == 0 and "resuming from step 4 of 6" in said, err
-    # Bit for bit the uninterrupted run: every loss and the final state.
-    assert [x["loss"] for x in strict_json_lines(out / "metrics.jsonl")] == job_run["history"]
+    # Bit for bit the uninterrupted run: every loss, every evaluation (the one due at the stop was taken before the
+    # save: a resume does not take it) and the final state.
+    recs = strict_json_lines(out / "metrics.jsonl")
+    assert [x["loss"] for x in recs] == job_run["history"]
+    assert [x["step"] for x in recs if "val_loss" in x] == [2, 4, 6]
     cfg = job()
     trainer = programs.build(cfg, mesh_of(cfg, 8), init=False)[0]
     c = ckpt_lib.Checkpointer(str(ck))

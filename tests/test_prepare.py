@@ -83,7 +83,7 @@ def test_jsonl_gzip_parquet_get_bos_and_eos_around_every_document(tmp_path):
                                                  "eos_token": {"content": "</s>", "special": True}})
     long_text = "".join(f"line {i} of one long text document\n" for i in range(400))  # ~14 kB
     (tmp_path / "long.txt").write_text(long_text)
-    files = corpus(tmp_path, texts) + [str(tmp_path / "long.txt"), write_jsonl(tmp_path / "long.jsonl", [long_text])]
+    files = corpus(tmp_path, texts) + [str(tmp_path / "long.txt"), write_jsonl(tmp_path / "long.ndjson", [long_text])]
     out = str(tmp_path / "c.bin")
     meta = prep.prepare(files, out, tokenizer=folder, chunk_mb=1 / 1024, workers=1)  # 1 KiB pieces
     tok = bpe()

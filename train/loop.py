@@ -179,7 +179,8 @@ def _due(cfg: Config, n: int, start: int, stop: bool, checkpointing: bool, watch
     dispatched without waiting for the previous one."""
     last = n == cfg.train.steps
     save = checkpointing and (last or stop or bool(cfg.checkpoint.every and n % cfg.checkpoint.every == 0))
-    evaluate = bool(cfg.train.eval_every) and (last or n % cfg.train.eval_every == 0) and not stop
+    # An evaluation due at a stop is taken before the save: a resumed run would not take it again.
+    evaluate = bool(cfg.train.eval_every) and (last or n % cfg.train.eval_every == 0)
     read = (last or save or evaluate or stop or n == start + 1 or watched or cfg.nvfp4.nonfinite == "error"
             or n % cfg.train.log_every == 0)
     return save, evaluate, read

@@ -1,6 +1,6 @@
 """``python -m train.prepare``: corpora -> one flat token file for ``data.source=tokens``.
 
-Text files (a document each), ``.jsonl``/``.jsonl.gz``/``.parquet`` (a document per line or row) ->
+Text files (a document each), ``.jsonl``/``.ndjson`` (``.gz`` too)/``.parquet`` (a document per line or row) ->
 OUT (raw little-endian uint16/uint32 ids, every document ended by EOS), OUT.json (the sidecar) and
 OUT.tokenizer.json, the same bytes for any ``--workers``, renamed into place only at the end. Exit
 status: 0 done; 2 a bad argument, input or output (one line on stderr, nothing written); 130
@@ -205,7 +205,7 @@ def _documents(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
     """``(text, START|END marks, bytes of the file read so far)``: ``path``'s documents in pieces, in order."""
     low = path.lower()
     try:
-        if low.endswith((".jsonl", ".jsonl.gz")):
+        if low.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")):
             yield from _jsonl_segments(path, chunk, rd)
         elif low.endswith(".parquet"):
             yield from _parquet_segments(path, chunk, rd)
@@ -548,7 +548,7 @@ def _remove(paths: Sequence[str]) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.prepare", description=__doc__.splitlines()[0])
-    p.add_argument("inputs", nargs="+", help="text files (one document each), .jsonl/.jsonl.gz or .parquet "
+    p.add_argument("inputs", nargs="+", help="text files (one document each), .jsonl/.ndjson (.gz too) or .parquet "
                                              "(a document per line or row)")
     p.add_argument("--out", required=True, help="the token file to write (its sidecar is OUT.json)")
     p.add_argument("--tokenizer", help="a tokenizer.json or Hugging Face tokenizer folder (default: train a BPE)")

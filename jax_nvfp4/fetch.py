@@ -219,7 +219,8 @@ class Shard(struct.PyTreeNode, meta.AxisMetadata):
     uses): a Linen module reading it with ``self.param`` (``nn.Dense``, ``nn.DenseGeneral``,
     ``nn.Einsum``, ``nn.Embed``, norms...) unboxes it, which gathers the weight right there,
     inside the user's scan or loop over blocks; an NNX variable holding it reads it with
-    ``variable[...]``, ``.value``, ``.get_value()`` or its operators (``x @ variable``).
+    ``variable[...]``, ``.value`` (its ``.T``, ``.dtype``, ``.astype``...), ``.get_value()`` or its
+    operators (``x @ variable``); ``jnp.dot(x, variable)`` is refused by JAX (a variable's array is this box).
     ``nn.scan`` / ``nnx.scan`` slice its leaves per layer. Every read
     gathers: a weight read twice is gathered twice and its gradient is the sum."""
 
@@ -240,6 +241,20 @@ class Shard(struct.PyTreeNode, meta.AxisMetadata):
         lead = tuple((s.data if isinstance(s, TiledNVFP4) else s.value).shape[:-4])
         split = self.config.tensor_axis is not None and _split_over_tensor(s)
         return lead + tuple(s.layout.sub if split else s.layout.matrix)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self):
+        """The dtype the weight is read in: ``config.dtype`` (a replicated non-float leaf: its own)."""
+        s = self.stored
+        return jnp.dtype(self.config.dtype) if is_tiled(s) or jnp.issubdtype(s.dtype, jnp.floating) else s.dtype
+
+    @property
+    def T(self) -> jax.Array:
+        return self.unbox().T
 
     def unbox(self) -> jax.Array:
         """The logical weight in ``config.dtype``, gathered here (its gradient goes to ``master``)."""
@@ -287,15 +302,17 @@ class Shard(struct.PyTreeNode, meta.AxisMetadata):
 
 
 def _gathered(name: str):
-    def op(self, *args):
-        return getattr(self.unbox(), name)(*args)
+    def op(self, *args, **kwargs):
+        return getattr(self.unbox(), name)(*args, **kwargs)
     op.__name__ = name
     return op
 
 
-# NNX variables forward their operators to their value, this box (``x @ variable``, ``variable * 2``).
+# NNX variables forward their operators to their value, this box (``x @ variable``, ``variable * 2``), and a model
+# may call an array's methods on it (``variable.value.astype(...)``): each gathers the weight.
 for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__matmul__", "__rmatmul__",
-              "__truediv__", "__rtruediv__", "__pow__", "__neg__", "__pos__"):
+              "__truediv__", "__rtruediv__", "__pow__", "__neg__", "__pos__", "astype", "reshape", "transpose",
+              "swapaxes"):
     setattr(Shard, _name, _gathered(_name))
 
 

@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_nvfp4.collectives import LOSS_SCOPE, all_gather_bits, ordered_mean
 from jax_nvfp4.fetch import GatherConfig, _manual_specs, shard_tree
-from jax_nvfp4.layout import is_tiled
+from jax_nvfp4.layout import TiledNVFP4, is_tiled
 from jax_nvfp4.optim import MasterWeightsState, find_state, is_master_weights
 from jax_nvfp4.params import path_str
 from jax_nvfp4.rules import DEFAULT_RULES, Rules, axis_size, batch_axes
@@ -284,11 +284,32 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: 
         # target id past the vocabulary): master_weights skips a step whose gradients are not
         # all finite, so the loss's verdict is folded into them.
         grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(loss), g, jnp.nan), grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        try:
+            updates, opt_state = tx.update(grads, opt_state, params)
+        except TypeError as e:  # optax.apply_if_finite's cond: the skip branch's float zeros against byte updates
+            if "TiledNVFP4" not in str(e):
+                raise
+            raise TypeError(f"make_step: {OUTERMOST} (optax failed: {str(e).splitlines()[0]})") from None
+        _check_byte_updates(params, updates)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "skipped": find_state(opt_state).skipped}
 
     return step
+
+
+OUTERMOST = ("nv.master_weights must be the outermost transform: its updates of NVFP4 params are byte differences, "
+             "which a transform after or around it (optax.chain(nv.master_weights(...), optax.scale(...)), "
+             "optax.apply_if_finite(nv.master_weights(...))) turns into floats that corrupt the stored bytes; put the "
+             "other transforms inside it, nv.master_weights(optax.chain(...)) (it skips non-finite steps itself)")
+
+
+def _check_byte_updates(params, updates) -> None:
+    """TypeError unless the update of every NVFP4 param has its bytes' dtypes (see :data:`OUTERMOST`)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_tiled)
+    for (path, p), u in zip(flat, treedef.flatten_up_to(updates)):
+        if isinstance(p, TiledNVFP4) and [x.dtype for x in jax.tree.leaves(u)] != [x.dtype for x in jax.tree.leaves(p)]:
+            raise TypeError(f"make_step: the update of {path_str(path)!r} is not in its stored bytes' dtypes; "
+                            f"{OUTERMOST}")
 
 
 def make_eval(fn: Callable, mesh, rules: Optional[Rules] = None, *, dtype=jnp.bfloat16, packed: bool = True,

@@ -120,6 +120,11 @@ def test_a_state_stepped_with_another_mesh_or_optimizer_is_refused_naming_the_fi
                                              r"optimizer than this one's"):
             jax.jit(nv.make_step(loss, nv.master_weights(optax.sgd(1e-2)), mesh))(params, state, (x, y))
         assert np.isfinite(float(jax.jit(nv.make_step(loss, tx, mesh))(params, state, (x, y))[2]["loss"]))
+        # A transform after or around the wrapper: its float updates saturated the stored bytes (NaN from step 2).
+        for outer in (optax.chain(tx, optax.scale(1.0)), optax.apply_if_finite(tx, 3)):
+            p, s = nv.sharded_state(fp32, outer, mesh, nv.Rules(), nv.Policy())
+            with pytest.raises(TypeError, match=r"^make_step: .*nv.master_weights must be the outermost transform"):
+                jax.jit(nv.make_step(loss, outer, mesh))(p, s, (x, y))
     with jax.set_mesh(two):
         with pytest.raises(ValueError, match=r"^make_step: 'w1' is stored as 4 shards over 'data', which this mesh "
                                              r"\{'data': 2\} makes 2: build the state on the mesh the step runs on"):
@@ -199,14 +204,16 @@ def test_a_kept_float_kernel_split_over_the_tensor_axis_trains_like_data_paralle
 
 @pytest.mark.filterwarnings("ignore:'.value' access is now deprecated")  # Flax's, for the read it still allows
 def test_an_nnx_module_may_read_its_params_any_way_nnx_allows():
-    """``variable[...]``, ``variable.value``, ``variable.get_value()`` and the variable's own
-    operators (``x @ variable``) all read the gathered weight: the same step, loss and gradients."""
+    """``variable[...]``, ``variable.value``, ``variable.get_value()``, the variable's own
+    operators (``x @ variable``) and array methods (``.T``, ``.astype(variable.dtype)``) all read
+    the gathered weight: the same step, loss and gradients."""
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices (conftest asks for 8 simulated CPU devices)")
     from flax import nnx
 
     reads = {"getitem": lambda v: v[...], "value": lambda v: v.value, "get_value": lambda v: v.get_value(),
-             "operator": lambda v: v}
+             "operator": lambda v: v, "T": lambda v: v.value.T.T,
+             "astype": lambda v: v.value.astype(v.dtype).reshape(v.shape[0], -1)[:, :v.ndim * 32]}
 
     class M(nnx.Module):
         def __init__(self, read, rngs):
@@ -227,7 +234,7 @@ def test_an_nnx_module_may_read_its_params_any_way_nnx_allows():
             params, opt = nv.sharded_state(nnx.to_pure_dict(state), tx, mesh, nv.Rules(), nv.Policy())
             params, opt, metrics = jax.jit(nv.make_step(loss, tx, mesh))(params, opt, x)
         out[read] = float(metrics["loss"]), [np.asarray(a).tobytes() for a in jax.tree.leaves(params)]
-    assert out["value"] == out["get_value"] == out["operator"] == out["getitem"]
+    assert out["value"] == out["get_value"] == out["operator"] == out["getitem"] == out["T"] == out["astype"]
 
 
 def test_tensor_manual_refuses_a_model_that_never_combines_its_ranks():

@@ -527,11 +527,12 @@ def quantize_padded(xp: jax.Array, block, *, uniform=None, amax=None, reduce_ama
         scale = four_over_six_scales(tiles, block_amax, scale, enc, dec)
     e = nx.block_encode_multiplier(scale, dec[..., None, None])[..., :, None, :, None]
     v = tiles * e
-    # A negative element whose scaled value is a float32 subnormal encodes to -0 (code 8) in the reference; XLA:CPU
-    # flushes that product to +0. Such a value (nonzero once rounded: above 2^-150, tested exactly at 2^32 times the
-    # scale) stands in as the smallest normal, which rounds the same.
-    flushed = (v == 0) & (tiles < 0) & (jnp.abs(tiles) * (e * np.float32(2.0**32)) >= np.float32(2.0**-118))
-    v = jnp.where(flushed, np.float32(-(2.0**-126)), v)
+    # An element whose scaled value is a float32 subnormal keeps its sign in the reference (a negative one encodes to
+    # -0, code 8; stochastic rounding may round either up); XLA:CPU flushes that product to +0. Where the product,
+    # taken at 2^32 times the scale, is above 2^-150 (nonzero once rounded; never true of a product that rounds to
+    # zero), the smallest normal of its sign stands in, which rounds the same.
+    flushed = (v == 0) & (tiles != 0) & (jnp.abs(tiles) * (e * np.float32(2.0**32)) > np.float32(2.0**-118))
+    v = jnp.where(flushed, jnp.where(tiles < 0, np.float32(-(2.0**-126)), np.float32(2.0**-126)), v)
     v = jnp.clip(v, -nx.E2M1_MAX, nx.E2M1_MAX).reshape(*batch, rp, cp)
     codes_ = nx.encode_e2m1(v) if uniform is None else nx.encode_e2m1_stochastic(v, uniform)
     return codes_, scale, amax

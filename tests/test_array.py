@@ -426,9 +426,17 @@ def test_a_negative_value_whose_scaled_value_is_subnormal_encodes_to_minus_zero(
     # x * e = -1e-30 * 6/1e9 is a float32 subnormal: the reference keeps its sign (code 8, -0); XLA:CPU flushes the
     # product to +0, which gave code 0. -1.5e-38's product is below half the smallest subnormal: -0.0, code 0 in the
     # reference too. Values and amax are normal floats, inside the contract.
-    x = np.zeros((1, 16), np.float32)
+    x = np.zeros((3, 16), np.float32)
     x[0, :4] = 1e9, -1e-30, -1e-36, -1.5e-38
+    x[1, :2] = 3221225472.0, -3.761582e-37  # a product of exactly 2^-150: -0.0, code 0, everywhere
+    x[2, :3] = 1e9, 1e-30, -1e-30
     for block in ((1, 16), (16, 16)):
         q = nv.quantize(x, block=block)
         np.testing.assert_array_equal(np.asarray(q.data), ref.quantize_matrix(x, block)[0])
-        assert [int(b) for b in np.asarray(q.data)[0, :2]] == [0x87, 0x08]  # codes 7 (+6), 8, 8, 0
+    assert [int(b) for b in np.asarray(nv.quantize(x, block=(1, 16)).data)[:2, 0]] == [0x87, 0x07]  # 7, 8 | 7, 0
+    # Stochastic rounding: a draw of 0 rounds a subnormal value of either sign away from zero, as the reference does.
+    codes, _, _ = nv.array.quantize_padded(jnp.asarray(x), (1, 16), uniform=jnp.zeros(x.shape))
+    data = ref.quantize_matrix(x, (1, 16), uniform=np.zeros(x.shape))[0]
+    want = np.stack([data & 15, data >> 4], axis=-1).reshape(x.shape)
+    np.testing.assert_array_equal(np.asarray(codes), want)
+    assert list(want[2, :3]) == [7, 1, 9]

@@ -462,16 +462,26 @@ def test_ids_are_the_tokenizers_for_each_whole_document_at_any_chunk_size(tmp_pa
     meta.save(str(prefixing))
     # A BPE whose one merge is GPT-2's "\n\n" (its ids depend on where a run of newlines starts: 901 of them, from
     # an odd offset, cross the 300-character cuts far from their start); its end token added as a plain token.
-    from tokenizers import models
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    pairs = Tokenizer(models.BPE(vocab={**{c: i for i, c in enumerate(alphabet)}, "ĊĊ": 256}, merges=[("Ċ", "Ċ")]))
+    # Likewise with "  " and "\n " merged, whose post-processor trims whitespace from the tokens' offsets.
+    from tokenizers import models, processors
+    alphabet = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    pairs = Tokenizer(models.BPE(vocab={**alphabet, "ĊĊ": 256}, merges=[("Ċ", "Ċ")]))
     pairs.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     pairs.add_tokens(["<|endoftext|>"])
     newlines = tmp_path / "newlines.json"
     pairs.save(str(newlines))
     runs = tmp_path / "runs.txt"
     runs.write_text(("a" * 11 + "\n" * 901 + "b <|endoftext|>\n" * 30) * 3)
-    for tokenizer, path in ((byte_bpe, doc), (prefixing, doc), (newlines, runs)):
+    trims = Tokenizer(models.BPE(vocab={**alphabet, "ĊĊ": 256, "ĠĠ": 257, "ĊĠ": 258},
+                                 merges=[("Ċ", "Ċ"), ("Ċ", "Ġ"), ("Ġ", "Ġ")]))
+    trims.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trims.post_processor = processors.ByteLevel(trim_offsets=True)
+    trims.add_special_tokens(["<|endoftext|>"])
+    trimming = tmp_path / "trimming.json"
+    trims.save(str(trimming))
+    blanks = tmp_path / "blanks.txt"
+    blanks.write_text(("x" + "\n" * 401 + " " * 299 + "b c\n" * 100) * 2)
+    for tokenizer, path in ((byte_bpe, doc), (prefixing, doc), (newlines, runs), (trimming, blanks)):
         text = path.read_text()
         whole = Tokenizer.from_file(str(tokenizer))
         eos = whole.token_to_id("<|endoftext|>")

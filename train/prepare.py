@@ -443,7 +443,7 @@ def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, voc
         vocab = max(tok.get_vocab(with_added_tokens=True).values()) + 1
         dtype = np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
         state = {"tok": tok, "bos": bos_id, "eos": eos_id, "dtype": dtype}
-        rd.cut_ok = functools.partial(_encodes_apart, tok)
+        rd.cut_ok = functools.partial(_encodes_apart, _untrimmed(tok))
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=sum(os.path.getsize(p) for p in paths), unit="B", unit_scale=True, unit_divisor=1024,
@@ -517,6 +517,16 @@ def _encodes_apart(tok, text: str, j: int) -> bool:
             right = word
     ids = lambda s: tok.encode(s, add_special_tokens=False).ids
     return (left is None or left != right) and whole.ids == ids(text[:j]) + ids(text[j:])
+
+
+def _untrimmed(tok):
+    """A copy of ``tok`` without its post-processor: the same ids without special tokens, and offsets that cover every
+    character (a ByteLevel post-processor's ``trim_offsets`` gives whitespace tokens none)."""
+    from tokenizers import Tokenizer
+    copy = Tokenizer.from_str(tok.to_str())
+    copy.post_processor = None
+    copy.encode_special_tokens = tok.encode_special_tokens
+    return copy
 
 
 def _splits_words(pre_tokenizer, text: str, j: int) -> bool:

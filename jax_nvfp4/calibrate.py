@@ -68,14 +68,17 @@ def _input(context, args) -> Optional[jax.Array]:
     other calls)."""
     if context.method_name != "__call__" or not isinstance(context.module, NVFP4Dense) or not args:
         return None
-    x = jnp.asarray(args[0]).astype(context.module.dtype)
-    if x.dtype == jnp.bfloat16:
-        # Widened through its bits: XLA may simplify a bf16 -> f32 convert pair away and keep the
-        # excess float32 precision of the value before its rounding to bf16, which the layer's
-        # matmul never sees.
+
+    def widened(x):
+        # Through its bits: XLA may simplify a bf16 -> f32 convert pair away and keep the excess
+        # float32 precision of the value before its rounding to bf16, which the layer never sees.
+        if x.dtype != jnp.bfloat16:
+            return x
         bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
         return jax.lax.bitcast_convert_type(bits, jnp.float32)
-    return x.astype(jnp.float32)
+
+    # A bf16 input (a bf16 layer's output) as rounded, then in the layer's dtype.
+    return widened(widened(jnp.asarray(args[0])).astype(context.module.dtype)).astype(jnp.float32)
 
 
 def _record(next_fun, args, kwargs, context):

@@ -312,8 +312,9 @@ def _build(leaves: List[tuple]):
         if not isinstance(node, dict):
             return node
         kinds = {kind for kind, _ in node}
-        if kinds == {"index"}:
-            return [finish(node[("index", i)]) for i in sorted(k for _, k in node)]
+        if kinds == {"index"}:  # a None entry is not stored: it comes back as None where a later one follows
+            return [finish(node[("index", i)]) if ("index", i) in node else None
+                    for i in range(max(k for _, k in node) + 1)]
         return {k: finish(v) for (_, k), v in node.items()}
 
     return finish(root)
@@ -324,8 +325,10 @@ def load_nvfp4(directory: str, *, like=None):
     and plain arrays.
 
     The tree is rebuilt from the manifest's paths as nested dicts (lists for sequence
-    indices); pass ``like`` (any tree with the same leaf paths, e.g. the params or their
-    ``jax.eval_shape``) to get exactly its structure, its leaves' shapes, dtypes and blocks checked.
+    indices, each entry at its index: a None entry, which has no bytes, comes back as None
+    before a later entry and is lost at a list's end); pass ``like`` (any tree with the same
+    leaf paths, e.g. the params or their ``jax.eval_shape``) to get exactly its structure, its
+    leaves' shapes, dtypes and blocks checked.
 
     Raises:
       ExportError: missing/unreadable manifest or file, a sha256 mismatch, shapes that do not

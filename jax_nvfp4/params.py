@@ -133,19 +133,23 @@ def matrix_amax(leaf) -> jax.Array:
     return nx.abs_max(jnp.asarray(leaf), axis=(-2, -1))
 
 
-def quantize_params(tree, policy: Optional[Policy] = None, *, rounding="nearest", key=None):
+def quantize_params(tree, policy: Optional[Policy] = None, *, rules=None, rounding="nearest", key=None):
     """Replace the leaves the policy selects by :class:`NVFP4Array` (others keep their dtype,
-    or ``policy.keep_dtype`` for kept leaves). Leaves already in NVFP4 pass through."""
+    or ``policy.keep_dtype`` for kept leaves). Leaves already in NVFP4 pass through. ``rules``
+    (:class:`~jax_nvfp4.rules.Rules`): its ``stacked`` patterns name leaves whose leading axis
+    stacks layers (``nn.scan``), which is not a matrix axis, as in
+    :func:`~jax_nvfp4.sharding.shard_params` (a stacked ``[L, d]`` norm scale stays a vector)."""
     policy = policy or DEFAULT_POLICY
+    wants = lambda p, x: policy.wants(p, x, rules.stacked_axes(p) if rules is not None else 0)
     amax = shared_amaxes({path_str(k): matrix_amax(x) for k, x in jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=is_nvfp4)[0] if not is_nvfp4(x) and policy.wants(path_str(k), x)
+        tree, is_leaf=is_nvfp4)[0] if not is_nvfp4(x) and wants(path_str(k), x)
         and policy.amax_group(path_str(k))}, policy)
 
     def one(path, leaf):
         if is_nvfp4(leaf):
             return leaf
         p = path_str(path)
-        if policy.wants(p, leaf):
+        if wants(p, leaf):
             return quantize(leaf, block=policy.block, rounding=rounding, key=key, amax=amax.get(p),
                             four_over_six=policy.four_over_six)
         if policy.keep_dtype is not None and policy.kept(p) and jnp.issubdtype(jnp.result_type(leaf), jnp.floating):

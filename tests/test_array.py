@@ -304,6 +304,18 @@ def test_create_refuses_values_no_quantization_writes():
         nv.NVFP4Array(q.data, q.scale_bits, q.amax_bits, (32.0, 32.0))
 
 
+def test_quantize_params_reads_stacked_layers_as_shard_params_does():
+    # A scanned [32, 64] norm scale is a vector per layer: quantized as a matrix it kept 4 distinct values.
+    rng = np.random.default_rng(9)
+    params = {"blocks": {"norm": {"scale": jnp.asarray(1 + 0.05 * rng.standard_normal((32, 64)), jnp.float32)},
+                         "mlp": {"kernel": jnp.asarray(rng.standard_normal((32, 64, 64)), jnp.float32)}}}
+    rules = nv.Rules(stacked=("^blocks/",))
+    q = nv.quantize_params(params, rules=rules)
+    assert q["blocks"]["norm"]["scale"] is params["blocks"]["norm"]["scale"]
+    assert nv.array.is_nvfp4(q["blocks"]["mlp"]["kernel"])
+    assert nv.array.is_nvfp4(nv.quantize_params(params)["blocks"]["norm"]["scale"])  # without the rule: a matrix
+
+
 def test_a_kept_python_scalar_leaf_takes_the_keep_dtype():
     policy = nv.Policy(keep=("temperature",), keep_dtype=jnp.bfloat16)
     params = {"temperature": 0.7, "w": jnp.ones((16, 16))}

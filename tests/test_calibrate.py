@@ -85,6 +85,25 @@ def test_input_amax_is_each_layers_input_max_over_the_batches():
     assert {k: v.tobytes() for k, v in stored.items()} == {k: v.tobytes() for k, v in amax.items()}
 
 
+def test_a_float32_layer_fed_a_bf16_activation_records_the_bf16_values():
+    # The amax was taken on the float32 product before its rounding to bf16 (XLA drops the convert pair): a value
+    # the layer never reads (11.8905 for a bf16 11.875).
+    class Mixed(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nv.NVFP4Dense(64, name="d1")(x)
+            self.sow("intermediates", "h", h)
+            return nv.NVFP4Dense(32, name="d2", dtype=jnp.float32)(h)
+
+    model = Mixed()
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((64, 64)) * 3, jnp.float32)
+    params = nv.quantize_params(model.init(jax.random.key(0), x)["params"])
+    amax = lib.input_amax(model.apply, params, [x])
+    _, sown = model.apply({"params": lib.float_weights(params)}, x, mutable=["intermediates"])
+    assert sown["intermediates"]["h"][0].dtype == jnp.bfloat16
+    assert amax["d2/kernel"] == _bf16_max(sown["intermediates"]["h"][0])
+
+
 def test_quantized_inputs_is_the_layers_on_quantize_dequantize_of_their_inputs():
     model = ThreeLayers()
     params, w, batches = _lib_setup(model, 2)

@@ -376,6 +376,10 @@ def test_export_of_any_pytree_and_its_refusals(tmp_path):
         assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
     plain = nv.export.load_nvfp4(d)  # no `like`: nested dicts and lists
     assert isinstance(plain["layers"], list) and nv.array.is_nvfp4(plain["layers"][0]["w"])
+    # A None entry has no bytes: the entries after it keep their indices (they moved up one, silently).
+    holes = str(tmp_path / "holes")
+    nv.export.export_nvfp4({"layers": [None, jnp.ones(4), jnp.full(4, 2.0)]}, holes)
+    assert [None if x is None else float(x[0]) for x in nv.export.load_nvfp4(holes)["layers"]] == [None, 1.0, 2.0]
 
     # Non-finite weights are not exported, and nothing is written.
     bad = {"w": nv.quantize(jnp.asarray(w).at[0, 0, 0].set(jnp.nan))}

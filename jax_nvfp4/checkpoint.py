@@ -31,6 +31,8 @@ Typical use, for any model::
 from __future__ import annotations
 
 import contextlib
+import functools
+import glob
 import json
 import os
 import sys
@@ -241,7 +243,7 @@ class Checkpointer:
         # save(), so an unwritable one fails there (not in orbax's threads, 5 minutes at exit).
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
-            async_options=ocp.AsyncOptions(post_finalization_callback=self._record_hashes,
+            async_options=ocp.AsyncOptions(post_finalization_callback=functools.partial(self._record_hashes, True),
                                            create_directories_asynchronously=False) if async_save else None)
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options)
@@ -316,14 +318,22 @@ class Checkpointer:
             raise CheckpointWriteError(f"cannot write {what} to {self.directory}: {_first_line(e)}; "
                                        "the checkpoints before it are intact") from None
 
-    def _record_hashes(self) -> None:
-        """Write this process's hash record of each committed step it saved (idempotent; also called
-        from orbax's thread)."""
+    def _record_hashes(self, finalized: bool = False) -> None:
+        """Write this process's hash record of each committed step it saved (idempotent). ``finalized``: orbax's
+        thread, once a save's files are final and before its temporary directory takes the step's name (a process
+        ending between the two, or before the next save, would leave a checkpoint no resume accepts): the record
+        goes into that directory."""
         with self._hash_lock:
-            for step in [s for s in self._unhashed if os.path.isdir(self._dir(s))]:
-                self._unhashed.remove(step)  # committed
+            for step in list(self._unhashed):
+                where = self._dir(step)
+                if not os.path.isdir(where) and finalized:
+                    tmp = glob.glob(os.path.join(glob.escape(self.directory), f"{step}.orbax-checkpoint-tmp*"))
+                    where = tmp[0] if len(tmp) == 1 and os.path.isdir(tmp[0]) else where
+                if not os.path.isdir(where):
+                    continue
+                self._unhashed.remove(step)  # committed, or its files final
                 try:
-                    integrity.record(self._dir(step))
+                    integrity.record(where)
                 except OSError as e:
                     raise CheckpointWriteError(f"cannot write the content hashes of checkpoint {self._dir(step)}: "
                                                f"{e.strerror or e}") from None

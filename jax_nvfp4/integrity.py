@@ -2,7 +2,8 @@
 :class:`jax_nvfp4.checkpoint.Checkpointer`), each process hashing and verifying its own share
 (no process reads another's files). Process ``p`` owns the files under a path
 component ``process_<p>`` or ``ocdbt.process_<p>`` (orbax's per-process data); process 0 also every
-other file. Hidden files are not part of a directory's content."""
+other file. Hidden files are not part of a directory's content, nor is orbax's bookkeeping of a step
+(:data:`BOOKKEEPING`: timestamps and a commit marker it writes as it commits, after the content is final)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np
 __all__ = ["IntegrityError", "Unrecorded", "RECORD", "record", "verify", "owner"]
 
 RECORD = "jax_nvfp4.sha256.json"  # process 0's record; process p's is jax_nvfp4.sha256.process_<p>.json
+BOOKKEEPING = ("_CHECKPOINT_METADATA", "commit_success.txt")  # orbax's, rewritten or written at its commit
 
 
 class IntegrityError(ValueError):
@@ -42,7 +44,8 @@ def listing(d: str) -> List[str]:
     """The files under ``d`` (relative paths) but the records and hidden files; nothing read."""
     out = [os.path.relpath(os.path.join(root, f), d) for root, _, files in os.walk(d) for f in files]
     return sorted(rel for rel in out if not any(part.startswith(".") for part in rel.split(os.sep))
-                  and not re.fullmatch(re.escape(RECORD[:-5]) + r"(\.process_\d+)?\.json", rel))
+                  and not re.fullmatch(re.escape(RECORD[:-5]) + r"(\.process_\d+)?\.json", rel)
+                  and rel not in BOOKKEEPING)
 
 
 def hash_file(path: str) -> Dict[str, Any]:
@@ -91,7 +94,7 @@ def verify(d: str) -> None:
     process calls it together."""
     records = [_read(d, 0)]
     records += [_read(d, p) for p in range(1, int(records[0].get("process_count", 1)))]
-    files = {rel: entry for r in records for rel, entry in r["files"].items()}
+    files = {rel: entry for r in records for rel, entry in r["files"].items() if rel not in BOOKKEEPING}
     names, actual = sorted(files), set(listing(d))
     for rel in sorted(set(names) | actual):
         if rel not in actual:

@@ -134,6 +134,22 @@ def test_a_torn_last_line_of_the_metrics_is_dropped_on_resume(resumed, tmp_path,
     (out / "metrics.jsonl").write_text("".join(lines[:2] + ["{oops\n"] + lines[2:]))
     with pytest.raises(ckpt_lib.CheckpointError, match="line 3 of 7 is not JSON"):
         loop._resume_metrics(str(out / "metrics.jsonl"), 6)
+    # A non-finite loss is written as null: it reads back as NaN (None crashed the resumed run's final mean).
+    (out / "metrics.jsonl").write_text(good.replace('"loss": ' + good.splitlines()[-1].split('"loss": ')[1].split(",")[0],
+                                                    '"loss": null'))
+    assert np.isnan(loop._resume_metrics(str(out / "metrics.jsonl"), 6)[-1]["loss"])
+
+
+def test_a_changed_data_seed_that_allow_change_names_drives_the_training_stream(resumed, tmp_path):
+    # The checkpoint's seed was restored for the training batches while validation took the new one.
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(resumed["ck"], ck)
+    cfg = job(f"checkpoint.dir={ck}", "train.steps=7", "optim.schedule_steps=6", "data.seed=1",
+              "checkpoint.allow_change=[data.seed]")
+    r = loop.run(cfg, mesh_of(cfg, 8), str(tmp_path / "out"), progress=False)
+    assert r["start_step"] == 6 and r["data_state"] == {"step": 7, "seed": 1}
 
 
 # ----------------------------------------------------------------------------- reshard

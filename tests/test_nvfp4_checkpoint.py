@@ -175,6 +175,21 @@ def test_an_asynchronous_save_under_way_is_not_taken_for_a_corrupt_one(tmp_path)
     ckpt.close()
 
 
+def test_an_asynchronous_save_is_recorded_as_it_commits(tmp_path):
+    # Its hashes were written only by the next save or close: a process ending between the commit and then left
+    # a checkpoint every resume refused ("no content hashes"), or set aside as corrupt with fallback.
+    state, shardings, mesh = _state(2, 2)
+    ckpt = nvck.Checkpointer(str(tmp_path / "a"), async_save=True)
+    ckpt.save(1, state)
+    ckpt.manager.wait_until_finished()  # orbax's commit alone, as when the process ends right after it
+    other = nvck.Checkpointer(str(tmp_path / "a"))
+    assert other.restorable_step() == (1, [])
+    with jax.set_mesh(mesh):
+        other.restore(1, state, shardings)
+    other.close()
+    ckpt.close()
+
+
 def test_python_scalar_leaves_restore_as_jax_types_them(tmp_path):
     state = {"w": np.arange(4, dtype=np.float32), "step": 100, "lr": 1e-3}  # a training loop's counters
     ckpt = nvck.Checkpointer(str(tmp_path / "s"))

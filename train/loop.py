@@ -45,7 +45,9 @@ def _resume_metrics(path: str, step: int) -> list:
                     "(move the file aside to start it anew)") from None
             print(f"{path}: dropped its last line, cut off in the middle (a crash while writing it)",
                   file=sys.stderr, flush=True)
-    recs = [r for r in recs if r.get("step", 0) <= step]
+    # A non-finite loss is written as null: read back as NaN, as the run that wrote it held it.
+    recs = [dict(r, loss=float("nan")) if "loss" in r and r["loss"] is None else r
+            for r in recs if r.get("step", 0) <= step]
     with open(path + ".tmp", "w") as f:
         f.writelines(json_record(r) + "\n" for r in recs)
     os.replace(path + ".tmp", path)
@@ -214,7 +216,8 @@ def _initial_state(cfg: Config, mesh, ckpt, start: Optional[int], imported: bool
         r = ckpt.restore(start, trainer.abstract_params, trainer.abstract_state, trainer.param_shardings,
                          trainer.state_shardings)
         params, opt_state, base_key = r.params, r.opt_state, r.base_key
-        it.set_state(r.data_state)
+        # The stream's position; its seed is the config's (a changed data.seed that checkpoint.allow_change names).
+        it.set_state(dict(r.data_state, seed=cfg.data.seed))
         if is_main and start < cfg.train.steps:
             print(f"resuming from step {start} of {cfg.train.steps} ({ckpt.directory})", flush=True)
         elif is_main:

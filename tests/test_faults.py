@@ -156,6 +156,22 @@ def test_divergence_stops_with_exit_3_naming_the_step(tmp_path, capfd, monkeypat
     assert ckpt_lib.Checkpointer(str(tmp_path / "ck")).all_steps() == [1, 2, 3]
 
 
+def test_a_resumed_run_counts_non_finite_steps_in_a_row_from_its_checkpoint(tmp_path, capfd, monkeypatch):
+    # The count restarted at 0 on resume: a run stopped inside a non-finite streak went on past the limit, and
+    # one stopped just before a short streak at its end was taken for "every step non-finite" (exit 3).
+    for nonfinite, limit, want in (("3:nan,4:nan,5:nan", "3", 3), ("5:nan,6:nan", "10", 0)):
+        monkeypatch.setenv("TRAIN_FAULT_NONFINITE", nonfinite)
+        ck = tmp_path / f"ck{want}"
+        args = [*sets(JOB), "--set", f"nvfp4.max_skipped_in_a_row={limit}", "--set", f"checkpoint.dir={ck}",
+                "--set", "checkpoint.every=2", "--out", str(tmp_path / f"out{want}")]
+        monkeypatch.setenv("TRAIN_FAULT_SIGTERM", "3")  # stopped at step 4
+        assert main_here(args, capfd)[0] == 143
+        monkeypatch.delenv("TRAIN_FAULT_SIGTERM")
+        rc, _, err = main_here(args, capfd)
+        assert rc == want, err  # as the run would end unstopped
+    assert err == []
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_checkpoint_dir_becoming_read_only_is_one_line_exit_5(tmp_path, async_save, capfd, monkeypatch):
     # Unhandled, it ends in a 56-line orbax traceback and exit 1, and a failed asynchronous save

@@ -35,6 +35,7 @@ class Restored:
     opt_state: Any
     base_key: Optional[jax.Array]
     data_state: Dict[str, int]
+    nonfinite_in_a_row: int = 0  # the non-finite steps in a row up to this one (0 where not recorded)
 
 
 def host_arrays(params, opt_state) -> Dict[str, np.ndarray]:
@@ -50,9 +51,10 @@ class Checkpointer(nvck.Checkpointer):
     fallback_hint = "--set checkpoint.fallback=true restores the newest intact checkpoint instead"
 
     def save(self, step: int, params, opt_state, *, mesh, base_key: Optional[jax.Array] = None,
-             data_state: Optional[Dict[str, int]] = None, run: Optional[Dict[str, Any]] = None) -> None:
+             data_state: Optional[Dict[str, int]] = None, run: Optional[Dict[str, Any]] = None,
+             nonfinite_in_a_row: int = 0) -> None:
         super().save(step, {"params": params, "opt_state": opt_state}, {
-            "format": FORMAT, "version": FORMAT_VERSION, "step": int(step),
+            "format": FORMAT, "version": FORMAT_VERSION, "step": int(step), "nonfinite_in_a_row": int(nonfinite_in_a_row),
             "data_state": {k: int(v) for k, v in (data_state or {}).items()},
             "base_key": None if base_key is None else {"impl": str(jax.random.key_impl(base_key)),
                                                        "data": np.asarray(jax.random.key_data(base_key)).tolist()},
@@ -81,7 +83,7 @@ class Checkpointer(nvck.Checkpointer):
         k = meta.get("base_key")
         base_key = jax.random.wrap_key_data(np.asarray(k["data"], np.uint32), impl=k["impl"]) if k else None
         return Restored(int(meta["step"]), state["params"], state["opt_state"], base_key,
-                        dict(meta.get("data_state") or {}))
+                        dict(meta.get("data_state") or {}), int(meta.get("nonfinite_in_a_row") or 0))
 
 
 # The trajectory keys (train.config.trajectory_keys; not the mesh, nor train.steps, whose schedule length

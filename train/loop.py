@@ -102,7 +102,8 @@ def run(cfg: Config, mesh, out_dir: str, *, progress: bool = True, label: str = 
         if is_main:
             print(f"{name}: compiling the train step...", flush=True)
         imported = start is None and bool(cfg.train.init_from)
-        trainer, params, opt_state, base_key, it, source = _initial_state(cfg, mesh, ckpt, start, imported, is_main)
+        trainer, params, opt_state, base_key, it, source, in_a_row = _initial_state(cfg, mesh, ckpt, start, imported,
+                                                                                    is_main)
         stored = jax.tree.leaves(trainer.abstract_params, is_leaf=nv.layout.is_tiled)
         if cfg.nvfp4.weights == "nvfp4" and is_main and not any(isinstance(x, nv.TiledNVFP4) for x in stored):
             print(f"notice: {name}: no weight of this run is NVFP4 (nvfp4.keep_bf16, keep_first_blocks and "
@@ -119,7 +120,8 @@ def run(cfg: Config, mesh, out_dir: str, *, progress: bool = True, label: str = 
         acct = gather_accounting(trainer)
         if is_main:
             print(f"{name}: compiled in {time.perf_counter() - t_compile:.1f} s", flush=True)
-        host = _Host(cfg, out_dir, start, is_main, acct, skipped=int(nv.find_state(opt_state).skipped))
+        host = _Host(cfg, out_dir, start, is_main, acct, skipped=int(nv.find_state(opt_state).skipped),
+                     in_a_row=in_a_row)
         if imported and cfg.train.eval_every:  # the imported model's quality first, before any update
             rec = host.write({"step": 0, "val_loss": evaluate()})
             if is_main:
@@ -141,7 +143,8 @@ def run(cfg: Config, mesh, out_dir: str, *, progress: bool = True, label: str = 
                 continue  # read with a later step, without waiting for this one
             host.read(pending, opt_state, evaluate if evaluated else None)
             if save:
-                ckpt.save(n, params, opt_state, mesh=mesh, base_key=base_key, data_state=it.get_state(), run=run_id)
+                ckpt.save(n, params, opt_state, mesh=mesh, base_key=base_key, data_state=it.get_state(), run=run_id,
+                          nonfinite_in_a_row=host.in_a_row)
             if hooks.after_step is not None:
                 hooks.after_step(n, params, opt_state, it)
             if stop:
@@ -202,8 +205,8 @@ def _resume_point(ckpt, cfg: Config) -> Optional[int]:
 
 
 def _initial_state(cfg: Config, mesh, ckpt, start: Optional[int], imported: bool, is_main: bool) -> tuple:
-    """``(trainer, params, opt_state, base_key, data_iterator, data_source)`` where the run starts:
-    the random init, ``train.init_from`` (``imported``) or checkpoint ``start``."""
+    """``(trainer, params, opt_state, base_key, data_iterator, data_source, non-finite steps in a row)`` where the
+    run starts: the random init, ``train.init_from`` (``imported``) or checkpoint ``start``."""
     trainer, params, opt_state = build(cfg, mesh, init=start is None and not imported)
     if imported:
         from train import hf_import
@@ -211,11 +214,11 @@ def _initial_state(cfg: Config, mesh, ckpt, start: Optional[int], imported: bool
     source = data_lib.make_source(cfg.data, cfg.model)
     it = data_lib.make_data_iterator(cfg, process_index=jax.process_index(), process_count=jax.process_count(),
                                      source=source)
-    base_key = jax.random.key(cfg.train.seed + 2)
+    base_key, in_a_row = jax.random.key(cfg.train.seed + 2), 0
     if start is not None:
         r = ckpt.restore(start, trainer.abstract_params, trainer.abstract_state, trainer.param_shardings,
                          trainer.state_shardings)
-        params, opt_state, base_key = r.params, r.opt_state, r.base_key
+        params, opt_state, base_key, in_a_row = r.params, r.opt_state, r.base_key, r.nonfinite_in_a_row
         # The stream's position; its seed is the config's (a changed data.seed that checkpoint.allow_change names).
         it.set_state(dict(r.data_state, seed=cfg.data.seed))
         if is_main and start < cfg.train.steps:
@@ -223,7 +226,7 @@ def _initial_state(cfg: Config, mesh, ckpt, start: Optional[int], imported: bool
         elif is_main:
             print(f"checkpoint {ckpt.directory} is at step {start} = train.steps: the run is already finished, "
                   f"nothing to train (raise train.steps to continue it; see README, Checkpoints)", flush=True)
-    return trainer, params, opt_state, base_key, it, source
+    return trainer, params, opt_state, base_key, it, source, in_a_row
 
 
 @contextlib.contextmanager
@@ -240,10 +243,12 @@ class _Host:
     times them and records them in ``history`` (the records resumed, then this run's), in
     ``metrics.jsonl`` (process 0's, continued after ``start``) and on the progress bar ``bar``."""
 
-    def __init__(self, cfg: Config, out_dir: str, start: int, is_main: bool, acct: Dict[str, Any], skipped: int):
+    def __init__(self, cfg: Config, out_dir: str, start: int, is_main: bool, acct: Dict[str, Any], skipped: int,
+                 in_a_row: int = 0):
         self.cfg, self.start, self.acct = cfg, start, acct
         self.skipped = skipped  # the optimizer's count of skipped updates so far
-        self.in_a_row, self.times = 0, []  # non-finite steps in a row; the step times but this run's first
+        # Non-finite steps in a row (a resumed run's from its checkpoint); the step times but this run's first.
+        self.in_a_row, self.times = in_a_row, []
         self.tokens_per_step = cfg.data.batch_size * cfg.model.seq_len
         self.path, self.history, self.fh, self.bar = os.path.join(out_dir, "metrics.jsonl"), [], None, None
         self.t_mark = time.perf_counter()  # when the host last read (or started)
@@ -299,7 +304,7 @@ class _Host:
             # Diverged (raised before the step is checkpointed): every step thrown away
             # (max_skipped_in_a_row in a row), or every step of a run shorter than the limit.
             limit, steps = self.cfg.nvfp4.max_skipped_in_a_row, self.cfg.train.steps
-            if limit and (self.in_a_row >= limit or (n == steps and self.in_a_row == n - self.start)):
+            if limit and (self.in_a_row >= limit or (n == steps and self.in_a_row == n)):
                 raise FloatingPointError(
                     f"step {n}: {self.in_a_row} steps in a row non-finite (gradients skipped or loss {loss}); "
                     f"the run has diverged (nvfp4.max_skipped_in_a_row={limit}; 0 = no limit)")

@@ -176,8 +176,7 @@ def shard_params(tree, mesh=None, rules: Optional[Rules] = None, policy: Optiona
     _refuse_mesh_boxes(tree)
     wanted = lambda p, leaf: (not is_tiled(leaf) and not is_nvfp4(leaf) and policy is not None
                               and policy.wants(p, leaf, rules.stacked_axes(p)))
-    cast = (lambda x: jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)) if cast_bf16 else \
-        (lambda x: x)
+    cast = lambda x: _bf16_rounded(jnp.asarray(x, jnp.float32), True) if cast_bf16 else x
     amax = shared_amaxes({p: matrix_amax(cast(x)) for p, x in ((path_str(k), x) for k, x in
                           jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_node)[0])
                           if wanted(p, x) and policy.amax_group(p)}, policy)
@@ -351,8 +350,13 @@ def scatter_replicated(x: jax.Array, layout: Layout, mesh=None) -> Tiled:
 
 
 # ----------------------------------------------------------------------------- re-quantization
+def _bf16_rounded(x, cast_bf16: bool):
+    """float32 ``x``, rounded to bf16 first with ``cast_bf16`` (``master_weights(..., cast_master_bf16=True)``)."""
+    return x.astype(jnp.bfloat16).astype(jnp.float32) if cast_bf16 else x
+
+
 def _master_value(m: Tiled, cast_bf16: bool):
-    return m.value.astype(jnp.bfloat16).astype(jnp.float32) if cast_bf16 else m.value
+    return _bf16_rounded(m.value, cast_bf16)
 
 
 def _shard_axes(m: Tiled):

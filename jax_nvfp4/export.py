@@ -777,6 +777,24 @@ def hf_tensors(params, names: HFNames, *, fmt: str = "bf16", amax: Optional[Dict
     return gen(), ignore
 
 
+def _sort_metadata(path: str) -> None:
+    """The header metadata of the safetensors file ``path`` in key order. The writer serializes it
+    from a hash map whose order changes from one call to the next, so the same export would differ
+    in its bytes; sorted, the same tensors and metadata are the same file. In place: the header
+    keeps its length."""
+    with open(path, "r+b") as f:
+        (n,) = np.frombuffer(f.read(8), "<u8")
+        header = f.read(int(n)).decode()
+        start = len('{"__metadata__":')
+        if not header.startswith('{"__metadata__":'):
+            return
+        meta, end = json.JSONDecoder().raw_decode(header, start)
+        text = json.dumps(dict(sorted(meta.items())), separators=(",", ":"), ensure_ascii=False)
+        if len(text.encode()) == len(header[start:end].encode()):
+            f.seek(8 + len(header[:start].encode()))
+            f.write(text.encode())
+
+
 def _write_safetensors(tensors, directory: str, max_shard_bytes: int, metadata=None) -> None:
     """``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` + the index, written shard by
     shard (at most about one shard in memory). ``metadata(names)``: more string entries for the
@@ -791,6 +809,7 @@ def _write_safetensors(tensors, directory: str, max_shard_bytes: int, metadata=N
             name = f"shard-{len(shards):05d}.tmp"
             meta = {"format": "pt", **(metadata(list(current)) if metadata else {})}
             save_file(current, os.path.join(directory, name), metadata=meta)
+            _sort_metadata(os.path.join(directory, name))
             shards.append((name, list(current)))
             current, size = {}, 0
 

@@ -157,6 +157,18 @@ def test_nvfp4_export_decodes_to_dequantize_bit_for_bit(exported):
     assert "lm_head" in q["ignore"] and cfg["num_key_value_heads"] == 2 and not cfg["tie_word_embeddings"]
 
 
+def test_the_same_export_is_the_same_bytes(exported, tmp_path):
+    # The safetensors writer orders the header's metadata (format, the amax bits) by a hash map's
+    # order, which changes from call to call: the export sorts it, so one model is one file.
+    _, params, root = exported
+    for k in range(3):
+        export_hf(params, hf_config(), str(tmp_path / str(k)), fmt="nvfp4", names=HF_NAMES)
+        assert (tmp_path / str(k) / "model.safetensors").read_bytes() == (root / "nvfp4" / "model.safetensors").read_bytes()
+    raw = (root / "nvfp4" / "model.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    assert list(header["__metadata__"]) == sorted(header["__metadata__"]) == ["format", AMAX_METADATA]
+
+
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 

@@ -83,7 +83,10 @@ def configure(enabled: bool = True, environ: MutableMapping[str, str] = os.envir
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Print ``$XLA_FLAGS`` with :data:`GPU_FLAGS` added; ``--explain``: one line per flag with its reason."""
-    if "--explain" in (sys.argv[1:] if argv is None else argv):
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m jax_nvfp4.xla_flags", description=main.__doc__.split(";")[0] + ".")
+    p.add_argument("--explain", action="store_true", help="one line per flag with the reason for it")
+    if p.parse_args(argv).explain:
         print("\n".join(f"--{name}={value}: {why}" for name, value, why in GPU_FLAGS))
     else:
         print(with_gpu_flags(os.environ.get("XLA_FLAGS", "")))

@@ -57,6 +57,10 @@ def test_cli_prints_the_flags_and_why():
     run = subprocess.run([sys.executable, "-m", "jax_nvfp4.xla_flags", "--explain"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert len(run.stdout.strip().splitlines()) == len(xla_flags.GPU_FLAGS)
+    # A mistyped option is an error, not the flags printed as if it were not there.
+    run = subprocess.run([sys.executable, "-m", "jax_nvfp4.xla_flags", "--explian"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 2 and not run.stdout and "unrecognized arguments: --explian" in run.stderr
 
 
 def test_the_slurm_script_takes_its_flags_from_here():

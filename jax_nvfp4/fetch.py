@@ -298,6 +298,16 @@ class Shard(struct.PyTreeNode, meta.AxisMetadata):
         return self
 
     def remove_axis(self, index: int, params: dict) -> "Shard":
+        # A Linen transform over the params (nn.scan, nn.vmap with variable_axes) is about to slice
+        # this box's leaves along ``index``: only a stacked layout has that axis first.
+        if is_tiled(s := self.stored):
+            stacked = (s.data if isinstance(s, TiledNVFP4) else s.value).ndim > 4
+            if not stacked or index != 0:
+                raise ValueError(
+                    f"a weight of shape {self.shape} is sliced by nn.scan or nn.vmap along its axis {index}, " + ("which its layout does not stack: declare the transformed params stacked, e.g. "
+                                    "nv.Rules(stacked=('^blocks/',)) for the params under 'blocks'" if not stacked
+                                    else "but stacked params stack their layers on axis 0: use variable_axes "
+                                    "{'params': 0}"))
         return self
 
 

@@ -172,6 +172,25 @@ def _split_rows(batch, plan: _Plan):
     return jax.tree.map(lambda x: constrain(x, NamedSharding(plan.mesh, P(plan.batch))), batch)
 
 
+class _StackHint:
+    """Around the model's call on the boxed params: an IndexError there, with no stacked params in the
+    rules, gets a note. It is how ``nnx.scan`` (``jax.lax.scan``) reports a stack of layers the rules
+    do not declare: it slices a per-matrix scalar (the amax). Linen's ``nn.scan`` meets
+    :meth:`~jax_nvfp4.fetch.Shard.remove_axis`'s own error first."""
+
+    def __init__(self, rules: Optional[Rules]):
+        self.undeclared = not (rules or DEFAULT_RULES).stacked
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if kind is IndexError and self.undeclared:
+            e.add_note("jax_nvfp4: if the model scans or vmaps over a stack of layers (nnx.scan, nnx.vmap), declare "
+                       "their params stacked: nv.Rules(stacked=(a regex of their paths,)), e.g. ('^blocks/',)")
+        return False
+
+
 def _plan(mesh, rules: Rules, dtype, packed: bool, tensor: str) -> _Plan:
     if tensor not in TENSOR_MODES:
         raise ValueError(f"tensor must be one of {TENSOR_MODES}, got {tensor!r}")
@@ -231,7 +250,8 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: 
                 key = jax.random.fold_in(key, plan.tensor.index())
 
         def value(masters, r, k):
-            return loss_fn(shard_tree(params, masters, plan.gather), r, k, *args)
+            with _StackHint(rules):
+                return loss_fn(shard_tree(params, masters, plan.gather), r, k, *args)
 
         _check_manual_model(plan, params, value, masters, rows, key)
         grad_fn = jax.value_and_grad(value)
@@ -323,7 +343,8 @@ def make_eval(fn: Callable, mesh, rules: Optional[Rules] = None, *, dtype=jnp.bf
 
     def local(params, rows):
         _check_manual_model(plan, params, lambda p, r: fn(shard_tree(p, None, plan.gather), r), params, rows)
-        out, n = fn(shard_tree(params, None, plan.gather), rows), _rows(rows)
+        with _StackHint(rules):
+            out, n = fn(shard_tree(params, None, plan.gather), rows), _rows(rows)
         shapes = [jnp.shape(o) for o in jax.tree.leaves(out)]
         if not shapes or any(shape[:1] != (n,) for shape in shapes):
             raise ValueError(f"make_eval: fn(params, rows) returns per-row results, arrays (or a tree of them) whose "

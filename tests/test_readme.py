@@ -155,3 +155,28 @@ def test_every_result_figure_is_in_the_file_it_links():
             if not any(round(abs(x), places) == abs(float(figure)) for x in held):  # "5.49% lower": -5.49
                 missing.setdefault(links[0], []).append(figure)
     assert not missing, missing
+
+
+RULES_LINE = 'rules = nv.Rules(stacked=("^blocks/",))'
+
+
+@pytest.mark.parametrize("kind, change", [("linen", "undeclared"), ("nnx", "undeclared"), ("linen", "axis 1")])
+def test_a_scan_over_layers_the_rules_do_not_stack_is_named(kind, change):
+    """The snippet with its stack of 16 layers left out of the rules (its [16, 64] norm scales are
+    then matrices, quantized as such), or scanned on axis 1: tracing the step says what to
+    declare, instead of an IndexError from inside Flax or JAX."""
+    code = snippet(kind).replace(LAYERS, "layers=16")
+    assert code.count(RULES_LINE) == 1
+    if change == "undeclared":
+        code = code.replace(RULES_LINE, "rules = nv.Rules()")
+    else:
+        assert code.count('variable_axes={"params": 0}') == 1
+        code = code.replace('variable_axes={"params": 0}', 'variable_axes={"params": 1}')
+    code = code[:code.index(LOOP)] + "step(params, opt_state, tokens)\n"
+    with jax.set_mesh(None), pytest.raises((IndexError, ValueError)) as e:
+        exec(compile(code, "README.md", "exec"), {})
+    said = "\n".join([str(e.value), *getattr(e.value, "__notes__", [])])
+    if change == "undeclared":
+        assert "nv.Rules(stacked=" in said and "'^blocks/'" in said, said
+    else:
+        assert "sliced by nn.scan or nn.vmap along its axis 1" in said and "{'params': 0}" in said, said

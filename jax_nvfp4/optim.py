@@ -10,10 +10,11 @@ re-quantizes each NVFP4 leaf shard by shard with the global amax, and returns up
   so their update is the wrap-around difference, which ``p + u`` undoes exactly. The result is
   bit-identical to quantizing the whole unsharded master, and (for stored
   :class:`~jax_nvfp4.layout.TiledNVFP4` params) it is the stored shard itself: no relayout.
-- float32 leaves: the inner optimizer's own update, as plain optax applies it, so the param
-  equals its master bit for bit after every step where XLA computes that update once for
-  both additions; a compiler that recomputes it per addition may round one of them
-  differently (one ulp: seen with XLA:CPU's previous fusion emitters).
+- float32 leaves: the inner optimizer's own update, as plain optax applies it, which the
+  master also adds. The param equals its master bit for bit where XLA computes the two
+  additions alike; XLA:CPU recomputes the update in each addition's fusion and may contract
+  one of them into a multiply-add, so a float32 plain param (a norm scale, a bias) can sit a
+  few ulp from its master (up to 6 over 200 Adam steps of a ``(16, 1)`` leaf).
 - Narrower float leaves (bf16): ``master.astype(dtype) - p`` in float32, which ``p + u``
   reproduces (exactly whenever old and new values are within a factor 2**16).
 

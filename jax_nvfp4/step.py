@@ -286,6 +286,8 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: 
             raise TypeError("make_step: opt_state is a nv.master_weights state but tx is not that optimizer; pass "
                             "tx = nv.master_weights(optax..., rules=rules), the one the state was built with, not "
                             "the optax transform inside it")
+        if not _outermost(opt_state):
+            raise TypeError(f"make_step: {OUTERMOST}")
         masters = state.master
         plan.check_layouts(params, "make_step")
         plan.check_layouts(masters, "make_step")
@@ -304,12 +306,7 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: 
         # target id past the vocabulary): master_weights skips a step whose gradients are not
         # all finite, so the loss's verdict is folded into them.
         grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(loss), g, jnp.nan), grads)
-        try:
-            updates, opt_state = tx.update(grads, opt_state, params)
-        except TypeError as e:  # optax.apply_if_finite's cond: the skip branch's float zeros against byte updates
-            if "TiledNVFP4" not in str(e):
-                raise
-            raise TypeError(f"make_step: {OUTERMOST} (optax failed: {str(e).splitlines()[0]})") from None
+        updates, opt_state = tx.update(grads, opt_state, params)
         _check_byte_updates(params, updates)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "skipped": find_state(opt_state).skipped}
@@ -319,8 +316,23 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: 
 
 OUTERMOST = ("nv.master_weights must be the outermost transform: its updates of NVFP4 params are byte differences, "
              "which a transform after or around it (optax.chain(nv.master_weights(...), optax.scale(...)), "
-             "optax.apply_if_finite(nv.master_weights(...))) turns into floats that corrupt the stored bytes; put the "
+             "optax.apply_if_finite(nv.master_weights(...))) turns into floats or other bytes that corrupt the stored "
+             "weights; put the "
              "other transforms inside it, nv.master_weights(optax.chain(...)) (it skips non-finite steps itself)")
+
+
+def _outermost(opt_state) -> bool:
+    """Whether the optimizer state is one whose transform returns master_weights' updates as they are: its own
+    state, ``optax.MultiSteps``' around it (zero updates between steps), or the last of a chain's (the transforms
+    before it act on the gradients; ``optax.named_chain``'s too)."""
+    if isinstance(opt_state, MasterWeightsState):
+        return True
+    if isinstance(opt_state, optax.MultiStepsState):
+        return _outermost(opt_state.inner_opt_state)
+    if (type(opt_state) is tuple or isinstance(opt_state, dict)) and opt_state:
+        *before, last = opt_state.values() if isinstance(opt_state, dict) else opt_state
+        return _outermost(last) and find_state(before) is None
+    return False
 
 
 def _check_byte_updates(params, updates) -> None:

@@ -121,10 +121,18 @@ def test_a_state_stepped_with_another_mesh_or_optimizer_is_refused_naming_the_fi
             jax.jit(nv.make_step(loss, nv.master_weights(optax.sgd(1e-2)), mesh))(params, state, (x, y))
         assert np.isfinite(float(jax.jit(nv.make_step(loss, tx, mesh))(params, state, (x, y))[2]["loss"]))
         # A transform after or around the wrapper: its float updates saturated the stored bytes (NaN from step 2).
-        for outer in (optax.chain(tx, optax.scale(1.0)), optax.apply_if_finite(tx, 3)):
+        # An integer scale keeps them bytes (each doubled: finite, and as far from the masters as the weights are);
+        # a trace after it fails in optax's own tree mapping. Each is refused by where the wrapper sits.
+        for outer in (optax.chain(tx, optax.scale(1.0)), optax.apply_if_finite(tx, 3), optax.chain(tx, optax.scale(2)),
+                      optax.chain(tx, optax.trace(0.9)), optax.masked(tx, lambda p: jax.tree.map(lambda _: True, p))):
             p, s = nv.sharded_state(fp32, outer, mesh, nv.Rules(), nv.Policy())
             with pytest.raises(TypeError, match=r"^make_step: .*nv.master_weights must be the outermost transform"):
                 jax.jit(nv.make_step(loss, outer, mesh))(p, s, (x, y))
+        # Transforms before it in a chain act on the gradients, and MultiSteps passes its updates through.
+        for outer in (optax.chain(optax.zero_nans(), tx), optax.named_chain(("nans", optax.zero_nans()), ("mw", tx)),
+                      optax.MultiSteps(tx, 2)):
+            p, s = nv.sharded_state(fp32, outer, mesh, nv.Rules(), nv.Policy())
+            assert np.isfinite(float(jax.jit(nv.make_step(loss, outer, mesh))(p, s, (x, y))[2]["loss"]))
     with jax.set_mesh(two):
         with pytest.raises(ValueError, match=r"^make_step: 'w1' is stored as 4 shards over 'data', which this mesh "
                                              r"\{'data': 2\} makes 2: build the state on the mesh the step runs on"):

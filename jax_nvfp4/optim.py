@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
+import types
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -132,6 +134,9 @@ def master_weights(
         k = None
         if stochastic_rounding:
             k = key if key is not None else jax.random.key(0)
+        tiles = any(isinstance(t, Tiled) for t in jax.tree.leaves(master, is_leaf=is_tiled))
+        if tiles:
+            _refuse_tile_blind(inner)
         inner_state = inner.init(master)
         _refuse_matrix_state(inner_state, master)
         return MasterWeightsState(
@@ -226,6 +231,59 @@ def master_weights(
 
     update_fn.master_weights = True  # what is_master_weights reads
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# Optax transforms that would compute something else on the masters' tiles than on the matrices, with nothing in
+# their state to show it (see _refuse_matrix_state for those whose state does): what each does.
+_TILE_BLIND = {
+    "clip_by_block_rms": "clips each leaf by its root mean square, which the zero padding of the tiles lowers",
+    "scale_by_param_block_rms": "scales each leaf by its root mean square, which the zero padding of the tiles lowers",
+    "adaptive_grad_clip": "clips by norms along a leaf's axes, which are the tiles' axes, not its rows and columns",
+    "centralize": "subtracts means along a leaf's axes, which are the tiles' axes, not its rows and columns",
+    "lookahead": "keeps fast and slow weights in the params it updates (optax.LookaheadParams), which the masters "
+                 "are not",
+}
+
+
+def _factories(x, seen: set) -> set:
+    """The names of the functions that make up the optax transform ``x``: the factories whose local functions its
+    ``init`` and ``update`` are, found through closures, partials, bound methods and optax's own objects."""
+    if id(x) in seen:
+        return set()
+    seen.add(id(x))
+    found = set()
+    if isinstance(x, (tuple, list)):
+        parts = list(x)
+    elif isinstance(x, dict):
+        parts = list(x.values())
+    elif isinstance(x, types.MethodType):  # a bound method (optax.MultiSteps.update)
+        parts = [x.__func__, x.__self__]
+    elif isinstance(x, types.FunctionType):
+        found.add(x.__qualname__.split(".<locals>")[0])
+        parts = []
+        for cell in x.__closure__ or ():
+            try:
+                parts.append(cell.cell_contents)
+            except ValueError:  # a cell not filled yet
+                pass
+    elif isinstance(x, functools.partial):
+        parts = [x.func, *x.args, *x.keywords.values()]
+    elif type(x).__module__.startswith("optax"):
+        parts = list(vars(x).values()) if hasattr(x, "__dict__") else []
+    else:
+        parts = []
+    for part in parts:
+        found |= _factories(part, seen)
+    return found
+
+
+def _refuse_tile_blind(inner) -> None:
+    """TypeError if ``inner`` contains a transform of :data:`_TILE_BLIND`."""
+    for name in sorted(_factories(inner, set()) & set(_TILE_BLIND)):
+        raise TypeError(f"master_weights: the inner transform contains optax.{name}, which {_TILE_BLIND[name]}: on "
+                        "the masters, stored as 16x16 tiles, it would compute something else than on the matrices. "
+                        "Use element-wise transforms and global norms (adam, adamw, lion, sgd, clip_by_global_norm, "
+                        "...)")
 
 
 def _refuse_matrix_state(inner_state, master) -> None:

@@ -66,7 +66,23 @@ def test_transforms_that_need_a_matrix_rows_and_columns_are_refused(name):
     # each would silently compute something else (Muon: its Adam branch for every matrix).
     fp, _, _, mesh = _setup()
     inner = {"adafactor": optax.adafactor(1e-2), "sm3": optax.sm3(1e-2), "muon": optax.contrib.muon(1e-2)}[name]
-    with pytest.raises(TypeError, match=r"^master_weights: the inner optimizer .*element-wise"):
+    with pytest.raises(TypeError, match=r"^master_weights: the inner (optimizer|transform) .*element-wise"):
+        nv.sharded_state(fp, nv.master_weights(inner), mesh, nv.Rules(), nv.Policy())
+
+
+@pytest.mark.parametrize("name", ["clip_by_block_rms", "scale_by_param_block_rms", "adaptive_grad_clip", "centralize",
+                                  "lookahead"])
+def test_stateless_transforms_of_a_leafs_axes_or_mean_are_refused_wherever_they_sit(name):
+    # Their state says nothing, so they are found by name, inside chains, masks, MultiSteps and
+    # inject_hyperparams. Measured before the refusal, clip_by_block_rms(0.01) on a 17x33 matrix
+    # (padded to 32x48) let through an update of rms 0.0165.
+    fp, _, _, mesh = _setup()
+    inner = {"clip_by_block_rms": optax.chain(optax.adam(1e-2), optax.clip_by_block_rms(0.01)),
+             "scale_by_param_block_rms": optax.MultiSteps(optax.scale_by_param_block_rms(), 2).gradient_transformation(),
+             "adaptive_grad_clip": optax.masked(optax.adaptive_grad_clip(0.1), lambda p: jax.tree.map(lambda _: True, p)),
+             "centralize": optax.inject_hyperparams(optax.centralize)(),
+             "lookahead": optax.lookahead(optax.adam(1e-2), 2, 0.5)}[name]
+    with pytest.raises(TypeError, match=rf"^master_weights: the inner transform contains optax.{name}, which "):
         nv.sharded_state(fp, nv.master_weights(inner), mesh, nv.Rules(), nv.Policy())
 
 

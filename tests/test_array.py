@@ -1,3 +1,5 @@
+import copy
+
 import ml_dtypes
 import numpy as np
 import jax
@@ -37,6 +39,9 @@ def test_layout_and_fields(block):
     assert q.amax.dtype == jnp.float32 and q.amax.shape == (3,)
     assert q.shape == (3, 50, 72) and q.block == block
     assert q.nbytes == 3 * 50 * 36 + int(np.prod(q.scale.shape)) + 12
+    # A container of arrays: == and hash by identity (field-wise, == raised "truth value ... ambiguous").
+    twin = copy.deepcopy(q)
+    assert q == q and q != twin and len({q, twin, q}) == 2
 
 
 @pytest.mark.parametrize("block", BLOCKS)

@@ -34,6 +34,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import time
 from typing import Any, Dict, List
@@ -468,6 +469,9 @@ def compile_step(cfg, spec: MeshSpec, nvlink_gbps: float = NVLINK_GBPS, ib_gbps:
     specs = nv.sharding.partition_specs(a_params)
     return {
         "weights": cfg.nvfp4.weights,
+        # The NVFP4 block of the stored weights (rows, cols of one scale's block), what the
+        # analytic packed bytes count; None for the bf16 run.
+        "block": list(nvfp4_params[0].block) if nvfp4_params else None,
         "mesh": nv_mesh.describe(mesh, spec.nvl_domain),
         "axes": axes,
         "data_group_domains": k_data,
@@ -532,7 +536,9 @@ ROWS = (
     ("tp_bytes", "tensor-parallel activation collectives (bf16 bits; results)", "tp_bytes", "b"),
     ("wire_reduce", "gradient reduction, ring bytes sent (analytic: bf16 reduce-scatter)", "wire_reduce", "b"),
     ("ib_bytes", "InfiniBand bytes received per device (two-level model)", "ib_bytes", "b"),
-    ("time_flat_s", "modelled time of all collectives, flat ring", "time_flat_s", "s"),
+    ("time_flat_s", "modelled time of all collectives, flat ring (measured: each compiled collective at its own "
+                    "group's slowest link; analytic: one ring over all N state devices, InfiniBand where they span "
+                    "racks; no ratio where the step gathers in stages, rack then in-rack)", "time_flat_s", "s"),
     ("time_2level_s", "modelled time of all collectives, two-level", "time_2level_s", "s"),
     ("time_tp_s", "... of which tensor-parallel activations (NVLink)", "time_tp_s", "s"),
     ("flops", "FLOPs of the step (every dot, loop trip counts applied)", None, "f"),
@@ -552,12 +558,28 @@ SHARDING_TEXT = {
 }
 
 
+def block_formula(runs: List[Dict[str, Any]]) -> tuple:
+    """``(scale bytes, words)`` of the packed formula for the runs' NVFP4 block (``run["block"]``,
+    rows x cols of the inputs one E4M3 scale covers, as :func:`analytic` counts them: a scale byte
+    per ``rows x cols`` values)."""
+    blocks = {tuple(r["block"]) for r in runs if r.get("block")}
+    if len(blocks) != 1:
+        return "numel/256 x s", "s = scale bytes per 16x16 tile: 1 for 16x16-tile blocks, 16 for 1d blocks of 16"
+    br, bc = blocks.pop()
+    per = br * bc
+    what = "16x16 tile" if (br, bc) == (16, 16) else f"block of {per} inputs, {br} x {bc}"
+    return f"numel/{per}", f"4-bit codes + one E4M3 scale byte per {what}"
+
+
 def markdown(report: Dict[str, Any]) -> str:
     runs = report["runs"]
     cfg = report["config"]
+    packed_scales, block_words = block_formula(runs)
     lines = [
         f"# Scale: {report['model']} on {report['mesh_spec']}",
         "",
+        *([f"Reproduce: `{report['command']}`" + (f" ({report['command_note']})" if report.get("command_note") else "")
+           + ".", ""] if report.get("command") else []),
         f"- model: d_model={cfg['d_model']}, layers={cfg['layers']}, heads={cfg['heads']}, "
         f"kv_heads={cfg.get('kv_heads') or cfg['heads']}"
         f"{' (full MHA, no GQA)' if not cfg.get('kv_heads') or cfg['kv_heads'] == cfg['heads'] else ''}, "
@@ -614,7 +636,10 @@ def markdown(report: Dict[str, Any]) -> str:
         for r in runs:
             m = r["measured"].get(key)
             a = r["analytic"].get(akey) if akey else None
-            row += f" {fmt(m)} | {fmt(a) if akey else ''} | {_ratio(m, a) if akey else ''} |"
+            # A staged (rack, then in-rack) step's flat figure runs its in-rack stages on NVLink; the
+            # analytic flat ring puts every byte on InfiniBand: not the same algorithm, no ratio.
+            staged = key == "time_flat_s" and r.get("sharding") == "fsdp" and r["data_group_domains"] > 1
+            row += f" {fmt(m)} | {fmt(a) if akey else ''} | {'-' if staged else (_ratio(m, a) if akey else '')} |"
         if len(runs) == 2:
             row += f" {_ratio(runs[0]['measured'].get(key), runs[1]['measured'].get(key))} |"
         lines.append(row)
@@ -656,12 +681,15 @@ def markdown(report: Dict[str, Any]) -> str:
     lines += [
         "## Formulas",
         "",
-        "Analytic, per device (N = data-axis size, t = tensor split of the leaf, L = stacked layers):",
+        "Analytic, per device (N = data-axis size, t = tensor split of the leaf, L = stacked layers, "
+        "passes = 2 for the scanned (rematerialised) layers, gathered in the forward and again in the "
+        "backward pass, 1 for the embedding and head):",
         "",
-        "- packed gather bytes = sum over NVFP4 weights of (rows*cols/2 + rows*cols/256) / t, plus "
-        "2 bytes x numel / t for bf16 leaves stored sharded (embed, head; all weights in the bf16 run)",
-        "- params = (rows*cols/2 + rows*cols/256)/(N t) + 4 L (amax) per NVFP4 weight; itemsize x numel / (N t) for "
-        "large plain leaves; itemsize x numel for small ones (norm scales, replicated)",
+        f"- packed gather bytes = sum over NVFP4 weights of passes x (numel/2 + {packed_scales}) / t "
+        f"({block_words}), plus passes x 2 bytes x numel / t for bf16 leaves stored sharded (embed, head; "
+        "all weights in the bf16 run)",
+        f"- params = (numel/2 + {packed_scales})/(N t) + 4 L (amax) per NVFP4 weight; itemsize x numel / (N t) "
+        "for large plain leaves; itemsize x numel for small ones (norm scales, replicated)",
         "- master = 4 x numel' / (N t), Adam state (m, v) = 8 x numel' / (N t); numel' includes the zero padding "
         "of NVFP4 masters to whole 16 x 16 tiles per data shard (the data-split dim rounded up to a multiple of "
         "16 N, the other to 16); small leaves (< min_shard_size) replicated: 4 numel and 8 numel",
@@ -692,13 +720,48 @@ def markdown(report: Dict[str, Any]) -> str:
         "the master tiles plus a local f32 fold in shard order: the same bytes on the wire as a bf16 "
         "reduce-scatter, on any backend.",
         "- Layers are rematerialised: each layer's weights are gathered twice per step (forward, and again in "
-        "the backward pass), so gathered bytes per step are twice one pass; the analytic gather figure is one "
-        "pass. XLA temporaries hold one layer's gathered weights and gradients, the embedding and head, and "
-        "the activations saved per layer.",
-        "- 'analytic' ignores padding; the tile layout pads each matrix to a multiple of N_data tiles.",
+        "the backward pass); the analytic gather figures count both passes (passes = 2 above). XLA "
+        "temporaries hold one layer's gathered weights and gradients, the embedding and head, and the "
+        "activations saved per layer.",
+        "- 'analytic' counts the tile padding of the masters and the Adam state (numel' above: each matrix's "
+        "tiles rounded up to a multiple of N); the packed params and gathers are counted unpadded.",
         "",
     ]
     return "\n".join(lines)
+
+
+def command_of(report: Dict[str, Any]) -> str:
+    """The ``python -m benchmarks scale`` command that reproduces ``report`` (a scale JSON
+    record), from its recorded configuration: model, mesh, tensor axis, NVLink domain,
+    sharding, weights, overrides, sequence, micro-batch and link speeds (defaults left out)."""
+    m = re.fullmatch(r"(gb200|data)-(\d+)(?:-nvl(\d+))?(?:-t(\d+))?(?:-(hsdp|flat))?", report["mesh_spec"])
+    kind, count, nvl, t, sharding = m.groups()
+    weights = [r["weights"] for r in report["runs"]]
+    args = ["--model", report["model"], "--mesh", f"{kind}:{count}"]
+    args += ["--tensor", t] if t else []
+    args += ["--nvl-domain", nvl] if nvl else []
+    args += ["--sharding", sharding] if sharding else []
+    args += [] if sorted(weights) == ["bf16", "nvfp4"] else ["--weights", weights[0]]
+    for k, v in (report.get("overrides") or {}).items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    for flag, key, default in (("--seq-len", "seq_len", SEQ_LEN), ("--micro-batch", "micro_batch", 1),
+                               ("--nvlink-gbps", "nvlink_gbps", NVLINK_GBPS), ("--ib-gbps", "ib_gbps", IB_GBPS)):
+        if report.get(key, default) != default:
+            args += [flag, f"{report[key]:g}" if isinstance(report[key], float) else str(report[key])]
+    return " ".join(["python -m benchmarks scale", *args])
+
+
+def rerender(results_dir: str = RESULTS) -> List[str]:
+    """Re-render every ``scale_*.md`` in ``results_dir`` from its ``.json`` (no compile)."""
+    done = []
+    for name in sorted(os.listdir(results_dir)):
+        if name.startswith("scale_") and name.endswith(".json"):
+            with open(os.path.join(results_dir, name)) as f:
+                report = json.load(f)
+            with open(os.path.join(results_dir, name[:-5] + ".md"), "w") as f:
+                f.write(markdown(report))
+            done.append(name[:-5] + ".md")
+    return done
 
 
 # ----------------------------------------------------------------------------- FSDP vs HSDP vs flat
@@ -738,9 +801,12 @@ def sharding_table(results_dir: str = RESULTS) -> str:
         "data axis over every rack (`mesh.layout: auto`); tensor T: Megatron tensor + sequence parallelism "
         "inside the rack, each weight's tensor shard gathered over the data axes only. Peak: XLA arguments + "
         "temporaries + outputs - aliased of the train step and of the evaluation program. Modelled time: the "
-        "two-level link model of each collective as compiled; analytic: the ideal algorithms for the same "
-        "layout (FSDP gathers and reduce-scatters + the tensor-parallel activation collectives; see "
-        "`scale_*.md`); compute: the step's dot FLOPs at a GB200's dense bf16 peak "
+        "two-level link model of each collective as compiled; analytic: the ideal two-level (in-rack, "
+        "then across racks) algorithms for the state's sharding (gathers and reduce-scatters of the state's "
+        "data group + the tensor-parallel activation collectives; see `scale_*.md`): for fsdp and flat "
+        "rows the same figure, the hierarchical ideal of a state sharded over every data device, so a flat "
+        "row's ratio is what one flat data axis costs against it; for hsdp rows gathers and reduce-scatters "
+        "inside a rack, then the rack's shard all-reduced across racks; compute: the step's dot FLOPs at a GB200's dense bf16 peak "
         f"({GB200_BF16_DENSE_TFLOPS:g} TFLOP/s), a lower bound.",
         "",
         "| model | racks | tensor | sharding | state (params + master + Adam) | step peak | eval peak | "
@@ -776,7 +842,7 @@ def parse_args(argv=None):
     domain). A bad one is one line on stderr and exit 2 (:mod:`benchmarks.arguments`)."""
     from benchmarks import arguments as A
 
-    p = A.Parser(prog="python -m benchmarks.scale", description=__doc__.splitlines()[0])
+    p = A.Parser(prog="python -m benchmarks.scale", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", choices=sorted(PRESETS), default="8b")
     p.add_argument("--mesh", default="gb200:2", type=mesh_text,
                    help="gb200:RACKS (RACKS x nvl-domain devices) or data:N")
@@ -797,8 +863,10 @@ def parse_args(argv=None):
                    help="directory for scale_<model>_<mesh>.json/.md ('' = none)")
     p.add_argument("--table", action="store_true",
                    help="only write the FSDP / HSDP / flat table of the results in --out (SHARDING.md)")
+    p.add_argument("--render", action="store_true",
+                   help="only re-render every scale_*.md in --out from its .json (no compile), then SHARDING.md")
     args = p.parse_args(argv)
-    if not args.table:
+    if not (args.table or args.render):
         from train.config import ConfigError, validate_for_devices
 
         spec = MeshSpec.parse(args.mesh, args.tensor, args.nvl_domain, args.sharding)
@@ -834,7 +902,10 @@ def main(argv=None) -> Dict[str, Any]:
     args = parse_args(argv)
     if args.out:
         A.make_output_dir(args.out)
-    if args.table:
+    if args.render:
+        for name in rerender(args.out):
+            print(f"[scale] rendered {name}", file=sys.stderr)
+    if args.table or args.render:
         text = sharding_table(args.out)
         with open(os.path.join(args.out, "SHARDING.md"), "w") as f:
             f.write(text)
@@ -859,6 +930,7 @@ def main(argv=None) -> Dict[str, Any]:
         print(f"[scale] {args.model} {spec.label} {w}: compiled in {runs[-1]['seconds']['compile']:.1f} s",
               file=sys.stderr, flush=True)
     report = {
+        "command": " ".join(["python -m benchmarks scale", *map(shlex.quote, sys.argv[1:] if argv is None else argv)]),
         "model": args.model,
         "mesh_spec": spec.label,
         "devices": spec.devices,

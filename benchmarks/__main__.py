@@ -48,6 +48,7 @@ import datetime
 import importlib
 import json
 import os
+import shlex
 import sys
 import time
 from typing import Any, Dict, List, Sequence
@@ -125,12 +126,14 @@ def run_scale(argv: Sequence[str]) -> int:
     return result if isinstance(result, int) else 0
 
 
-def _meta(section: str, flags: Sequence[str], devices, wall_s: float) -> Dict[str, Any]:
+def _meta(argv: Sequence[str], devices, wall_s: float) -> Dict[str, Any]:
+    """The run's record in each section's JSON: ``command`` is the invocation that wrote it (all
+    its sections, as given), not one section's name."""
     import jax
 
     source = source_state()
     return {
-        "command": " ".join(["python -m benchmarks", section, *flags]),
+        "command": " ".join(["python -m benchmarks", *map(shlex.quote, argv)]),
         "platform": jax.default_backend(),
         "device_kind": devices[0].device_kind,
         "n_devices": len(devices),
@@ -146,20 +149,6 @@ def _meta(section: str, flags: Sequence[str], devices, wall_s: float) -> Dict[st
         # Timings on a shared host move with its load; the 1-minute load average says how busy.
         "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
-
-
-def _flags(argv: Sequence[str]) -> List[str]:
-    """The option part of ``argv`` (what reproduces a section besides its name)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            out.append(a)
-            skip = False
-        elif a.startswith("-"):
-            out.append(a)
-            skip = "=" not in a and a not in ("--quick",)
-        # positional section names are dropped
-    return out
 
 
 def _write(out_dir: str, name: str, obj: Dict[str, Any]) -> None:
@@ -185,7 +174,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return convergence_text.main([a for a in argv[1:] if a != "--text"])
     args = parse_args(argv)
-    flags = _flags(argv)
     t_start = time.perf_counter()
     A.make_output_dir(args.out)
     devices = request_cpu_devices(args.host_devices)
@@ -214,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for size in args.sizes:
             for n in data_sizes:
                 points[(size, n)] = ts.measure_pair(size, n, devices, time_steps=args.repeats, log=log)
-        _write(args.out, "scaling", {"meta": _meta("scaling", flags, devices, time.perf_counter() - t0),
+        _write(args.out, "scaling", {"meta": _meta(argv, devices, time.perf_counter() - t0),
                                      "points": list(points.values())})
 
     ref_data = max(data_sizes) if data_sizes else 1  # the largest requested data-axis size
@@ -232,10 +220,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             log(f"speed: this tree against {args.against}, {args.ref_size} model, data={ref_data}")
             shape = against.shape_overrides(ts.size_config(args.ref_size, "nvfp4"))
-            extra["against"] = against.compare(args.against, shape, devices=ref_data, log=log)
+            block = ts.size_config(args.ref_size, "nvfp4").nvfp4.resolved_block()
+            extra["against"] = against.compare(args.against, shape, block=block, devices=ref_data, log=log)
         wall = time.perf_counter() - t0
         for s in point_sections:
-            _write(args.out, s, {"meta": _meta(s, flags, devices, wall), "point": ref,
+            _write(args.out, s, {"meta": _meta(argv, devices, wall), "point": ref,
                                  **(extra if s == "speed" else {})})
 
     if "quantize" in args.sections:
@@ -244,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         log(f"quantize: {args.quant_size}x{args.quant_size} float32")
         q = quantize.run(args.quant_size, repeats=5 if args.quick else 10)
-        _write(args.out, "quantize", {"meta": _meta("quantize", flags, devices, time.perf_counter() - t0), "result": q})
+        _write(args.out, "quantize", {"meta": _meta(argv, devices, time.perf_counter() - t0), "result": q})
         log(f"  quantize 16x16 {q['quantize_16x16_GBps']:.1f} GB/s = {q['quantize_16x16_vs_same_bytes']:.3f} of a "
             f"same-bytes pass; dequantize {q['dequantize_bf16_GBps']:.1f} GB/s = "
             f"{q['dequantize_bf16_vs_same_bytes']:.3f}")
@@ -256,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         conv_devices = devices[:ref_data]
         log(f"convergence: {args.conv_size} model, {args.conv_steps} steps, data={len(conv_devices)}")
         c = convergence.run(args.conv_size, args.conv_steps, conv_devices, args.out, log=log)
-        _write(args.out, "convergence", {"meta": _meta("convergence", flags, devices, time.perf_counter() - t0), **c})
+        _write(args.out, "convergence", {"meta": _meta(argv, devices, time.perf_counter() - t0), **c})
 
     summary = report.write(args.out)
     total = time.perf_counter() - t_start

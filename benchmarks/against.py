@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -87,12 +88,34 @@ def _time_tree(tree: str, overrides: Sequence[str], steps: int, devices: int) ->
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def compare(rev: str, overrides: Sequence[str], *, devices: int = 8, steps: int = 5, rounds: int = 2,
-            log=print) -> Dict[str, Any]:
+def has_block_key(rev: str) -> bool:
+    """Whether ``rev``'s training config has ``nvfp4.block`` (the NVFP4 block format setting)."""
+    try:
+        text = _git("show", f"{rev}:train/config.py")
+    except RuntimeError:
+        return False
+    return re.search(r"^\s+block\s*:", text, re.M) is not None
+
+
+def block_overrides(rev: str, block: str) -> Dict[str, Any]:
+    """The block format both sides store, pinned: ``block`` ("1d"/"2d", this tree's) on both
+    sides where ``rev`` knows ``nvfp4.block``; else ``rev``'s library has only 16x16-tile blocks,
+    so this tree runs ``nvfp4.block=2d``."""
+    if has_block_key(rev):
+        return {"rev": [f"nvfp4.block={block}"], "here": [f"nvfp4.block={block}"], "block": block,
+                "why": f"nvfp4.block={block} on both sides"}
+    return {"rev": [], "here": ["nvfp4.block=2d"], "block": "2d",
+            "why": "that commit has no nvfp4.block and only 16x16-tile blocks, so this tree runs nvfp4.block=2d"}
+
+
+def compare(rev: str, overrides: Sequence[str], *, block: str = "1d", devices: int = 8, steps: int = 5,
+            rounds: int = 2, log=print) -> Dict[str, Any]:
     """Median step time of ``REV`` and of this tree on the same config ``overrides`` (keys both
-    trees know), ``rounds`` alternating rounds of ``steps`` timed steps each."""
+    trees know) and the same NVFP4 block format (:func:`block_overrides`), ``rounds``
+    alternating rounds of ``steps`` timed steps each."""
     full = _git("rev-parse", "--verify", f"{rev}^{{commit}}")
     subject = _git("log", "-1", "--format=%s", full)
+    pinned = block_overrides(full, block)
     tmp = tempfile.mkdtemp(prefix="against-")
     tree = os.path.join(tmp, "tree")
     _git("worktree", "add", "--detach", tree, full)
@@ -101,7 +124,7 @@ def compare(rev: str, overrides: Sequence[str], *, devices: int = 8, steps: int 
     try:
         for r in range(rounds):
             for side, path in (("rev", tree), ("here", ROOT)):
-                res = _time_tree(path, overrides, steps, devices)
+                res = _time_tree(path, [*overrides, *pinned[side]], steps, devices)
                 times[side] += res["times"]
                 compile_s[side].append(res["compile_s"])
                 log(f"  round {r + 1}/{rounds} {'REV ' + full[:10] if side == 'rev' else 'this tree'}: "
@@ -113,6 +136,8 @@ def compare(rev: str, overrides: Sequence[str], *, devices: int = 8, steps: int 
     rev_s, here_s = statistics.median(times["rev"]), statistics.median(times["here"])
     return {
         "rev": full, "rev_subject": subject, "overrides": list(overrides), "devices": devices,
+        "overrides_rev": pinned["rev"], "overrides_here": pinned["here"], "block_here": pinned["block"],
+        "block_why": pinned["why"],
         "steps_per_round": steps, "rounds": rounds,
         "step_time_s_rev": rev_s, "step_time_s_here": here_s, "ratio": here_s / rev_s,
         "step_times_s_rev": times["rev"], "step_times_s_here": times["here"],

@@ -175,11 +175,41 @@ def _ratio(a, b) -> Optional[float]:
     return (a / b) if (a is not None and b) else None
 
 
+def packed_gather_measured(n: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:
+    """The packed gather ratio measured across the two runs of one point (``n``: NVFP4 weights,
+    ``b``: bf16 weights, as :func:`measure` returns them), from their compiled collectives alone:
+    the NVFP4 run's packed (u8) weight all-gathers over the bf16 run's weight all-gathers less
+    those of the leaves both runs keep in bf16 (the NVFP4 run's other weight gathers). Unlike
+    ``jax_nvfp4.comm``'s per-leaf figure (a bf16 gather of the same leaves counted as 4 x the
+    NVFP4 run's own code bytes) this rises above the layout's ratio when codes are gathered more
+    often than the bf16 weights are.
+
+    ``comparable`` is False where the bf16 run keeps weights replicated (not gathered) that the
+    NVFP4 run shards and gathers: its replicated-gradient all-gathers then exceed the NVFP4
+    run's (NVFP4 leaves are always sharded; plain leaves under ``Rules.min_shard_size`` are not),
+    so the denominator lacks those weights."""
+    def purpose(run, name):
+        return run["collectives_by_purpose"].get(name, {})
+
+    wn, wb = purpose(n, "weight gather"), purpose(b, "weight gather")
+    # Packed bytes gathered at the end of a step (re-quantized shards into replicated params) count too.
+    packed = (sum(v for k, v in wn.items() if k.endswith(":u8"))
+              + purpose(n, "re-quantize").get("all-gather:u8", 0))
+    kept = sum(v for k, v in wn.items() if not k.endswith(":u8"))
+    bf16_same = sum(wb.values()) - kept
+    gn = purpose(n, "grad reduce").get("all-gather:u16", 0)
+    gb = purpose(b, "grad reduce").get("all-gather:u16", 0)
+    return {"packed_bytes": packed, "bf16_bytes": bf16_same, "kept_bf16_bytes": kept,
+            "ratio": _ratio(packed, bf16_same) if packed else None,
+            "comparable": gb <= gn, "bf16_replicated_grad_gather_bytes": gb - gn}
+
+
 def ratios(n: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Optional[float]]:
     """NVFP4 / bf16 figures of one (size, data) point."""
     g = n["gather"]
     return {
         "leaf_gather": _ratio(g["nvfp4_gather_bytes"], g["nvfp4_bf16_gather_bytes"]),
+        "leaf_gather_measured": packed_gather_measured(n, b)["ratio"],
         "leaf_gather_vs_limit": _ratio(_ratio(g["nvfp4_gather_bytes"], g["nvfp4_bf16_gather_bytes"]), LEAF_LIMIT),
         "model_gather": _ratio(g["param_gather_bytes"], b["gather"]["param_gather_bytes"]),
         "model_gather_vs_analytic_bf16": _ratio(g["param_gather_bytes"], g["bf16_gather_bytes"]),

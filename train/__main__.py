@@ -3,21 +3,24 @@
 Examples:
   python -m train                                  the default job: 2 layers, 300 steps, 8 simulated CPU devices
   python -m train --config train/configs/tiny.yaml --set train.steps=20 --no-progress
-  python -m train --compare bf16                   NVFP4 and bf16 weights side by side (loss.png, summary)
-  python -m train --set checkpoint.dir=ckpt --set checkpoint.every=50   rerun the same command to resume
-  scripts/launch_local.sh 2 --config train/configs/tiny.yaml            2 processes x 4 CPU devices
+  python -m train --compare bf16 --out runs/compare   NVFP4 and bf16 weights side by side (loss.png, summary)
+  python -m train --out runs/ck --set checkpoint.dir=ck --set checkpoint.every=50   rerun it to resume
+  scripts/launch_local.sh 2 --config train/configs/tiny.yaml --out runs/tiny-2p   2 processes x 4 CPU devices
 
 Config: a .yaml/.gin file (--config) plus KEY=VALUE overrides (--set KEY=VALUE, or bare KEY=VALUE),
-applied in order; the keys and their defaults are listed below. Checkpoints, stopping (SIGTERM,
-SIGINT), folder locks, --init-from, the exports, multi-process runs (JAX_COORDINATOR_ADDRESS,
-JAX_NUM_PROCESSES, JAX_PROCESS_ID, SLURM) and fault injection (TRAIN_FAULT_*): docs/TRAINING.md.
+applied in order; the keys and their defaults are listed below. A run writes to --out (default: the
+config's train.out_dir, runs/default or runs/tiny), which a new run refuses if it holds an earlier
+run it does not resume (give each run its own). Checkpoints, stopping (SIGTERM, SIGINT), folder
+locks, --init-from, the exports, multi-process runs (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+JAX_PROCESS_ID, SLURM) and fault injection (TRAIN_FAULT_*): docs/TRAINING.md.
 
 Exit status (one line on stderr for every failure):
-  0 done; 2 bad config, mesh, data file, checkpoint, output or export folder, or a folder another
-    run holds (nothing written, nothing trained); 3 non-finite steps (nvfp4.nonfinite=error, or
-    nvfp4.max_skipped_in_a_row in a row), naming the step; 4 a runtime failure such as a lost or
-    frozen peer process; 5 a checkpoint or another output could not be written mid-run (the
-    checkpoints before it are intact); 130, 143 stopped by SIGINT, SIGTERM (the step is saved).
+  0 done; 2 bad config, mesh, data file, checkpoint, output or export folder, an --out holding an
+    earlier run this one does not resume, or a folder another run holds (nothing written, nothing
+    trained); 3 non-finite steps (nvfp4.nonfinite=error, or nvfp4.max_skipped_in_a_row in a row),
+    naming the step; 4 a runtime failure such as a lost or frozen peer process; 5 a checkpoint or
+    another output could not be written mid-run (the checkpoints before it are intact); 130, 143
+    stopped by SIGINT, SIGTERM (the last step trained is saved).
 """
 
 from __future__ import annotations

@@ -225,7 +225,7 @@ def _initial_state(cfg: Config, mesh, ckpt, start: Optional[int], imported: bool
             print(f"resuming from step {start} of {cfg.train.steps} ({ckpt.directory})", flush=True)
         elif is_main:
             print(f"checkpoint {ckpt.directory} is at step {start} = train.steps: the run is already finished, "
-                  f"nothing to train (raise train.steps to continue it; see README, Checkpoints)", flush=True)
+                  f"nothing to train (raise train.steps to continue it; see docs/TRAINING.md, Checkpoints)", flush=True)
     return trainer, params, opt_state, base_key, it, source, in_a_row
 
 

@@ -302,12 +302,16 @@ class Shard(struct.PyTreeNode, meta.AxisMetadata):
         # this box's leaves along ``index``: only a stacked layout has that axis first.
         if is_tiled(s := self.stored):
             stacked = (s.data if isinstance(s, TiledNVFP4) else s.value).ndim > 4
-            if not stacked or index != 0:
+            if not stacked:
                 raise ValueError(
-                    f"a weight of shape {self.shape} is sliced by nn.scan or nn.vmap along its axis {index}, " + ("which its layout does not stack: declare the transformed params stacked, e.g. "
-                                    "nv.Rules(stacked=('^blocks/',)) for the params under 'blocks'" if not stacked
-                                    else "but stacked params stack their layers on axis 0: use variable_axes "
-                                    "{'params': 0}"))
+                    f"a weight of shape {self.shape} is sliced by nn.scan or nn.vmap along its axis {index}, which its "
+                    "layout does not stack: declare the transformed params stacked, e.g. "
+                    "nv.Rules(stacked=('^blocks/',)) for the params under 'blocks', one regex per nested transform "
+                    "(('^blocks/', '/experts/') for an nn.vmap inside an nn.scan)")
+            if index != 0:
+                raise ValueError(f"a weight of shape {self.shape} is sliced by nn.scan or nn.vmap along its axis "
+                                 f"{index}, but stacked params stack their layers on axis 0: use variable_axes "
+                                 "{'params': 0}")
         return self
 
 

@@ -29,8 +29,11 @@ class Rules:
       tensor: ``(regex, dim)`` pairs: a matrix whose path matches is split over the tensor axis
         along ``dim`` (-1: columns, e.g. QKV and MLP-in kernels; -2: rows, e.g. attention-out
         and MLP-out kernels).
-      stacked: regexes of paths whose first axis stacks layers (``nn.scan``): that axis is a
-        batch axis, so a stacked ``[L, d]`` vector is a vector per layer, not a matrix.
+      stacked: regexes of paths whose leading axes stack layers (``nn.scan``, ``nn.vmap``), one
+        axis per regex a path matches: those axes are batch axes, so a stacked ``[L, d]`` vector
+        is a vector per layer, not a matrix. Transforms nested in each other stack one axis each
+        and take one regex each: ``("^blocks/", "/experts/")`` makes the experts' biases
+        ``[L, E, d]`` of an ``nn.vmap`` inside an ``nn.scan`` vectors.
       min_shard_size: plain (non-NVFP4) leaves with fewer elements than this, or fewer than two
         matrix axes, are replicated (norm scales, biases): their update needs no collective.
         A leaf a tensor rule splits is laid out and split whatever its size.
@@ -58,7 +61,8 @@ class Rules:
         return None
 
     def stacked_axes(self, path: str) -> int:
-        return 1 if any(re.search(p, path) for p in self.stacked) else 0
+        """The leading axes of the leaf at ``path`` that stack layers: one per matching regex."""
+        return sum(1 for p in self.stacked if re.search(p, path))
 
     @property
     def data_axes(self) -> Tuple[str, ...]:

@@ -8,6 +8,7 @@ import os
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -180,3 +181,53 @@ def test_a_scan_over_layers_the_rules_do_not_stack_is_named(kind, change):
         assert "nv.Rules(stacked=" in said and "'^blocks/'" in said, said
     else:
         assert "sliced by nn.scan or nn.vmap along its axis 1" in said and "{'params': 0}" in said, said
+
+
+def test_nested_transforms_stack_one_axis_per_rule():
+    """Sixteen experts under nn.vmap inside an nn.scan: their biases [L, E, d] are vectors per
+    layer and expert once both transforms are declared (a regex each), and the step trains the
+    model the whole-model gather computes; with the scan alone declared they would be [E, d]
+    matrices per layer, quantized, and the inner vmap could not slice them (named)."""
+    import flax.linen as nn
+    import optax
+
+    class Expert(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(32)(x)
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            experts = nn.vmap(Expert, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None,
+                              out_axes=0, axis_size=16)
+            return x + experts(name="experts")(x).mean(0), None
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+            return blocks(name="blocks")(x, None)[0]
+
+    x = jax.random.normal(jax.random.key(1), (8, 32))
+    fp32 = Model().init(jax.random.key(0), x)["params"]
+    loss = lambda p, rows, key=None: jnp.mean((Model().apply({"params": p}, rows) - 1.0) ** 2)
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        for stacked in (("^blocks/",), ("^blocks/", "/experts/")):
+            rules = nv.Rules(stacked=stacked)
+            tx = nv.master_weights(optax.adam(1e-3), rules=rules)
+            params, state = nv.sharded_state(fp32, tx, mesh, rules, nv.Policy())
+            bias = params["blocks"]["experts"]["Dense_0"]["bias"]
+            step = jax.jit(nv.make_step(loss, tx, mesh, rules))
+            if len(stacked) == 1:
+                assert isinstance(bias, nv.TiledNVFP4)
+                with pytest.raises(ValueError, match=r"one regex per nested transform"):
+                    step(params, state, x)
+                continue
+            assert not nv.layout.is_tiled(bias) and bias.shape == (2, 16, 32)
+            kernel = params["blocks"]["experts"]["Dense_0"]["kernel"]
+            assert isinstance(kernel, nv.TiledNVFP4) and kernel.data.ndim == 6  # [L, E] x the 32x32 tiles
+            whole = float(jax.jit(lambda p: loss(nv.dequantize_params(nv.gather(p)), x))(params))
+            _, _, metrics = step(params, state, x)
+            np.testing.assert_allclose(float(metrics["loss"]), whole, rtol=1e-5)

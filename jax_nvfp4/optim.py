@@ -420,6 +420,18 @@ def apply_updates(params, updates):
     return optax.apply_updates(params, updates)
 
 
+def _same_storage(stored, theirs) -> None:
+    """ValueError unless each param ``stored`` by one policy is NVFP4 exactly where ``theirs`` (another policy's)
+    is (the re-quantization keeps each stored param's blocks)."""
+    kind = lambda x: "NVFP4" if isinstance(x, TiledNVFP4) else "float"
+    flat, treedef = jax.tree_util.tree_flatten_with_path(stored, is_leaf=is_tiled)
+    for (path, mine), other in zip(flat, treedef.flatten_up_to(theirs)):
+        if kind(mine) != kind(other):
+            raise ValueError(f"sharded_state: the policy stores {path_str(path)!r} as {kind(mine)}, the "
+                             f"nv.master_weights optimizer's policy as {kind(other)}; pass the same policy to both, "
+                             "nv.master_weights(..., policy=policy)")
+
+
 def state_init(tx, mesh=None, rules: Optional[Rules] = None, policy: Optional[Policy] = None):
     """The pure function :func:`sharded_state` compiles: float params -> ``(stored params, optimizer state)``,
     :func:`~jax_nvfp4.sharding.shard_params` with ``mesh``, ``rules``, ``policy``, and ``tx.init`` with the float32
@@ -457,6 +469,8 @@ def state_init(tx, mesh=None, rules: Optional[Rules] = None, policy: Optional[Po
             own = seen[0][0] if seen else None
         stored = shard_params(tree, mesh, rules, own)
         opt_state, seen = init(jax.tree.map(float_in, stored, tree, is_leaf=is_tiled))
+        for other in {other for other, _ in seen if own is not None and other != own}:
+            _same_storage(stored, jax.eval_shape(lambda t: shard_params(t, mesh, rules, other), tree))
         requantized = lambda p: {"shared_amax": p.shared_amax, "four_over_six": p.four_over_six}
         if own is not None and any(requantized(other) != requantized(own) for other, _ in seen):
             raise ValueError(f"sharded_state: the policy quantizes with {requantized(own)}, the nv.master_weights "

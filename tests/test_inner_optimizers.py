@@ -102,6 +102,11 @@ def test_the_state_is_quantized_with_the_policy_the_optimizer_requantizes_with()
         with pytest.raises(ValueError, match=r"^sharded_state: the policy quantizes with .*'four_over_six': True.*"
                                              r"re-quantizes after every step with .*'four_over_six': False"):
             nv.sharded_state(fp, nv.master_weights(optax.sgd(0.0)), mesh, rules, policy)
+        # So is one that keeps a param in float where the other makes it NVFP4 (the step failed on it,
+        # telling the user to pass the stored params they had passed).
+        with pytest.raises(ValueError, match=r"^sharded_state: the policy stores 'Dense_0/kernel' as float, the "
+                                             r"nv.master_weights optimizer's policy as NVFP4"):
+            nv.sharded_state(fp, tx, mesh, rules, nv.Policy(keep=("Dense_0",), four_over_six=True, block=(1, 16)))
     want = nv.quantize_params(fp, policy)
     bits = lambda t: [np.asarray(a).tobytes() for a in jax.tree.leaves(t)]
     assert bits(nv.sharding.logical(params)) == bits(want) == bits(nv.sharding.logical(stepped))

@@ -810,6 +810,7 @@ def _write_safetensors(tensors, directory: str, max_shard_bytes: int, metadata=N
             meta = {"format": "pt", **(metadata(list(current)) if metadata else {})}
             save_file(current, os.path.join(directory, name), metadata=meta)
             _sort_metadata(os.path.join(directory, name))
+            os.chmod(os.path.join(directory, name), 0o644)  # the writer leaves 0600: a server under another user
             shards.append((name, list(current)))
             current, size = {}, 0
 

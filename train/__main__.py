@@ -396,7 +396,8 @@ def hf_check(cfg, mesh) -> None:
     if cfg.nvfp4.weights == "nvfp4" and not cfg.nvfp4.fused_amax and jax.process_index() == 0:
         print("notice: nvfp4.fused_amax=false: the --export-hf NVFP4 checkpoint gives q/k/v and gate/up a global "
               "scale each; serving engines that fuse them (vLLM, SGLang) read each group under its largest scale, "
-              "which shrinks the other parts' weights (transformers reads it as trained)", file=sys.stderr, flush=True)
+              "which shrinks the other parts' weights, and TensorRT-LLM refuses it (transformers reads it as "
+              "trained)", file=sys.stderr, flush=True)
 
 
 def hf_metadata(cfg) -> tuple:

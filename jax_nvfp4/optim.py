@@ -67,6 +67,9 @@ def _is_param_leaf(x) -> bool:
     return is_nvfp4(x) or is_tiled(x)
 
 
+# Collections a Linen model writes in its call (mutable=...), not weights.
+_MODEL_STATE = {"batch_stats", "cache", "intermediates"}
+
 # The policies of the master_weights inits a state_init traces (it may be wrapped: chain, MultiSteps...).
 _INIT_POLICIES: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("master_weights_policies",
                                                                                  default=None)
@@ -110,6 +113,10 @@ def master_weights(
     def init_fn(params):
         if (seen := _INIT_POLICIES.get()) is not None:
             seen.append((policy, cast_master_bf16))
+        if isinstance(params, dict) and (state := sorted(set(params) & _MODEL_STATE)):
+            raise TypeError(f"master_weights: the params hold Flax's {state[0]!r} collection: every leaf given is "
+                            "trained as a weight, so its statistics would be; pass variables['params'] and keep the "
+                            "state the model writes (nn.BatchNorm's, with mutable=[...]) out of the params")
         m = context_mesh(mesh)
 
         def one(path, leaf):

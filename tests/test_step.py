@@ -320,6 +320,9 @@ def test_state_a_model_writes_and_arrays_it_closes_over_are_named():
             return _loss(p, model(r[0]), r[1])
         with pytest.raises(TypeError, match=r"^a leaf of the trained params is written inside the model .*BatchNorm"):
             jax.jit(nv.make_step(writes, tx, mesh))(params, opt_state, (x, y))
+        # A Linen model's variables passed whole: its batch statistics would be trained as weights.
+        with pytest.raises(TypeError, match=r"^master_weights: the params hold Flax's 'batch_stats' collection"):
+            nv.sharded_state({"params": fp32, "batch_stats": {"mean": jnp.zeros(32)}}, tx, mesh)
         params, opt_state = nv.sharded_state(fp32, tx, mesh)
         shift = jax.device_put(jnp.full((32,), 0.5), jax.sharding.NamedSharding(mesh, jax.P("data")))
         with pytest.raises(NotImplementedError, match=r"closes over an array sharded over Explicit mesh axes.*extra "

@@ -963,15 +963,15 @@ class SafetensorsEntry:
 
 
 class Safetensors:
-    """The tensors of a Hugging Face checkpoint folder (``model.safetensors`` or the shards of
-    ``model.safetensors.index.json``) read by slices (:meth:`array`: only the touched pages).
+    """The tensors of a Hugging Face checkpoint folder (``model.safetensors``, else the shards of
+    ``model.safetensors.index.json``: transformers' order) read by slices (:meth:`array`: only the touched pages).
     ``entries``: ``{tensor: SafetensorsEntry}``; ``amax``: ``{HF name of a global scale: float32
     bits of the exact amax}``, every shard's :data:`AMAX_METADATA`; ``reads``: every
     :class:`Read` served by :meth:`read`, in order.
 
     Raises:
-      ExportError: ``"{directory}: ..."``: no safetensors file, an unreadable index or
-        :data:`AMAX_METADATA`, a file safetensors' own reader refuses (truncated or corrupt), a
+      ExportError: ``"{directory}: ..."``: no safetensors file, an unreadable index or one naming
+        a file outside the folder, unreadable :data:`AMAX_METADATA`, a file safetensors' own reader refuses (truncated or corrupt), a
         tensor in two files or not in the one the index names.
     """
 
@@ -981,15 +981,18 @@ class Safetensors:
 
         self.directory, self.entries, self.amax, self.reads = directory, {}, {}, []
         index, weight_map = os.path.join(directory, "model.safetensors.index.json"), {}
-        if os.path.isfile(index):
+        if os.path.isfile(os.path.join(directory, "model.safetensors")):  # first, as transformers reads them
+            files = ["model.safetensors"]
+        elif os.path.isfile(index):
             try:
                 with open(index) as f:
                     weight_map = dict(json.load(f)["weight_map"])
                 files = sorted(set(weight_map.values()))
             except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
                 raise ExportError(f"{directory}: cannot read model.safetensors.index.json: {e}") from None
-        elif os.path.isfile(os.path.join(directory, "model.safetensors")):
-            files = ["model.safetensors"]
+            if outside := [n for n in files if not isinstance(n, str) or os.path.basename(n) != n or n in (".", "..")]:
+                raise ExportError(f"{directory}: model.safetensors.index.json names {outside[0]!r}, not a file of "
+                                  "this folder")
         else:
             raise ExportError(f"{directory}: no model.safetensors (nor model.safetensors.index.json)")
         self._files = {}  # file name -> its safetensors.safe_open

@@ -433,6 +433,19 @@ def test_rope_scaling_from_either_spelling(tmp_path):
     assert hf_import.resolve_config(plain_cfg, given=set()).model.rope_scaling == RopeScaling()
 
 
+def test_config_values_transformers_would_not_build_are_refused_and_its_aliases_read():
+    """config.json values of the wrong type or range are one line naming the key (a zero count of
+    key/value heads was read as multi-head attention, layers=true as 1, tie_word_embeddings
+    "false" as tied); swish is transformers' other name of silu."""
+    hf = hf_import.hf_config(job())
+    assert hf_import.model_values(dict(hf, hidden_act="swish"))[0] == hf_import.model_values(hf)[0]
+    for key, bad in (("num_key_value_heads", 0), ("num_hidden_layers", True), ("hidden_size", -64),
+                     ("tie_word_embeddings", "false"), ("rms_norm_eps", "1e-5"), ("hidden_act", "gelu")):
+        with pytest.raises(hf_import.ConfigError, match=rf"config.json {key}={re.escape(repr(bad))}: ") as e:
+            hf_import.model_values(dict(hf, **{key: bad}))
+        assert "\n" not in str(e.value)
+
+
 def test_llama3_rope_scaling_imports_to_transformers_loss(tmp_path):
     """transformers' LlamaForCausalLM with Llama 3.x rope scaling (original_max_position_embeddings
     256, so that the scaled wavelengths matter on a sequence of 2304 positions), imported with
@@ -572,8 +585,9 @@ def test_a_w4a4_checkpoint_imports_its_weights(fresh, tmp_path, capfd):
     scales = {k.replace("weight_packed", "input_global_scale"): np.float32([3.5]) for k in names
               if k.endswith(".weight_packed")}
     save_file(scales, str(w4a4 / "model-scales.safetensors"))
+    os.rename(w4a4 / "model.safetensors", w4a4 / "model-weights.safetensors")  # else read alone, as transformers does
     (w4a4 / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
-        **{k: "model.safetensors" for k in names}, **{k: "model-scales.safetensors" for k in scales}}}))
+        **{k: "model-weights.safetensors" for k in names}, **{k: "model-scales.safetensors" for k in scales}}}))
     cfg = import_config(str(w4a4), *JOB)
     trainer, _, _ = build(cfg, mesh_of(cfg, 8), init=False)
     capfd.readouterr()
@@ -589,6 +603,24 @@ def test_a_w4a4_checkpoint_imports_its_weights(fresh, tmp_path, capfd):
         **nv.export.NVFP4_QUANTIZATION_CONFIG["config_groups"]["group_0"], "input_activations": fp8}}}
     err = refusal(variant(fresh, tmp_path / "fp8", "nvfp4", config={"quantization_config": q}), capfd)
     assert "quantizes activations other than the Linear inputs in NVFP4" in err, err
+
+
+def test_a_folder_with_both_layouts_reads_the_single_file_and_an_index_stays_inside(exports, tmp_path):
+    """model.safetensors beside a stale index and its shards: the single file is the checkpoint, as
+    transformers loads it (the index was read first, silently another model). An index naming a
+    file outside its folder is refused."""
+    mixed = tmp_path / "mixed"
+    shutil.copytree(exports / "nvfp4", mixed)
+    shutil.copyfile(exports / "bf16" / "model.safetensors", mixed / "model.safetensors")
+    assert set(Safetensors(str(mixed)).entries) == set(Safetensors(str(exports / "bf16")).entries)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    index = json.loads((exports / "nvfp4" / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: f"../../{exports.name}/nvfp4/{v}" for k, v in index["weight_map"].items()}
+    (outside / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(nv.export.ExportError, match=r"model.safetensors.index.json names '\.\./.*', not a file of "
+                                                    r"this folder"):
+        Safetensors(str(outside))
 
 
 def test_refused_tensors_the_model_does_not_read(fresh, tmp_path, capfd):

@@ -134,13 +134,22 @@ def model_values(hf: Dict[str, Any], where: str = "DIR") -> Tuple[Dict[str, Any]
     ConfigError: a feature this model lacks (architecture, biases, rope scaling, activation, head size, format)."""
     if hf.get("model_type") != "llama":
         _fail(where, f"config.json model_type={hf.get('model_type')!r}: only Llama checkpoints ('llama') are read")
-    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                      ("partial_rotary_factor", 1.0)):
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):  # one function under two names
+        _fail(where, f"config.json hidden_act={hf.get('hidden_act')!r}: this model has hidden_act='silu'")
+    for key, want in (("attention_bias", False), ("mlp_bias", False), ("partial_rotary_factor", 1.0)):
         if hf.get(key, want) != want:
             _fail(where, f"config.json {key}={hf.get(key)!r}: this model has {key}={want!r}")
+    count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        if not isinstance(hf.get(key), int):
-            _fail(where, f"config.json has no integer {key}")
+        if not count(hf.get(key)):
+            _fail(where, f"config.json {key}={hf.get(key)!r}: expected a positive integer")
+    if hf.get("num_key_value_heads") is not None and not count(hf["num_key_value_heads"]):
+        _fail(where, f"config.json num_key_value_heads={hf['num_key_value_heads']!r}: expected a positive integer")
+    if not isinstance(hf.get("tie_word_embeddings", False), bool):
+        _fail(where, f"config.json tie_word_embeddings={hf['tie_word_embeddings']!r}: expected true or false")
+    eps = hf.get("rms_norm_eps", 1e-6)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        _fail(where, f"config.json rms_norm_eps={eps!r}: expected a number")
     heads, d = hf["num_attention_heads"], hf["hidden_size"]
     if hf.get("head_dim") not in (None, d // heads) or d % heads:
         _fail(where, f"config.json head_dim={hf.get('head_dim')} with hidden_size={d}, num_attention_heads={heads}: "

@@ -215,7 +215,7 @@ def _check_layout(data, scale_bits, amax_bits, matrix_shape, block) -> None:
                              f"{tuple(block)} and batch {batch} needs {tuple(w)}")
 
 
-@dataclasses.dataclass(frozen=True, eq=False)  # == and hash by identity: its arrays have no truth value
+@dataclasses.dataclass(frozen=True)
 class NVFP4Array:
     """A tensor stored in NVFP4: packed E2M1 codes, E4M3 block scales, float32 global amax.
 

@@ -280,7 +280,7 @@ class Layout:
 
 
 # ----------------------------------------------------------------------------- the arrays
-@dataclasses.dataclass(frozen=True, eq=False)  # == and hash by identity: its arrays have no truth value
+@dataclasses.dataclass(frozen=True)
 class Tiled:
     """A float array in a :class:`Layout`: ``value [..., nt, T, 16, 16]`` (a pytree node with
     one leaf, so optax transforms treat it like any array; the zero padding gets zero
@@ -331,7 +331,7 @@ class Tiled:
 jax.tree_util.register_dataclass(Tiled, data_fields=["value"], meta_fields=["layout"])
 
 
-@dataclasses.dataclass(frozen=True, eq=False)  # == and hash by identity: its arrays have no truth value
+@dataclasses.dataclass(frozen=True)
 class TiledNVFP4:
     """A stored NVFP4 parameter in a :class:`Layout`: ``data [..., nt, T, 16, 8] uint8``
     (element 2k of a tile row in the low nibble), ``scale_bits`` (E4M3 bytes: ``[..., nt, T]``

@@ -1,5 +1,3 @@
-import copy
-
 import ml_dtypes
 import numpy as np
 import jax
@@ -39,9 +37,6 @@ def test_layout_and_fields(block):
     assert q.amax.dtype == jnp.float32 and q.amax.shape == (3,)
     assert q.shape == (3, 50, 72) and q.block == block
     assert q.nbytes == 3 * 50 * 36 + int(np.prod(q.scale.shape)) + 12
-    # A container of arrays: == and hash by identity (field-wise, == raised "truth value ... ambiguous").
-    twin = copy.deepcopy(q)
-    assert q == q and q != twin and len({q, twin, q}) == 2
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -173,8 +168,7 @@ def test_pytree_jit_vmap_eval_shape():
     # eval_shape gives ShapeDtypeStructs matching NVFP4Array.abstract.
     abs_q = jax.eval_shape(nv.quantize, x)
     ref_abs = nv.NVFP4Array.abstract((4, 32, 48))
-    assert jax.tree.structure(abs_q) == jax.tree.structure(ref_abs)
-    assert [(a.shape, a.dtype) for a in jax.tree.leaves(abs_q)] == [(a.shape, a.dtype) for a in jax.tree.leaves(ref_abs)]
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), abs_q) == jax.tree.map(lambda a: (a.shape, a.dtype), ref_abs)
     # tree_map keeps the type; jit round trip through arguments and outputs.
     mapped = jax.tree.map(lambda a: a, q)
     assert isinstance(mapped, nv.NVFP4Array)

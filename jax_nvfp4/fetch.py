@@ -306,8 +306,8 @@ class Shard(struct.PyTreeNode, meta.AxisMetadata):
                 raise ValueError(
                     f"a weight of shape {self.shape} is sliced by nn.scan or nn.vmap along its axis {index}, which its "
                     "layout does not stack: declare the transformed params stacked, e.g. "
-                    "nv.Rules(stacked=('^blocks/',)) for the params under 'blocks', one regex per nested transform "
-                    "(('^blocks/', '/experts/') for an nn.vmap inside an nn.scan)")
+                    "nv.Rules(stacked=('^blocks/',)) for the params under 'blocks', with the number of axes nested "
+                    "transforms stack (('^blocks/', ('/experts/', 2)) for an nn.vmap inside an nn.scan)")
             if index != 0:
                 raise ValueError(f"a weight of shape {self.shape} is sliced by nn.scan or nn.vmap along its axis "
                                  f"{index}, but stacked params stack their layers on axis 0: use variable_axes "

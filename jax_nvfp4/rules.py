@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 from jax_nvfp4.layout import TILE, Layout
 
@@ -29,11 +29,11 @@ class Rules:
       tensor: ``(regex, dim)`` pairs: a matrix whose path matches is split over the tensor axis
         along ``dim`` (-1: columns, e.g. QKV and MLP-in kernels; -2: rows, e.g. attention-out
         and MLP-out kernels).
-      stacked: regexes of paths whose leading axes stack layers (``nn.scan``, ``nn.vmap``), one
-        axis per regex a path matches: those axes are batch axes, so a stacked ``[L, d]`` vector
-        is a vector per layer, not a matrix. Transforms nested in each other stack one axis each
-        and take one regex each: ``("^blocks/", "/experts/")`` makes the experts' biases
-        ``[L, E, d]`` of an ``nn.vmap`` inside an ``nn.scan`` vectors.
+      stacked: regexes of paths whose first axis stacks layers (``nn.scan``, ``nn.vmap``): that
+        axis is a batch axis, so a stacked ``[L, d]`` vector is a vector per layer, not a matrix.
+        An entry ``(regex, n)`` stacks the first ``n`` axes, for transforms nested in each other:
+        ``("^blocks/", ("/experts/", 2))`` makes the biases ``[L, E, d]`` of experts under an
+        ``nn.vmap`` inside an ``nn.scan`` vectors. A path takes the most of the entries it matches.
       min_shard_size: plain (non-NVFP4) leaves with fewer elements than this, or fewer than two
         matrix axes, are replicated (norm scales, biases): their update needs no collective.
         A leaf a tensor rule splits is laid out and split whatever its size.
@@ -43,7 +43,7 @@ class Rules:
     replica_axis: Optional[str] = None
     tensor_axis: Optional[str] = "tensor"
     tensor: Tuple[Tuple[str, int], ...] = ()
-    stacked: Tuple[str, ...] = ()
+    stacked: Tuple[Union[str, Tuple[str, int]], ...] = ()
     min_shard_size: int = 1 << 14
 
     def __post_init__(self):
@@ -51,8 +51,11 @@ class Rules:
             re.compile(pat)
             if dim not in (-1, -2):
                 raise ValueError(f"tensor rule {pat!r}: dim must be -1 or -2, got {dim}")
-        for pat in self.stacked:
+        for entry in self.stacked:
+            pat, n = (entry, 1) if isinstance(entry, str) else entry
             re.compile(pat)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"stacked entry {entry!r}: a regex, or (regex, n) with n >= 1 stacked axes")
 
     def tensor_dim(self, path: str) -> Optional[int]:
         for pat, dim in self.tensor:
@@ -61,8 +64,9 @@ class Rules:
         return None
 
     def stacked_axes(self, path: str) -> int:
-        """The leading axes of the leaf at ``path`` that stack layers: one per matching regex."""
-        return sum(1 for p in self.stacked if re.search(p, path))
+        """The leading axes of the leaf at ``path`` that stack layers: the most of the entries it matches."""
+        entries = ((e, 1) if isinstance(e, str) else e for e in self.stacked)
+        return max((n for pat, n in entries if re.search(pat, path)), default=0)
 
     @property
     def data_axes(self) -> Tuple[str, ...]:

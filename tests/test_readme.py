@@ -183,11 +183,12 @@ def test_a_scan_over_layers_the_rules_do_not_stack_is_named(kind, change):
         assert "sliced by nn.scan or nn.vmap along its axis 1" in said and "{'params': 0}" in said, said
 
 
-def test_nested_transforms_stack_one_axis_per_rule():
+def test_nested_transforms_stack_the_axes_their_rule_says():
     """Sixteen experts under nn.vmap inside an nn.scan: their biases [L, E, d] are vectors per
-    layer and expert once both transforms are declared (a regex each), and the step trains the
-    model the whole-model gather computes; with the scan alone declared they would be [E, d]
-    matrices per layer, quantized, and the inner vmap could not slice them (named)."""
+    layer and expert with ("/experts/", 2) stacked, and the step trains the model the whole-model
+    gather computes; with the scan alone declared they would be [E, d] matrices per layer,
+    quantized, and the inner vmap could not slice them (named). Overlapping regexes for one stack
+    stack one axis (a bare regex is one), so a scanned kernel stays a matrix per layer."""
     import flax.linen as nn
     import optax
 
@@ -214,7 +215,7 @@ def test_nested_transforms_stack_one_axis_per_rule():
     loss = lambda p, rows, key=None: jnp.mean((Model().apply({"params": p}, rows) - 1.0) ** 2)
     mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
     with jax.set_mesh(mesh):
-        for stacked in (("^blocks/",), ("^blocks/", "/experts/")):
+        for stacked in (("^blocks/",), ("^blocks/", ("/experts/", 2))):
             rules = nv.Rules(stacked=stacked)
             tx = nv.master_weights(optax.adam(1e-3), rules=rules)
             params, state = nv.sharded_state(fp32, tx, mesh, rules, nv.Policy())
@@ -222,12 +223,17 @@ def test_nested_transforms_stack_one_axis_per_rule():
             step = jax.jit(nv.make_step(loss, tx, mesh, rules))
             if len(stacked) == 1:
                 assert isinstance(bias, nv.TiledNVFP4)
-                with pytest.raises(ValueError, match=r"one regex per nested transform"):
+                with pytest.raises(ValueError, match=r"the number of axes nested transforms stack"):
                     step(params, state, x)
                 continue
             assert not nv.layout.is_tiled(bias) and bias.shape == (2, 16, 32)
             kernel = params["blocks"]["experts"]["Dense_0"]["kernel"]
             assert isinstance(kernel, nv.TiledNVFP4) and kernel.data.ndim == 6  # [L, E] x the 32x32 tiles
+            overlapping = nv.Rules(stacked=("^blocks/", "blocks/experts", ("/experts/", 2)))
+            assert [overlapping.stacked_axes(f"blocks/experts/Dense_0/{k}") for k in ("kernel", "bias")] == [2, 2]
+            assert nv.Rules(stacked=("^blocks/", "blocks/experts")).stacked_axes("blocks/experts/Dense_0/kernel") == 1
+            with pytest.raises(ValueError, match=r"stacked entry \('/experts/', 0\): a regex, or \(regex, n\)"):
+                nv.Rules(stacked=(("/experts/", 0),))
             whole = float(jax.jit(lambda p: loss(nv.dequantize_params(nv.gather(p)), x))(params))
             _, _, metrics = step(params, state, x)
             np.testing.assert_allclose(float(metrics["loss"]), whole, rtol=1e-5)

@@ -30,7 +30,7 @@ import contextvars
 import dataclasses
 import functools
 import types
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -113,7 +113,7 @@ def master_weights(
     def init_fn(params):
         if (seen := _INIT_POLICIES.get()) is not None:
             seen.append((policy, cast_master_bf16))
-        if isinstance(params, dict) and (state := sorted(set(params) & _MODEL_STATE)):
+        if isinstance(params, Mapping) and "params" in params and (state := sorted(set(params) & _MODEL_STATE)):
             raise TypeError(f"master_weights: the params hold Flax's {state[0]!r} collection: every leaf given is "
                             "trained as a weight, so its statistics would be; pass variables['params'] and keep the "
                             "state the model writes (nn.BatchNorm's, with mutable=[...]) out of the params")
@@ -266,13 +266,22 @@ def _factories(x, seen: set) -> set:
     elif isinstance(x, types.MethodType):  # a bound method (optax.MultiSteps.update)
         parts = [x.__func__, x.__self__]
     elif isinstance(x, types.FunctionType):
-        found.add(x.__qualname__.split(".<locals>")[0])
         parts = []
         for cell in x.__closure__ or ():
             try:
                 parts.append(cell.cell_contents)
             except ValueError:  # a cell not filled yet
                 pass
+        if (x.__module__ or "").startswith("optax"):
+            found.add(x.__qualname__.split(".<locals>")[0])
+        else:  # a function of the user's (a factory given to inject_hyperparams): the optax functions it names
+            names = x.__code__.co_names
+            for name in names:
+                g = x.__globals__.get(name)
+                if isinstance(g, types.ModuleType) and g.__name__.startswith("optax"):
+                    parts += [f for f in (getattr(g, n, None) for n in names) if isinstance(f, types.FunctionType)]
+                elif isinstance(g, types.FunctionType):
+                    parts.append(g)
     elif isinstance(x, functools.partial):
         parts = [x.func, *x.args, *x.keywords.values()]
     elif type(x).__module__.startswith("optax"):
@@ -428,12 +437,13 @@ def apply_updates(params, updates):
 
 
 def _same_storage(stored, theirs) -> None:
-    """ValueError unless each param ``stored`` by one policy is NVFP4 exactly where ``theirs`` (another policy's)
-    is (the re-quantization keeps each stored param's blocks)."""
+    """ValueError if a param ``stored`` in float by one policy is NVFP4 by ``theirs``, the master_weights
+    optimizer's: its master would be laid out for NVFP4 beside a float param. (The other way round the optimizer
+    follows the stored NVFP4 layout, and the re-quantization each stored param's blocks.)"""
     kind = lambda x: "NVFP4" if isinstance(x, TiledNVFP4) else "float"
     flat, treedef = jax.tree_util.tree_flatten_with_path(stored, is_leaf=is_tiled)
     for (path, mine), other in zip(flat, treedef.flatten_up_to(theirs)):
-        if kind(mine) != kind(other):
+        if kind(mine) == "float" and kind(other) == "NVFP4":
             raise ValueError(f"sharded_state: the policy stores {path_str(path)!r} as {kind(mine)}, the "
                              f"nv.master_weights optimizer's policy as {kind(other)}; pass the same policy to both, "
                              "nv.master_weights(..., policy=policy)")
@@ -476,7 +486,7 @@ def state_init(tx, mesh=None, rules: Optional[Rules] = None, policy: Optional[Po
             own = seen[0][0] if seen else None
         stored = shard_params(tree, mesh, rules, own)
         opt_state, seen = init(jax.tree.map(float_in, stored, tree, is_leaf=is_tiled))
-        for other in {other for other, _ in seen if own is not None and other != own}:
+        for other in [other for other, _ in seen if own is not None and other != own]:
             _same_storage(stored, jax.eval_shape(lambda t: shard_params(t, mesh, rules, other), tree))
         requantized = lambda p: {"shared_amax": p.shared_amax, "four_over_six": p.four_over_six}
         if own is not None and any(requantized(other) != requantized(own) for other, _ in seen):

@@ -323,12 +323,14 @@ OUTERMOST = ("nv.master_weights must be the outermost transform: its updates of 
 
 def _outermost(opt_state) -> bool:
     """Whether the optimizer state is one whose transform returns master_weights' updates as they are: its own
-    state, ``optax.MultiSteps``' around it (zero updates between steps), or the last of a chain's (the transforms
-    before it act on the gradients; ``optax.named_chain``'s too)."""
+    state, ``optax.MultiSteps``' around it (zero updates between steps), ``optax.inject_hyperparams``' around it, or
+    the last of a chain's (the transforms before it act on the gradients; ``optax.named_chain``'s too)."""
     if isinstance(opt_state, MasterWeightsState):
         return True
     if isinstance(opt_state, optax.MultiStepsState):
         return _outermost(opt_state.inner_opt_state)
+    if isinstance(opt_state, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)):
+        return _outermost(opt_state.inner_state)
     if (type(opt_state) is tuple or isinstance(opt_state, dict)) and opt_state:
         *before, last = opt_state.values() if isinstance(opt_state, dict) else opt_state
         return _outermost(last) and find_state(before) is None

@@ -80,10 +80,16 @@ def test_stateless_transforms_of_a_leafs_axes_or_mean_are_refused_wherever_they_
     inner = {"clip_by_block_rms": optax.chain(optax.adam(1e-2), optax.clip_by_block_rms(0.01)),
              "scale_by_param_block_rms": optax.MultiSteps(optax.scale_by_param_block_rms(), 2).gradient_transformation(),
              "adaptive_grad_clip": optax.masked(optax.adaptive_grad_clip(0.1), lambda p: jax.tree.map(lambda _: True, p)),
-             "centralize": optax.inject_hyperparams(optax.centralize)(),
+             "centralize": optax.inject_hyperparams(  # named inside a factory of the user's
+                 lambda learning_rate: optax.chain(optax.adam(learning_rate), optax.centralize()))(learning_rate=1e-2),
              "lookahead": optax.lookahead(optax.adam(1e-2), 2, 0.5)}[name]
     with pytest.raises(TypeError, match=rf"^master_weights: the inner transform contains optax.{name}, which "):
         nv.sharded_state(fp, nv.master_weights(inner), mesh, nv.Rules(), nv.Policy())
+    # A function of the user's that shares a name with one (a schedule here) is not it.
+    ns = {"__name__": "user_code"}
+    exec(f"def {name}(step):\n    return 1e-2", ns)
+    assert ns[name].__qualname__ == name
+    nv.sharded_state(fp, nv.master_weights(optax.adam(ns[name])), mesh, nv.Rules(), nv.Policy())
 
 
 def test_the_state_is_quantized_with_the_policy_the_optimizer_requantizes_with():
@@ -106,7 +112,10 @@ def test_the_state_is_quantized_with_the_policy_the_optimizer_requantizes_with()
         # telling the user to pass the stored params they had passed).
         with pytest.raises(ValueError, match=r"^sharded_state: the policy stores 'Dense_0/kernel' as float, the "
                                              r"nv.master_weights optimizer's policy as NVFP4"):
-            nv.sharded_state(fp, tx, mesh, rules, nv.Policy(keep=("Dense_0",), four_over_six=True, block=(1, 16)))
+            nv.sharded_state(fp, tx, mesh, rules, nv.Policy(keep=["Dense_0"], four_over_six=True, block=(1, 16)))
+        # The other way round the optimizer follows the stored NVFP4 layout: as before, it trains.
+        keeps = nv.master_weights(optax.sgd(0.0), policy=nv.Policy(keep=["Dense_0"], four_over_six=True, block=(1, 16)))
+        assert isinstance(nv.sharded_state(fp, keeps, mesh, rules, policy)[0]["Dense_0"]["kernel"], nv.TiledNVFP4)
     want = nv.quantize_params(fp, policy)
     bits = lambda t: [np.asarray(a).tobytes() for a in jax.tree.leaves(t)]
     assert bits(nv.sharding.logical(params)) == bits(want) == bits(nv.sharding.logical(stepped))

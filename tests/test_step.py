@@ -130,7 +130,9 @@ def test_a_state_stepped_with_another_mesh_or_optimizer_is_refused_naming_the_fi
                 jax.jit(nv.make_step(loss, outer, mesh))(p, s, (x, y))
         # Transforms before it in a chain act on the gradients, and MultiSteps passes its updates through.
         for outer in (optax.chain(optax.zero_nans(), tx), optax.named_chain(("nans", optax.zero_nans()), ("mw", tx)),
-                      optax.MultiSteps(tx, 2)):
+                      optax.MultiSteps(tx, 2),
+                      optax.inject_hyperparams(lambda learning_rate: nv.master_weights(optax.adam(learning_rate)))(
+                          learning_rate=1e-2)):
             p, s = nv.sharded_state(fp32, outer, mesh, nv.Rules(), nv.Policy())
             assert np.isfinite(float(jax.jit(nv.make_step(loss, outer, mesh))(p, s, (x, y))[2]["loss"]))
     with jax.set_mesh(two):

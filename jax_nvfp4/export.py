@@ -802,6 +802,12 @@ def _write_safetensors(tensors, directory: str, max_shard_bytes: int, metadata=N
     from safetensors.numpy import save_file
 
     shards, current, size = [], {}, 0
+    # The writer leaves its files 0600, unreadable to a server running as another user: they take the mode a
+    # file open() creates here has (the umask's), as the config beside them.
+    probe = os.path.join(directory, ".mode")
+    open(probe, "w").close()
+    mode = os.stat(probe).st_mode & 0o777
+    os.remove(probe)
 
     def flush():
         nonlocal current, size
@@ -810,7 +816,7 @@ def _write_safetensors(tensors, directory: str, max_shard_bytes: int, metadata=N
             meta = {"format": "pt", **(metadata(list(current)) if metadata else {})}
             save_file(current, os.path.join(directory, name), metadata=meta)
             _sort_metadata(os.path.join(directory, name))
-            os.chmod(os.path.join(directory, name), 0o644)  # the writer leaves 0600: a server under another user
+            os.chmod(os.path.join(directory, name), mode)
             shards.append((name, list(current)))
             current, size = {}, 0
 
@@ -990,7 +996,7 @@ class Safetensors:
                 files = sorted(set(weight_map.values()))
             except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
                 raise ExportError(f"{directory}: cannot read model.safetensors.index.json: {e}") from None
-            if outside := [n for n in files if not isinstance(n, str) or os.path.basename(n) != n or n in (".", "..")]:
+            if outside := [n for n in files if not isinstance(n, str) or os.path.isabs(n) or ".." in n.split("/")]:
                 raise ExportError(f"{directory}: model.safetensors.index.json names {outside[0]!r}, not a file of "
                                   "this folder")
         else:

@@ -167,8 +167,9 @@ def test_the_same_export_is_the_same_bytes(exported, tmp_path):
     raw = (root / "nvfp4" / "model.safetensors").read_bytes()
     header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
     assert list(header["__metadata__"]) == sorted(header["__metadata__"]) == ["format", AMAX_METADATA]
-    # Readable by a server running as another user (the writer made it 0600).
-    assert os.stat(root / "nvfp4" / "model.safetensors").st_mode & 0o777 == 0o644
+    # Readable by a server running as another user, like the config beside it (the writer made it 0600).
+    modes = {os.stat(root / "nvfp4" / n).st_mode & 0o777 for n in ("model.safetensors", "config.json")}
+    assert len(modes) == 1, modes
 
 
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

@@ -145,7 +145,7 @@ def model_values(hf: Dict[str, Any], where: str = "DIR") -> Tuple[Dict[str, Any]
             _fail(where, f"config.json {key}={hf.get(key)!r}: expected a positive integer")
     if hf.get("num_key_value_heads") is not None and not count(hf["num_key_value_heads"]):
         _fail(where, f"config.json num_key_value_heads={hf['num_key_value_heads']!r}: expected a positive integer")
-    if not isinstance(hf.get("tie_word_embeddings", False), bool):
+    if not isinstance(hf.get("tie_word_embeddings") or False, bool):  # null: transformers' false
         _fail(where, f"config.json tie_word_embeddings={hf['tie_word_embeddings']!r}: expected true or false")
     eps = hf.get("rms_norm_eps", 1e-6)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool):

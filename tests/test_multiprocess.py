@@ -221,3 +221,31 @@ def test_a_frozen_peer_ends_the_survivor_with_one_line(tmp_path):
     assert "frozen" in lines[0] and "SIGABRT" not in err and "Fatal" not in err
     # Nothing lost: the step-2 checkpoint is whole.
     ckpt_lib.Checkpointer(str(tmp_path / "ck")).verify(2)
+
+
+def test_processes_started_with_different_settings_stop_before_training(tmp_path):
+    # Another data.seed on process 1 trained a mixture of two streams silently (the checkpoint and
+    # config.yaml recording process 0's); another checkpoint.dir hung the first save. Each process
+    # compares its settings with the others' and stops, exit 2, before anything is built.
+    port = free_port()
+    procs = []
+    try:
+        for i in range(2):
+            env = proc_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_PROCESS_ID=str(i))
+            extra = ["--set", "data.seed=7"] if i == 1 else []
+            procs.append(subprocess.Popen([sys.executable, "-m", "train", *job_args(tmp_path / "ck", tmp_path / "out"),
+                                           *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True))
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        lines = [line for line in err.splitlines() if line.strip() and not line.startswith("[Gloo]")]
+        assert p.returncode == 2 and len(lines) == 1, (i, err[-2000:])
+        mine, theirs = ("data.seed=0", "data.seed=7") if i == 0 else ("data.seed=7", "data.seed=0")
+        assert lines[0] == (f"error: the processes were started with different settings ({mine} in process {i}, "
+                            f"{theirs} in process {1 - i}); start every process with the same command"), lines
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -132,6 +132,19 @@ def test_a_malformed_launch_environment_is_named_before_jax_distributed_starts()
                         ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "x"}, "SLURM_NTASKS='x'")):
         with pytest.raises(ValueError, match=f"^{re.escape(needle)}"):
             distributed_args(env)
+    # Process 0's coordinator port held by another program: named, where JAX's service segfaulted.
+    import socket
+
+    from train.__main__ import _port_free
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        address = f"127.0.0.1:{held.getsockname()[1]}"
+        with pytest.raises(ValueError, match=rf"^JAX_COORDINATOR_ADDRESS={address}: process 0 serves the coordination "
+                                             r"service on port \d+, which another program holds"):
+            _port_free(address)
+    _port_free(address)  # free again
 
 
 @job_worker

@@ -29,6 +29,7 @@ import argparse
 import atexit
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -208,6 +209,23 @@ def distributed_args(env) -> tuple:
     return kw, heartbeat
 
 
+def _port_free(address: str) -> None:
+    """ValueError if another socket listens on ``address``'s port here, where process 0 serves the coordination
+    service (a free port in TIME_WAIT is not refused: the service reuses it)."""
+    import socket
+
+    port = address.rpartition(":")[2]
+    with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", int(port)))
+        except ValueError:
+            return  # not a port number: jax.distributed says so
+        except OSError as e:
+            raise ValueError(f"JAX_COORDINATOR_ADDRESS={address}: process 0 serves the coordination service on port "
+                             f"{port}, which another program holds ({e.strerror}); choose a free port") from None
+
+
 def _run(args, cfg, out_dir, fault) -> int:
     """:func:`main` once its config and output locations are known good."""
     from jax_nvfp4 import xla_flags
@@ -225,6 +243,8 @@ def _run(args, cfg, out_dir, fault) -> int:
         if launch is not None:
             if launch.get("coordinator_address") and os.environ.get("JAX_PLATFORMS", "") == "cpu":
                 jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives between processes
+            if launch.get("process_id") == 0:  # the coordinator's port: taken, JAX's service dies in C++
+                _port_free(launch["coordinator_address"])
             jax.distributed.initialize(**launch)
     except ValueError as e:  # a malformed launch environment (jax.distributed's own checks included)
         return _fail(2, f"error: cannot start the multi-process run: {e}")
@@ -235,6 +255,16 @@ def _run(args, cfg, out_dir, fault) -> int:
     peers = watch_peers(float(heartbeat))
     if peers is not None:  # registered after jax.distributed's shutdown hook, so it runs before it
         atexit.register(peers.done)
+    if jax.process_count() > 1:  # one command everywhere: else a mixed run trains silently, or hangs at a save
+        from train.config import to_dict
+        from train.peers import differences
+
+        run = {"--out": out_dir, "--compare": args.compare, "--export": args.export, "--export-hf": args.export_hf,
+               "--hf-format": args.hf_format, "--calibrate": args.calibrate}
+        run.update({f"{s}.{k}": v for s, keys in to_dict(cfg).items() for k, v in keys.items()})
+        if why := differences({k: json.dumps(v) for k, v in run.items()}):
+            return _fail(2, f"error: the processes were started with different settings ({why}); start every "
+                            "process with the same command")
     from train import data as data_lib
 
     try:

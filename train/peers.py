@@ -4,13 +4,15 @@ Python). Also the stack's one access to the distributed runtime's handles, which
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
 import time
 from typing import Dict, Optional
 
-__all__ = ["PeerWatch", "EXIT_LOST_PEER", "coordination_client", "preemption_sync_available", "watch_peers"]
+__all__ = ["PeerWatch", "EXIT_LOST_PEER", "coordination_client", "differences", "preemption_sync_available",
+           "watch_peers"]
 
 EXIT_LOST_PEER = 4
 _PREFIX = "train_peers"
@@ -85,6 +87,24 @@ def coordination_client():
     """``jax.distributed``'s coordination client (key-value store, barriers); None before initialize."""
     from jax_nvfp4.internals import distributed_state
     return distributed_state().client
+
+
+def differences(values: Dict[str, str], timeout_s: float = 300.0) -> Optional[str]:
+    """How this process's ``values`` differ from another process's (every process publishes its own and reads all
+    the others'), None where all agree. Every process learns the same fact, so each can stop before the first
+    collective that a difference would hang or corrupt."""
+    import jax
+
+    client, me = coordination_client(), jax.process_index()
+    client.key_value_set(f"{_PREFIX}/values/{me}", json.dumps(values, sort_keys=True))
+    for other in range(jax.process_count()):
+        if other == me:
+            continue
+        theirs = json.loads(client.blocking_key_value_get(f"{_PREFIX}/values/{other}", int(timeout_s * 1000)))
+        for key in sorted(set(values) | set(theirs)):
+            if values.get(key) != theirs.get(key):
+                return (f"{key}={values.get(key)} in process {me}, {key}={theirs.get(key)} in process {other}")
+    return None
 
 
 def preemption_sync_available() -> bool:

@@ -63,10 +63,13 @@ def float_weights(params, dtype: Any = jnp.bfloat16):
     return dequantize_params(_host(params), dtype)
 
 
-def _input(context, args) -> Optional[jax.Array]:
-    """An ``NVFP4Dense`` call's input in float32 exactly as the layer's dtype holds it (None for
-    other calls)."""
-    if context.method_name != "__call__" or not isinstance(context.module, NVFP4Dense) or not args:
+def _input(context, args, kwargs) -> Optional[jax.Array]:
+    """An ``NVFP4Dense`` call's input (positional or ``x=``) in float32 exactly as the layer's dtype
+    holds it (None for other calls)."""
+    if context.method_name != "__call__" or not isinstance(context.module, NVFP4Dense) or not (args or kwargs):
+        return None
+    x = args[0] if args else kwargs.get("x")
+    if x is None:
         return None
 
     def widened(x):
@@ -78,14 +81,14 @@ def _input(context, args) -> Optional[jax.Array]:
         return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
     # A bf16 input (a bf16 layer's output) as rounded, then in the layer's dtype.
-    return widened(widened(jnp.asarray(args[0])).astype(context.module.dtype)).astype(jnp.float32)
+    return widened(widened(jnp.asarray(x)).astype(context.module.dtype)).astype(jnp.float32)
 
 
 def _record(next_fun, args, kwargs, context):
     """Writes ``max |x|`` of an ``NVFP4Dense`` input (in the layer's dtype, as its matmul reads
     it) to the layer's :data:`INPUT_AMAX`, the max with an earlier call's where the layer runs
     more than once."""
-    x = _input(context, args)
+    x = _input(context, args, kwargs)
     if x is not None:
         m, a = context.module, nx.abs_max(x, axis=None)
         if m.has_variable(NVFP4_COLLECTION, INPUT_AMAX):
@@ -97,9 +100,10 @@ def _record(next_fun, args, kwargs, context):
 def _quantize_inputs(next_fun, args, kwargs, context):
     """An ``NVFP4Dense`` with an :data:`INPUT_AMAX` gets its input quantized with it and
     dequantized into its matmul, as a W4A4 kernel does."""
-    if context.module.has_variable(NVFP4_COLLECTION, INPUT_AMAX) and (x := _input(context, args)) is not None:
+    if context.module.has_variable(NVFP4_COLLECTION, INPUT_AMAX) and (x := _input(context, args, kwargs)) is not None:
         a = context.module.get_variable(NVFP4_COLLECTION, INPUT_AMAX)
-        return next_fun(dequantize(quantize(x, block=BLOCK_1D, amax=a), jnp.float32), *args[1:], **kwargs)
+        q = dequantize(quantize(x, block=BLOCK_1D, amax=a), jnp.float32)
+        return next_fun(q, *args[1:], **kwargs) if args else next_fun(**{**kwargs, "x": q})
     return next_fun(*args, **kwargs)
 
 
@@ -136,7 +140,7 @@ def input_amax(apply_fn: Callable[..., Any], params, batches: Iterable[Any], *,
     def amaxes(p, batch):
         with nn.intercept_methods(_record):
             _, state = apply_fn({"params": p}, batch, mutable=[NVFP4_COLLECTION])
-        flat = traverse_util.flatten_dict(state[NVFP4_COLLECTION], sep="/")
+        flat = traverse_util.flatten_dict(state.get(NVFP4_COLLECTION, {}), sep="/")
         return {k[:-len(INPUT_AMAX)] + "kernel": v for k, v in flat.items() if k.endswith("/" + INPUT_AMAX)}
 
     out: Dict[str, np.ndarray] = {}
@@ -146,7 +150,8 @@ def input_amax(apply_fn: Callable[..., Any], params, batches: Iterable[Any], *,
                 out[path] = np.maximum(out[path], v) if path in out else np.asarray(v, np.float32)
     missing = sorted(kernels - set(out))
     if missing:
-        raise ValueError(f"calibrate: no input recorded for the NVFP4 kernels {missing[:3]} (not NVFP4Dense layers?)")
+        raise ValueError(f"calibrate: no input recorded for the NVFP4 kernels {missing[:3]}: only nv.NVFP4Dense "
+                         "layers record theirs (a stock nn.Dense does not)")
     return {k: out[k] for k in sorted(out)}
 
 

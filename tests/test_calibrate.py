@@ -178,6 +178,21 @@ def test_input_amax_refuses_no_batches_and_an_nvfp4_kernel_no_nvfp4dense_reads()
         lib.input_amax(model.apply, params, [])
     with pytest.raises(ValueError, match=r"no input recorded for the NVFP4 kernels \['b/kernel'\]"):
         lib.input_amax(model.apply, params, batches)
+    # A model of stock layers only records nothing (a KeyError before); a layer called with x= records its input.
+    class AllStock(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(32, name="b")(nn.Dense(32, use_bias=False, name="a")(x))
+
+    class Keyword(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nv.NVFP4Dense(32, name="b")(x=nv.NVFP4Dense(32, name="a")(x))
+
+    with pytest.raises(ValueError, match=r"no input recorded .*\['a/kernel', 'b/kernel'\]: only nv.NVFP4Dense"):
+        lib.input_amax(AllStock().apply, params, batches)
+    amax = lib.input_amax(Keyword().apply, params, batches)
+    assert set(amax) == {"a/kernel", "b/kernel"} and all(float(v) > 0 for v in amax.values())
     floats = nv.dequantize_params(nv.sharding.logical(params), jnp.float32)  # nothing NVFP4 to calibrate
     with pytest.raises(ValueError, match="calibrate: params hold no NVFP4 Linear kernel"):
         lib.input_amax(model.apply, floats, batches)

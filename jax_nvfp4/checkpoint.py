@@ -274,7 +274,10 @@ class Checkpointer:
             json.dumps(meta)
         except (TypeError, ValueError) as e:
             raise TypeError(f"meta: not JSON-serializable: {e}") from None
-        latest = self.manager.latest_step()
+        # The steps on disk too: another Checkpointer of this folder may have written newer ones since this one
+        # listed them (its save would silently replace theirs).
+        on_disk = [int(n) for n in os.listdir(self.directory) if n.isdigit()] if os.path.isdir(self.directory) else []
+        latest = max([s for s in (self.manager.latest_step(), *on_disk) if s is not None], default=None)
         if latest is not None and int(step) <= latest:
             raise CheckpointError(f"checkpoint {step} not written: {self.directory} holds step {latest}, and a "
                                   "save must be newer than the newest (restore from an earlier step: remove the "

@@ -161,6 +161,12 @@ def test_what_a_checkpointer_refuses_before_writing(saved, tmp_path):
     ckpt.save(3, state)
     with pytest.raises(nvck.CheckpointError, match="checkpoint 3 not written: .* holds step 3, and a save must be newer"):
         ckpt.save(3, state)  # orbax would skip it silently
+    # Another Checkpointer of the folder wrote step 4 since: this one's step 4 would have replaced it, silently.
+    other = nvck.Checkpointer(str(tmp_path / "c"))
+    other.save(4, state)
+    with pytest.raises(nvck.CheckpointError, match="checkpoint 4 not written: .* holds step 4, and a save must be newer"):
+        ckpt.save(4, state)
+    other.close()
     ckpt.close()
 
 

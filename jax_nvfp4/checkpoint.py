@@ -286,7 +286,13 @@ class Checkpointer:
         if bad:  # restore refuses them: a newest checkpoint that can never be restored
             raise CheckpointError(f"checkpoint {step} not written: non-finite values (NaN or Inf) in {bad[0]}"
                                   + (f" (and {len(bad) - 1} more leaves)" if len(bad) > 1 else ""))
-        meta = {**meta, "saved_step": int(step), "leaves": describe(state)}
+        leaves = describe(state)
+        empty = [name for name, d in leaves.items() if 0 in d["shape"]]
+        if empty:  # orbax refuses them in the write, which would read as a storage failure
+            shape = tuple(leaves[empty[0]]["shape"])
+            raise CheckpointError(f"checkpoint {step} not written: {empty[0]} has shape {shape}, no elements, which "
+                                  "orbax cannot save; keep it out of the state")
+        meta = {**meta, "saved_step": int(step), "leaves": leaves}
         if self.async_save and self._unhashed:
             self.wait()  # orbax waits for the previous save: report its failure under its own step
         with self._hash_lock:

@@ -784,10 +784,10 @@ def _sort_metadata(path: str) -> None:
     keeps its length."""
     with open(path, "r+b") as f:
         (n,) = np.frombuffer(f.read(8), "<u8")
-        header = f.read(int(n)).decode()
-        start = len('{"__metadata__":')
-        if not header.startswith('{"__metadata__":'):
+        header, prefix = f.read(int(n)).decode(), '{"__metadata__":'
+        if not header.startswith(prefix):
             return
+        start = len(prefix)
         meta, end = json.JSONDecoder().raw_decode(header, start)
         text = json.dumps(dict(sorted(meta.items())), separators=(",", ":"), ensure_ascii=False)
         if len(text.encode()) == len(header[start:end].encode()):

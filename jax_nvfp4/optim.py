@@ -440,12 +440,11 @@ def _same_storage(stored, theirs) -> None:
     """ValueError if a param ``stored`` in float by one policy is NVFP4 by ``theirs``, the master_weights
     optimizer's: its master would be laid out for NVFP4 beside a float param. (The other way round the optimizer
     follows the stored NVFP4 layout, and the re-quantization each stored param's blocks.)"""
-    kind = lambda x: "NVFP4" if isinstance(x, TiledNVFP4) else "float"
     flat, treedef = jax.tree_util.tree_flatten_with_path(stored, is_leaf=is_tiled)
     for (path, mine), other in zip(flat, treedef.flatten_up_to(theirs)):
-        if kind(mine) == "float" and kind(other) == "NVFP4":
-            raise ValueError(f"sharded_state: the policy stores {path_str(path)!r} as {kind(mine)}, the "
-                             f"nv.master_weights optimizer's policy as {kind(other)}; pass the same policy to both, "
+        if not isinstance(mine, TiledNVFP4) and isinstance(other, TiledNVFP4):
+            raise ValueError(f"sharded_state: the policy stores {path_str(path)!r} as float, the nv.master_weights "
+                             "optimizer's policy as NVFP4; pass the same policy to both, "
                              "nv.master_weights(..., policy=policy)")
 
 

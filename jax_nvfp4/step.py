@@ -30,6 +30,7 @@ Tensor parallelism, two ways (``tensor=``):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Optional, Sequence, Tuple
 
@@ -172,23 +173,19 @@ def _split_rows(batch, plan: _Plan):
     return jax.tree.map(lambda x: constrain(x, NamedSharding(plan.mesh, P(plan.batch))), batch)
 
 
-class _StackHint:
+@contextlib.contextmanager
+def _stack_hint(rules: Optional[Rules]):
     """Around the model's call on the boxed params: an IndexError there, with no stacked params in the
     rules, gets a note. It is how ``nnx.scan`` (``jax.lax.scan``) reports a stack of layers the rules
     do not declare: it slices a per-matrix scalar (the amax). Linen's ``nn.scan`` meets
     :meth:`~jax_nvfp4.fetch.Shard.remove_axis`'s own error first."""
-
-    def __init__(self, rules: Optional[Rules]):
-        self.undeclared = not (rules or DEFAULT_RULES).stacked
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, e, tb):
-        if kind is IndexError and self.undeclared:
+    try:
+        yield
+    except IndexError as e:
+        if not (rules or DEFAULT_RULES).stacked:
             e.add_note("jax_nvfp4: if the model scans or vmaps over a stack of layers (nnx.scan, nnx.vmap), declare "
                        "their params stacked: nv.Rules(stacked=(a regex of their paths,)), e.g. ('^blocks/',)")
-        return False
+        raise
 
 
 def _plan(mesh, rules: Rules, dtype, packed: bool, tensor: str) -> _Plan:
@@ -250,7 +247,7 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: 
                 key = jax.random.fold_in(key, plan.tensor.index())
 
         def value(masters, r, k):
-            with _StackHint(rules):
+            with _stack_hint(rules):
                 return loss_fn(shard_tree(params, masters, plan.gather), r, k, *args)
 
         _check_manual_model(plan, params, value, masters, rows, key)
@@ -317,8 +314,8 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh, rules: 
 OUTERMOST = ("nv.master_weights must be the outermost transform: its updates of NVFP4 params are byte differences, "
              "which a transform after or around it (optax.chain(nv.master_weights(...), optax.scale(...)), "
              "optax.apply_if_finite(nv.master_weights(...))) turns into floats or other bytes that corrupt the stored "
-             "weights; put the "
-             "other transforms inside it, nv.master_weights(optax.chain(...)) (it skips non-finite steps itself)")
+             "weights; put the other transforms inside it, nv.master_weights(optax.chain(...)) (it skips non-finite "
+             "steps itself)")
 
 
 def _outermost(opt_state) -> bool:
@@ -357,7 +354,7 @@ def make_eval(fn: Callable, mesh, rules: Optional[Rules] = None, *, dtype=jnp.bf
 
     def local(params, rows):
         _check_manual_model(plan, params, lambda p, r: fn(shard_tree(p, None, plan.gather), r), params, rows)
-        with _StackHint(rules):
+        with _stack_hint(rules):
             out, n = fn(shard_tree(params, None, plan.gather), rows), _rows(rows)
         shapes = [jnp.shape(o) for o in jax.tree.leaves(out)]
         if not shapes or any(shape[:1] != (n,) for shape in shapes):

@@ -91,8 +91,8 @@ def coordination_client():
 
 def differences(values: Dict[str, str], timeout_s: float = 300.0) -> Optional[str]:
     """How this process's ``values`` differ from another process's (every process publishes its own and reads all
-    the others'), None where all agree. Every process learns the same fact, so each can stop before the first
-    collective that a difference would hang or corrupt."""
+    the others'), None where all agree. Each process compares with all the others, so every one of them sees a
+    difference and can stop before the first collective it would hang or corrupt."""
     import jax
 
     client, me = coordination_client(), jax.process_index()

@@ -274,7 +274,4 @@ def from_config(model_cfg, nvfp4_cfg) -> Llama:
 
 def cross_entropy(logits, targets, tensor: TensorParallel = TensorParallel()):
     """Mean next-token cross-entropy in nats (``tensor``: ``logits`` are this rank's vocabulary columns)."""
-    if tensor.on:
-        return jnp.mean(vocab_token_losses(logits, targets, tensor))
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    return jnp.mean(vocab_token_losses(logits, targets, tensor))

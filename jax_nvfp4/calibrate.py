@@ -1,4 +1,4 @@
-"""W4A4 calibration of any Linen model built from :class:`~jax_nvfp4.nn.NVFP4Dense` layers.
+"""W4A4 calibration of any Linen model: stock ``flax.linen.Dense`` or :class:`~jax_nvfp4.nn.NVFP4Dense` layers.
 
 A W4A4 kernel quantizes each Linear's input too: 1x16 groups rounded to nearest, with one
 static global scale per layer taken from the input's calibrated amax (compressed-tensors'
@@ -21,8 +21,9 @@ the amax of a stacked kernel ``[L, in, out]`` is ``[L]``.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,7 @@ from jax_nvfp4 import numerics as nx
 from jax_nvfp4.array import BLOCK_1D, NVFP4Array, dequantize, is_nvfp4, quantize
 from jax_nvfp4.export import is_linear
 from jax_nvfp4.layout import TiledNVFP4, is_tiled
-from jax_nvfp4.nn import NVFP4_COLLECTION, NVFP4Dense
+from jax_nvfp4.nn import _DENSE_CALL, NVFP4_COLLECTION, NVFP4Dense
 from jax_nvfp4.params import dequantize_params, path_str
 from jax_nvfp4.sharding import host_array, logical
 
@@ -63,12 +64,20 @@ def float_weights(params, dtype: Any = jnp.bfloat16):
     return dequantize_params(_host(params), dtype)
 
 
-def _input(context, args, kwargs) -> Optional[jax.Array]:
-    """An ``NVFP4Dense`` call's input (positional or ``x=``) in float32 exactly as the layer's dtype
-    holds it (None for other calls)."""
-    if context.method_name != "__call__" or not isinstance(context.module, NVFP4Dense) or not (args or kwargs):
+def _input(context, args, kwargs) -> Optional[Tuple[jax.Array, str]]:
+    """``(x, name)``: an ``NVFP4Dense`` or stock ``nn.Dense`` call's input (positional or by its name
+    ``name``) in float32 exactly as the layer's matmul reads it (None for other calls, and for a
+    subclass's own ``__call__``: its ``super().__call__`` comes here with what the matmul reads)."""
+    m = context.module
+    if context.method_name != "__call__" or not (args or kwargs):
         return None
-    x = args[0] if args else kwargs.get("x")
+    if isinstance(m, NVFP4Dense):
+        name = "x"
+    elif isinstance(m, nn.Dense) and context.orig_method.func is _DENSE_CALL and m.has_variable("params", "kernel"):
+        name = "inputs"
+    else:
+        return None
+    x = args[0] if args else kwargs.get(name)
     if x is None:
         return None
 
@@ -80,17 +89,21 @@ def _input(context, args, kwargs) -> Optional[jax.Array]:
         bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
         return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
+    x = jnp.asarray(x)
+    if isinstance(m, NVFP4Dense):
+        dtype = m.dtype
+    else:  # nn.Dense's own promotion of its input, kernel and bias (its dtype, else their common one)
+        bias = m.get_variable("params", "bias") if m.use_bias else None
+        dtype = m.promote_dtype(x, m.get_variable("params", "kernel"), bias, dtype=m.dtype)[0].dtype
     # A bf16 input (a bf16 layer's output) as rounded, then in the layer's dtype.
-    return widened(widened(jnp.asarray(x)).astype(context.module.dtype)).astype(jnp.float32)
+    return widened(widened(x).astype(dtype)).astype(jnp.float32), name
 
 
 def _record(next_fun, args, kwargs, context):
-    """Writes ``max |x|`` of an ``NVFP4Dense`` input (in the layer's dtype, as its matmul reads
-    it) to the layer's :data:`INPUT_AMAX`, the max with an earlier call's where the layer runs
+    """Writes ``max |x|`` of an ``NVFP4Dense`` or ``nn.Dense`` input (as its matmul reads it) to the layer's :data:`INPUT_AMAX`, the max with an earlier call's where the layer runs
     more than once."""
-    x = _input(context, args, kwargs)
-    if x is not None:
-        m, a = context.module, nx.abs_max(x, axis=None)
+    if (read := _input(context, args, kwargs)) is not None:
+        m, a = context.module, nx.abs_max(read[0], axis=None)
         if m.has_variable(NVFP4_COLLECTION, INPUT_AMAX):
             a = nx.abs_max(jnp.stack([m.get_variable(NVFP4_COLLECTION, INPUT_AMAX), a]), axis=0)
         m.put_variable(NVFP4_COLLECTION, INPUT_AMAX, a)
@@ -98,12 +111,17 @@ def _record(next_fun, args, kwargs, context):
 
 
 def _quantize_inputs(next_fun, args, kwargs, context):
-    """An ``NVFP4Dense`` with an :data:`INPUT_AMAX` gets its input quantized with it and
-    dequantized into its matmul, as a W4A4 kernel does."""
-    if context.module.has_variable(NVFP4_COLLECTION, INPUT_AMAX) and (x := _input(context, args, kwargs)) is not None:
-        a = context.module.get_variable(NVFP4_COLLECTION, INPUT_AMAX)
-        q = dequantize(quantize(x, block=BLOCK_1D, amax=a), jnp.float32)
-        return next_fun(q, *args[1:], **kwargs) if args else next_fun(**{**kwargs, "x": q})
+    """An ``NVFP4Dense`` or ``nn.Dense`` with an :data:`INPUT_AMAX` gets its input quantized with it
+    and dequantized into its matmul, as a W4A4 kernel does (into a stock ``nn.Dense`` in the dtype
+    its matmul reads, so that its own promotion keeps that dtype)."""
+    m = context.module
+    if m.has_variable(NVFP4_COLLECTION, INPUT_AMAX) and (read := _input(context, args, kwargs)) is not None:
+        x, name = read
+        q = dequantize(quantize(x, block=BLOCK_1D, amax=m.get_variable(NVFP4_COLLECTION, INPUT_AMAX)), jnp.float32)
+        if not isinstance(m, NVFP4Dense):
+            bias = m.get_variable("params", "bias") if m.use_bias else None
+            q = m.promote_dtype(q, m.get_variable("params", "kernel"), bias, dtype=m.dtype)[0]
+        return next_fun(q, *args[1:], **kwargs) if args else next_fun(**{**kwargs, name: q})
     return next_fun(*args, **kwargs)
 
 
@@ -119,13 +137,15 @@ def input_amax(apply_fn: Callable[..., Any], params, batches: Iterable[Any], *,
     the W4A16 model). ``batches`` is iterated once.
 
     Returns ``{param path of each NVFP4 Linear kernel (:func:`nvfp4_kernels`): float32 amax}``
-    in sorted path order: the largest ``|x|`` entering the kernel's ``NVFP4Dense`` over every
-    call and every batch, ``x`` taken in the layer's ``dtype`` (what its matmul reads); shape
+    in sorted path order: the largest ``|x|`` entering the kernel's layer over every call and
+    every batch, ``x`` taken in the dtype its matmul reads (an ``NVFP4Dense``'s ``dtype``; a stock
+    ``nn.Dense``'s own promotion of its input, kernel and bias: its ``dtype``, else their common
+    one; a subclass's ``super().__call__`` input); shape
     ``[]``, or ``[L]`` for a kernel stacked by ``nn.scan``. NaN in an input is kept. Layers
     whose kernel is not NVFP4 (kept in float by the policy) are left out.
 
     Raises ``ValueError`` when there is no batch, when ``params`` hold no NVFP4 kernel, or when
-    an NVFP4 kernel's layer recorded no input (a kernel not read by an ``NVFP4Dense``, e.g. a stock ``nn.Dense``).
+    an NVFP4 kernel's layer recorded no input (a kernel read by another layer, e.g. ``nn.DenseGeneral``).
     """
     batches = list(batches)
     if not batches:
@@ -145,13 +165,21 @@ def input_amax(apply_fn: Callable[..., Any], params, batches: Iterable[Any], *,
 
     out: Dict[str, np.ndarray] = {}
     for batch in batches:
-        for path, v in jax.device_get(amaxes(weights, jax.tree.map(jnp.asarray, batch))).items():
+        try:
+            recorded = jax.device_get(amaxes(weights, jax.tree.map(jnp.asarray, batch)))
+        except flax.errors.ModifyScopeVariableError as e:
+            if f'"{NVFP4_COLLECTION}"' not in str(e):
+                raise
+            raise ValueError(f"calibrate: {str(e).split(' (https')[0].rstrip('.')}: a layer under a Flax transform records its "
+                             f"amax only where the transform carries the {NVFP4_COLLECTION!r} collection, as "
+                             f"nn.scan(..., variable_axes={{'params': 0, {NVFP4_COLLECTION!r}: 0}})") from None
+        for path, v in recorded.items():
             if path in kernels:
                 out[path] = np.maximum(out[path], v) if path in out else np.asarray(v, np.float32)
     missing = sorted(kernels - set(out))
     if missing:
-        raise ValueError(f"calibrate: no input recorded for the NVFP4 kernels {missing[:3]}: only nv.NVFP4Dense "
-                         "layers record theirs (a stock nn.Dense does not)")
+        raise ValueError(f"calibrate: no input recorded for the NVFP4 kernels {missing[:3]}: only nn.Dense and "
+                         "nv.NVFP4Dense layers record theirs (not nn.DenseGeneral or nn.Einsum)")
     return {k: out[k] for k in sorted(out)}
 
 
@@ -168,9 +196,9 @@ def with_input_amax(variables: Mapping[str, Any], input_amax: Mapping[str, Any])
 
 @contextlib.contextmanager
 def quantized_inputs() -> Iterator[None]:
-    """Within this context (``flax.linen.intercept_methods``), every ``NVFP4Dense`` whose
+    """Within this context (``flax.linen.intercept_methods``), every ``NVFP4Dense`` or ``nn.Dense`` whose
     variables hold an :data:`INPUT_AMAX` (:func:`with_input_amax`) multiplies its input as a W4A4
-    kernel does: ``x`` in the layer's dtype, quantized to NVFP4 in 1x16 groups with round to
+    kernel does: ``x`` in the dtype the layer's matmul reads, quantized to NVFP4 in 1x16 groups with round to
     nearest and that amax (:func:`jax_nvfp4.quantize`), dequantized to float32, then the layer as
     written. Other layers run as written::
 

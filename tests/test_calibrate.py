@@ -166,36 +166,101 @@ def test_a_layer_called_twice_records_the_max_of_both_inputs(scale):
     assert first != second and amax["d/kernel"] == max(first, second)
 
 
-def test_input_amax_refuses_no_batches_and_an_nvfp4_kernel_no_nvfp4dense_reads():
-    class Stock(nn.Module):
+def test_input_amax_refuses_no_batches_and_an_nvfp4_kernel_no_dense_reads():
+    class General(nn.Module):
         @nn.compact
         def __call__(self, x):
-            return nv.NVFP4Dense(32, name="a")(nn.Dense(32, name="b")(x))
+            return nv.NVFP4Dense(32, name="a")(nn.DenseGeneral(32, name="b")(x))
 
-    model = Stock()
+    model = General()
     params, _, batches = _lib_setup(model, 8)
     with pytest.raises(ValueError, match="calibrate: no batches"):
         lib.input_amax(model.apply, params, [])
-    with pytest.raises(ValueError, match=r"no input recorded for the NVFP4 kernels \['b/kernel'\]"):
+    with pytest.raises(ValueError, match=r"no input recorded for the NVFP4 kernels \['b/kernel'\]: only nn.Dense"):
         lib.input_amax(model.apply, params, batches)
-    # A model of stock layers only records nothing (a KeyError before); a layer called with x= records its input.
-    class AllStock(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(32, name="b")(nn.Dense(32, use_bias=False, name="a")(x))
-
+    # A layer called with x= records its input.
     class Keyword(nn.Module):
         @nn.compact
         def __call__(self, x):
             return nv.NVFP4Dense(32, name="b")(x=nv.NVFP4Dense(32, name="a")(x))
 
-    with pytest.raises(ValueError, match=r"no input recorded .*\['a/kernel', 'b/kernel'\]: only nv.NVFP4Dense"):
-        lib.input_amax(AllStock().apply, params, batches)
     amax = lib.input_amax(Keyword().apply, params, batches)
     assert set(amax) == {"a/kernel", "b/kernel"} and all(float(v) > 0 for v in amax.values())
     floats = nv.dequantize_params(nv.sharding.logical(params), jnp.float32)  # nothing NVFP4 to calibrate
     with pytest.raises(ValueError, match="calibrate: params hold no NVFP4 Linear kernel"):
         lib.input_amax(model.apply, floats, batches)
+    # A scan that does not carry the "nvfp4" collection is named, not Flax's ModifyScopeVariableError.
+    class Unmapped(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)(name="blocks")(
+                x.astype(jnp.bfloat16), None)[0]
+
+    params, _, batches = _lib_setup(Unmapped(), 8)
+    with pytest.raises(ValueError, match=r"/scan\(blocks\)/dense.* variable_axes=\{'params': 0, 'nvfp4': 0\}"):
+        lib.input_amax(Unmapped().apply, params, batches)
+
+
+class Scaled(nn.Dense):
+    """A subclass that halves its input before nn.Dense's own call: the matmul reads x / 2 (the
+    subclass's own call is not recorded: the max of both would be x's)."""
+
+    def __call__(self, x):
+        return super().__call__(0.5 * x)
+
+
+class KeywordBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.relu(nn.Dense(32, use_bias=False, dtype=jnp.bfloat16, name="d")(inputs=x)), None
+
+
+class StockLayers(nn.Module):
+    """Stock Linen layers: a Dense of ``dtype`` None fed float32 (its promotion of the input with the
+    bf16 weights reads float32), a subclass, and a bf16 Dense called by keyword, under a scan."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(32, name="up")(x))
+        h = nn.relu(Scaled(32, use_bias=False, name="scaled")(h))
+        return nn.scan(KeywordBlock, variable_axes={"params": 0, "nvfp4": 0}, split_rngs={"params": True}, length=2)(
+            name="blocks")(h.astype(jnp.bfloat16), None)[0]
+
+
+def test_stock_linen_dense_layers_record_and_quantize_what_their_matmul_reads():
+    model = StockLayers()
+    params, w, batches = _lib_setup(model, 10)
+    amax = lib.input_amax(model.apply, params, batches)
+    assert list(amax) == ["blocks/d/kernel", "scaled/kernel", "up/kernel"] and amax["blocks/d/kernel"].shape == (2,)
+
+    def forward(x, q=None):
+        """The model's forward written out; ``q(path, v)`` quantizes what each matmul reads."""
+        q = q or (lambda path, v: v)
+        inputs = {}
+        dot = lambda path, v, k: jnp.dot(inputs.setdefault(path, []).append(v) or q(path, v), k)
+        h = nn.relu(dot("up", x, w["up"]["kernel"]) + w["up"]["bias"])
+        h = nn.relu(dot("scaled", 0.5 * h, w["scaled"]["kernel"]))
+        h = h.astype(jnp.bfloat16)
+        for i in range(2):
+            h = nn.relu(dot(f"d{i}", h, w["blocks"]["d"]["kernel"][i]))
+        return h, inputs
+
+    want = {"up/kernel": np.float32(0), "scaled/kernel": np.float32(0), "blocks/d/kernel": np.zeros(2, np.float32)}
+    for b in batches:
+        _, inputs = forward(jnp.asarray(b))
+        want["up/kernel"] = max(want["up/kernel"], _bf16_max(inputs["up"][0]))
+        want["scaled/kernel"] = max(want["scaled/kernel"], _bf16_max(inputs["scaled"][0]))
+        want["blocks/d/kernel"] = np.maximum(want["blocks/d/kernel"], [_bf16_max(inputs[f"d{i}"][0]) for i in range(2)])
+    for k in want:
+        np.testing.assert_array_equal(amax[k], want[k])
+    x = jnp.asarray(batches[1])
+    with lib.quantized_inputs():
+        y = model.apply(lib.with_input_amax({"params": w}, amax), x)
+    a = lambda path: amax["blocks/d/kernel"][int(path[1])] if path[0] == "d" else amax[f"{path}/kernel"]
+    ref = forward(x, lambda path, v: _qdq(v, a(path)).astype(v.dtype))[0]
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(ref, np.float32))
+    assert not np.array_equal(np.asarray(y, np.float32), np.asarray(model.apply({"params": w}, x), np.float32))
 
 
 @pytest.fixture(scope="module")

@@ -111,6 +111,32 @@ def mismatch(saved: Dict[str, Any], expected: Dict[str, Any]) -> str:
                      ([f"{len(extra)} of its leaves are not in this run (e.g. {extra[0]})"] if extra else []))
 
 
+def _structure_mismatch(on_disk, target, path: str = "") -> str:
+    """Where the containers of ``target`` (a state or its ``jax.eval_shape``) differ from those orbax's
+    metadata tree ``on_disk`` records (namedtuples as dicts of their fields, tuples as lists, an empty
+    node as None), in one line (``""``: alike). The arrays themselves are :func:`mismatch`'s."""
+    def kind(x, disk):
+        if x is None or (not disk and isinstance(x, tuple) and not getattr(x, "_fields", True)):
+            return "nothing", None
+        if not disk and isinstance(x, tuple) and hasattr(x, "_fields"):
+            x = {f: getattr(x, f) for f in x._fields}
+        if isinstance(x, Mapping) and (disk or not _is_node(x)):
+            return f"the entries {sorted(map(str, x))}", {str(k): v for k, v in x.items()}
+        if isinstance(x, (list, tuple)) and not _is_node(x):
+            return f"a sequence of {len(x)}", {str(i): v for i, v in enumerate(x)}
+        return "an array", None
+
+    (a, on_disk), (b, target) = kind(on_disk, True), kind(target, False)
+    if b == "an array" and a != "nothing":  # a Tiled or TiledNVFP4 is a mapping on disk
+        return ""
+    if a != b:
+        return f"{path or 'the state'}: {a} in the checkpoint but {b} here"
+    for k in target or ():
+        if why := _structure_mismatch(on_disk[k], target[k], f"{path}/{k}" if path else k):
+            return why
+    return ""
+
+
 def _resplit(saved: Dict[str, Any], abstract) -> Dict[str, Any]:
     """``{leaf name: saved tensor split}`` of the leaves saved with another split than ``abstract``'s."""
     expected = describe(abstract)
@@ -426,6 +452,15 @@ class Checkpointer:
         saved = meta.get("leaves", {})
         why = mismatch(saved, describe(abstract))
         if why:
+            raise CheckpointError(f"checkpoint {where} does not match this model/optimizer: {why}")
+        from etils import epath  # orbax's path type
+
+        try:
+            on_disk = self._ocp.StandardCheckpointHandler().metadata(epath.Path(where) / "state")
+        except Exception as e:  # noqa: BLE001 - any read failure is a bad checkpoint
+            raise CheckpointError(f"checkpoint {where}: cannot read its metadata: {_first_line(e)}") from None
+        why = _structure_mismatch(getattr(on_disk, "tree", on_disk), abstract)
+        if why:  # e.g. another optax chain around the same moments (adamw's three states, adam's two)
             raise CheckpointError(f"checkpoint {where} does not match this model/optimizer: {why}")
         targets = restore_targets(abstract, shardings, saved)  # ValueError: shardings do not match abstract
         try:

@@ -27,12 +27,13 @@ def _fp32():
     return out
 
 
-def _state(data: int, tensor: int, init: bool = True):
-    """``(state or its abstract value, shardings, mesh)`` of the user's model on a data x tensor mesh."""
+def _state(data: int, tensor: int, init: bool = True, inner=None):
+    """``(state or its abstract value, shardings, mesh)`` of the user's model on a data x tensor mesh
+    (``inner``: the optax optimizer, default adam)."""
     mesh = jax.make_mesh((data, tensor), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
                          devices=jax.devices()[:data * tensor])
     policy = nv.Policy()
-    tx = nv.master_weights(optax.adam(1e-2), policy=policy, rules=RULES)
+    tx = nv.master_weights(inner or optax.adam(1e-2), policy=policy, rules=RULES)
 
     def build():
         params = nv.shard_params(_fp32(), mesh, RULES, policy)
@@ -121,6 +122,11 @@ def test_a_corrupt_step_is_refused_or_set_aside_and_another_model_is_refused(sav
     other["params"]["norm"]["scale"] = jax.ShapeDtypeStruct((32,), np.float32)
     with pytest.raises(nvck.CheckpointError, match="does not match this model/optimizer: params/norm/scale: shape"):
         ckpt.restore(1, other, shardings)
+    # adamw's state holds adam's arrays and one more (empty) state: named, not orbax's "tree structures do not match".
+    abstract, shardings, mesh = _state(2, 2, init=False, inner=optax.adamw(1e-2))
+    with pytest.raises(nvck.CheckpointError, match="does not match this model/optimizer: opt_state/inner_state: a "
+                                                   "sequence of 2 in the checkpoint but a sequence of 3 here"):
+        ckpt.restore(1, abstract, shardings)
     ckpt.close()
 
 

@@ -372,6 +372,7 @@ def test_prepare_never_replaces_or_deletes_a_file_it_did_not_create(tmp_path, ca
     for args, needle in (([str(doc), "--tokenizer", tok, "--out", str(doc / "c.bin")], "cannot write in"),
                          ([str(doc), "--chunk-mb", "nan", "--out", str(tmp_path / "c.bin")], "--chunk-mb nan"),
                          ([str(doc), "--chunk-mb", "0", "--out", str(tmp_path / "c.bin")], "--chunk-mb 0"),
+                         ([str(doc), "--chunk-mb", "1e15", "--out", str(tmp_path / "c.bin")], "at most 1024"),
                          ([str(doc), "--workers", "0", "--out", str(tmp_path / "c.bin")], "--workers 0")):
         assert main(args) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -496,6 +497,32 @@ def test_ids_are_the_tokenizers_for_each_whole_document_at_any_chunk_size(tmp_pa
         assert want.count(eos) == 1 and "<s>" not in [whole.id_to_token(i) for i in want]
 
 
+def test_a_whitespace_run_longer_than_the_cut_context_is_never_cut_after(tmp_path):
+    """300 spaces before a newline are one word with it at the end of a piece (GPT-2's \\s+(?!\\S)), two in the
+    whole document: a cut there changed the ids where the tokenizer merges the whole run (one learnt from it), and
+    the words the BPE trainer counts. Both now match the whole document's at any chunk size."""
+    from tokenizers import Tokenizer
+
+    (tmp_path / "run.jsonl").write_text(json.dumps({"text": "x" + " " * 300 + "\n"}) + "\n")
+    prep.prepare([str(tmp_path / "run.jsonl")], str(tmp_path / "tok"), vocab_size=300, workers=1)
+    chunk = 1000
+    head = "hello world\n" * ((chunk - 400) // 12)
+    text = head + "w" * (chunk - 200 - len(head)) + " " * 300 + "\n" + "next line\n" * 100
+    (tmp_path / "big.txt").write_text(text)
+    tok = Tokenizer.from_file(str(tmp_path / "tok.tokenizer.json"))
+    want = tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("<|endoftext|>")]
+    trained = set()
+    for chunk_mb in (chunk / 2**20, 1):
+        out = str(tmp_path / f"ids-{chunk_mb}")
+        prep.prepare([str(tmp_path / "big.txt")], out, tokenizer=str(tmp_path / "tok.tokenizer.json"),
+                     chunk_mb=chunk_mb, workers=1)
+        assert np.fromfile(out, dtype=np.uint16).tolist() == want, chunk_mb
+        out = str(tmp_path / f"bpe-{chunk_mb}")
+        prep.prepare([str(tmp_path / "big.txt")], out, vocab_size=400, chunk_mb=chunk_mb, workers=1)
+        trained.add((open(out + ".tokenizer.json").read(), open(out, "rb").read()))
+    assert len(trained) == 1
+
+
 def test_a_byte_order_mark_and_a_categorical_parquet_column_read_as_their_text(tmp_path):
     """A text file's UTF-8 byte order mark is not text (as in JSON Lines); a dictionary-encoded
     (categorical) Parquet string column reads as its strings."""
@@ -510,8 +537,10 @@ def test_a_byte_order_mark_and_a_categorical_parquet_column_read_as_their_text(t
     (tmp_path / "plain.txt").write_text(texts[0], encoding="utf-8")
     (tmp_path / "bom.txt").write_text(texts[0], encoding="utf-8-sig")
     ids = {}
-    for name in ("plain.parquet", "coded.parquet", "plain.txt", "bom.txt"):
-        out = str(tmp_path / f"{name}.bin")
-        prep.prepare([str(tmp_path / name)], out, tokenizer=str(tok), eos="</s>", workers=1)
-        ids[name] = np.fromfile(out, dtype=np.uint16).tolist()
-    assert ids["coded.parquet"] == ids["plain.parquet"] and ids["bom.txt"] == ids["plain.txt"]
+    for name, chunk_mb in (("plain.parquet", 1), ("coded.parquet", 1), ("plain.txt", 1), ("bom.txt", 1),
+                           ("bom.txt", 2 / 2**20)):  # read 2 bytes at a time: the mark spans two reads
+        out = str(tmp_path / f"{name}-{chunk_mb}.bin")
+        prep.prepare([str(tmp_path / name)], out, tokenizer=str(tok), eos="</s>", workers=1, chunk_mb=chunk_mb)
+        ids[name, chunk_mb] = np.fromfile(out, dtype=np.uint16).tolist()
+    assert ids["coded.parquet", 1] == ids["plain.parquet", 1]
+    assert ids["bom.txt", 1] == ids["bom.txt", 2 / 2**20] == ids["plain.txt", 1]

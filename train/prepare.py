@@ -45,6 +45,7 @@ _JSON = {dict: "object", list: "array", str: "string", bool: "boolean", int: "nu
 
 
 DEFAULT_VOCAB = 4096  # the BPE trained without --tokenizer
+MAX_CHUNK_MB = 1024  # a piece is held as text and as its ids, times the workers
 MAX_VOCAB = 1 << 24  # about 1 GB of the BPE trainer's tables (the largest released vocabularies: ~0.26M)
 
 
@@ -104,7 +105,7 @@ def _pieces(blocks, chunk: int, cut_ok) -> Iterator[tuple]:
 
 def _text_blocks(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
     """A text file (one document) decoded incrementally: ``(text, bytes read)``, its byte offsets known."""
-    dec, pos = codecs.getincrementaldecoder("utf-8")("strict"), 0
+    dec, pos, first = codecs.getincrementaldecoder("utf-8")("strict"), 0, True
     with open(path, "rb") as f:
         while True:
             block = f.read(chunk)
@@ -115,8 +116,8 @@ def _text_blocks(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
                        f"invalid UTF-8 ({e.reason})")
                 dec.errors = "replace"  # the decoder kept its state: decode the block again
                 text = dec.decode(block, not block)
-            if not pos and text.startswith("\ufeff"):  # a byte order mark, not text (as in JSON Lines)
-                text = text[1:]
+            if first and text:  # a byte order mark, not text (as in JSON Lines), however small the blocks
+                text, first = text[1:] if text.startswith("\ufeff") else text, False
             pos += len(block)
             yield text, pos
             if not block:
@@ -371,8 +372,8 @@ def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, voc
     failure only what this call wrote is removed, and nothing appears under the final names."""
     if not paths:
         raise PrepareError("no input files")
-    if not isinstance(chunk_mb, (int, float)) or not math.isfinite(chunk_mb) or chunk_mb <= 0:
-        raise PrepareError(f"--chunk-mb {chunk_mb}: must be a positive number of MiB")
+    if not isinstance(chunk_mb, (int, float)) or not math.isfinite(chunk_mb) or not 0 < chunk_mb <= MAX_CHUNK_MB:
+        raise PrepareError(f"--chunk-mb {chunk_mb}: must be a positive number of MiB, at most {MAX_CHUNK_MB}")
     if workers is None:  # the CPUs this process may use
         try:
             workers = max(1, len(os.sched_getaffinity(0)))
@@ -503,20 +504,26 @@ def _for_encoding(tok, config: dict, eos: str | None) -> tuple[str, int | None, 
 
 def _encodes_apart(tok, text: str, j: int) -> bool:
     """Whether ``tok`` encodes ``text[:j]`` and ``text[j:]`` one after the other as it encodes ``text``, ``j``
-    falling between two of its words (pre-tokens, each of which its model encodes alone): a word's ids depend on
-    all of it, however far it reaches past the window, and a tokenizer that keeps the text one word (no
-    pre-tokenizer, Metaspace without split) has no such cut."""
+    falling between two of its words (pre-tokens, each of which its model encodes alone), neither of which
+    touches an end of ``text``: a word's ids depend on all of it, and one reaching the window's edge may go on
+    past it (300 spaces before a newline: ``\\s+(?!\\S)`` makes them one word with it at the end of a piece).
+    A tokenizer that keeps the text one word (no pre-tokenizer, Metaspace without split) has no such cut."""
     whole = tok.encode(text, add_special_tokens=False)
-    left = right = None  # the words of the last token before j and of the first one from j
+    span = {}  # word -> (its first character, past its last)
     for word, (a, b) in zip(whole.word_ids, whole.offsets):
         if a < j < b:
             return False
-        if a < b <= j:
-            left = word
-        elif j <= a < b and right is None:
-            right = word
+        if a < b:
+            first, last = span.get(word, (a, b))
+            span[word] = (min(first, a), max(last, b))
+    left = max((w for w, (_, b) in span.items() if b <= j), key=lambda w: span[w][1], default=None)
+    right = min((w for w, (a, _) in span.items() if a >= j), key=lambda w: span[w][0], default=None)
+    if left is None or right is None or left == right or span[left][0] == 0 or span[right][1] == len(text):
+        return False
+    if tok.pre_tokenizer is not None and not _splits_words(tok.pre_tokenizer, text, j, content=False):
+        return False  # the words themselves change (a whitespace run joins the newline at a piece's end)
     ids = lambda s: tok.encode(s, add_special_tokens=False).ids
-    return (left is None or left != right) and whole.ids == ids(text[:j]) + ids(text[j:])
+    return whole.ids == ids(text[:j]) + ids(text[j:])
 
 
 def _untrimmed(tok):
@@ -529,10 +536,20 @@ def _untrimmed(tok):
     return copy
 
 
-def _splits_words(pre_tokenizer, text: str, j: int) -> bool:
-    """Whether ``pre_tokenizer`` starts a word at ``j`` of ``text``: the BPE trainer counts the same words in
-    pieces cut there as in the whole document."""
-    return any(a == j for _, (a, _) in pre_tokenizer.pre_tokenize_str(text))
+def _splits_words(pre_tokenizer, text: str, j: int, content: bool = True) -> bool:
+    """Whether ``pre_tokenizer`` splits ``text[:j]`` and ``text[j:]`` into the words it makes of ``text`` (their
+    spans; ``content``: their text too, as a Metaspace prefix changes it), the words either side of ``j`` not
+    touching an end of ``text`` (see :func:`_encodes_apart`): the BPE trainer counts the same words in pieces
+    cut there as in the whole document, and a tokenizer encodes the same words."""
+    words = pre_tokenizer.pre_tokenize_str(text)
+    before = [(w, span) for w, span in words if span[1] <= j]
+    after = [(w, (a - j, b - j)) for w, (a, b) in words if a >= j]
+    if len(before) + len(after) != len(words) or not before or not after or before[-1][1][0] == 0 \
+            or after[0][1][1] == len(text) - j:
+        return False
+    key = (lambda ws: [(w, tuple(span)) for w, span in ws]) if content else (lambda ws: [tuple(s) for _, s in ws])
+    return (key(pre_tokenizer.pre_tokenize_str(text[:j])) == key(before)
+            and key(pre_tokenizer.pre_tokenize_str(text[j:])) == key(after))
 
 
 def _publish(tmp: str, final: str) -> None:
@@ -571,7 +588,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--vocab-size", type=int, default=None,
                    help=f"size of the BPE trained without --tokenizer (default: {DEFAULT_VOCAB})")
-    p.add_argument("--chunk-mb", type=float, default=1.0, help="text encoded per piece, in MiB (> 0)")
+    p.add_argument("--chunk-mb", type=float, default=1.0, help=f"text encoded per piece, in MiB (> 0, at most {MAX_CHUNK_MB})")
     args = p.parse_args(argv)
     if args.workers is not None and args.workers >= 1:  # the tokenizer's thread pool, sized at its first use
         os.environ.setdefault("RAYON_NUM_THREADS", str(args.workers))

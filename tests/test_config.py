@@ -301,6 +301,11 @@ def test_gin_includes_are_files_beside_the_includer_checked_like_it(tmp_path):
     assert ": line 1: ModelConfig.layers is bound to a configurable" in _error(
         path=_write(tmp_path, "r.gin", "ModelConfig.layers = @ModelConfig()\n"))
     assert "a macro (%NAME) that is not defined" in _error(path=_write(tmp_path, "m.gin", "ModelConfig.layers = %X\n"))
+    # gin's own parse errors in words (they had been Python's: "<ast.Name object at 0x...>", "('EOF in ...', (2, 0))").
+    assert _error(path=_write(tmp_path, "f.gin", 'OptimConfig.lr = float("nan")\n')).endswith(
+        "a value that is not a Python literal (a number, 'string', True/False/None or a list of them), line 1")
+    assert _error(path=_write(tmp_path, "o.gin", "OptimConfig.lr = (1,\n")).endswith(
+        "a bracket or quote left open at the end of the file (line 2)")
 
 
 def test_overrides():
@@ -382,6 +387,8 @@ def test_each_class_of_error_is_one_line_naming_the_key(overrides, message):
     (["data.batch_size=0"], "data.batch_size="),
     (["optim.lr=0"], "optim.lr="),
     (["optim.lr=.nan"], "optim.lr="),
+    (["optim.lr=1" + "0" * 400], "optim.lr=1000000000"),  # an int past float's range: OverflowError before
+    (["model.rope_scaling.factor=-1" + "0" * 400], "model.rope_scaling.factor=-1000000000"),
     (["optim.grad_accum=0"], "optim.grad_accum="),
     (["optim.clip_norm=-1"], "optim.clip_norm="),
     (["optim.schedule_steps=-1"], "optim.schedule_steps="),

@@ -10,6 +10,7 @@ own. Every failure is a one-line :class:`ConfigError` naming the key. No jax her
 import dataclasses
 import functools
 import itertools
+import math
 import os
 import re
 import sys
@@ -31,8 +32,17 @@ __all__ = ["AFFECTS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
 
 # Strict types (`layers: true` is not 1, `1` is not true); an int widens to a float.
 Int, Str, Bool = Annotated[int, Strict()], Annotated[str, Strict()], Annotated[bool, Strict()]
-Float = Annotated[float, pydantic.BeforeValidator(lambda v: float(v) if type(v) is int else v), Strict(),
-                  pydantic.AllowInfNan(False)]
+def _widen(v):
+    """An int as a float (one past float's range: not finite, which the field refuses); other values as they are."""
+    if type(v) is not int:
+        return v
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+
+
+Float = Annotated[float, pydantic.BeforeValidator(_widen), Strict(), pydantic.AllowInfNan(False)]
 # Counts and sizes: past 2^31 - 1 no array dimension or step count is meaningful (JAX's are C longs).
 Pos, NonNeg = Annotated[Int, Field(gt=0, lt=2**31)], Annotated[Int, Field(ge=0, lt=2**31)]
 PosFloat, NonNegFloat = Annotated[Float, Field(gt=0)], Annotated[Float, Field(ge=0)]
@@ -679,7 +689,7 @@ def _gin_text(path: str, chain: tuple = ()) -> tuple[str, dict]:
     try:
         statements = list(config_parser.ConfigParser(text, config.ParserDelegate(skip_unknown=True)))
     except Exception as e:  # noqa: BLE001 - gin's syntax errors (SyntaxError, ValueError...)
-        raise ConfigError(f"{path}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
+        raise ConfigError(f"{path}: {_gin_error(e)}") from None
     lines, bound, included = text.splitlines(keepends=True), {}, set()
     for st in statements:
         line = st.location.line_num
@@ -737,17 +747,26 @@ def _read_gin(path: str) -> dict[str, Any]:
     except ConfigError:
         raise
     except Exception as e:  # gin raises ValueError / SyntaxError with multi-line messages
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if match := re.search(r"No configurable matching '([^']+)'", first):
-            first = (f"unknown gin configurable {match.group(1)!r}{suggest(match.group(1), list(_GIN_SECTIONS))}; "
-                     f"use one of {', '.join(_GIN_SECTIONS)}")
-        elif "macro()" in first:
-            first = "a macro (%NAME) that is not defined; define it first (NAME = value)"
-        elif "malformed node or string" in first:
-            first = "a value that is not a Python literal (a number, 'string', True/False/None or a list of them)"
-        raise ConfigError(f"{path}: {first}") from None
+        raise ConfigError(f"{path}: {_gin_error(e)}") from None
     finally:
         gin.clear_config()
+
+
+def _gin_error(e: Exception) -> str:
+    """gin's error ``e`` in one line, in words where gin's are Python's internals."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if match := re.search(r"No configurable matching '([^']+)'", first):
+        return (f"unknown gin configurable {match.group(1)!r}{suggest(match.group(1), list(_GIN_SECTIONS))}; "
+                f"use one of {', '.join(_GIN_SECTIONS)}")
+    if "macro()" in first:
+        return "a macro (%NAME) that is not defined; define it first (NAME = value)"
+    if "malformed node or string" in first:
+        line = re.search(r" on line (\d+)", first)
+        return ("a value that is not a Python literal (a number, 'string', True/False/None or a list of them)"
+                + (f", line {line.group(1)}" if line else ""))
+    if match := re.match(r"\('EOF in multi-line statement', \((\d+), \d+\)\)", first):
+        return f"a bracket or quote left open at the end of the file (line {match.group(1)})"
+    return first
 
 
 def _overrides_to_dict(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:

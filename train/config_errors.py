@@ -71,10 +71,13 @@ def one_line(err: pydantic.ValidationError, sections: Mapping[str, type], sectio
     if index:
         hint = typing.get_args(typing.get_args(hint)[0])[0]  # Tuple[Str, ...] -> Str
     base = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+    if base is float and type(value) is int:
+        try:
+            value = float(value)  # as it would have been stored
+        except OverflowError:  # past float's range
+            return ConfigError(f"{key}={short(value)}: must be finite")
     if isinstance(value, float) and not math.isfinite(value):
         return ConfigError(f"{key}={value!r}: must be finite")
-    if base is float and type(value) is int:
-        value = float(value)  # as it would have been stored
     if kind == "literal_error" and isinstance(value, str):
         return ConfigError(f"{key}={value!r}: must be one of {', '.join(map(repr, typing.get_args(base)))}")
     if kind in _BOUNDS:

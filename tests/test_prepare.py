@@ -4,8 +4,10 @@ tokenizer; BOS/EOS per document, undecodable input, workers, interruptions, the 
 import gzip
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -289,6 +291,23 @@ def test_an_interrupted_run_leaves_nothing(tmp_path, monkeypatch, capsys):
     with pytest.raises(KeyboardInterrupt):
         prep.prepare(files, str(tmp_path / "o.bin"), tokenizer=tok, chunk_mb=1 / 1024, workers=4)
     assert max(sizes) == 4 and sorted(os.listdir(tmp_path)) == before
+
+
+def test_sigterm_while_the_bpe_trains_on_one_long_word_ends_at_once(tmp_path):
+    """One 100,000-character word keeps the BPE trainer busy for a minute (quadratic in the word); SIGTERM
+    (as Ctrl-C) had waited for it to return: it now ends the run at once, exit 130, nothing left."""
+    (tmp_path / "w.txt").write_text("ab" * 50_000)
+    p = subprocess.Popen([sys.executable, "-m", "train.prepare", "w.txt", "--out", "w", "--vocab-size", "300",
+                          "--no-progress"], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(4)  # past the imports and the reading, into the trainer
+    assert p.poll() is None, p.communicate()
+    sent = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and time.monotonic() - sent < 5, (p.returncode, err)
+    assert err.strip().splitlines()[-1].startswith("error: interrupted; nothing written") and \
+        sorted(os.listdir(tmp_path)) == ["w.txt"]
 
 
 # ----------------------------------------------------------------------------- prepare's guarantees

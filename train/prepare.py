@@ -438,7 +438,8 @@ def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, voc
                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
             rd_bpe = _Reading(errors, text_key)  # replaced files are counted by the encoding pass alone
             rd_bpe.cut_ok = functools.partial(_splits_words, tok.pre_tokenizer)
-            tok.train_from_iterator((t for p in paths for t, _, _ in _documents(p, chunk, rd_bpe)), trainer=trainer)
+            _interruptible(tok.train_from_iterator, (t for p in paths for t, _, _ in _documents(p, chunk, rd_bpe)),
+                           trainer=trainer)
             saved, bos_id, eos_id = _for_encoding(tok, {}, eos)
         # The largest id + 1, not the token count: ids may have gaps, and the embedding needs a row for the largest.
         vocab = max(tok.get_vocab(with_added_tokens=True).values()) + 1
@@ -550,6 +551,27 @@ def _splits_words(pre_tokenizer, text: str, j: int, content: bool = True) -> boo
     key = (lambda ws: [(w, tuple(span)) for w, span in ws]) if content else (lambda ws: [tuple(s) for _, s in ws])
     return (key(pre_tokenizer.pre_tokenize_str(text[:j])) == key(before)
             and key(pre_tokenizer.pre_tokenize_str(text[j:])) == key(after))
+
+
+def _interruptible(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in a thread of its own, its exception raised here: the BPE trainer holds no
+    lock the main thread needs, which stays free to take Ctrl-C or SIGTERM at once (a long word keeps the
+    trainer busy for minutes; the process ends with the thread)."""
+    done = {}
+
+    def run():
+        try:
+            done["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            done["error"] = e
+
+    thread = threading.Thread(target=run, name="prepare-bpe", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+    if "error" in done:
+        raise done["error"]
+    return done.get("value")
 
 
 def _publish(tmp: str, final: str) -> None:

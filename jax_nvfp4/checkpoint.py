@@ -113,20 +113,31 @@ def mismatch(saved: Dict[str, Any], expected: Dict[str, Any]) -> str:
 
 def _structure_mismatch(on_disk, target, path: str = "") -> str:
     """Where the containers of ``target`` (a state or its ``jax.eval_shape``) differ from those orbax's
-    metadata tree ``on_disk`` records (namedtuples as dicts of their fields, tuples as lists, an empty
-    node as None), in one line (``""``: alike). The arrays themselves are :func:`mismatch`'s."""
-    def kind(x, disk):
-        if x is None or (not disk and isinstance(x, tuple) and not getattr(x, "_fields", True)):
+    metadata tree ``on_disk`` records (dicts, lists, tuples; a namedtuple as a dict of its fields, an empty
+    one as None), in one line (``""``: alike). The arrays themselves are :func:`mismatch`'s."""
+    def disk_kind(x):
+        if x is None:
             return "nothing", None
-        if not disk and isinstance(x, tuple) and hasattr(x, "_fields"):
-            x = {f: getattr(x, f) for f in x._fields}
-        if isinstance(x, Mapping) and (disk or not _is_node(x)):
+        if isinstance(x, Mapping):
             return f"the entries {sorted(map(str, x))}", {str(k): v for k, v in x.items()}
-        if isinstance(x, (list, tuple)) and not _is_node(x):
+        if isinstance(x, (list, tuple)):
             return f"a sequence of {len(x)}", {str(i): v for i, v in enumerate(x)}
         return "an array", None
 
-    (a, on_disk), (b, target) = kind(on_disk, True), kind(target, False)
+    def target_kind(x):
+        if x is None:
+            return "nothing", None
+        if _is_node(x) or jax.tree_util.treedef_is_leaf(jax.tree.structure(x)):
+            return "an array", None
+        kids = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]
+        if type(x) in (list, tuple):
+            return f"a sequence of {len(kids)}", {str(i): v for i, (_, v) in enumerate(kids)}
+        if not kids and not isinstance(x, Mapping):
+            return "nothing", None  # an empty namedtuple (optax's EmptyState)
+        name = lambda k: str(getattr(k, "key", getattr(k, "name", k)))  # DictKey, GetAttrKey (a namedtuple's)
+        return f"the entries {sorted(name(p[0]) for p, _ in kids)}", {name(p[0]): v for p, v in kids}
+
+    (a, on_disk), (b, target) = disk_kind(on_disk), target_kind(target)
     if b == "an array" and a != "nothing":  # a Tiled or TiledNVFP4 is a mapping on disk
         return ""
     if a != b:
@@ -439,6 +450,17 @@ class Checkpointer:
                                   "folder was renamed or copied)")
         return meta
 
+    def _structure_mismatch(self, where: str, abstract) -> str:
+        """:func:`_structure_mismatch` of checkpoint folder ``where`` and ``abstract`` (``""`` where its
+        metadata cannot be read: the caller's error stands)."""
+        from etils import epath  # orbax's path type
+
+        try:
+            on_disk = self._ocp.StandardCheckpointHandler().metadata(epath.Path(where) / "state")
+        except Exception:  # noqa: BLE001
+            return ""
+        return _structure_mismatch(getattr(on_disk, "tree", on_disk), abstract)
+
     def restore(self, step: int, abstract, shardings) -> Tuple[Any, Dict[str, Any]]:
         """``(state, meta)`` of checkpoint ``step`` (verified first), in the layout of ``abstract`` (``jax.eval_shape``
         of the state) placed by ``shardings``, whatever data axis and tensor split it was saved from.
@@ -453,20 +475,15 @@ class Checkpointer:
         why = mismatch(saved, describe(abstract))
         if why:
             raise CheckpointError(f"checkpoint {where} does not match this model/optimizer: {why}")
-        from etils import epath  # orbax's path type
-
-        try:
-            on_disk = self._ocp.StandardCheckpointHandler().metadata(epath.Path(where) / "state")
-        except Exception as e:  # noqa: BLE001 - any read failure is a bad checkpoint
-            raise CheckpointError(f"checkpoint {where}: cannot read its metadata: {_first_line(e)}") from None
-        why = _structure_mismatch(getattr(on_disk, "tree", on_disk), abstract)
-        if why:  # e.g. another optax chain around the same moments (adamw's three states, adam's two)
-            raise CheckpointError(f"checkpoint {where} does not match this model/optimizer: {why}")
         targets = restore_targets(abstract, shardings, saved)  # ValueError: shardings do not match abstract
         try:
             args = self._ocp.args.Composite(state=self._ocp.args.StandardRestore(targets, strict=False))
             state = self.manager.restore(step, args=args).state
         except Exception as e:  # noqa: BLE001
+            # Another optax chain around the same arrays (adamw's three states, adam's two) is named.
+            why = self._structure_mismatch(where, abstract)
+            if why:
+                raise CheckpointError(f"checkpoint {where} does not match this model/optimizer: {why}") from None
             raise CheckpointError(f"checkpoint {where}: cannot read its arrays: {_first_line(e)}") from None
         bad = nonfinite(state)
         if bad:

@@ -16,15 +16,23 @@ The amax of a layer crosses the model in the ``"nvfp4"`` collection as the varia
 :data:`INPUT_AMAX` next to the layer's stored kernel (the layers never read it), so under
 ``nn.scan`` with ``variable_axes={"params": 0, "nvfp4": 0}`` each scanned layer gets its own and
 the amax of a stacked kernel ``[L, in, out]`` is ``[L]``.
+
+NNX models (``nnx.Linear`` layers) have no method interceptors: :func:`input_amax_nnx` and
+:func:`with_input_amax_nnx` do the same by running ``nnx.Linear.__call__`` wrapped, within the
+calibration's own trace (and within :func:`quantized_inputs`), and carry each layer's amax as an
+:class:`InputAmax` variable of the layer, which ``nnx.scan`` / ``nnx.vmap`` split per layer as
+they split its kernel.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import flax
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +46,8 @@ from jax_nvfp4.nn import _DENSE_CALL, NVFP4_COLLECTION, NVFP4Dense
 from jax_nvfp4.params import dequantize_params, path_str
 from jax_nvfp4.sharding import host_array, logical
 
-__all__ = ["INPUT_AMAX", "float_weights", "input_amax", "nvfp4_kernels", "quantized_inputs", "with_input_amax"]
+__all__ = ["INPUT_AMAX", "InputAmax", "float_weights", "input_amax", "input_amax_nnx", "nvfp4_kernels",
+           "quantized_inputs", "with_input_amax", "with_input_amax_nnx"]
 
 # The variable (in the "nvfp4" collection, at each NVFP4Dense) that carries a layer's input amax.
 INPUT_AMAX = "input_amax"
@@ -64,6 +73,21 @@ def float_weights(params, dtype: Any = jnp.bfloat16):
     return dequantize_params(_host(params), dtype)
 
 
+def _widened(x):
+    # Through its bits: XLA may simplify a bf16 -> f32 convert pair away and keep the excess
+    # float32 precision of the value before its rounding to bf16, which the layer never sees.
+    if x.dtype != jnp.bfloat16:
+        return x
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _as_read(x, dtype) -> jax.Array:
+    """``x`` in float32 exactly as a matmul in ``dtype`` reads it (a bf16 input, a bf16 layer's
+    output, as rounded, then in ``dtype``)."""
+    return _widened(_widened(x).astype(dtype)).astype(jnp.float32)
+
+
 def _input(context, args, kwargs) -> Optional[Tuple[jax.Array, str]]:
     """``(x, name)``: an ``NVFP4Dense`` or stock ``nn.Dense`` call's input (positional or by its name
     ``name``) in float32 exactly as the layer's matmul reads it (None for other calls, and for a
@@ -81,22 +105,13 @@ def _input(context, args, kwargs) -> Optional[Tuple[jax.Array, str]]:
     if x is None:
         return None
 
-    def widened(x):
-        # Through its bits: XLA may simplify a bf16 -> f32 convert pair away and keep the excess
-        # float32 precision of the value before its rounding to bf16, which the layer never sees.
-        if x.dtype != jnp.bfloat16:
-            return x
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
-        return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
     x = jnp.asarray(x)
     if isinstance(m, NVFP4Dense):
         dtype = m.dtype
     else:  # nn.Dense's own promotion of its input, kernel and bias (its dtype, else their common one)
         bias = m.get_variable("params", "bias") if m.use_bias else None
         dtype = m.promote_dtype(x, m.get_variable("params", "kernel"), bias, dtype=m.dtype)[0].dtype
-    # A bf16 input (a bf16 layer's output) as rounded, then in the layer's dtype.
-    return widened(widened(x).astype(dtype)).astype(jnp.float32), name
+    return _as_read(x, dtype), name
 
 
 def _record(next_fun, args, kwargs, context):
@@ -194,6 +209,94 @@ def with_input_amax(variables: Mapping[str, Any], input_amax: Mapping[str, Any])
     return {**variables, NVFP4_COLLECTION: traverse_util.unflatten_dict(collection)}
 
 
+class InputAmax(nnx.Variable):
+    """An ``nnx.Linear``'s calibrated input amax (:func:`with_input_amax_nnx`): float32, ``[]`` or
+    ``[L]`` for a stack of layers made by ``nnx.vmap``."""
+
+
+_NNX_LOCK = threading.RLock()  # one wrapped nnx.Linear.__call__ at a time
+
+
+@contextlib.contextmanager
+def _nnx_linear_inputs(on_input: Callable[[Any, jax.Array], jax.Array]) -> Iterator[None]:
+    """Within this context every ``nnx.Linear`` call (also a subclass's ``super().__call__``) runs on
+    ``on_input(layer, x as its matmul reads it in float32)``, cast back to what its matmul reads.
+    A class attribute for the time of a trace: the program traced keeps what it did."""
+    call = nnx.Linear.__call__
+
+    def wrapped(self, inputs, *args, **kwargs):
+        bias = self.bias[...] if self.bias is not None else None
+        read = self.promote_dtype((jnp.asarray(inputs), self.kernel[...], bias), dtype=self.dtype)[0]
+        x = on_input(self, _as_read(read, read.dtype))
+        return call(self, inputs if x is None else x.astype(read.dtype), *args, **kwargs)
+
+    with _NNX_LOCK:
+        nnx.Linear.__call__ = wrapped
+        try:
+            yield
+        finally:
+            nnx.Linear.__call__ = call
+
+
+def input_amax_nnx(graphdef, params, batches: Iterable[Any], *, call: Optional[Callable[[Any, Any], Any]] = None,
+                   dtype: Any = jnp.bfloat16) -> Dict[str, np.ndarray]:
+    """:func:`input_amax` for an NNX model of ``nnx.Linear`` layers: ``graphdef`` and ``params`` (its
+    ``nnx.Param`` state as a pure dict, ``nnx.to_pure_dict``, quantized, stored or sharded as the
+    training step holds it). ``call(model, batch)`` runs the forward pass (default ``model(batch)``)
+    on ``nnx.merge(graphdef, float_weights(params, dtype))`` under ``jit``. The same result: ``{param
+    path of each NVFP4 Linear kernel: float32 amax}``, ``[L]`` for the kernel of a stack of layers
+    (``nnx.vmap`` / ``nnx.scan``), the input of a subclass's ``super().__call__``; the same errors."""
+    batches, call = list(batches), call or (lambda model, batch: model(batch))
+    if not batches:
+        raise ValueError("calibrate: no batches")
+    host = _host(params)
+    kernels, weights = set(nvfp4_kernels(host)), dequantize_params(host, dtype)
+    if not kernels:
+        raise ValueError("calibrate: params hold no NVFP4 Linear kernel (quantize them first: nv.quantize_params "
+                         "or nv.shard_params with a policy)")
+
+    def record(layer, x):
+        layer.sow(nnx.Intermediate, INPUT_AMAX, nx.abs_max(x, axis=None),
+                  init_fn=lambda: jnp.float32(0), reduce_fn=lambda a, b: nx.abs_max(jnp.stack([a, b]), axis=0))
+
+    @jax.jit
+    def amaxes(p, batch):
+        with _nnx_linear_inputs(record):
+            _, sown = nnx.capture(call, nnx.Intermediate)(nnx.merge(graphdef, p), batch)
+        flat = traverse_util.flatten_dict(nnx.to_pure_dict(sown), sep="/")
+        return {k[:-len(INPUT_AMAX)] + "kernel": v for k, v in flat.items() if k.endswith("/" + INPUT_AMAX)}
+
+    out: Dict[str, np.ndarray] = {}
+    for batch in batches:
+        for path, v in jax.device_get(amaxes(weights, jax.tree.map(jnp.asarray, batch))).items():
+            if path in kernels:
+                out[path] = np.maximum(out[path], v) if path in out else np.asarray(v, np.float32)
+    missing = sorted(kernels - set(out))
+    if missing:
+        raise ValueError(f"calibrate: no input recorded for the NVFP4 kernels {missing[:3]}: only nnx.Linear "
+                         "layers record theirs (not nnx.LinearGeneral or nnx.Einsum)")
+    return {k: out[k] for k in sorted(out)}
+
+
+def with_input_amax_nnx(model, input_amax: Mapping[str, Any]):
+    """``model`` (an NNX module, changed in place and returned) with each ``input_amax`` entry (``{param
+    path of a kernel: amax}``) as an :class:`InputAmax` variable of the kernel's ``nnx.Linear``: what
+    :func:`quantized_inputs` reads. KeyError naming a path that is no ``nnx.Linear`` kernel."""
+    layers = {"/".join(map(str, path)): node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Linear)}
+    for key, value in input_amax.items():
+        layer = layers.get(key[:-len("/kernel")] if key.endswith("/kernel") else None)
+        if layer is None:
+            raise KeyError(f"with_input_amax_nnx: {key!r} is not the kernel of an nnx.Linear of the model")
+        setattr(layer, INPUT_AMAX, InputAmax(jnp.asarray(value, jnp.float32)))
+    return model
+
+
+def _quantize_nnx_input(layer, x):
+    if not isinstance(getattr(layer, INPUT_AMAX, None), InputAmax):
+        return None
+    return dequantize(quantize(x, block=BLOCK_1D, amax=getattr(layer, INPUT_AMAX)[...]), jnp.float32)
+
+
 @contextlib.contextmanager
 def quantized_inputs() -> Iterator[None]:
     """Within this context (``flax.linen.intercept_methods``), every ``NVFP4Dense`` or ``nn.Dense`` whose
@@ -204,6 +307,12 @@ def quantized_inputs() -> Iterator[None]:
 
         with nv.calibrate.quantized_inputs():
             y = model.apply(nv.calibrate.with_input_amax({"params": weights}, amax), x)
+
+    Likewise every ``nnx.Linear`` with an :class:`InputAmax` (:func:`with_input_amax_nnx`), where
+    the model is traced within the context (a function jitted within it, or run eagerly)::
+
+        with nv.calibrate.quantized_inputs():
+            y = nv.calibrate.with_input_amax_nnx(nnx.merge(graphdef, weights), amax)(x)
     """
-    with nn.intercept_methods(_quantize_inputs):
+    with nn.intercept_methods(_quantize_inputs), _nnx_linear_inputs(_quantize_nnx_input):
         yield

@@ -6,6 +6,7 @@ and bf16, and the W4A4 exports they make."""
 import json
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -227,40 +228,106 @@ class StockLayers(nn.Module):
             name="blocks")(h.astype(jnp.bfloat16), None)[0]
 
 
-def test_stock_linen_dense_layers_record_and_quantize_what_their_matmul_reads():
-    model = StockLayers()
-    params, w, batches = _lib_setup(model, 10)
-    amax = lib.input_amax(model.apply, params, batches)
+def _stock_forward(w, x, q=None):
+    """The stock models' forward written out on their float weights ``w``: ``(output, {layer: [what
+    its matmul read]})``; ``q(layer, v)`` replaces what each matmul reads."""
+    q = q or (lambda path, v: v)
+    inputs = {}
+    dot = lambda path, v, k: jnp.dot(inputs.setdefault(path, []).append(v) or q(path, v), k)
+    h = nn.relu(dot("up", x, w["up"]["kernel"]) + w["up"]["bias"])
+    h = nn.relu(dot("scaled", 0.5 * h, w["scaled"]["kernel"]))
+    h = h.astype(jnp.bfloat16)
+    for i in range(2):
+        h = nn.relu(dot(f"d{i}", h, w["blocks"]["d"]["kernel"][i]))
+    return h, inputs
+
+
+def _check_stock(amax, w, batches, quantized):
+    """``amax`` is what each matmul of :func:`_stock_forward` read, at most, over ``batches``;
+    ``quantized(x)``, the model run on quantize-dequantize of those inputs, is the forward so."""
     assert list(amax) == ["blocks/d/kernel", "scaled/kernel", "up/kernel"] and amax["blocks/d/kernel"].shape == (2,)
-
-    def forward(x, q=None):
-        """The model's forward written out; ``q(path, v)`` quantizes what each matmul reads."""
-        q = q or (lambda path, v: v)
-        inputs = {}
-        dot = lambda path, v, k: jnp.dot(inputs.setdefault(path, []).append(v) or q(path, v), k)
-        h = nn.relu(dot("up", x, w["up"]["kernel"]) + w["up"]["bias"])
-        h = nn.relu(dot("scaled", 0.5 * h, w["scaled"]["kernel"]))
-        h = h.astype(jnp.bfloat16)
-        for i in range(2):
-            h = nn.relu(dot(f"d{i}", h, w["blocks"]["d"]["kernel"][i]))
-        return h, inputs
-
     want = {"up/kernel": np.float32(0), "scaled/kernel": np.float32(0), "blocks/d/kernel": np.zeros(2, np.float32)}
     for b in batches:
-        _, inputs = forward(jnp.asarray(b))
+        _, inputs = _stock_forward(w, jnp.asarray(b))
         want["up/kernel"] = max(want["up/kernel"], _bf16_max(inputs["up"][0]))
         want["scaled/kernel"] = max(want["scaled/kernel"], _bf16_max(inputs["scaled"][0]))
         want["blocks/d/kernel"] = np.maximum(want["blocks/d/kernel"], [_bf16_max(inputs[f"d{i}"][0]) for i in range(2)])
     for k in want:
         np.testing.assert_array_equal(amax[k], want[k])
     x = jnp.asarray(batches[1])
-    with lib.quantized_inputs():
-        y = model.apply(lib.with_input_amax({"params": w}, amax), x)
     a = lambda path: amax["blocks/d/kernel"][int(path[1])] if path[0] == "d" else amax[f"{path}/kernel"]
-    ref = forward(x, lambda path, v: _qdq(v, a(path)).astype(v.dtype))[0]
+    y, ref = quantized(x), _stock_forward(w, x, lambda path, v: _qdq(v, a(path)).astype(v.dtype))[0]
     assert y.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(ref, np.float32))
-    assert not np.array_equal(np.asarray(y, np.float32), np.asarray(model.apply({"params": w}, x), np.float32))
+    assert not np.array_equal(np.asarray(y, np.float32), np.asarray(_stock_forward(w, x)[0], np.float32))
+
+
+def test_stock_linen_dense_layers_record_and_quantize_what_their_matmul_reads():
+    model = StockLayers()
+    params, w, batches = _lib_setup(model, 10)
+    amax = lib.input_amax(model.apply, params, batches)
+
+    def quantized(x):
+        with lib.quantized_inputs():
+            return model.apply(lib.with_input_amax({"params": w}, amax), x)
+
+    _check_stock(amax, w, batches, quantized)
+
+
+class HalfLinear(nnx.Linear):
+    def __call__(self, x):
+        return super().__call__(0.5 * x)
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.d = nnx.Linear(32, 32, use_bias=False, dtype=jnp.bfloat16, rngs=rngs)
+
+    def __call__(self, x):
+        return nn.relu(self.d(inputs=x))
+
+
+class NNXStock(nnx.Module):
+    """:class:`StockLayers` in NNX: the stack made by ``nnx.vmap`` and run by ``nnx.scan``."""
+
+    def __init__(self, rngs):
+        self.up = nnx.Linear(32, 32, rngs=rngs)
+        self.scaled = HalfLinear(32, 32, use_bias=False, rngs=rngs)
+
+        @nnx.split_rngs(splits=2)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return NNXBlock(rngs)
+
+        self.blocks = make(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def body(block, h):
+            return block(h)
+
+        return body(self.blocks, nn.relu(self.scaled(nn.relu(self.up(x)))).astype(jnp.bfloat16))
+
+
+def test_nnx_linear_layers_record_and_quantize_what_their_matmul_reads():
+    graphdef, state = nnx.split(NNXStock(nnx.Rngs(10)))
+    params = nv.quantize_params(nnx.to_pure_dict(state))
+    w = nv.dequantize_params(params, jnp.bfloat16)
+    x0 = jax.random.normal(jax.random.key(10), (4, 32), jnp.float32) * 3
+    batches = [np.asarray(x0), np.asarray(x0[::-1] * 0.5)]
+    amax = lib.input_amax_nnx(graphdef, params, batches)
+
+    def quantized(x):
+        with lib.quantized_inputs():
+            return lib.with_input_amax_nnx(nnx.merge(graphdef, w), amax)(x)
+
+    _check_stock(amax, w, batches, quantized)
+    # Stored (tile-major) params, a call of its own, and a path that is no Linear kernel.
+    stored = lib.input_amax_nnx(graphdef, nv.shard_params(params), [{"x": batches[1]}],
+                                call=lambda m, b: m(b["x"]))
+    assert all(np.all(stored[k] <= amax[k]) for k in amax) and any(np.any(stored[k] < amax[k]) for k in amax)
+    with pytest.raises(KeyError, match="'blocks/kernel' is not the kernel of an nnx.Linear"):
+        lib.with_input_amax_nnx(nnx.merge(graphdef, w), {"blocks/kernel": 1.0})
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ Typical use, for any model::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import glob
 import json
@@ -96,9 +97,10 @@ def describe(tree) -> Dict[str, Dict[str, Any]]:
     return out
 
 
-def mismatch(saved: Dict[str, Any], expected: Dict[str, Any]) -> str:
+def mismatch(saved: Dict[str, Any], expected: Dict[str, Any], *, partial: bool = False) -> str:
     """How the saved :func:`describe` differs from the target's, in one line naming the first leaf that differs
-    (``""``: the state restores into it; a different tensor split does, re-laid out)."""
+    (``""``: the state restores into it; a different tensor split does, re-laid out). ``partial``: leaves of the
+    checkpoint the target does not have are no difference (a restore of part of the state)."""
     strip = lambda d: {k: {f: v for f, v in e.items() if f != "tensor_split"} for k, e in d.items()}
     saved, expected = strip(saved), strip(expected)
     for name in expected:
@@ -106,7 +108,7 @@ def mismatch(saved: Dict[str, Any], expected: Dict[str, Any]) -> str:
             s, e = saved[name], expected[name]
             return f"{name}: " + ", ".join(f"{k} {s.get(k)} in the checkpoint but {e.get(k)} here"
                                            for k in sorted(set(s) | set(e)) if s.get(k) != e.get(k))
-    missing, extra = [k for k in expected if k not in saved], [k for k in saved if k not in expected]
+    missing, extra = [k for k in expected if k not in saved], [k for k in saved if k not in expected and not partial]
     return "; ".join(([f"{len(missing)} leaves of this run are not in it (e.g. {missing[0]})"] if missing else []) +
                      ([f"{len(extra)} of its leaves are not in this run (e.g. {extra[0]})"] if extra else []))
 
@@ -461,10 +463,13 @@ class Checkpointer:
             return ""
         return _structure_mismatch(getattr(on_disk, "tree", on_disk), abstract)
 
-    def restore(self, step: int, abstract, shardings) -> Tuple[Any, Dict[str, Any]]:
+    def restore(self, step: int, abstract, shardings, *, partial: bool = False) -> Tuple[Any, Dict[str, Any]]:
         """``(state, meta)`` of checkpoint ``step`` (verified first), in the layout of ``abstract`` (``jax.eval_shape``
         of the state) placed by ``shardings``, whatever data axis and tensor split it was saved from.
-        CheckpointError: corrupt or unreadable files, another model or optimizer, non-finite values."""
+        ``partial``: ``abstract`` may be part of the saved state, e.g. ``{"params": ...}`` of a saved ``{"params":
+        ..., "opt_state": ...}`` (an evaluation or serving job: only those arrays are read); its leaves must still
+        match the checkpoint's. CheckpointError: corrupt or unreadable files, another model or optimizer,
+        non-finite values."""
         if step is None:
             raise CheckpointError(f"no checkpoint to restore in {self.directory}")
         where = self._dir(step)
@@ -472,13 +477,26 @@ class Checkpointer:
             self.verify(step)
         meta = self.read_meta(step)
         saved = meta.get("leaves", {})
-        why = mismatch(saved, describe(abstract))
+        expected = describe(abstract)
+        why = mismatch(saved, expected, partial=partial)
         if why:
-            raise CheckpointError(f"checkpoint {where} does not match this model/optimizer: {why}")
+            tops, extra = {k.split("/")[0] for k in expected}, [k for k in saved if k not in expected]
+            part = not partial and all(k in saved for k in expected) and all(k.split("/")[0] not in tops for k in extra)
+            raise CheckpointError(f"checkpoint {where} does not match this model/optimizer: {why}"
+                                  + (" (restore(..., partial=True) reads part of a state)" if part else ""))
         targets = restore_targets(abstract, shardings, saved)  # ValueError: shardings do not match abstract
         try:
-            args = self._ocp.args.Composite(state=self._ocp.args.StandardRestore(targets, strict=False))
-            state = self.manager.restore(step, args=args).state
+            if partial:  # orbax's PyTree handler reads the saved state's subtree (StandardRestore reads it whole)
+                from etils import epath  # orbax's path type
+
+                ocp = self._ocp
+                args = jax.tree.map(lambda a: dataclasses.replace(a, strict=False) if hasattr(a, "strict") else a,
+                                    ocp.checkpoint_utils.construct_restore_args(targets))
+                state = ocp.PyTreeCheckpointHandler().restore(epath.Path(where) / "state", args=ocp.args.PyTreeRestore(
+                    targets, restore_args=args, partial_restore=True))
+            else:
+                args = self._ocp.args.Composite(state=self._ocp.args.StandardRestore(targets, strict=False))
+                state = self.manager.restore(step, args=args).state
         except Exception as e:  # noqa: BLE001
             # Another optax chain around the same arrays (adamw's three states, adam's two) is named.
             why = self._structure_mismatch(where, abstract)

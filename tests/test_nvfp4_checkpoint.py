@@ -83,6 +83,31 @@ def test_restore_onto_another_data_axis_and_tensor_split_is_bit_identical(saved,
     assert nvck.nonfinite(state) == []
 
 
+@pytest.mark.parametrize("data,tensor", [(3, 1), (4, 2)])
+def test_the_params_alone_restore_with_partial_onto_another_mesh(saved, data, tensor):
+    """An evaluation or serving job reads the params of a training state and nothing else: with
+    ``partial=True`` onto another data axis and tensor split, bit for bit; without it, refused with the hint."""
+    directory, want = saved
+    abstract, shardings, mesh = _state(data, tensor, init=False)
+    ckpt = nvck.Checkpointer(str(directory))
+    with pytest.raises(nvck.CheckpointError, match=r"20 of its leaves are not in this run \(e.g. opt_state/.*\) "
+                                                   r"\(restore\(\.\.\., partial=True\) reads part of a state\)"):
+        ckpt.restore(2, {"params": abstract["params"]}, {"params": shardings["params"]})
+    with jax.set_mesh(mesh):
+        state, meta = ckpt.restore(2, {"params": abstract["params"]}, {"params": shardings["params"]}, partial=True)
+    got = nvck.host_arrays(state)
+    assert meta["data_position"] == 20 and got.keys() == {k for k in want if k.startswith("params/")}
+    for name in got:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding, state)) == jax.tree.leaves(shardings["params"])
+    # Part of a state still matches leaf by leaf.
+    other = jax.tree.map(lambda x: x, abstract["params"])
+    other["norm"]["scale"] = jax.ShapeDtypeStruct((32,), np.float32)
+    with pytest.raises(nvck.CheckpointError, match="params/norm/scale: shape"):
+        ckpt.restore(2, {"params": other}, {"params": shardings["params"]}, partial=True)
+    ckpt.close()
+
+
 def test_mismatch_names_the_leaf_and_nonfinite_finds_a_nan(saved):
     directory, _ = saved
     meta = nvck.Checkpointer(str(directory)).read_meta(1)["leaves"]

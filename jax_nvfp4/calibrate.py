@@ -27,6 +27,7 @@ they split its kernel.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
@@ -88,9 +89,9 @@ def _as_read(x, dtype) -> jax.Array:
     return _widened(_widened(x).astype(dtype)).astype(jnp.float32)
 
 
-def _input(context, args, kwargs) -> Optional[Tuple[jax.Array, str]]:
-    """``(x, name)``: an ``NVFP4Dense`` or stock ``nn.Dense`` call's input (positional or by its name
-    ``name``) in float32 exactly as the layer's matmul reads it (None for other calls, and for a
+def _input(context, args, kwargs) -> Optional[Tuple[jax.Array, str, Any]]:
+    """``(x, name, dtype)``: an ``NVFP4Dense`` or stock ``nn.Dense`` call's input (positional or by its
+    name ``name``) in float32 exactly as the layer's matmul reads it in ``dtype`` (None for other calls, and for a
     subclass's own ``__call__``: its ``super().__call__`` comes here with what the matmul reads)."""
     m = context.module
     if context.method_name != "__call__" or not (args or kwargs):
@@ -107,11 +108,11 @@ def _input(context, args, kwargs) -> Optional[Tuple[jax.Array, str]]:
 
     x = jnp.asarray(x)
     if isinstance(m, NVFP4Dense):
-        dtype = m.dtype
-    else:  # nn.Dense's own promotion of its input, kernel and bias (its dtype, else their common one)
-        bias = m.get_variable("params", "bias") if m.use_bias else None
-        dtype = m.promote_dtype(x, m.get_variable("params", "kernel"), bias, dtype=m.dtype)[0].dtype
-    return _as_read(x, dtype), name
+        return _as_read(x, m.dtype), name, m.dtype
+    # What nn.Dense's own promotion of its input, kernel and bias gives its matmul (its dtype, else their common one).
+    bias = m.get_variable("params", "bias") if m.use_bias else None
+    read = m.promote_dtype(x, m.get_variable("params", "kernel"), bias, dtype=m.dtype)[0]
+    return _as_read(read, read.dtype), name, read.dtype
 
 
 def _record(next_fun, args, kwargs, context):
@@ -121,7 +122,10 @@ def _record(next_fun, args, kwargs, context):
         m, a = context.module, nx.abs_max(read[0], axis=None)
         if m.has_variable(NVFP4_COLLECTION, INPUT_AMAX):
             a = nx.abs_max(jnp.stack([m.get_variable(NVFP4_COLLECTION, INPUT_AMAX), a]), axis=0)
-        m.put_variable(NVFP4_COLLECTION, INPUT_AMAX, a)
+        try:
+            m.put_variable(NVFP4_COLLECTION, INPUT_AMAX, a)
+        except flax.errors.ModifyScopeVariableError:
+            pass  # a transform that does not carry the collection: an NVFP4 kernel there is named as not recorded
     return next_fun(*args, **kwargs)
 
 
@@ -131,11 +135,10 @@ def _quantize_inputs(next_fun, args, kwargs, context):
     its matmul reads, so that its own promotion keeps that dtype)."""
     m = context.module
     if m.has_variable(NVFP4_COLLECTION, INPUT_AMAX) and (read := _input(context, args, kwargs)) is not None:
-        x, name = read
+        x, name, dtype = read
         q = dequantize(quantize(x, block=BLOCK_1D, amax=m.get_variable(NVFP4_COLLECTION, INPUT_AMAX)), jnp.float32)
-        if not isinstance(m, NVFP4Dense):
-            bias = m.get_variable("params", "bias") if m.use_bias else None
-            q = m.promote_dtype(q, m.get_variable("params", "kernel"), bias, dtype=m.dtype)[0]
+        if not isinstance(m, NVFP4Dense):  # its own promotion casts it to what it is already
+            q = q.astype(dtype)
         return next_fun(q, *args[1:], **kwargs) if args else next_fun(**{**kwargs, name: q})
     return next_fun(*args, **kwargs)
 
@@ -180,21 +183,15 @@ def input_amax(apply_fn: Callable[..., Any], params, batches: Iterable[Any], *,
 
     out: Dict[str, np.ndarray] = {}
     for batch in batches:
-        try:
-            recorded = jax.device_get(amaxes(weights, jax.tree.map(jnp.asarray, batch)))
-        except flax.errors.ModifyScopeVariableError as e:
-            if f'"{NVFP4_COLLECTION}"' not in str(e):
-                raise
-            raise ValueError(f"calibrate: {str(e).split(' (https')[0].rstrip('.')}: a layer under a Flax transform records its "
-                             f"amax only where the transform carries the {NVFP4_COLLECTION!r} collection, as "
-                             f"nn.scan(..., variable_axes={{'params': 0, {NVFP4_COLLECTION!r}: 0}})") from None
-        for path, v in recorded.items():
+        for path, v in jax.device_get(amaxes(weights, jax.tree.map(jnp.asarray, batch))).items():
             if path in kernels:
                 out[path] = np.maximum(out[path], v) if path in out else np.asarray(v, np.float32)
     missing = sorted(kernels - set(out))
     if missing:
         raise ValueError(f"calibrate: no input recorded for the NVFP4 kernels {missing[:3]}: only nn.Dense and "
-                         "nv.NVFP4Dense layers record theirs (not nn.DenseGeneral or nn.Einsum)")
+                         "nv.NVFP4Dense layers record theirs (not nn.DenseGeneral or nn.Einsum), and under a Flax "
+                         f"transform only where it carries the {NVFP4_COLLECTION!r} collection, as nn.scan or "
+                         f"nn.vmap(..., variable_axes={{'params': 0, {NVFP4_COLLECTION!r}: 0}})")
     return {k: out[k] for k in sorted(out)}
 
 
@@ -214,28 +211,43 @@ class InputAmax(nnx.Variable):
     ``[L]`` for a stack of layers made by ``nnx.vmap``."""
 
 
-_NNX_LOCK = threading.RLock()  # one wrapped nnx.Linear.__call__ at a time
+_NNX_HANDLERS = threading.local()  # this thread's handlers of nnx.Linear inputs, innermost last
+_NNX_LOCK = threading.Lock()
+_NNX_WRAPPED: Dict[str, Any] = {"users": 0, "call": None}  # the wrapper is installed while a context is open
 
 
 @contextlib.contextmanager
-def _nnx_linear_inputs(on_input: Callable[[Any, jax.Array], jax.Array]) -> Iterator[None]:
-    """Within this context every ``nnx.Linear`` call (also a subclass's ``super().__call__``) runs on
-    ``on_input(layer, x as its matmul reads it in float32)``, cast back to what its matmul reads.
-    A class attribute for the time of a trace: the program traced keeps what it did."""
-    call = nnx.Linear.__call__
-
-    def wrapped(self, inputs, *args, **kwargs):
-        bias = self.bias[...] if self.bias is not None else None
-        read = self.promote_dtype((jnp.asarray(inputs), self.kernel[...], bias), dtype=self.dtype)[0]
-        x = on_input(self, _as_read(read, read.dtype))
-        return call(self, inputs if x is None else x.astype(read.dtype), *args, **kwargs)
-
+def _nnx_linear_inputs(on_input: Callable[[Any, jax.Array], Optional[jax.Array]]) -> Iterator[None]:
+    """Within this context, in this thread, every ``nnx.Linear`` call (also a subclass's ``super().__call__``)
+    first gives ``on_input(layer, x as its matmul reads it, in float32)`` the input, and runs on what it returns
+    (None: the input as it was). ``nnx.Linear.__call__`` is wrapped while any thread holds such a context; other
+    threads' calls go through unchanged. A program traced within keeps what the wrapper did when it runs later."""
     with _NNX_LOCK:
-        nnx.Linear.__call__ = wrapped
-        try:
-            yield
-        finally:
-            nnx.Linear.__call__ = call
+        if not _NNX_WRAPPED["users"]:
+            call = _NNX_WRAPPED["call"] = nnx.Linear.__call__
+
+            @functools.wraps(call)
+            def wrapped(self, inputs, *args, **kwargs):
+                handlers = getattr(_NNX_HANDLERS, "stack", None)
+                if not handlers:
+                    return call(self, inputs, *args, **kwargs)
+                bias = self.bias[...] if self.bias is not None else None
+                read = self.promote_dtype((jnp.asarray(inputs), self.kernel[...], bias), dtype=self.dtype)[0]
+                x = handlers[-1](self, _as_read(read, read.dtype))
+                return call(self, inputs if x is None else x.astype(read.dtype), *args, **kwargs)
+
+            nnx.Linear.__call__ = wrapped
+        _NNX_WRAPPED["users"] += 1
+    stack = _NNX_HANDLERS.__dict__.setdefault("stack", [])
+    stack.append(on_input)
+    try:
+        yield
+    finally:
+        stack.pop()
+        with _NNX_LOCK:
+            _NNX_WRAPPED["users"] -= 1
+            if not _NNX_WRAPPED["users"]:
+                nnx.Linear.__call__ = _NNX_WRAPPED["call"]
 
 
 def input_amax_nnx(graphdef, params, batches: Iterable[Any], *, call: Optional[Callable[[Any, Any], Any]] = None,
@@ -263,8 +275,8 @@ def input_amax_nnx(graphdef, params, batches: Iterable[Any], *, call: Optional[C
     def amaxes(p, batch):
         with _nnx_linear_inputs(record):
             _, sown = nnx.capture(call, nnx.Intermediate)(nnx.merge(graphdef, p), batch)
-        flat = traverse_util.flatten_dict(nnx.to_pure_dict(sown), sep="/")
-        return {k[:-len(INPUT_AMAX)] + "kernel": v for k, v in flat.items() if k.endswith("/" + INPUT_AMAX)}
+        flat = traverse_util.flatten_dict(nnx.to_pure_dict(sown))  # keys of an nnx.List are ints
+        return {"/".join(map(str, k[:-1] + ("kernel",))): v for k, v in flat.items() if k[-1] == INPUT_AMAX}
 
     out: Dict[str, np.ndarray] = {}
     for batch in batches:
@@ -303,13 +315,16 @@ def quantized_inputs() -> Iterator[None]:
     variables hold an :data:`INPUT_AMAX` (:func:`with_input_amax`) multiplies its input as a W4A4
     kernel does: ``x`` in the dtype the layer's matmul reads, quantized to NVFP4 in 1x16 groups with round to
     nearest and that amax (:func:`jax_nvfp4.quantize`), dequantized to float32, then the layer as
-    written. Other layers run as written::
+    written (a layer's own ``promote_dtype`` that changes values, not only their dtype, runs on the
+    quantized input again). Other layers run as written::
 
         with nv.calibrate.quantized_inputs():
             y = model.apply(nv.calibrate.with_input_amax({"params": weights}, amax), x)
 
-    Likewise every ``nnx.Linear`` with an :class:`InputAmax` (:func:`with_input_amax_nnx`), where
-    the model is traced within the context (a function jitted within it, or run eagerly)::
+    Likewise every ``nnx.Linear`` with an :class:`InputAmax` (:func:`with_input_amax_nnx`), called
+    in this thread, where the model is traced within the context (run eagerly, or by a function first
+    traced within it: a jitted function traced before runs as it was traced, and one traced within
+    keeps quantizing after)::
 
         with nv.calibrate.quantized_inputs():
             y = nv.calibrate.with_input_amax_nnx(nnx.merge(graphdef, weights), amax)(x)

@@ -129,13 +129,14 @@ def _structure_mismatch(on_disk, target, path: str = "") -> str:
     def target_kind(x):
         if x is None:
             return "nothing", None
-        if _is_node(x) or jax.tree_util.treedef_is_leaf(jax.tree.structure(x)):
+        leaves = jax.tree.leaves(x)
+        if _is_node(x) or (len(leaves) == 1 and leaves[0] is x):
             return "an array", None
         kids = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]
         if type(x) in (list, tuple):
             return f"a sequence of {len(kids)}", {str(i): v for i, (_, v) in enumerate(kids)}
         if not kids and not isinstance(x, Mapping):
-            return "nothing", None  # an empty namedtuple (optax's EmptyState)
+            return "nothing", None  # an empty namedtuple (optax's EmptyState) or node
         name = lambda k: str(getattr(k, "key", getattr(k, "name", k)))  # DictKey, GetAttrKey (a namedtuple's)
         return f"the entries {sorted(name(p[0]) for p, _ in kids)}", {name(p[0]): v for p, v in kids}
 
@@ -499,7 +500,7 @@ class Checkpointer:
                 state = self.manager.restore(step, args=args).state
         except Exception as e:  # noqa: BLE001
             # Another optax chain around the same arrays (adamw's three states, adam's two) is named.
-            why = self._structure_mismatch(where, abstract)
+            why = self._structure_mismatch(where, abstract) if "tree structure" in str(e) else ""
             if why:
                 raise CheckpointError(f"checkpoint {where} does not match this model/optimizer: {why}") from None
             raise CheckpointError(f"checkpoint {where}: cannot read its arrays: {_first_line(e)}") from None

@@ -4,6 +4,7 @@ NVFP4 layer's input amax over validation batches, the W4A4 emulated validation l
 and bf16, and the W4A4 exports they make."""
 
 import json
+import threading
 
 import flax.linen as nn
 from flax import nnx
@@ -190,7 +191,8 @@ def test_input_amax_refuses_no_batches_and_an_nvfp4_kernel_no_dense_reads():
     floats = nv.dequantize_params(nv.sharding.logical(params), jnp.float32)  # nothing NVFP4 to calibrate
     with pytest.raises(ValueError, match="calibrate: params hold no NVFP4 Linear kernel"):
         lib.input_amax(model.apply, floats, batches)
-    # A scan that does not carry the "nvfp4" collection is named, not Flax's ModifyScopeVariableError.
+    # A scan that does not carry the "nvfp4" collection is named, not Flax's ModifyScopeVariableError; a float
+    # layer under such a transform (a vmapped head kept in float) records nothing and needs nothing.
     class Unmapped(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -198,8 +200,18 @@ def test_input_amax_refuses_no_batches_and_an_nvfp4_kernel_no_dense_reads():
                 x.astype(jnp.bfloat16), None)[0]
 
     params, _, batches = _lib_setup(Unmapped(), 8)
-    with pytest.raises(ValueError, match=r"/scan\(blocks\)/dense.* variable_axes=\{'params': 0, 'nvfp4': 0\}"):
+    with pytest.raises(ValueError, match=r"\['blocks/dense/kernel'\].* variable_axes=\{'params': 0, 'nvfp4': 0\}"):
         lib.input_amax(Unmapped().apply, params, batches)
+
+    class FloatHeads(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            heads = nn.vmap(nn.Dense, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None,
+                            axis_size=2)
+            return heads(8, name="heads")(nv.NVFP4Dense(32, name="up")(x))
+
+    params, _, batches = _lib_setup(FloatHeads(), 8)
+    assert list(lib.input_amax(FloatHeads().apply, params, batches)) == ["up/kernel"]
 
 
 class Scaled(nn.Dense):
@@ -328,6 +340,50 @@ def test_nnx_linear_layers_record_and_quantize_what_their_matmul_reads():
     assert all(np.all(stored[k] <= amax[k]) for k in amax) and any(np.any(stored[k] < amax[k]) for k in amax)
     with pytest.raises(KeyError, match="'blocks/kernel' is not the kernel of an nnx.Linear"):
         lib.with_input_amax_nnx(nnx.merge(graphdef, w), {"blocks/kernel": 1.0})
+
+
+def test_nnx_layers_in_a_list_and_another_threads_context():
+    """Layers of an nnx.List (int keys) record their inputs; quantized_inputs open in another thread
+    leaves this thread's calls as they are."""
+
+    class Listed(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(32, 32, use_bias=False, rngs=rngs) for _ in range(2)])
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = nn.relu(layer(x))
+            return x
+
+    graphdef, state = nnx.split(Listed(nnx.Rngs(0)))
+    params = nv.quantize_params(nnx.to_pure_dict(state))
+    w = nv.dequantize_params(params, jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (4, 32), jnp.float32) * 3
+    amax = lib.input_amax_nnx(graphdef, params, [np.asarray(x)])
+    h = nn.relu(jnp.dot(x, w["layers"][0]["kernel"]))
+    assert amax == {"layers/0/kernel": _bf16_max(x), "layers/1/kernel": _bf16_max(h)}
+
+    model = lib.with_input_amax_nnx(nnx.merge(graphdef, w), amax)
+    with lib.quantized_inputs():
+        quantized = np.asarray(model(x))
+    plain = np.asarray(nnx.merge(graphdef, w)(x))
+    assert not np.array_equal(quantized, plain)
+    opened, done = threading.Event(), threading.Event()
+
+    def hold():
+        with lib.quantized_inputs():
+            opened.set()
+            done.wait(30)
+
+    other = threading.Thread(target=hold)
+    other.start()
+    try:
+        assert opened.wait(30)
+        np.testing.assert_array_equal(np.asarray(model(x)), plain)
+    finally:
+        done.set()
+        other.join()
+
 
 
 @pytest.fixture(scope="module")

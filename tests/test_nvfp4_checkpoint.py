@@ -152,6 +152,18 @@ def test_a_corrupt_step_is_refused_or_set_aside_and_another_model_is_refused(sav
     with pytest.raises(nvck.CheckpointError, match="does not match this model/optimizer: opt_state/inner_state: a "
                                                    "sequence of 2 in the checkpoint but a sequence of 3 here"):
         ckpt.restore(1, abstract, shardings)
+    # Orbax's other failures stand as they are; the state's own structure (adam's EmptyState too) matches.
+    abstract, shardings, mesh = _state(2, 2, init=False)
+    real = ckpt.manager.restore
+    for error in (OSError("[Errno 5] Input/output error"), ValueError("tree structures do not match (as named)")):
+        def fail(step, args, error=error):
+            if "state" in args.keys():
+                raise error
+            return real(step, args=args)
+
+        ckpt.manager.restore = fail
+        with pytest.raises(nvck.CheckpointError, match=f"cannot read its arrays: {type(error).__name__}"):
+            ckpt.restore(1, abstract, shardings)
     ckpt.close()
 
 

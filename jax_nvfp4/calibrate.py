@@ -116,8 +116,8 @@ def _input(context, args, kwargs) -> Optional[Tuple[jax.Array, str, Any]]:
 
 
 def _record(next_fun, args, kwargs, context):
-    """Writes ``max |x|`` of an ``NVFP4Dense`` or ``nn.Dense`` input (as its matmul reads it) to the layer's :data:`INPUT_AMAX`, the max with an earlier call's where the layer runs
-    more than once."""
+    """Writes ``max |x|`` of an ``NVFP4Dense`` or ``nn.Dense`` input (as its matmul reads it) to the
+    layer's :data:`INPUT_AMAX`, the max with an earlier call's where the layer runs more than once."""
     if (read := _input(context, args, kwargs)) is not None:
         m, a = context.module, nx.abs_max(read[0], axis=None)
         if m.has_variable(NVFP4_COLLECTION, INPUT_AMAX):
@@ -165,14 +165,6 @@ def input_amax(apply_fn: Callable[..., Any], params, batches: Iterable[Any], *,
     Raises ``ValueError`` when there is no batch, when ``params`` hold no NVFP4 kernel, or when
     an NVFP4 kernel's layer recorded no input (a kernel read by another layer, e.g. ``nn.DenseGeneral``).
     """
-    batches = list(batches)
-    if not batches:
-        raise ValueError("calibrate: no batches")
-    host = _host(params)
-    kernels, weights = set(nvfp4_kernels(host)), dequantize_params(host, dtype)
-    if not kernels:  # float params: a W4A4 export needs the weights' NVFP4 form first
-        raise ValueError("calibrate: params hold no NVFP4 Linear kernel (quantize them first: nv.quantize_params "
-                         "or nv.shard_params with a policy)")
 
     @jax.jit
     def amaxes(p, batch):
@@ -181,6 +173,25 @@ def input_amax(apply_fn: Callable[..., Any], params, batches: Iterable[Any], *,
         flat = traverse_util.flatten_dict(state.get(NVFP4_COLLECTION, {}), sep="/")
         return {k[:-len(INPUT_AMAX)] + "kernel": v for k, v in flat.items() if k.endswith("/" + INPUT_AMAX)}
 
+    return _calibrated(amaxes, params, batches, dtype,
+                       "only nn.Dense and nv.NVFP4Dense layers record theirs (not nn.DenseGeneral or nn.Einsum), and "
+                       f"under a Flax transform only where it carries the {NVFP4_COLLECTION!r} collection, as nn.scan "
+                       f"or nn.vmap(..., variable_axes={{'params': 0, {NVFP4_COLLECTION!r}: 0}})")
+
+
+def _calibrated(amaxes: Callable[[Any, Any], Dict[str, Any]], params, batches: Iterable[Any], dtype: Any,
+                unrecorded: str) -> Dict[str, np.ndarray]:
+    """What :func:`input_amax` and :func:`input_amax_nnx` share: ``amaxes(weights, batch)`` (``{kernel path:
+    amax}`` of one batch, jitted) over ``batches`` on ``params``' float weights, the max per kernel of the
+    NVFP4 ones; ``unrecorded`` says which layers record their input."""
+    batches = list(batches)
+    if not batches:
+        raise ValueError("calibrate: no batches")
+    host = _host(params)
+    kernels, weights = set(nvfp4_kernels(host)), dequantize_params(host, dtype)
+    if not kernels:  # float params: a W4A4 export needs the weights' NVFP4 form first
+        raise ValueError("calibrate: params hold no NVFP4 Linear kernel (quantize them first: nv.quantize_params "
+                         "or nv.shard_params with a policy)")
     out: Dict[str, np.ndarray] = {}
     for batch in batches:
         for path, v in jax.device_get(amaxes(weights, jax.tree.map(jnp.asarray, batch))).items():
@@ -188,10 +199,7 @@ def input_amax(apply_fn: Callable[..., Any], params, batches: Iterable[Any], *,
                 out[path] = np.maximum(out[path], v) if path in out else np.asarray(v, np.float32)
     missing = sorted(kernels - set(out))
     if missing:
-        raise ValueError(f"calibrate: no input recorded for the NVFP4 kernels {missing[:3]}: only nn.Dense and "
-                         "nv.NVFP4Dense layers record theirs (not nn.DenseGeneral or nn.Einsum), and under a Flax "
-                         f"transform only where it carries the {NVFP4_COLLECTION!r} collection, as nn.scan or "
-                         f"nn.vmap(..., variable_axes={{'params': 0, {NVFP4_COLLECTION!r}: 0}})")
+        raise ValueError(f"calibrate: no input recorded for the NVFP4 kernels {missing[:3]}: {unrecorded}")
     return {k: out[k] for k in sorted(out)}
 
 
@@ -258,14 +266,7 @@ def input_amax_nnx(graphdef, params, batches: Iterable[Any], *, call: Optional[C
     on ``nnx.merge(graphdef, float_weights(params, dtype))`` under ``jit``. The same result: ``{param
     path of each NVFP4 Linear kernel: float32 amax}``, ``[L]`` for the kernel of a stack of layers
     (``nnx.vmap`` / ``nnx.scan``), the input of a subclass's ``super().__call__``; the same errors."""
-    batches, call = list(batches), call or (lambda model, batch: model(batch))
-    if not batches:
-        raise ValueError("calibrate: no batches")
-    host = _host(params)
-    kernels, weights = set(nvfp4_kernels(host)), dequantize_params(host, dtype)
-    if not kernels:
-        raise ValueError("calibrate: params hold no NVFP4 Linear kernel (quantize them first: nv.quantize_params "
-                         "or nv.shard_params with a policy)")
+    call = call or (lambda model, batch: model(batch))
 
     def record(layer, x):
         layer.sow(nnx.Intermediate, INPUT_AMAX, nx.abs_max(x, axis=None),
@@ -278,16 +279,8 @@ def input_amax_nnx(graphdef, params, batches: Iterable[Any], *, call: Optional[C
         flat = traverse_util.flatten_dict(nnx.to_pure_dict(sown))  # keys of an nnx.List are ints
         return {"/".join(map(str, k[:-1] + ("kernel",))): v for k, v in flat.items() if k[-1] == INPUT_AMAX}
 
-    out: Dict[str, np.ndarray] = {}
-    for batch in batches:
-        for path, v in jax.device_get(amaxes(weights, jax.tree.map(jnp.asarray, batch))).items():
-            if path in kernels:
-                out[path] = np.maximum(out[path], v) if path in out else np.asarray(v, np.float32)
-    missing = sorted(kernels - set(out))
-    if missing:
-        raise ValueError(f"calibrate: no input recorded for the NVFP4 kernels {missing[:3]}: only nnx.Linear "
-                         "layers record theirs (not nnx.LinearGeneral or nnx.Einsum)")
-    return {k: out[k] for k in sorted(out)}
+    return _calibrated(amaxes, params, batches, dtype,
+                       "only nnx.Linear layers record theirs (not nnx.LinearGeneral or nnx.Einsum)")
 
 
 def with_input_amax_nnx(model, input_amax: Mapping[str, Any]):

@@ -610,7 +610,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--vocab-size", type=int, default=None,
                    help=f"size of the BPE trained without --tokenizer (default: {DEFAULT_VOCAB})")
-    p.add_argument("--chunk-mb", type=float, default=1.0, help=f"text encoded per piece, in MiB (> 0, at most {MAX_CHUNK_MB})")
+    p.add_argument("--chunk-mb", type=float, default=1.0,
+                   help=f"text encoded per piece, in MiB (> 0, at most {MAX_CHUNK_MB})")
     args = p.parse_args(argv)
     if args.workers is not None and args.workers >= 1:  # the tokenizer's thread pool, sized at its first use
         os.environ.setdefault("RAYON_NUM_THREADS", str(args.workers))

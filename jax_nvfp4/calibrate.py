@@ -89,6 +89,13 @@ def _as_read(x, dtype) -> jax.Array:
     return _widened(_widened(x).astype(dtype)).astype(jnp.float32)
 
 
+def _w4a4(x: jax.Array, amax) -> jax.Array:
+    """``x`` (float32, any shape with the features last) as a W4A4 kernel reads it: NVFP4 in 1x16
+    groups, round to nearest, the global ``amax``; dequantized to float32."""
+    rows = x.reshape(1, -1) if x.ndim == 1 else x  # an unbatched input: one row
+    return dequantize(quantize(rows, block=BLOCK_1D, amax=amax), jnp.float32).reshape(x.shape)
+
+
 def _input(context, args, kwargs) -> Optional[Tuple[jax.Array, str, Any]]:
     """``(x, name, dtype)``: an ``NVFP4Dense`` or stock ``nn.Dense`` call's input (positional or by its
     name ``name``) in float32 exactly as the layer's matmul reads it in ``dtype`` (None for other calls, and for a
@@ -136,7 +143,7 @@ def _quantize_inputs(next_fun, args, kwargs, context):
     m = context.module
     if m.has_variable(NVFP4_COLLECTION, INPUT_AMAX) and (read := _input(context, args, kwargs)) is not None:
         x, name, dtype = read
-        q = dequantize(quantize(x, block=BLOCK_1D, amax=m.get_variable(NVFP4_COLLECTION, INPUT_AMAX)), jnp.float32)
+        q = _w4a4(x, m.get_variable(NVFP4_COLLECTION, INPUT_AMAX))
         if not isinstance(m, NVFP4Dense):  # its own promotion casts it to what it is already
             q = q.astype(dtype)
         return next_fun(q, *args[1:], **kwargs) if args else next_fun(**{**kwargs, name: q})
@@ -170,8 +177,8 @@ def input_amax(apply_fn: Callable[..., Any], params, batches: Iterable[Any], *,
     def amaxes(p, batch):
         with nn.intercept_methods(_record):
             _, state = apply_fn({"params": p}, batch, mutable=[NVFP4_COLLECTION])
-        flat = traverse_util.flatten_dict(state.get(NVFP4_COLLECTION, {}), sep="/")
-        return {k[:-len(INPUT_AMAX)] + "kernel": v for k, v in flat.items() if k.endswith("/" + INPUT_AMAX)}
+        flat = traverse_util.flatten_dict(state.get(NVFP4_COLLECTION, {}))
+        return {"/".join(k[:-1] + ("kernel",)): v for k, v in flat.items() if k[-1] == INPUT_AMAX}
 
     return _calibrated(amaxes, params, batches, dtype,
                        "only nn.Dense and nv.NVFP4Dense layers record theirs (not nn.DenseGeneral or nn.Einsum), and "
@@ -258,14 +265,16 @@ def _nnx_linear_inputs(on_input: Callable[[Any, jax.Array], Optional[jax.Array]]
                 nnx.Linear.__call__ = _NNX_WRAPPED["call"]
 
 
-def input_amax_nnx(graphdef, params, batches: Iterable[Any], *, call: Optional[Callable[[Any, Any], Any]] = None,
-                   dtype: Any = jnp.bfloat16) -> Dict[str, np.ndarray]:
+def input_amax_nnx(graphdef, params, batches: Iterable[Any], *, rest: Any = None,
+                   call: Optional[Callable[[Any, Any], Any]] = None, dtype: Any = jnp.bfloat16) -> Dict[str, np.ndarray]:
     """:func:`input_amax` for an NNX model of ``nnx.Linear`` layers: ``graphdef`` and ``params`` (its
     ``nnx.Param`` state as a pure dict, ``nnx.to_pure_dict``, quantized, stored or sharded as the
     training step holds it). ``call(model, batch)`` runs the forward pass (default ``model(batch)``)
     on ``nnx.merge(graphdef, float_weights(params, dtype))`` under ``jit``. The same result: ``{param
     path of each NVFP4 Linear kernel: float32 amax}``, ``[L]`` for the kernel of a stack of layers
-    (``nnx.vmap`` / ``nnx.scan``), the input of a subclass's ``super().__call__``; the same errors."""
+    (``nnx.vmap`` / ``nnx.scan``), the input of a subclass's ``super().__call__``; the same errors.
+    ``rest``: the model's other state, merged with the params (``nnx.split(model, nnx.Param, ...)``'s
+    last part: RNG streams of ``nnx.Dropout``, ``nnx.BatchNorm``'s statistics)."""
     call = call or (lambda model, batch: model(batch))
 
     def record(layer, x):
@@ -275,7 +284,15 @@ def input_amax_nnx(graphdef, params, batches: Iterable[Any], *, call: Optional[C
     @jax.jit
     def amaxes(p, batch):
         with _nnx_linear_inputs(record):
-            _, sown = nnx.capture(call, nnx.Intermediate)(nnx.merge(graphdef, p), batch)
+            try:
+                model = nnx.merge(graphdef, p) if rest is None else nnx.merge(graphdef, p, rest)
+            except ValueError as e:
+                if rest is not None:
+                    raise
+                raise ValueError(f"calibrate: nnx.merge(graphdef, params): {str(e).splitlines()[0]}: a graphdef of a "
+                                 "model with more state than its params needs that state as rest= (nnx.split(model, "
+                                 "nnx.Param, ...)'s last part)") from None
+            _, sown = nnx.capture(call, nnx.Intermediate)(model, batch)
         flat = traverse_util.flatten_dict(nnx.to_pure_dict(sown))  # keys of an nnx.List are ints
         return {"/".join(map(str, k[:-1] + ("kernel",))): v for k, v in flat.items() if k[-1] == INPUT_AMAX}
 
@@ -299,7 +316,7 @@ def with_input_amax_nnx(model, input_amax: Mapping[str, Any]):
 def _quantize_nnx_input(layer, x):
     if not isinstance(getattr(layer, INPUT_AMAX, None), InputAmax):
         return None
-    return dequantize(quantize(x, block=BLOCK_1D, amax=getattr(layer, INPUT_AMAX)[...]), jnp.float32)
+    return _w4a4(x, getattr(layer, INPUT_AMAX)[...])
 
 
 @contextlib.contextmanager

@@ -113,10 +113,11 @@ def mismatch(saved: Dict[str, Any], expected: Dict[str, Any], *, partial: bool =
                      ([f"{len(extra)} of its leaves are not in this run (e.g. {extra[0]})"] if extra else []))
 
 
-def _structure_mismatch(on_disk, target, path: str = "") -> str:
+def _structure_mismatch(on_disk, target, path: str = "", partial: bool = False) -> str:
     """Where the containers of ``target`` (a state or its ``jax.eval_shape``) differ from those orbax's
     metadata tree ``on_disk`` records (dicts, lists, tuples; a namedtuple as a dict of its fields, an empty
-    one as None), in one line (``""``: alike). The arrays themselves are :func:`mismatch`'s."""
+    one as None), in one line (``""``: alike; ``partial``: a dict of ``target`` may hold fewer entries). The
+    arrays themselves are :func:`mismatch`'s."""
     def disk_kind(x):
         if x is None:
             return "nothing", None
@@ -143,10 +144,11 @@ def _structure_mismatch(on_disk, target, path: str = "") -> str:
     (a, on_disk), (b, target) = disk_kind(on_disk), target_kind(target)
     if b == "an array" and a != "nothing":  # a Tiled or TiledNVFP4 is a mapping on disk
         return ""
-    if a != b:
+    entries = partial and a.startswith("the entries") and b.startswith("the entries") and set(target) <= set(on_disk)
+    if a != b and not entries:
         return f"{path or 'the state'}: {a} in the checkpoint but {b} here"
     for k in target or ():
-        if why := _structure_mismatch(on_disk[k], target[k], f"{path}/{k}" if path else k):
+        if why := _structure_mismatch(on_disk[k], target[k], f"{path}/{k}" if path else k, partial):
             return why
     return ""
 
@@ -453,7 +455,7 @@ class Checkpointer:
                                   "folder was renamed or copied)")
         return meta
 
-    def _structure_mismatch(self, where: str, abstract) -> str:
+    def _structure_mismatch(self, where: str, abstract, partial: bool) -> str:
         """:func:`_structure_mismatch` of checkpoint folder ``where`` and ``abstract`` (``""`` where its
         metadata cannot be read: the caller's error stands)."""
         from etils import epath  # orbax's path type
@@ -462,7 +464,7 @@ class Checkpointer:
             on_disk = self._ocp.StandardCheckpointHandler().metadata(epath.Path(where) / "state")
         except Exception:  # noqa: BLE001
             return ""
-        return _structure_mismatch(getattr(on_disk, "tree", on_disk), abstract)
+        return _structure_mismatch(getattr(on_disk, "tree", on_disk), abstract, partial=partial)
 
     def restore(self, step: int, abstract, shardings, *, partial: bool = False) -> Tuple[Any, Dict[str, Any]]:
         """``(state, meta)`` of checkpoint ``step`` (verified first), in the layout of ``abstract`` (``jax.eval_shape``
@@ -500,7 +502,8 @@ class Checkpointer:
                 state = self.manager.restore(step, args=args).state
         except Exception as e:  # noqa: BLE001
             # Another optax chain around the same arrays (adamw's three states, adam's two) is named.
-            why = self._structure_mismatch(where, abstract) if "tree structure" in str(e) else ""
+            refused = any(w in str(e) for w in ("tree structure", "Length mismatch"))  # orbax's, either reader's
+            why = self._structure_mismatch(where, abstract, partial) if refused else ""
             if why:
                 raise CheckpointError(f"checkpoint {where} does not match this model/optimizer: {why}") from None
             raise CheckpointError(f"checkpoint {where}: cannot read its arrays: {_first_line(e)}") from None

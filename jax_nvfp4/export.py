@@ -636,7 +636,7 @@ def is_linear(path: str) -> bool:
     """Whether the parameter at ``path`` is a Flax ``[in, out]`` kernel, whose Hugging Face
     tensor is the transposed ``[out, in]`` Linear weight (embeddings and norm scales keep their
     orientation)."""
-    return path.endswith("/kernel")
+    return path == "kernel" or path.endswith("/kernel")  # "kernel": a model that is one Dense
 
 
 def hf_modules(params, names: HFNames) -> List[tuple]:

@@ -472,3 +472,32 @@ def test_cli_calibrate_writes_w4a4_exports(tmp_path, capfd):
         assert a > 0 and st[k].dtype == np.float32 and st[k][0] == np.float32(448 * 6) / a
     bf16 = read_safetensors(x / "bf16" / "model.safetensors")
     assert not any(k.endswith((".input_global_scale", ".input_scale")) for k in bf16)
+
+
+def test_a_model_that_is_one_dense_on_an_unbatched_input_and_an_nnx_model_with_more_state():
+    """A bare nn.Dense (its kernel's path is "kernel") fed one [K] vector records and quantizes it; an
+    NNX model with a Dropout (RNG state besides the params) calibrates with that state as rest=."""
+    x = jax.random.normal(jax.random.key(3), (32,), jnp.float32) * 3
+    dense = nn.Dense(32, dtype=jnp.bfloat16)
+    params = nv.quantize_params(dense.init(jax.random.key(0), x)["params"])
+    amax = lib.input_amax(dense.apply, params, [np.asarray(x)])
+    assert amax == {"kernel": _bf16_max(x.astype(jnp.bfloat16))}
+    w = lib.float_weights(params)
+    with lib.quantized_inputs():
+        y = dense.apply(lib.with_input_amax({"params": w}, amax), x)
+    want = dense.apply({"params": w}, _qdq(x.astype(jnp.bfloat16)[None], amax["kernel"])[0])
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+
+    class Dropped(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(32, 32, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.a(x), deterministic=True)
+
+    graphdef, state, rest = nnx.split(Dropped(nnx.Rngs(0)), nnx.Param, ...)
+    params = nv.quantize_params(nnx.to_pure_dict(state))
+    with pytest.raises(ValueError, match=r"calibrate: nnx.merge\(graphdef, params\): .* needs that state as rest="):
+        lib.input_amax_nnx(graphdef, params, [x[None]])
+    assert lib.input_amax_nnx(graphdef, params, [x[None]], rest=rest) == {"a/kernel": _bf16_max(x)}

@@ -149,9 +149,10 @@ def test_a_corrupt_step_is_refused_or_set_aside_and_another_model_is_refused(sav
         ckpt.restore(1, other, shardings)
     # adamw's state holds adam's arrays and one more (empty) state: named, not orbax's "tree structures do not match".
     abstract, shardings, mesh = _state(2, 2, init=False, inner=optax.adamw(1e-2))
-    with pytest.raises(nvck.CheckpointError, match="does not match this model/optimizer: opt_state/inner_state: a "
-                                                   "sequence of 2 in the checkpoint but a sequence of 3 here"):
-        ckpt.restore(1, abstract, shardings)
+    for part in (abstract, {"opt_state": abstract["opt_state"]}):  # the whole state, or its part (partial=True)
+        with pytest.raises(nvck.CheckpointError, match="does not match this model/optimizer: opt_state/inner_state: "
+                                                       "a sequence of 2 in the checkpoint but a sequence of 3 here"):
+            ckpt.restore(1, part, {k: shardings[k] for k in part}, partial=len(part) == 1)
     # Orbax's other failures stand as they are; the state's own structure (adam's EmptyState too) matches.
     abstract, shardings, mesh = _state(2, 2, init=False)
     real = ckpt.manager.restore

@@ -516,6 +516,26 @@ def test_ids_are_the_tokenizers_for_each_whole_document_at_any_chunk_size(tmp_pa
         assert want.count(eos) == 1 and "<s>" not in [whole.id_to_token(i) for i in want]
 
 
+def test_a_gzipped_text_file_reads_as_its_text(tmp_path, capsys):
+    """``x.txt.gz`` is one document, its uncompressed text (it had been refused as invalid UTF-8, or with
+    --errors replace tokenized as compressed bytes); a truncated one is named, exit 2."""
+    tok = str(tmp_path / "tok.json")
+    bpe().save(tok)
+    text = "".join(docs(40))
+    (tmp_path / "a.txt").write_text(text)
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(text.encode()))
+    ids = []
+    for name in ("a.txt", "a.txt.gz"):
+        out = str(tmp_path / f"{name}.bin")
+        prep.prepare([str(tmp_path / name)], out, tokenizer=tok, eos="</s>", workers=1, chunk_mb=300 / 2**20)
+        ids.append(np.fromfile(out, dtype=np.uint16).tolist())
+    assert ids[0] == ids[1] and len(ids[0]) > 100
+    (tmp_path / "cut.txt.gz").write_bytes(gzip.compress(text.encode())[:-20])
+    rc, err = run([str(tmp_path / "cut.txt.gz"), "--tokenizer", tok, "--eos", "</s>", "--out", str(tmp_path / "cut.bin")],
+                  capsys)
+    assert rc == 2 and len(err) == 1 and "cut.txt.gz: cannot read (gzip) after uncompressed byte" in err[0], err
+
+
 def test_a_whitespace_run_longer_than_the_cut_context_is_never_cut_after(tmp_path):
     """300 spaces before a newline are one word with it at the end of a piece (GPT-2's \\s+(?!\\S)), two in the
     whole document: a cut there changed the ids where the tokenizer merges the whole run (one learnt from it), and

@@ -1,7 +1,7 @@
 """``python -m train.prepare``: corpora -> one flat token file for ``data.source=tokens``.
 
-Text files (a document each), ``.jsonl``/``.ndjson`` (``.gz`` too)/``.parquet`` (a document per line or row) ->
-OUT (raw little-endian uint16/uint32 ids, every document ended by EOS), OUT.json (the sidecar) and
+Text files (a document each), ``.jsonl``/``.ndjson``/``.parquet`` (a document per line or row), each
+gzipped too when named ``.gz`` (not Parquet) -> OUT (raw little-endian uint16/uint32 ids, every document ended by EOS), OUT.json (the sidecar) and
 OUT.tokenizer.json, the same bytes for any ``--workers``, renamed into place only at the end. Exit
 status: 0 done; 2 a bad argument, input or output (one line on stderr, nothing written); 130
 interrupted. See docs/TRAINING.md.
@@ -104,22 +104,28 @@ def _pieces(blocks, chunk: int, cut_ok) -> Iterator[tuple]:
 
 
 def _text_blocks(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
-    """A text file (one document) decoded incrementally: ``(text, bytes read)``, its byte offsets known."""
-    dec, pos, first = codecs.getincrementaldecoder("utf-8")("strict"), 0, True
-    with open(path, "rb") as f:
+    """A text file (one document; gzip when named ``.gz``) decoded incrementally: ``(text, bytes of the file
+    read)``, its (uncompressed) byte offsets known."""
+    dec, pos, first, gz = codecs.getincrementaldecoder("utf-8")("strict"), 0, True, path.lower().endswith(".gz")
+    with open(path, "rb") as raw:
+        f = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
         while True:
-            block = f.read(chunk)
+            try:
+                block = f.read(chunk)
+            except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # a corrupt or truncated gzip stream
+                raise PrepareError(f"{path}: cannot read (gzip) after uncompressed byte {pos}: {_first_line(e)}") \
+                    from None
             try:
                 text = dec.decode(block, not block)
             except UnicodeDecodeError as e:  # e.object: the bytes held back from before + block
-                rd.bad(path, f"{path}: byte {pos - (len(e.object) - len(block)) + e.start}",
-                       f"invalid UTF-8 ({e.reason})")
+                rd.bad(path, f"{path}: {'uncompressed ' if gz else ''}byte "
+                             f"{pos - (len(e.object) - len(block)) + e.start}", f"invalid UTF-8 ({e.reason})")
                 dec.errors = "replace"  # the decoder kept its state: decode the block again
                 text = dec.decode(block, not block)
             if first and text:  # a byte order mark, not text (as in JSON Lines), however small the blocks
                 text, first = text[1:] if text.startswith("\ufeff") else text, False
             pos += len(block)
-            yield text, pos
+            yield text, raw.tell() if gz else pos
             if not block:
                 return
 

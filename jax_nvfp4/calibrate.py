@@ -119,7 +119,7 @@ def _input(context, args, kwargs) -> Optional[Tuple[jax.Array, str, Any]]:
     # What nn.Dense's own promotion of its input, kernel and bias gives its matmul (its dtype, else their common one).
     bias = m.get_variable("params", "bias") if m.use_bias else None
     read = m.promote_dtype(x, m.get_variable("params", "kernel"), bias, dtype=m.dtype)[0]
-    return _as_read(read, read.dtype), name, read.dtype
+    return _widened(read).astype(jnp.float32), name, read.dtype
 
 
 def _record(next_fun, args, kwargs, context):
@@ -248,7 +248,7 @@ def _nnx_linear_inputs(on_input: Callable[[Any, jax.Array], Optional[jax.Array]]
                     return call(self, inputs, *args, **kwargs)
                 bias = self.bias[...] if self.bias is not None else None
                 read = self.promote_dtype((jnp.asarray(inputs), self.kernel[...], bias), dtype=self.dtype)[0]
-                x = handlers[-1](self, _as_read(read, read.dtype))
+                x = handlers[-1](self, _widened(read).astype(jnp.float32))
                 return call(self, inputs if x is None else x.astype(read.dtype), *args, **kwargs)
 
             nnx.Linear.__call__ = wrapped

@@ -138,8 +138,7 @@ def _structure_mismatch(on_disk, target, path: str = "", partial: bool = False) 
             return f"a sequence of {len(kids)}", {str(i): v for i, (_, v) in enumerate(kids)}
         if not kids and not isinstance(x, Mapping):
             return "nothing", None  # an empty namedtuple (optax's EmptyState) or node
-        name = lambda k: str(getattr(k, "key", getattr(k, "name", k)))  # DictKey, GetAttrKey (a namedtuple's)
-        return f"the entries {sorted(name(p[0]) for p, _ in kids)}", {name(p[0]): v for p, v in kids}
+        return f"the entries {sorted(path_str(p) for p, _ in kids)}", {path_str(p): v for p, v in kids}
 
     (a, on_disk), (b, target) = disk_kind(on_disk), target_kind(target)
     if b == "an array" and a != "nothing":  # a Tiled or TiledNVFP4 is a mapping on disk

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import errno
 import functools
 import gzip
@@ -103,18 +104,28 @@ def _pieces(blocks, chunk: int, cut_ok) -> Iterator[tuple]:
     yield buf, marks | END, pos
 
 
+_READ_ERRORS = (OSError, EOFError, zlib.error)  # a corrupt or truncated gzip stream too (BadGzipFile: an OSError)
+
+
+@contextlib.contextmanager
+def _opened(path: str) -> Iterator[tuple]:
+    """``(raw, f, gz)``: ``path`` opened to read bytes, ``f`` through gzip where it is named ``.gz``."""
+    gz = path.lower().endswith(".gz")
+    with open(path, "rb") as raw:
+        yield raw, gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw, gz
+
+
 def _text_blocks(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
     """A text file (one document; gzip when named ``.gz``) decoded incrementally: ``(text, bytes of the file
     read)``, its (uncompressed) byte offsets known."""
-    dec, pos, first, gz = codecs.getincrementaldecoder("utf-8")("strict"), 0, True, path.lower().endswith(".gz")
-    with open(path, "rb") as raw:
-        f = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
+    dec, pos, first = codecs.getincrementaldecoder("utf-8")("strict"), 0, True
+    with _opened(path) as (raw, f, gz):
         while True:
             try:
                 block = f.read(chunk)
-            except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # a corrupt or truncated gzip stream
-                raise PrepareError(f"{path}: cannot read (gzip) after uncompressed byte {pos}: {_first_line(e)}") \
-                    from None
+            except _READ_ERRORS as e:
+                raise PrepareError(f"{path}: cannot read{' (gzip)' if gz else ''} after "
+                                   f"{'uncompressed ' if gz else ''}byte {pos}: {_first_line(e)}") from None
             try:
                 text = dec.decode(block, not block)
             except UnicodeDecodeError as e:  # e.object: the bytes held back from before + block
@@ -132,9 +143,8 @@ def _text_blocks(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
 
 def _jsonl_segments(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
     """A JSON Lines file (gzip when named ``.gz``): a document per object, under the text key."""
-    key, gz = rd.text_key, path.lower().endswith(".gz")
-    with open(path, "rb") as raw:
-        f = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
+    key = rd.text_key
+    with _opened(path) as (raw, f, gz):
         offset = lineno = 0
         try:
             for line in f:
@@ -165,7 +175,7 @@ def _jsonl_segments(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
                                                       "is not text)")
                     text = _SURROGATE.sub("\ufffd", text)
                 yield from _pieces([(text, raw.tell())], chunk, rd.cut_ok)
-        except (OSError, EOFError, zlib.error) as e:  # a corrupt or truncated gzip stream
+        except _READ_ERRORS as e:
             raise PrepareError(f"{path}: cannot read{' (gzip)' if gz else ''} after line {lineno}: "
                                f"{_first_line(e)}") from None
 

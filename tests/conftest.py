@@ -103,7 +103,19 @@ def pytest_collection_finish(session):
     gc.set_threshold(20_000, 20, 10)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true", dest="run_all",
+                     help="also run the tests marked slow (the whole suite)")
+
+
 def pytest_collection_modifyitems(config, items):
+    # The default run leaves out the tests marked slow (README, "Tests"): `--all` runs them too,
+    # `-m slow` only them, any other `-m` expression decides alone.
+    if not (config.getoption("run_all") or config.option.markexpr):
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 

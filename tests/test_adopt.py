@@ -22,9 +22,6 @@ import pytest
 
 import jax_nvfp4 as nv
 
-flax_llama = pytest.importorskip("transformers.models.llama.modeling_flax_llama")
-transformers = pytest.importorskip("transformers")
-
 pytestmark = pytest.mark.xdist_group("adopt")
 
 STEPS = 3
@@ -35,6 +32,10 @@ TENSOR_RULES = (("(q|k|v)_proj/kernel$", -1), ("(gate|up)_proj/kernel$", -1), ("
 
 @pytest.fixture(scope="module")
 def setup():
+    # Imported here, not at the top: transformers' Flax Llama takes seconds to import, and
+    # only the tests that train it need it (a skip when transformers is not installed).
+    flax_llama = pytest.importorskip("transformers.models.llama.modeling_flax_llama")
+    transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = flax_llama.FlaxLlamaForCausalLMModule(cfg, dtype=jnp.bfloat16)
@@ -111,6 +112,7 @@ def test_a_stock_linen_llama_trains_with_per_layer_packed_gathers(data8):
     assert losses[0] == pytest.approx(float(np.log(256)), rel=0.01)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_on_the_stock_llama_matches_data_parallel(setup, data8):
     losses, wholes, stored, program = train(setup, (4, 2), ("data", "tensor"), TENSOR_RULES)
     kernels = matrices(stored)
@@ -132,6 +134,7 @@ def test_tensor_parallel_on_the_stock_llama_matches_data_parallel(setup, data8):
     np.testing.assert_allclose(losses, data8[0], rtol=2.0 ** -8)  # within bf16 rounding of data 8
 
 
+@pytest.mark.slow
 def test_the_recipe_on_stock_dense_layers_equals_nvfp4dense():
     """``nv.intercept_dense()`` runs the recipe GEMMs (stochastic rounding, Hadamard wgrad) in
     a model's stock ``nn.Dense`` layers: a step of it equals, bit for bit, the same model
@@ -243,6 +246,7 @@ def test_an_nnx_model_split_by_its_logical_axis_names_trains_like_data_parallel(
     assert losses[-1] < losses[0] - 0.2, losses
 
 
+@pytest.mark.slow
 def test_the_state_is_built_where_it_lives():
     """``nv.sharded_state``: the stored params and the optimizer state of a stock Linen model
     are, bit for bit and sharding for sharding, what ``shard_params``, ``tx.init`` of the float

@@ -231,6 +231,7 @@ def test_gpu_check_without_a_gpu_is_one_line():
     assert len(run.stderr.strip().splitlines()) == 1 and run.stderr.startswith("no GPU: ")
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_end_to_end_on_cpu(results, tmp_path, capsys):
     """The whole command on the CPU (``--cpu``, the tiny model: the smoke run's programs), so
     that its first run on a GPU is not its first run."""

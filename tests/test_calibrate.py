@@ -425,6 +425,7 @@ def test_the_amax_is_the_layer_inputs_max_computed_directly(tiny_model):
     assert amax["blocks/attn/q/kernel"][0] == np.float32(direct)
 
 
+@pytest.mark.slow
 def test_w4a4_loss_is_finite_and_not_the_w4a16_loss(tiny_model):
     _, model, master, params, batches = tiny_model
     amax = cal.calibrate(model, params, batches)
@@ -449,6 +450,7 @@ def test_calibrate_needs_an_export(capfd):
         assert e.value.code == 2 and want in capfd.readouterr().err
 
 
+@pytest.mark.slow
 @tiny_worker
 def test_cli_calibrate_writes_w4a4_exports(tmp_path, capfd):
     """``--calibrate 2 --export-hf DIR``: DIR/nvfp4 carries each NVFP4 Linear's

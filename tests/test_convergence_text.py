@@ -65,6 +65,7 @@ def test_grid_covers_sizes_lengths_seeds_and_levers():
                                    if s not in cg.SEEDS for v in cg.HEADLINE_VARIANTS)
 
 
+@pytest.mark.slow
 def test_one_short_run_learns_the_held_out_text(corpus, tmp_path):
     spec = {"size": "tiny", "steps": 20, "seed": 0, "variant": "plain_bf16",
             "name": cg.run_name("tiny", 20, 0, "plain_bf16"), "extra": ["train.eval_batches=1"]}
@@ -76,6 +77,7 @@ def test_one_short_run_learns_the_held_out_text(corpus, tmp_path):
     assert json.loads((tmp_path / "runs" / f"{spec['name']}.json").read_text()) == ct.run_one(spec, corpus, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_diagnosed_runs_record_the_masters_and_the_once_quantized_bf16_weights(corpus, tmp_path):
     out = {}
     for v in ("bf16", "nvfp4"):
@@ -196,6 +198,7 @@ def test_a_run_is_claimed_by_one_live_process(tmp_path):
     assert ct.claim(str(tmp_path), "c")
 
 
+@pytest.mark.slow
 def test_workers_racing_for_the_same_runs_never_share_one(tmp_path):
     # Two worker processes walk the same run list at the same moment, as --workers 2 does: each
     # run goes to exactly one. A claim file seen empty (created, not yet filled) is not a dead

@@ -38,6 +38,7 @@ def strict_json_lines(path):
     return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_nonfinite_steps_are_skipped_and_training_continues(tmp_path, capsys):
     cfg = job()
     snaps = {}
@@ -156,6 +157,7 @@ def test_divergence_stops_with_exit_3_naming_the_step(tmp_path, capfd, monkeypat
     assert ckpt_lib.Checkpointer(str(tmp_path / "ck")).all_steps() == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_counts_non_finite_steps_in_a_row_from_its_checkpoint(tmp_path, capfd, monkeypatch):
     # The count restarted at 0 on resume: a run stopped inside a non-finite streak went on past the limit, and
     # one stopped just before a short streak at its end was taken for "every step non-finite" (exit 3).
@@ -329,6 +331,7 @@ def test_a_second_signal_exits_at_once():
 
 
 # ----------------------------------------------------------------------------- output folders
+@pytest.mark.slow
 def test_two_runs_on_the_same_folders_one_trains_the_other_exits_2(tmp_path):
     # Unlocked, both run: one exits 5, the other 0, and the folder mixes the config of one
     # seed, the metrics of both and checkpoints of both.
@@ -426,6 +429,7 @@ def test_a_full_file_system_mid_run_is_one_line_exit_5(tmp_path, capfd):
                    "before are intact"]
 
 
+@pytest.mark.slow
 def test_a_rerun_into_a_used_out_refuses_unless_it_resumes(tmp_path, capfd):
     """An --out holding an earlier run's files is refused when the run would not resume it (its
     old summary.json and loss.png would stay beside the new run's config and metrics); with

@@ -115,6 +115,7 @@ def test_bf16_weights_imported_into_nvfp4_share_the_fused_amax(exports):
             np.testing.assert_array_equal(np.asarray(blocks[sec][n]["kernel"].amax), want)
 
 
+@pytest.mark.slow
 def test_2d_tiles_read_back_when_the_scales_repeat_over_each_tile(exports, tmp_path):
     # The 2d export repeats each tile's scale on its 16 rows: read with 2d tiles, bit-identical;
     # with 1d blocks, the same values. A 1d checkpoint's scales differ inside tiles: refused.
@@ -234,6 +235,7 @@ def test_amax_from_global_scale():
     assert amax_from_global_scale(np.finfo(np.float32).max) == 0
 
 
+@pytest.mark.slow
 def test_cli_init_from(exports, tmp_path, capfd):
     """--init-from: the imported model's validation loss at step 0 is the exporting run's
     final one (same params, same evaluation); the checkpoint's tokenizer travels into the new
@@ -767,6 +769,7 @@ def user_args(abstract, shardings, mesh, tx):
                 init=tx.init)
 
 
+@pytest.mark.slow
 def test_the_library_reads_another_models_export_back_bit_for_bit(tmp_path):
     """jax_nvfp4.hf on the user's model: its compressed-tensors NVFP4 export (data 2 x tensor 2)
     reads back as the same stored params and the same fresh optimizer state, bit for bit, on

@@ -29,7 +29,7 @@ def _setup(n=4):
     return fp, loss, (x, y), mesh
 
 
-@pytest.mark.parametrize("name", ["lamb", "novograd"])
+@pytest.mark.parametrize("name", ["lamb", pytest.param("novograd", marks=pytest.mark.slow)])
 def test_per_matrix_statistics_update_the_masters_as_optax_updates_the_matrix(name):
     """LAMB's trust ratio and NovoGrad's per-matrix second moment (a scalar state inside each
     tiled master) are those of the matrix: the masters move as plain optax moves the float32

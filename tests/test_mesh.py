@@ -322,6 +322,7 @@ def test_launch_local_stops_all_on_failure(tmp_path):
     assert usage.returncode == 2 and "usage" in usage.stderr
 
 
+@pytest.mark.slow
 def test_configure_host_devices():
     from train.mesh import configure_host_devices
 

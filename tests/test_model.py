@@ -198,6 +198,7 @@ def test_kv_heads_config_checks():
         validate_for_devices(cfg, 8)
 
 
+@pytest.mark.slow
 def test_layers_kept_in_bf16_run_bf16_gemms_under_the_recipe():
     """compute="nvfp4" quantizes only the NVFP4 layers' GEMMs: with every block kept (and the
     head) the logits are the bf16 model's, bit for bit; the recipe's quantization shows as soon

@@ -133,6 +133,7 @@ def reference(tmp_path_factory):
     return r
 
 
+@pytest.mark.slow
 def test_survivor_of_a_dead_peer_stops_with_a_clear_error(sequence):
     f = sequence["faulted"]
     assert f["rcs"][1] == 17, f["logs"][1][-2000:]  # TRAIN_FAULT_EXIT's status
@@ -147,6 +148,7 @@ def test_survivor_of_a_dead_peer_stops_with_a_clear_error(sequence):
     assert f["steps_on_disk"] == [2]
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_at_the_same_saved_step(sequence):
     # SIGTERM to one process: both stop at the same step, save it, and exit 143 (not -15 with
     # nothing saved and the other blocked in a collective).
@@ -161,6 +163,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_saved_step(sequence):
     assert sequence["stopped_at"] == {"steps_on_disk": [2, 4, 5], "metrics": [1, 2, 3, 4, 5]}
 
 
+@pytest.mark.slow
 def test_restart_continues_and_two_processes_match_one(sequence, reference):
     r = sequence["restarted"]
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
@@ -194,6 +197,7 @@ def test_restart_continues_and_two_processes_match_one(sequence, reference):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
+@pytest.mark.slow
 def test_a_frozen_peer_ends_the_survivor_with_one_line(tmp_path):
     # Process 1 freezes (SIGSTOP) after step 3, as a hung host would. The survivor ends with
     # one line and exit 4 once the heartbeat timeout passes, not SIGABRT and a C++ stack dump.

@@ -97,6 +97,7 @@ def test_what_a_user_writes_runs_verbatim(kind, capsys):
     assert_per_layer_packed_gathers(ns, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_per_device_memory_is_flat_in_depth(kind):
     """Twice the layers on 8 devices: the step's temporaries grow by less than the sharded
@@ -115,7 +116,7 @@ def test_per_device_memory_is_flat_in_depth(kind):
     assert d_temp < 0.6 * added_bf16, sizes  # 132096 of 262144 bytes when written
 
 
-@pytest.mark.parametrize("axis_type, n", [("explicit", 3), ("auto", 6)])
+@pytest.mark.parametrize("axis_type, n", [("explicit", 3), pytest.param("auto", 6, marks=pytest.mark.slow)])
 def test_tile_padding_meshes_move_packed_bytes_only(axis_type, n):
     """Data-axis sizes that pad the tile lists (16 tiles of a 64x256 kernel: 18 on 3 and 6)."""
     assert_per_layer_packed_gathers(run("linen", axis_type, n, train=False), 4)

@@ -55,6 +55,7 @@ def assert_matches_formula(run, gathers=True):
     assert m["xla_temp"] > 0
 
 
+@pytest.mark.slow
 @compiled
 def test_1b_on_16_devices_matches_the_formulas(reports):
     report, text = reports["1b"]
@@ -91,6 +92,7 @@ def test_1b_on_16_devices_matches_the_formulas(reports):
     assert "| params (stored" in text and "modelled time of all collectives" in text
 
 
+@pytest.mark.slow
 @compiled
 def test_two_racks_with_a_tensor_axis(reports):
     # 2 "racks" of 8 devices (mesh rack 2 x data 4 x tensor 2, FSDP over (data, rack)); 2 layers.
@@ -126,6 +128,7 @@ def test_two_racks_with_a_tensor_axis(reports):
     assert across[0]["bytes"] == pytest.approx(inside["bytes"] / 4, rel=0.02)
 
 
+@pytest.mark.slow
 @compiled
 def test_hsdp_keeps_weight_gathers_inside_a_rack(reports):
     # HSDP on 2 racks of 8: the state is sharded over the 8 devices of a rack (twice the

@@ -87,6 +87,7 @@ def test_gaps_report_and_plot(tmp_path):
     json.dumps(agg)
 
 
+@pytest.mark.slow
 def test_w4a4_rows_serve_the_rows_params(corpus, tmp_path, monkeypatch):
     """Tiny runs of 10 steps: the W4A4 evaluation of the native run (its final checkpoint) and
     of the ptq import, calibrated on validation batches that are not the evaluated ones."""

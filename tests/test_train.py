@@ -170,6 +170,7 @@ def test_runs_with_the_same_programs_share_them(tmp_path):
     assert programs.build(small, mesh, init=False)[0].cfg is small
 
 
+@pytest.mark.slow
 @job_worker  # its packed program is also the checkpoint tests' step on 6 devices
 def test_packed_and_dequantized_gathers_give_bit_identical_losses(tmp_path):
     runs = {}
@@ -201,6 +202,7 @@ def test_nvfp4_vs_bf16_final_loss_gap(tiny_compare):
     assert a["nvfp4_gather_bytes"] / a["nvfp4_bf16_gather_bytes"] <= 0.2818
 
 
+@pytest.mark.slow
 @tiny_worker
 def test_recipe_compute_converges(tmp_path, tiny_compare):
     """NVFP4 GEMMs with stochastic rounding of the gradients (nvfp4.compute=nvfp4), on the
@@ -244,6 +246,7 @@ def test_metrics_are_read_every_log_every_steps(tiny_compare):
         assert recs[3]["step_time_s"] == recs[4]["step_time_s"] == recs[5]["step_time_s"]  # one read, its mean
 
 
+@pytest.mark.slow
 @job_worker  # the job's flat and tensor programs are also the checkpoint tests' (one compile each)
 def test_tensor_axis_splits_the_weights_and_trains_like_the_data_axis(tmp_path, job_run):
     """data 4 x tensor 2 against data 8, the same seed and batches: Megatron tensor and
@@ -282,6 +285,7 @@ def test_tensor_axis_splits_the_weights_and_trains_like_the_data_axis(tmp_path, 
     np.testing.assert_allclose(got, ref, rtol=2e-3)
 
 
+@pytest.mark.slow
 @job_worker
 def test_weights_kept_in_bf16_split_over_the_tensor_axis_like_nvfp4_ones(tmp_path):
     """Every storage choice under tensor parallelism in one model: its last block kept in bf16,
@@ -303,6 +307,7 @@ def test_weights_kept_in_bf16_split_over_the_tensor_axis_like_nvfp4_ones(tmp_pat
     assert {r.axes for r in split["step_program"].select(op="all-gather", purpose="weight gather")} == {("data",)}
 
 
+@pytest.mark.slow
 @job_worker
 def test_compare_bf16_under_tensor_parallelism_writes_its_summary(tmp_path, capfd):
     """``--compare bf16`` at tensor 2: both runs train (the bf16 one with every block weight in
@@ -320,6 +325,7 @@ def test_compare_bf16_under_tensor_parallelism_writes_its_summary(tmp_path, capf
     np.testing.assert_allclose(bf16, flat["history"], rtol=3e-3)
 
 
+@pytest.mark.slow
 @job_worker
 def test_key_value_heads_fewer_than_tensor_ranks_are_replicated():
     """One key/value head on a tensor axis of 2: the k and v kernels are replicated over the
@@ -385,6 +391,7 @@ def test_evaluation_gathers_one_layer_at_a_time(job_run):
     assert len(packed) == 2 * 7 and all(r.times == cfg.model.layers and r.shape[0] == 1 for r in packed)
 
 
+@pytest.mark.slow
 @job_worker  # the job's flat and HSDP programs are also the checkpoint tests'
 def test_two_racks_train_fsdp_and_hsdp_alike(tmp_path, job_run):
     """2 racks x 4 (mesh.layout=gb200): FSDP over (data, rack) and HSDP (replicated across
@@ -475,6 +482,7 @@ def test_step_never_holds_every_layers_weights_or_full_gradients(job_step):
     assert not shapes & whole, shapes & whole
 
 
+@pytest.mark.slow
 def test_prepared_tokens_train_with_validation_and_resume(tmp_path):
     """python -m train.prepare on Python stdlib sources -> data.source=tokens trains, the
     validation loss lands in metrics.jsonl and the summary; a run stopped after its step-3

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 from jax_nvfp4 import xla_flags
 
@@ -49,6 +51,7 @@ def test_set_only_when_headed_for_a_gpu_and_enabled(monkeypatch):
     assert "xla_gpu_enable_latency_hiding_scheduler" not in added and "=false" in flags
 
 
+@pytest.mark.slow
 def test_cli_prints_the_flags_and_why():
     env = dict(os.environ, XLA_FLAGS="--xla_dump_to=/tmp/d")
     run = subprocess.run([sys.executable, "-m", "jax_nvfp4.xla_flags"], cwd=ROOT, env=env, capture_output=True,

@@ -450,6 +450,15 @@ def test_calibrate_needs_an_export(capfd):
         assert e.value.code == 2 and want in capfd.readouterr().err
 
 
+def test_calibrate_needs_held_out_batches(tmp_path, capfd):
+    """Text or token data without a held-out split is refused, exit 2, as train.eval_every is: the
+    calibration would run on the training windows (and call their loss a validation loss)."""
+    rc, _, err = main_here(["--out", str(tmp_path / "run"), "--export-hf", str(tmp_path / "hf"), "--calibrate", "2",
+                            "--set", "data.source=file", "--set", f"data.path={__file__}"], capfd)
+    assert rc == 2 and len(err) == 1 and "--calibrate 2 calibrates on held-out batches" in err[0], err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "hf").exists()
+
+
 @pytest.mark.slow
 @tiny_worker
 def test_cli_calibrate_writes_w4a4_exports(tmp_path, capfd):

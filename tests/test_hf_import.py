@@ -275,6 +275,51 @@ def _stdlib_tokens(tmp_path, n_files=12, vocab=512):
     return out
 
 
+def test_the_checkpoints_model_is_what_the_rules_across_sections_see(tmp_path):
+    """``--init-from``'s config.json replaces tiny.yaml's model before the config is checked:
+    keeping 3 of the checkpoint's 4 blocks in bf16, or 300 Markov states under its vocabulary of
+    1000, is accepted (tiny.yaml's 2 layers and 256 tokens would refuse both). A field of its
+    rotary scaling set alike is accepted, set otherwise refused; so is a model key it contradicts."""
+    from train.config import ConfigError, load_config
+
+    source = load_config(None, ["model.layers=4", "model.vocab=1000",
+                                "model.rope_scaling={factor: 8, original_max_position_embeddings: 16}"])
+    (tmp_path / "config.json").write_text(json.dumps(hf_import.hf_config(source)))
+    rules = ["nvfp4.keep_first_blocks=1", "nvfp4.keep_last_blocks=2", "data.markov_states=300"]
+    with pytest.raises(ConfigError, match="exceeds model.layers=2"):
+        load_config(TINY, rules)  # the rule itself, on tiny.yaml's model
+    for init in ((str(tmp_path),), ()):  # --init-from, or train.init_from in the overrides
+        extra = [] if init else [f"train.init_from={tmp_path}"]
+        cfg = hf_import.load_config(TINY, [*rules, *extra, "model.rope_scaling.factor=8"], *init)
+        assert (cfg.model.layers, cfg.model.vocab, cfg.nvfp4.keep_last_blocks) == (4, 1000, 2)
+        assert cfg.model.rope_scaling == source.model.rope_scaling and cfg.train.init_from == str(tmp_path)
+    with pytest.raises(ConfigError, match=r'model.rope_scaling=.*"factor": 4.0.* has rope_scaling=.*"factor": 8.0'):
+        hf_import.load_config(TINY, ["model.rope_scaling.factor=4"], str(tmp_path))
+    with pytest.raises(ConfigError, match="model.layers=2: .* has num_hidden_layers=4"):
+        hf_import.load_config(TINY, ["model.layers=2"], str(tmp_path))
+
+
+def test_a_token_file_of_another_tokenizer_than_the_checkpoints_is_refused(tmp_path):
+    """Training an imported checkpoint on a token file: the file's tokenizer (recorded by
+    train.prepare) must be the checkpoint's tokenizer.json, which the export ships with its
+    chat template; another is refused, naming the fix."""
+    from train.config import ConfigError, load_config
+
+    ours = _stdlib_tokens(tmp_path / "a", n_files=2, vocab=300)
+    other = _stdlib_tokens(tmp_path / "b", n_files=3, vocab=320)
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text(json.dumps(hf_import.hf_config(load_config(None, ["model.vocab=512"]))))
+    (ck / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    shutil.copy(ours + ".tokenizer.json", ck / "tokenizer.json")
+    tokens = lambda path: hf_import.load_config(TINY, ["data.source=tokens", f"data.path={path}"], str(ck))
+    hf_import.check_tokens(tokens(ours))
+    with pytest.raises(ConfigError, match=r"made with another tokenizer .* train.prepare --tokenizer"):
+        hf_import.check_tokens(tokens(other))
+    assert set(hf_import.tokenizer_files(str(ck), 64)) == {"tokenizer.json", "chat_template.jinja",
+                                                           "tokenizer_config.json"}
+
+
 def import_config(path, *overrides):
     """tiny.yaml with ``overrides``, starting from the checkpoint ``path``: its config.json
     sets the model keys."""

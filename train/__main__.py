@@ -141,17 +141,17 @@ def main(argv=None) -> int:
 
     # orbax reports a failed save with pages of tracebacks from its threads; the CLI says it in one line.
     logging.getLogger("absl").setLevel(logging.CRITICAL)
-    from train.config import ConfigError, load_config, override_keys
+    from train.config import ConfigError
+    from train.hf_import import check_tokens, load_config
 
     try:  # config first: it needs no JAX, so a bad config fails before anything is written
-        cfg = load_config(args.config, args.overrides)
-        if args.init_from:
-            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init_from=args.init_from))
-        if cfg.train.init_from:
-            from train.hf_import import resolve_config
-            cfg = resolve_config(cfg, override_keys(args.overrides))
+        cfg = load_config(args.config, args.overrides, args.init_from)
+        check_tokens(cfg)
     except ConfigError as e:
         return _fail(2, f"config error: {e}")
+    if args.calibrate and cfg.data.source != "markov" and not (cfg.data.val_path or cfg.data.val_fraction):
+        return _fail(2, f"config error: --calibrate {args.calibrate} calibrates on held-out batches: set "
+                        "data.val_path or data.val_fraction (data.source markov draws its own)")
     if cfg.nvfp4.weights == "bf16" and (args.calibrate or args.hf_format_given):
         return _fail(2, "config error: --calibrate and --hf-format shape the NVFP4 export of --export-hf, but "
                         "nvfp4.weights=bf16: the run has no NVFP4 weights (DIR/bf16 is written alone)")

@@ -832,9 +832,25 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
         f.write(to_yaml(cfg))
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
-    """The validated config from defaults, then ``path`` (YAML or gin), then ``overrides``."""
-    return from_dict(_read(path, overrides))
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (), *,
+                init_from: Optional[str] = None, checkpoint_model=None) -> Config:
+    """The validated config from defaults, then ``path`` (YAML or gin), then ``overrides``; ``init_from`` sets
+    ``train.init_from`` (``--init-from``). With ``train.init_from`` set, ``checkpoint_model(folder)``'s ``{model key:
+    value}`` replace the model keys of the defaults and the file before validation, so that the rules across
+    sections see the imported model (``train.hf_import.load_config``): ``overrides``' own model keys stay, the
+    fields they set of a mapping (``model.rope_scaling.factor``) over the checkpoint's."""
+    raw = _read(path, overrides)
+    if init_from is not None:
+        raw = _merge(raw, {"train": {"init_from": init_from}})
+    folder = raw.get("train", {}).get("init_from") if isinstance(raw.get("train"), Mapping) else None
+    if checkpoint_model is not None and isinstance(folder, str) and folder:
+        given, model = _overrides_to_dict(overrides).get("model") or {}, dict(checkpoint_model(folder))
+        rope, fields = model.get("rope_scaling"), given.get("rope_scaling")
+        if dataclasses.is_dataclass(rope) and isinstance(fields, Mapping):
+            given = {k: v for k, v in given.items() if k != "rope_scaling"}
+            model["rope_scaling"] = {**dataclasses.asdict(rope), **fields}
+        raw = _merge(raw, {"model": {k: v for k, v in model.items() if k not in given}})
+    return from_dict(raw)
 
 
 def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:

@@ -8,13 +8,15 @@ compiles): docs/TRAINING.md, ``--init-from``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+from train import config as config_lib
 from train.config import ROPE_SCALING_KEYS, Config, ConfigError, RopeScaling
 
-__all__ = ["hf_config", "load", "model_values", "notice", "plan", "read_hf_config", "resolve_config"]
+__all__ = ["check_tokens", "hf_config", "load", "load_config", "model_values", "notice", "plan", "read_hf_config", "resolve_config"]
 
 # The weights of jax_nvfp4.export's NVFP4A16_QUANTIZATION_CONFIG (resolving a config imports no JAX).
 _NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group"}
@@ -24,7 +26,7 @@ _HF_KEYS = {"vocab": "vocab_size", "d_model": "hidden_size", "mlp_hidden": "inte
             "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings"}
 # The files of a Hugging Face tokenizer, copied from a checkpoint folder into an export.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "generation_config.json")
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json")
 
 
 def _fail(where: str, text: str):
@@ -180,6 +182,42 @@ def resolve_config(cfg: Config, given: Optional[set] = None) -> Config:
             raise ConfigError(f"model.{key}={shown(have)}: train.init_from={where} has {names[key]}={shown(value)} "
                               "in its config.json")
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **take)) if take else cfg
+
+
+def load_config(path: Optional[str], overrides: Sequence[str] = (), init_from: Optional[str] = None) -> Config:
+    """:func:`train.config.load_config` of a run that may start from a checkpoint (``train.init_from``, or
+    ``init_from``: ``--init-from``): its config.json's model keys replace the file's before any rule across sections
+    is checked (``nvfp4.keep_last_blocks`` against the checkpoint's layers), and ``overrides``' model keys must agree
+    with it (:func:`resolve_config`). Needs no JAX."""
+    def checkpoint_model(folder):
+        return model_values(read_hf_config(folder), folder)[0]
+
+    cfg = config_lib.load_config(path, overrides, init_from=init_from, checkpoint_model=checkpoint_model)
+    return resolve_config(cfg, config_lib.override_keys(overrides)) if cfg.train.init_from else cfg
+
+
+def check_tokens(cfg: Config) -> None:
+    """A run from ``train.init_from`` on a token file trains the checkpoint's embedding rows on the file's ids:
+    both must come from one tokenizer, which the export ships. Raises ConfigError: the token file's tokenizer
+    (recorded by ``train.prepare``) is not the checkpoint's ``tokenizer.json``."""
+    if not cfg.train.init_from or cfg.data.source != "tokens":
+        return
+    from train import data as data_lib
+    recorded = data_lib.read_token_header(cfg.data.path).get("tokenizer_sha256")
+    path = os.path.join(cfg.train.init_from, "tokenizer.json")
+    if recorded is None or not os.path.isfile(path):
+        return
+    from tokenizers import Tokenizer
+    try:  # train.prepare records the sha256 of the tokenizer as the tokenizers package writes it
+        own = hashlib.sha256(Tokenizer.from_file(path).to_str(pretty=True).encode()).hexdigest()
+    except Exception as e:  # noqa: BLE001 - the tokenizers package's parse errors
+        raise ConfigError(f"train.init_from={cfg.train.init_from}: cannot read its tokenizer.json: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if own != recorded:
+        raise ConfigError(f"data.path={cfg.data.path!r}: its tokens were made with another tokenizer (sha256 "
+                          f"{recorded[:12]}) than train.init_from={cfg.train.init_from}'s tokenizer.json ({own[:12]}): "
+                          "the checkpoint's embedding would read other ids; prepare the data with python -m "
+                          f"train.prepare --tokenizer {cfg.train.init_from}")
 
 
 def hf_config(cfg: Config, **kw) -> Dict[str, Any]:

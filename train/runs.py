@@ -42,10 +42,11 @@ def compare_losses(this: str, other: str) -> Tuple[bool, str]:
 def metrics_path(train_args) -> str:
     """Where ``python -m train train_args`` writes its metrics.jsonl (no JAX, nothing run)."""
     from train.__main__ import parse_args
-    from train.config import load_config
+    from train.hf_import import load_config
 
     args = parse_args(list(train_args))
-    return os.path.join(args.out or load_config(args.config, args.overrides).train.out_dir, "metrics.jsonl")
+    out = args.out or load_config(args.config, args.overrides, args.init_from).train.out_dir
+    return os.path.join(out, "metrics.jsonl")
 
 
 def main(argv=None) -> int:

@@ -42,7 +42,7 @@ from jax_nvfp4.optim import find_state
 from jax_nvfp4.params import Policy, path_str, shared_amaxes
 from jax_nvfp4.sharding import global_amax, requantize
 
-__all__ = ["TileScalesError", "load_hf", "plan_hf"]
+__all__ = ["MixedLayersError", "TileScalesError", "load_hf", "plan_hf"]
 
 # _Target kind -> (its tensor, logical rows (inputs) per entry: 2 codes a byte, 16 a scale; 0: all, per layer).
 _READS = {"whole": ("weight", 0), "amax": ("weight_global_scale", 0), "values": ("weight", 1),
@@ -63,6 +63,17 @@ class TileScalesError(ExportError):
         self.module = module
 
 
+class MixedLayersError(ExportError):
+    """A stacked param whose layers the checkpoint stores partly NVFP4, partly plain (a quantizer that left some
+    layers out); ``plain``: the plain layers' Hugging Face modules, ``param``: the param's path."""
+
+    def __init__(self, directory: str, param: str, plain: Sequence[str], layers: int):
+        shown = ", ".join(plain[:3]) + (f" and {len(plain) - 3} more" if len(plain) > 3 else "")
+        super().__init__(f"{directory}: {param}: {len(plain)} of its {layers} layers are plain ({shown}), the others "
+                         "NVFP4; read as one parameter, they must agree")
+        self.param, self.plain = param, tuple(plain)
+
+
 def _refuse(files: Safetensors, text: str):
     raise ExportError(f"{files.directory}: {text}")
 
@@ -78,10 +89,10 @@ class _Param:
         for m, _ in modules:
             if f"{m}.weight" not in files.entries and f"{m}.weight_packed" not in files.entries:
                 _refuse(files, f"the checkpoint has no {m}.weight (nor {m}.weight_packed) for the parameter {path}")
-        kinds = {"plain" if f"{m}.weight" in files.entries else "nvfp4" for m, _ in modules}
-        if len(kinds) > 1:
-            _refuse(files, f"{path}: some layers are NVFP4 and some are not; read as one parameter, they must agree")
-        self.kind = kinds.pop()
+        plain = [m for m, _ in modules if f"{m}.weight" in files.entries]
+        if 0 < len(plain) < len(modules):
+            raise MixedLayersError(files.directory, path, plain, len(modules))
+        self.kind = "plain" if plain else "nvfp4"
         if self.kind == "plain":
             want = {"weight": (("BF16", "F16", "F32"), self.layer_shape[::-1] if linear else self.layer_shape)}
         elif not linear or len(self.layer_shape) != 2:
@@ -332,6 +343,7 @@ def load_hf(source: Union[str, Safetensors], *, names: HFNames, abstract_params,
         that differs from the embedding, any tensor the params would not read (transformers'
         ``rotary_emb.inv_freq`` buffers aside).
       TileScalesError: NVFP4 scales that differ inside a 16x16 tile, read into 16x16 tiles.
+      MixedLayersError: a stacked param's layers stored partly NVFP4, partly plain.
     """
     files = source if isinstance(source, Safetensors) else Safetensors(source)
 

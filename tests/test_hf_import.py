@@ -678,6 +678,34 @@ def test_refused_tensors_the_model_does_not_read(fresh, tmp_path, capfd):
     assert "6 tensors" in err and "_proj.bias" in err and "and 3 more" in err, err
 
 
+def test_blocks_a_quantizer_left_plain_are_refused_naming_the_keep_that_reads_them(fresh, tmp_path, capfd):
+    """A compressed-tensors checkpoint whose quantizer ignored one block's down_proj (a plain
+    bf16 weight beside the NVFP4 ones): refused, naming that module and, for the first or last
+    block, the nvfp4.keep_*_blocks that keeps it in bf16."""
+    def tensors(path):  # {name: (header entry, bytes)} of a safetensors file (numpy reads no E4M3)
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            data = f.read()
+        header.pop("__metadata__", None)
+        return {k: (v, data[slice(*v["data_offsets"])]) for k, v in header.items()}
+
+    plain = tensors(fresh / "bf16" / "model.safetensors")
+    for layer, fix in ((0, "nvfp4.keep_first_blocks=1"), (1, "nvfp4.keep_last_blocks=1")):
+        module = f"model.layers.{layer}.mlp.down_proj"
+        folder = variant(fresh, tmp_path / str(layer), "nvfp4")
+        kept = {k: t for k, t in tensors(folder / "model.safetensors").items() if not k.startswith(module + ".")}
+        kept[module + ".weight"] = plain[module + ".weight"]
+        header, offset = {}, 0
+        for k, (entry, raw) in kept.items():
+            header[k] = {**entry, "data_offsets": [offset, offset + len(raw)]}
+            offset += len(raw)
+        text = json.dumps(header).encode()
+        (folder / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text
+                                                   + b"".join(raw for _, raw in kept.values()))
+        err = refusal(folder, capfd)
+        assert f"1 of its 2 layers are plain ({module}), the others NVFP4" in err and err.endswith(fix), err
+
+
 def test_refused_layers_past_num_hidden_layers(fresh, tmp_path, capfd):
     err = refusal(variant(fresh, tmp_path, config={"num_hidden_layers": 1}), capfd)
     assert "layer 1 (model.layers.1." in err and "num_hidden_layers=1" in err, err

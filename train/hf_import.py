@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from train import config as config_lib
@@ -256,16 +257,28 @@ def tokenizer_files(tokenizer: Optional[str], max_positions: int, *, eos_id: Opt
     return files
 
 
-def _library(f, *args, **kw):
+def _library(cfg: Config, f, *args, **kw):
     """``f(*args, **kw)`` (:mod:`jax_nvfp4.hf`) with its refusals as ConfigError: ``"DIR: ..."`` as
-    ``train.init_from=DIR: ...``, scales that differ inside a tile as ``nvfp4.block=2d``'s."""
+    ``train.init_from=DIR: ...``, scales that differ inside a tile as ``nvfp4.block=2d``'s, and blocks a quantizer
+    left plain next to the NVFP4 ones with the ``nvfp4.keep_*_blocks`` that reads them (``cfg``: the run's)."""
     from jax_nvfp4.export import ExportError
-    from jax_nvfp4.hf import TileScalesError
+    from jax_nvfp4.hf import MixedLayersError, TileScalesError
     try:
         return f(*args, **kw)
     except TileScalesError as e:
         raise ConfigError(f"nvfp4.block=2d: {e.module}'s NVFP4 scales (one per 16 inputs of each output) differ "
                           "inside a 16x16 tile; read it with nvfp4.block=1d") from None
+    except MixedLayersError as e:
+        n = sorted({int(m.group(1)) for p in e.plain if (m := re.search(r"\.layers\.(\d+)\.", p))})
+        first, last, layers = cfg.nvfp4.keep_first_blocks, cfg.nvfp4.keep_last_blocks, cfg.model.layers
+        if n == list(range(first, first + len(n))):
+            fix = f"; keep those blocks in bf16: nvfp4.keep_first_blocks={first + len(n)}"
+        elif n == list(range(layers - last - len(n), layers - last)):
+            fix = f"; keep those blocks in bf16: nvfp4.keep_last_blocks={last + len(n)}"
+        else:
+            fix = (" (this model keeps only its first and last blocks in bf16: nvfp4.keep_first_blocks and "
+                   "keep_last_blocks)")
+        raise ConfigError(f"train.init_from={e}{fix}") from None
     except ExportError as e:
         raise ConfigError(f"train.init_from={e}") from None
 
@@ -284,7 +297,7 @@ def plan(directory: str, trainer, devices: Optional[Sequence] = None) -> Dict[An
     union) reads to build ``trainer``'s state from ``directory``, from the headers and abstract state alone
     (:func:`jax_nvfp4.hf.plan_hf`: nothing is read)."""
     from jax_nvfp4.hf import plan_hf
-    return _library(plan_hf, directory, devices=devices, **_model(trainer))
+    return _library(trainer.cfg, plan_hf, directory, devices=devices, **_model(trainer))
 
 
 def load(directory: str, trainer, *, checkpoint: Any = None) -> Tuple[Any, Any]:
@@ -304,6 +317,6 @@ def load(directory: str, trainer, *, checkpoint: Any = None) -> Tuple[Any, Any]:
         if line and jax.process_index() == 0:
             print(line, flush=True)
 
-    return _library(load_hf, checkpoint if checkpoint is not None else directory, **_model(trainer),
+    return _library(trainer.cfg, load_hf, checkpoint if checkpoint is not None else directory, **_model(trainer),
                     param_shardings=trainer.param_shardings, state_shardings=trainer.state_shardings,
                     policy=trainer.policy, init=trainer.tx.init, on_checked=shown)

@@ -297,6 +297,18 @@ def test_the_checkpoints_model_is_what_the_rules_across_sections_see(tmp_path):
         hf_import.load_config(TINY, ["model.rope_scaling.factor=4"], str(tmp_path))
     with pytest.raises(ConfigError, match="model.layers=2: .* has num_hidden_layers=4"):
         hf_import.load_config(TINY, ["model.layers=2"], str(tmp_path))
+    # A contradiction is named before the rules it breaks; 0 key/value heads is the checkpoint's count.
+    with pytest.raises(ConfigError, match="model.heads=1: .* has num_attention_heads=2"):
+        hf_import.load_config(TINY, ["model.heads=1"], str(tmp_path))
+    assert hf_import.load_config(TINY, ["model.kv_heads=0"], str(tmp_path)).model.kv_heads == 2
+    # The file's own model keys are still checked, though the checkpoint's replace them.
+    (tmp_path / "bad.yaml").write_text("model:\n  layers: abc\n")
+    with pytest.raises(ConfigError, match="model.layers: expected int, got str 'abc'"):
+        hf_import.load_config(str(tmp_path / "bad.yaml"), [], str(tmp_path))
+    # Where a run writes needs no checkpoint: train.runs reads the train section alone.
+    from train import runs
+    assert runs.metrics_path(["--config", TINY, "--init-from", str(tmp_path / "gone"), "--set",
+                              "train.out_dir=r1"]) == os.path.join("r1", "metrics.jsonl")
 
 
 def test_a_token_file_of_another_tokenizer_than_the_checkpoints_is_refused(tmp_path):
@@ -316,8 +328,21 @@ def test_a_token_file_of_another_tokenizer_than_the_checkpoints_is_refused(tmp_p
     hf_import.check_tokens(tokens(ours))
     with pytest.raises(ConfigError, match=r"made with another tokenizer .* train.prepare --tokenizer"):
         hf_import.check_tokens(tokens(other))
+    # An older sidecar without the sha256: the tokenizer file beside it is compared; without one, refused.
+    sidecar = json.loads(open(other + ".json").read())
+    del sidecar["tokenizer_sha256"]
+    open(other + ".json", "w").write(json.dumps(sidecar))
+    with pytest.raises(ConfigError, match=r"made with another tokenizer"):
+        hf_import.check_tokens(tokens(other))
+    os.remove(other + ".tokenizer.json")
+    with pytest.raises(ConfigError, match=r"its sidecar names no tokenizer"):
+        hf_import.check_tokens(tokens(other))
     assert set(hf_import.tokenizer_files(str(ck), 64)) == {"tokenizer.json", "chat_template.jinja",
                                                            "tokenizer_config.json"}
+    # A checkpoint whose tokenizer is a tokenizer.model alone: nothing to check the ids against.
+    os.rename(ck / "tokenizer.json", ck / "tokenizer.model")
+    with pytest.raises(ConfigError, match=r"a tokenizer.model but no tokenizer.json"):
+        hf_import.check_tokens(tokens(ours))
 
 
 def import_config(path, *overrides):

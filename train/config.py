@@ -26,8 +26,8 @@ from train.config_errors import ConfigError, one_line, short, suggest
 
 __all__ = ["AFFECTS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "Key", "MeshConfig", "ModelConfig",
            "NVFP4Config", "OptimConfig", "ROPE_SCALING_KEYS", "RopeScaling", "SECTIONS", "TrainConfig",
-           "apply_overrides", "config_keys", "default_gin", "default_yaml", "from_dict", "load_config", "mesh_error",
-           "override_keys", "resolve_mesh_axes", "save_config", "setting", "to_dict", "to_yaml", "trajectory_keys",
+           "apply_overrides", "config_keys", "default_gin", "default_yaml", "from_dict", "load_config", "load_section",
+           "mesh_error", "override_keys", "resolve_mesh_axes", "save_config", "setting", "to_dict", "to_yaml", "trajectory_keys",
            "validate_for_devices"]
 
 # Strict types (`layers: true` is not 1, `1` is not true); an int widens to a float.
@@ -832,19 +832,37 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
         f.write(to_yaml(cfg))
 
 
+def load_section(path: str | os.PathLike | None, overrides: Sequence[str], section: str) -> Any:
+    """``section`` of the config from defaults, ``path`` and ``overrides``, validated alone: what a tool that reads
+    one section needs (no other section's rules, no checkpoint read)."""
+    return _validated(_read(path, overrides).get(section), section)
+
+
+def _validated(raw: Any, section: str) -> Any:
+    if not isinstance(raw := {} if raw is None else raw, Mapping):
+        raise ConfigError(f"{section}: expected a mapping of keys, got {type(raw).__name__}")
+    try:
+        return SECTIONS[section].__pydantic_validator__.validate_python(dict(raw))
+    except pydantic.ValidationError as e:
+        raise one_line(e, SECTIONS, section) from None
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (), *,
                 init_from: Optional[str] = None, checkpoint_model=None) -> Config:
     """The validated config from defaults, then ``path`` (YAML or gin), then ``overrides``; ``init_from`` sets
-    ``train.init_from`` (``--init-from``). With ``train.init_from`` set, ``checkpoint_model(folder)``'s ``{model key:
-    value}`` replace the model keys of the defaults and the file before validation, so that the rules across
-    sections see the imported model (``train.hf_import.load_config``): ``overrides``' own model keys stay, the
-    fields they set of a mapping (``model.rope_scaling.factor``) over the checkpoint's."""
+    ``train.init_from`` (``--init-from``). With ``train.init_from`` set, the model section is first validated alone,
+    then ``checkpoint_model(folder, given)``'s ``{model key: value}`` (``given``: the model keys ``overrides`` set,
+    which it may check against the checkpoint) replace its keys before the whole config is validated, so that the
+    rules across sections see the imported model (``train.hf_import.load_config``): ``overrides``' own model keys
+    stay, the fields they set of a mapping (``model.rope_scaling.factor``) over the checkpoint's."""
     raw = _read(path, overrides)
     if init_from is not None:
         raw = _merge(raw, {"train": {"init_from": init_from}})
     folder = raw.get("train", {}).get("init_from") if isinstance(raw.get("train"), Mapping) else None
     if checkpoint_model is not None and isinstance(folder, str) and folder:
-        given, model = _overrides_to_dict(overrides).get("model") or {}, dict(checkpoint_model(folder))
+        _validated(raw.get("model"), "model")  # the file's own model keys hold their types and rules
+        given = _overrides_to_dict(overrides).get("model") or {}
+        model = dict(checkpoint_model(folder, given))
         rope, fields = model.get("rope_scaling"), given.get("rope_scaling")
         if dataclasses.is_dataclass(rope) and isinstance(fields, Mapping):
             given = {k: v for k, v in given.items() if k != "rope_scaling"}

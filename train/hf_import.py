@@ -182,6 +182,8 @@ def resolve_config(cfg: Config, given: Optional[set] = None) -> Config:
         elif have != value:
             raise ConfigError(f"model.{key}={shown(have)}: train.init_from={where} has {names[key]}={shown(value)} "
                               "in its config.json")
+        elif key == "kv_heads":
+            take[key] = value  # 0 (= heads) as the count: a resume compares the key as written
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **take)) if take else cfg
 
 
@@ -190,8 +192,16 @@ def load_config(path: Optional[str], overrides: Sequence[str] = (), init_from: O
     ``init_from``: ``--init-from``): its config.json's model keys replace the file's before any rule across sections
     is checked (``nvfp4.keep_last_blocks`` against the checkpoint's layers), and ``overrides``' model keys must agree
     with it (:func:`resolve_config`). Needs no JAX."""
-    def checkpoint_model(folder):
-        return model_values(read_hf_config(folder), folder)[0]
+    def checkpoint_model(folder, given):
+        values, names = model_values(read_hf_config(folder), folder)
+        for key, have in given.items():  # a contradiction first, before the rules it would break
+            if key not in values or key == "rope_scaling":  # a scaling's fields: compared once validated
+                continue
+            count = given.get("heads", values["heads"]) if key == "kv_heads" and have == 0 else have
+            if count != values[key]:
+                raise ConfigError(f"model.{key}={have!r}: train.init_from={folder} has {names[key]}={values[key]!r} "
+                                  "in its config.json")
+        return values
 
     cfg = config_lib.load_config(path, overrides, init_from=init_from, checkpoint_model=checkpoint_model)
     return resolve_config(cfg, config_lib.override_keys(overrides)) if cfg.train.init_from else cfg
@@ -200,25 +210,42 @@ def load_config(path: Optional[str], overrides: Sequence[str] = (), init_from: O
 def check_tokens(cfg: Config) -> None:
     """A run from ``train.init_from`` on a token file trains the checkpoint's embedding rows on the file's ids:
     both must come from one tokenizer, which the export ships. Raises ConfigError: the token file's tokenizer
-    (recorded by ``train.prepare``) is not the checkpoint's ``tokenizer.json``."""
+    (recorded by ``train.prepare``, or its tokenizer file) is not the checkpoint's ``tokenizer.json``, or either
+    cannot be known (a checkpoint with only ``tokenizer.model``, a sidecar that names no tokenizer)."""
     if not cfg.train.init_from or cfg.data.source != "tokens":
         return
     from train import data as data_lib
-    recorded = data_lib.read_token_header(cfg.data.path).get("tokenizer_sha256")
-    path = os.path.join(cfg.train.init_from, "tokenizer.json")
-    if recorded is None or not os.path.isfile(path):
-        return
-    from tokenizers import Tokenizer
-    try:  # train.prepare records the sha256 of the tokenizer as the tokenizers package writes it
-        own = hashlib.sha256(Tokenizer.from_file(path).to_str(pretty=True).encode()).hexdigest()
-    except Exception as e:  # noqa: BLE001 - the tokenizers package's parse errors
-        raise ConfigError(f"train.init_from={cfg.train.init_from}: cannot read its tokenizer.json: "
-                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    where, fix = cfg.train.init_from, f"python -m train.prepare --tokenizer {cfg.train.init_from}"
+    if not any(os.path.isfile(os.path.join(where, n)) for n in ("tokenizer.json", "tokenizer.model")):
+        return  # the export ships the token file's tokenizer
+    path = os.path.join(where, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"train.init_from={where}: has a tokenizer.model but no tokenizer.json, so data.path's ids "
+                          "cannot be checked against the tokenizer its export ships; put the tokenizer.json "
+                          "data.path was prepared with into it")
+    meta = data_lib.read_token_header(cfg.data.path)
+    recorded = meta.get("tokenizer_sha256")
+    beside = os.path.join(os.path.dirname(os.path.abspath(cfg.data.path)), meta.get("tokenizer") or "")
+    if recorded is None and os.path.isfile(beside):  # an older sidecar: the tokenizer file prepare wrote beside it
+        recorded = _tokenizer_sha256(beside, "data.path's tokenizer")
+    if recorded is None:
+        raise ConfigError(f"data.path={cfg.data.path!r}: its sidecar names no tokenizer, so its ids cannot be checked "
+                          f"against train.init_from={where}'s tokenizer.json; prepare it again with {fix}")
+    own = _tokenizer_sha256(path, f"train.init_from={where}")
     if own != recorded:
         raise ConfigError(f"data.path={cfg.data.path!r}: its tokens were made with another tokenizer (sha256 "
                           f"{recorded[:12]}) than train.init_from={cfg.train.init_from}'s tokenizer.json ({own[:12]}): "
-                          "the checkpoint's embedding would read other ids; prepare the data with python -m "
-                          f"train.prepare --tokenizer {cfg.train.init_from}")
+                          f"the checkpoint's embedding would read other ids; prepare the data with {fix}")
+
+
+def _tokenizer_sha256(path: str, what: str) -> str:
+    """The sha256 train.prepare records of the tokenizer file ``path`` (as the tokenizers package writes it)."""
+    from tokenizers import Tokenizer
+    try:
+        return hashlib.sha256(Tokenizer.from_file(path).to_str(pretty=True).encode()).hexdigest()
+    except Exception as e:  # noqa: BLE001 - the tokenizers package's parse errors
+        raise ConfigError(f"{what}: cannot read {os.path.basename(path)}: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 def hf_config(cfg: Config, **kw) -> Dict[str, Any]:

@@ -42,11 +42,10 @@ def compare_losses(this: str, other: str) -> Tuple[bool, str]:
 def metrics_path(train_args) -> str:
     """Where ``python -m train train_args`` writes its metrics.jsonl (no JAX, nothing run)."""
     from train.__main__ import parse_args
-    from train.hf_import import load_config
+    from train.config import load_section
 
     args = parse_args(list(train_args))
-    out = args.out or load_config(args.config, args.overrides, args.init_from).train.out_dir
-    return os.path.join(out, "metrics.jsonl")
+    return os.path.join(args.out or load_section(args.config, args.overrides, "train").out_dir, "metrics.jsonl")
 
 
 def main(argv=None) -> int:
@@ -54,7 +53,12 @@ def main(argv=None) -> int:
     p.add_argument("--against", required=True, metavar="DIR", help="a run's output folder (holds metrics.jsonl)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then the python -m train arguments of this run")
     args = p.parse_args(argv)
-    this = metrics_path(args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args)
+    from train.config import ConfigError
+    try:
+        this = metrics_path(args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args)
+    except ConfigError as e:
+        print(f"check: config error: {e}", file=sys.stderr)
+        return 2
     other = os.path.join(args.against, "metrics.jsonl")
     for path in (this, other):
         if not os.path.isfile(path):

@@ -158,8 +158,9 @@ RACKS = ("mesh.layout=gb200", "mesh.nvl_domain=4")  # 2 racks of 4 on 8 devices
 
 
 @pytest.mark.parametrize("data,tensor,step,extra", [
-    (4, 1, False, ()), (6, 1, True, ()), (1, 1, False, ()), (4, 2, True, ()),
-    (8, 1, False, RACKS), (4, 1, True, (*RACKS, "mesh.sharding=hsdp")),  # hsdp: 4 shards per rack
+    (4, 1, False, ()), pytest.param(6, 1, True, (), marks=pytest.mark.slow), (1, 1, False, ()), (4, 2, True, ()),
+    (8, 1, False, RACKS),
+    pytest.param(4, 1, True, (*RACKS, "mesh.sharding=hsdp"), marks=pytest.mark.slow),  # hsdp: 4 shards per rack
 ])
 def test_restore_onto_another_mesh(reference, resumed, data, tensor, step, extra):
     cfg = job(f"mesh.data={-1 if extra else data}", f"mesh.tensor={tensor}", *extra)

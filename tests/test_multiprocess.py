@@ -227,6 +227,7 @@ def test_a_frozen_peer_ends_the_survivor_with_one_line(tmp_path):
     ckpt_lib.Checkpointer(str(tmp_path / "ck")).verify(2)
 
 
+@pytest.mark.slow
 def test_processes_started_with_different_settings_stop_before_training(tmp_path):
     # Another data.seed on process 1 trained a mixture of two streams silently (the checkpoint and
     # config.yaml recording process 0's); another checkpoint.dir hung the first save. Each process

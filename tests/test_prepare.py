@@ -293,6 +293,7 @@ def test_an_interrupted_run_leaves_nothing(tmp_path, monkeypatch, capsys):
     assert max(sizes) == 4 and sorted(os.listdir(tmp_path)) == before
 
 
+@pytest.mark.slow
 def test_sigterm_while_the_bpe_trains_on_one_long_word_ends_at_once(tmp_path):
     """One 100,000-character word keeps the BPE trainer busy for a minute (quadratic in the word); SIGTERM
     (as Ctrl-C) had waited for it to return: it now ends the run at once, exit 130, nothing left."""

@@ -116,7 +116,8 @@ def test_per_device_memory_is_flat_in_depth(kind):
     assert d_temp < 0.6 * added_bf16, sizes  # 132096 of 262144 bytes when written
 
 
-@pytest.mark.parametrize("axis_type, n", [("explicit", 3), pytest.param("auto", 6, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("axis_type, n", [("explicit", 3), ("auto", 6)])
 def test_tile_padding_meshes_move_packed_bytes_only(axis_type, n):
     """Data-axis sizes that pad the tile lists (16 tiles of a 64x256 kernel: 18 on 3 and 6)."""
     assert_per_layer_packed_gathers(run("linen", axis_type, n, train=False), 4)

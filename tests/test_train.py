@@ -356,6 +356,7 @@ def test_key_value_heads_fewer_than_tensor_ranks_are_replicated():
         np.testing.assert_allclose(a, b, atol=2e-2 * float(np.max(np.abs(b))))
 
 
+@pytest.mark.slow
 @job_worker
 def test_a_nonfinite_loss_is_a_skipped_step():
     """A target id past the vocabulary gives a NaN loss with finite gradients: the step

@@ -159,6 +159,7 @@ def test_stochastic_rounding_sharded_equals_unsharded():
     assert not np.array_equal(np.asarray(p1["stacked"].data), np.asarray(pn["stacked"].data))
 
 
+@pytest.mark.slow
 def test_cast_master_bf16_option():
     params, state, _ = run_sharded(2, 1, optax.sgd(0.1), cast_master_bf16=True)
     m = nv.sharding.logical(state.master["a"])

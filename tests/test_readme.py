@@ -123,6 +123,7 @@ def test_tile_padding_meshes_move_packed_bytes_only(axis_type, n):
     assert_per_layer_packed_gathers(run("linen", axis_type, n, train=False), 4)
 
 
+@pytest.mark.slow
 def test_whole_model_gather_equals_the_per_layer_step():
     """The README's one-line whole-model gather feeds the same weights: the per-layer step's
     loss equals a plain jit of the model on nv.dequantize_params(nv.gather(params)), within

@@ -57,7 +57,8 @@ def assert_packed_gathers(text: str, layers, mesh) -> None:
     assert not any("cudnn" in k for k in comm.custom_calls(text))
 
 
-@pytest.mark.parametrize("compute,tensor", [pytest.param("dequant", 1, marks=pytest.mark.slow), ("nvfp4", 1), pytest.param("nvfp4", 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("compute,tensor", [pytest.param("dequant", 1, marks=pytest.mark.slow), ("nvfp4", 1),
+                                            pytest.param("nvfp4", 2, marks=pytest.mark.slow)])
 def test_step_and_evaluation_lowered_for_cuda(compute, tensor, monkeypatch):
     if jax.default_backend() == "gpu":
         pytest.skip("lowers for CUDA from a host without a GPU")

@@ -119,7 +119,8 @@ def masters_and_requantized(master):
 
 
 @pytest.mark.xdist_group("optim_reference")  # one pytest-xdist worker computes the module fixtures
-@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(6, marks=pytest.mark.slow), 8])
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(6, marks=pytest.mark.slow),
+                               8])
 def test_bit_identical_to_unsharded_reference(n, reference, one_device):
     ref_params, ref_master, ref_losses = reference
     params, state, losses = run_sharded(n, 4, optax.adamw(3e-2, weight_decay=0.1)) if n > 1 else one_device

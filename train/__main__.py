@@ -149,7 +149,7 @@ def main(argv=None) -> int:
         check_tokens(cfg)
     except ConfigError as e:
         return _fail(2, f"config error: {e}")
-    if args.calibrate and cfg.data.source != "markov" and not (cfg.data.val_path or cfg.data.val_fraction):
+    if args.calibrate and not cfg.data.held_out:
         return _fail(2, f"config error: --calibrate {args.calibrate} calibrates on held-out batches: set "
                         "data.val_path or data.val_fraction (data.source markov draws its own)")
     if cfg.nvfp4.weights == "bf16" and (args.calibrate or args.hf_format_given):

@@ -27,8 +27,8 @@ from train.config_errors import ConfigError, one_line, short, suggest
 __all__ = ["AFFECTS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "Key", "MeshConfig", "ModelConfig",
            "NVFP4Config", "OptimConfig", "ROPE_SCALING_KEYS", "RopeScaling", "SECTIONS", "TrainConfig",
            "apply_overrides", "config_keys", "default_gin", "default_yaml", "from_dict", "load_config", "load_section",
-           "mesh_error", "override_keys", "resolve_mesh_axes", "save_config", "setting", "to_dict", "to_yaml", "trajectory_keys",
-           "validate_for_devices"]
+           "mesh_error", "override_keys", "resolve_mesh_axes", "save_config", "setting", "to_dict", "to_yaml",
+           "trajectory_keys", "validate_for_devices"]
 
 # Strict types (`layers: true` is not 1, `1` is not true); an int widens to a float.
 Int, Str, Bool = Annotated[int, Strict()], Annotated[str, Strict()], Annotated[bool, Strict()]
@@ -217,6 +217,12 @@ class DataConfig:
             key = "data.val_path" if self.val_path else "data.val_fraction"
             raise ConfigError(f"{key}={self.val_path or self.val_fraction!r}: data.source='markov' draws validation "
                               "rows from its own stream and would ignore it; set data.source=file or tokens")
+
+
+    @property
+    def held_out(self) -> bool:
+        """Whether there are held-out rows: data.val_path or data.val_fraction, or the Markov stream's own."""
+        return self.source == "markov" or bool(self.val_path or self.val_fraction)
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -438,7 +444,7 @@ class Config:
         if d.source == "markov" and d.markov_states > m.vocab:
             raise ConfigError(f"data.markov_states={d.markov_states}: exceeds model.vocab={m.vocab} "
                               "(Markov tokens are 0..states-1)")
-        if self.train.eval_every and d.source != "markov" and not d.val_path and not d.val_fraction:
+        if self.train.eval_every and not d.held_out:
             raise ConfigError(f"train.eval_every={self.train.eval_every}: needs a held-out split "
                               "(data.val_path or data.val_fraction)")
         if d.source == "file" and m.vocab < 256:
@@ -852,22 +858,15 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     """The validated config from defaults, then ``path`` (YAML or gin), then ``overrides``; ``init_from`` sets
     ``train.init_from`` (``--init-from``). With ``train.init_from`` set, the model section is first validated alone,
     then ``checkpoint_model(folder, given)``'s ``{model key: value}`` (``given``: the model keys ``overrides`` set,
-    which it may check against the checkpoint) replace its keys before the whole config is validated, so that the
-    rules across sections see the imported model (``train.hf_import.load_config``): ``overrides``' own model keys
-    stay, the fields they set of a mapping (``model.rope_scaling.factor``) over the checkpoint's."""
+    which it checks against the checkpoint) replace its keys before the whole config is validated, so that the rules
+    across sections see the imported model (``train.hf_import.load_config``)."""
     raw = _read(path, overrides)
     if init_from is not None:
         raw = _merge(raw, {"train": {"init_from": init_from}})
     folder = raw.get("train", {}).get("init_from") if isinstance(raw.get("train"), Mapping) else None
     if checkpoint_model is not None and isinstance(folder, str) and folder:
         _validated(raw.get("model"), "model")  # the file's own model keys hold their types and rules
-        given = _overrides_to_dict(overrides).get("model") or {}
-        model = dict(checkpoint_model(folder, given))
-        rope, fields = model.get("rope_scaling"), given.get("rope_scaling")
-        if dataclasses.is_dataclass(rope) and isinstance(fields, Mapping):
-            given = {k: v for k, v in given.items() if k != "rope_scaling"}
-            model["rope_scaling"] = {**dataclasses.asdict(rope), **fields}
-        raw = _merge(raw, {"model": {k: v for k, v in model.items() if k not in given}})
+        raw = _merge(raw, {"model": checkpoint_model(folder, _overrides_to_dict(overrides).get("model") or {})})
     return from_dict(raw)
 
 

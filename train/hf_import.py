@@ -17,7 +17,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 from train import config as config_lib
 from train.config import ROPE_SCALING_KEYS, Config, ConfigError, RopeScaling
 
-__all__ = ["check_tokens", "hf_config", "load", "load_config", "model_values", "notice", "plan", "read_hf_config", "resolve_config"]
+__all__ = ["check_tokens", "hf_config", "load", "load_config", "model_values", "notice", "plan", "read_hf_config",
+           "resolve_config"]
 
 # The weights of jax_nvfp4.export's NVFP4A16_QUANTIZATION_CONFIG (resolving a config imports no JAX).
 _NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group"}
@@ -165,6 +166,23 @@ def model_values(hf: Dict[str, Any], where: str = "DIR") -> Tuple[Dict[str, Any]
     return values, dict(_HF_KEYS, rope_scaling="rope_parameters" if hf.get("rope_parameters") else "rope_scaling")
 
 
+def _agree(where: str, values: Dict[str, Any], names: Dict[str, str], model: Dict[str, Any]) -> None:
+    """Raises ConfigError naming the first of ``model``'s keys (:func:`model_values`' keys) that differs from
+    ``values``, the checkpoint ``where``'s: ``kv_heads`` 0 is the heads' count, a mapping for ``rope_scaling`` the
+    fields it sets."""
+    shown = lambda v: json.dumps(dataclasses.asdict(v)) if isinstance(v, RopeScaling) else repr(v)
+    for key, have in model.items():
+        want = values[key]
+        if key == "rope_scaling" and isinstance(have, dict) and want is not None:  # fields set alone
+            for field, value in have.items():
+                if getattr(want, field, None) != value:
+                    raise ConfigError(f"model.rope_scaling.{field}={value!r}: train.init_from={where} has "
+                                      f"{names[key]}.{field}={getattr(want, field, None)!r} in its config.json")
+        elif (model.get("heads", values["heads"]) if key == "kv_heads" and have == 0 else have) != want:
+            raise ConfigError(f"model.{key}={shown(have)}: train.init_from={where} has {names[key]}={shown(want)} "
+                              "in its config.json")
+
+
 def resolve_config(cfg: Config, given: Optional[set] = None) -> Config:
     """``cfg`` with the model shape of ``cfg.train.init_from``'s config.json: the ``model`` keys in ``given`` (explicit
     ``section.key`` names; None: all) must agree with it, the others are taken from it. Needs no JAX. Raises
@@ -173,38 +191,23 @@ def resolve_config(cfg: Config, given: Optional[set] = None) -> Config:
     if not where:
         return cfg
     values, names = model_values(read_hf_config(where), where)
-    shown = lambda v: json.dumps(dataclasses.asdict(v)) if isinstance(v, RopeScaling) else repr(v)
-    take = {}
-    for key, value in values.items():
-        have = cfg.model.n_kv_heads if key == "kv_heads" else getattr(cfg.model, key)
-        if given is not None and f"model.{key}" not in given:
-            take[key] = value
-        elif have != value:
-            raise ConfigError(f"model.{key}={shown(have)}: train.init_from={where} has {names[key]}={shown(value)} "
-                              "in its config.json")
-        elif key == "kv_heads":
-            take[key] = value  # 0 (= heads) as the count: a resume compares the key as written
+    have = {k: getattr(cfg.model, k) for k in values if given is None or f"model.{k}" in given}
+    _agree(where, values, names, have)
+    take = {k: v for k, v in values.items() if k not in have}
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **take)) if take else cfg
 
 
 def load_config(path: Optional[str], overrides: Sequence[str] = (), init_from: Optional[str] = None) -> Config:
     """:func:`train.config.load_config` of a run that may start from a checkpoint (``train.init_from``, or
-    ``init_from``: ``--init-from``): its config.json's model keys replace the file's before any rule across sections
-    is checked (``nvfp4.keep_last_blocks`` against the checkpoint's layers), and ``overrides``' model keys must agree
-    with it (:func:`resolve_config`). Needs no JAX."""
+    ``init_from``: ``--init-from``): ``overrides``' model keys must agree with its config.json (a contradiction is
+    named before the rules it would break), whose model keys then replace the file's before any rule across sections
+    is checked (``nvfp4.keep_last_blocks`` against the checkpoint's layers). Needs no JAX."""
     def checkpoint_model(folder, given):
         values, names = model_values(read_hf_config(folder), folder)
-        for key, have in given.items():  # a contradiction first, before the rules it would break
-            if key not in values or key == "rope_scaling":  # a scaling's fields: compared once validated
-                continue
-            count = given.get("heads", values["heads"]) if key == "kv_heads" and have == 0 else have
-            if count != values[key]:
-                raise ConfigError(f"model.{key}={have!r}: train.init_from={folder} has {names[key]}={values[key]!r} "
-                                  "in its config.json")
+        _agree(folder, values, names, {k: v for k, v in given.items() if k in values})
         return values
 
-    cfg = config_lib.load_config(path, overrides, init_from=init_from, checkpoint_model=checkpoint_model)
-    return resolve_config(cfg, config_lib.override_keys(overrides)) if cfg.train.init_from else cfg
+    return config_lib.load_config(path, overrides, init_from=init_from, checkpoint_model=checkpoint_model)
 
 
 def check_tokens(cfg: Config) -> None:

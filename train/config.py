@@ -10,7 +10,6 @@ own. Every failure is a one-line :class:`ConfigError` naming the key. No jax her
 import dataclasses
 import functools
 import itertools
-import math
 import os
 import re
 import sys
@@ -30,19 +29,10 @@ __all__ = ["AFFECTS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
            "mesh_error", "override_keys", "resolve_mesh_axes", "save_config", "setting", "to_dict", "to_yaml",
            "trajectory_keys", "validate_for_devices"]
 
-# Strict types (`layers: true` is not 1, `1` is not true); an int widens to a float.
+# Strict types (`layers: true` is not 1, `1` is not true); an int widens to a float (one past float's range is refused,
+# as train.config_errors.one_line says: must be finite).
 Int, Str, Bool = Annotated[int, Strict()], Annotated[str, Strict()], Annotated[bool, Strict()]
-def _widen(v):
-    """An int as a float (one past float's range: not finite, which the field refuses); other values as they are."""
-    if type(v) is not int:
-        return v
-    try:
-        return float(v)
-    except OverflowError:
-        return math.inf if v > 0 else -math.inf
-
-
-Float = Annotated[float, pydantic.BeforeValidator(_widen), Strict(), pydantic.AllowInfNan(False)]
+Float = Annotated[float, Strict(), pydantic.AllowInfNan(False)]
 # Counts and sizes: past 2^31 - 1 no array dimension or step count is meaningful (JAX's are C longs).
 Pos, NonNeg = Annotated[Int, Field(gt=0, lt=2**31)], Annotated[Int, Field(ge=0, lt=2**31)]
 PosFloat, NonNegFloat = Annotated[Float, Field(gt=0)], Annotated[Float, Field(ge=0)]

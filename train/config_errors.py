@@ -80,8 +80,9 @@ def one_line(err: pydantic.ValidationError, sections: Mapping[str, type], sectio
         return ConfigError(f"{key}={value!r}: must be finite")
     if kind == "literal_error" and isinstance(value, str):
         return ConfigError(f"{key}={value!r}: must be one of {', '.join(map(repr, typing.get_args(base)))}")
-    if kind in _BOUNDS:
-        return ConfigError(f"{key}={value!r}: must be {_BOUNDS[kind]} {next(iter(ctx.values()))}")
+    if kind in _BOUNDS:  # a float key's bound as written (1, not 1.0)
+        bound = str(next(iter(ctx.values()))).removesuffix(".0")
+        return ConfigError(f"{key}={value!r}: must be {_BOUNDS[kind]} {bound}")
     if kind.endswith("_type") or kind == "literal_error":
         return ConfigError(f"{key}: expected {_type_name(hint)}, got {type(value).__name__} {short(value)}")
     return ConfigError(f"{key}={short(value)}: {e['msg']}")

@@ -29,8 +29,7 @@ __all__ = ["AFFECTS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
            "mesh_error", "override_keys", "resolve_mesh_axes", "save_config", "setting", "to_dict", "to_yaml",
            "trajectory_keys", "validate_for_devices"]
 
-# Strict types (`layers: true` is not 1, `1` is not true); an int widens to a float (one past float's range is refused,
-# as train.config_errors.one_line says: must be finite).
+# Strict types (`layers: true` is not 1, `1` is not true); an int widens to a float (past float's range: not finite).
 Int, Str, Bool = Annotated[int, Strict()], Annotated[str, Strict()], Annotated[bool, Strict()]
 Float = Annotated[float, Strict(), pydantic.AllowInfNan(False)]
 # Counts and sizes: past 2^31 - 1 no array dimension or step count is meaningful (JAX's are C longs).
@@ -76,10 +75,8 @@ def _section(cls):
     def __init__(self, *args, **kwargs):
         try:
             init(self, *args, **kwargs)
-        except pydantic.ValidationError as e:
-            # A mapping inside a section (model.rope_scaling) names its keys section.key.field.
-            nested = cls.section and cls.section not in SECTIONS
-            raise one_line(e, {cls.section: cls} if nested else SECTIONS, cls.section) from None
+        except pydantic.ValidationError as e:  # a section's (or model.rope_scaling's) keys are named section.key
+            raise one_line(e, {cls.section: cls} if cls.section else SECTIONS, cls.section) from None
     cls.__init__ = __init__
     return cls
 
@@ -208,7 +205,6 @@ class DataConfig:
             raise ConfigError(f"{key}={self.val_path or self.val_fraction!r}: data.source='markov' draws validation "
                               "rows from its own stream and would ignore it; set data.source=file or tokens")
 
-
     @property
     def held_out(self) -> bool:
         """Whether there are held-out rows: data.val_path or data.val_fraction, or the Markov stream's own."""
@@ -217,9 +213,8 @@ class DataConfig:
 
 def _same_file(a: str, b: str) -> bool:
     """``a`` and ``b`` name one file (through a link too)."""
-    if os.path.realpath(a) == os.path.realpath(b):
-        return True
-    return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+    same_path = os.path.realpath(a) == os.path.realpath(b)
+    return same_path or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
 
 
 # Simulated CPU devices that still run a step (256 run a tiny one in ~50 s on 2 cores; 1024 abort in XLA:CPU's
@@ -390,13 +385,12 @@ class CheckpointConfig:
         "with the new values (train.checkpoint.check_resume).")] = ()
 
     def __post_init__(self):
+        affects = {k.key: k.affects for k in config_keys()}
         for key in self.allow_change:
-            section, _, name = key.partition(".")
-            if section not in SECTIONS or name not in {f.name for f in dataclasses.fields(SECTIONS[section])}:
+            if key not in affects:
                 raise ConfigError(f"checkpoint.allow_change: {key!r} is not a config key (section.key)")
-            affects = next(k.affects for k in config_keys() if k.key == key)
-            if affects != "trajectory":  # a resume never compares it: allowing it would say nothing
-                raise ConfigError(f"checkpoint.allow_change: {key!r} is not compared on resume (a {affects} key: "
+            if affects[key] != "trajectory":  # a resume never compares it: allowing it would say nothing
+                raise ConfigError(f"checkpoint.allow_change: {key!r} is not compared on resume (a {affects[key]} key: "
                                   "it may change anyway); leave it out")
         for f in dataclasses.fields(self):  # without a directory, a setting of checkpoints would be ignored
             if not self.dir and f.name != "dir" and (value := getattr(self, f.name)) != f.default:
@@ -472,26 +466,21 @@ class Key:
         return f"{self.description} Its keys, with their defaults: {keys}."
 
 
-def _keys_of(cls: type, section: str) -> list[Key]:
-    out = []
-    for f in dataclasses.fields(cls):
-        info = cls.__pydantic_fields__[f.name]
-        mapping = next((a for a in (info.annotation, *typing.get_args(info.annotation))
-                        if isinstance(a, type) and dataclasses.is_dataclass(a)), None)
-        out.append(Key(section, f.name, info.get_default(call_default_factory=True), info.description,
-                       info.json_schema_extra["affects"], info.json_schema_extra["program_key"], mapping))
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _config_keys(config_cls: type) -> tuple[Key, ...]:
-    return tuple(k for f in dataclasses.fields(config_cls) for k in _keys_of(f.type, f.name))
+@functools.cache
+def _keys_of(cls: type, section: str) -> tuple[Key, ...]:
+    keys = []
+    for name, info in cls.__pydantic_fields__.items():
+        args = (info.annotation, *typing.get_args(info.annotation))
+        mapping = next((a for a in args if dataclasses.is_dataclass(a)), None)
+        keys.append(Key(section, name, info.get_default(call_default_factory=True), info.description, mapping=mapping,
+                        **info.json_schema_extra))
+    return tuple(keys)
 
 
 def config_keys(config_cls: Optional[type] = None) -> tuple[Key, ...]:
     """Every key of ``config_cls`` (default :class:`Config`), in the order configs are printed: the one list the
     default files, ``--help``, the resume check and the program key derive from."""
-    return _config_keys(Config if config_cls is None else config_cls)
+    return tuple(k for f in dataclasses.fields(config_cls or Config) for k in _keys_of(f.type, f.name))
 
 
 def trajectory_keys(config_cls: Optional[type] = None) -> tuple[str, ...]:

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import pathlib
 import re
 import sys
 import textwrap
@@ -553,12 +554,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     stale = False
     for name, text in (("default.yaml", default_yaml()), ("default.gin", default_gin())):
         path = os.path.join(CONFIGS_DIR, name)
-        with open(path) as f:
-            if f.read() == text:
-                continue
+        if pathlib.Path(path).read_text() == text:
+            continue
         if args.write_defaults:
-            with open(path, "w") as f:
-                f.write(text)
+            pathlib.Path(path).write_text(text)
             print(f"wrote {path}")
         else:
             stale = True
@@ -635,8 +634,7 @@ def _merge(base: Mapping[str, Any], top: Mapping[str, Any], depth: int = 3) -> d
 
 def _read_text(path: str) -> str:
     try:
-        with open(path) as f:
-            return f.read()
+        return pathlib.Path(path).read_text()
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -649,7 +647,6 @@ def _read_yaml(path: str, chain: tuple[str, ...] = ()) -> dict[str, Any]:
     raw = _yaml_load(_read_text(path), path)
     if not isinstance(raw := {} if raw is None else raw, Mapping):
         raise ConfigError(f"{path}: expected a mapping of sections, got {type(raw).__name__}")
-    raw = dict(raw)
     if (base := raw.pop("base", None)) is None:
         return raw
     if not isinstance(base, str) or not base:
@@ -779,26 +776,21 @@ def override_keys(overrides: Sequence[str]) -> set[str]:
     return {f"{section}.{key}" for section, values in _overrides_to_dict(overrides).items() for key in values}
 
 
-def _read(path: str | os.PathLike | None, overrides: Sequence[str], base: Mapping[str, Any] | None = None) -> dict:
-    """``base`` (default: nothing), then the YAML or gin file ``path``, then ``overrides``, merged section-wise."""
-    raw: dict[str, Any] = dict(base or {})
+def _read(path: str | os.PathLike | None, overrides: Sequence[str]) -> dict:
+    """The YAML or gin file ``path`` (if any), then ``overrides``, merged section-wise."""
+    raw = {}
     if path is not None:
         path = os.fspath(path)
         ext = os.path.splitext(path)[1].lower()
         if ext not in (".yaml", ".yml", ".gin"):
             raise ConfigError(f"config file {path}: unknown extension {ext!r}; use .yaml, .yml or .gin")
-        raw = _merge(raw, _read_gin(path) if ext == ".gin" else _read_yaml(path))
+        raw = _read_gin(path) if ext == ".gin" else _read_yaml(path)
     return _merge(raw, _overrides_to_dict(overrides))
 
 
 def from_dict(raw: Mapping[str, Any] | None) -> Config:
     """A validated :class:`Config` from ``{section: {key: value}}``; missing keys take defaults."""
-    if not isinstance(raw := {} if raw is None else raw, Mapping):
-        raise ConfigError(f"config: expected a mapping of sections, got {type(raw).__name__}")
-    try:
-        return Config.__pydantic_validator__.validate_python({k: {} if v is None else v for k, v in raw.items()})
-    except pydantic.ValidationError as e:
-        raise one_line(e, SECTIONS) from None
+    return _validated(raw)
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
@@ -813,8 +805,7 @@ def to_yaml(cfg: Config) -> str:
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
     os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        f.write(to_yaml(cfg))
+    pathlib.Path(path).write_text(to_yaml(cfg))
 
 
 def load_section(path: str | os.PathLike | None, overrides: Sequence[str], section: str) -> Any:
@@ -823,11 +814,15 @@ def load_section(path: str | os.PathLike | None, overrides: Sequence[str], secti
     return _validated(_read(path, overrides).get(section), section)
 
 
-def _validated(raw: Any, section: str) -> Any:
+def _validated(raw: Any, section: str = "") -> Any:
+    """``raw`` (``None``: empty) validated as the whole config, or as ``section`` alone."""
     if not isinstance(raw := {} if raw is None else raw, Mapping):
-        raise ConfigError(f"{section}: expected a mapping of keys, got {type(raw).__name__}")
+        what = f"{section}: expected a mapping of keys" if section else "config: expected a mapping of sections"
+        raise ConfigError(f"{what}, got {type(raw).__name__}")
+    if not section:  # an empty section (``model:``) takes the defaults
+        raw = {k: {} if v is None else v for k, v in raw.items()}
     try:
-        return SECTIONS[section].__pydantic_validator__.validate_python(dict(raw))
+        return (SECTIONS[section] if section else Config).__pydantic_validator__.validate_python(dict(raw))
     except pydantic.ValidationError as e:
         raise one_line(e, SECTIONS, section) from None
 
@@ -851,7 +846,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
 
 def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
     """``cfg`` with ``section.key=value`` overrides applied, validated as a whole."""
-    return from_dict(_read(None, overrides, base=to_dict(cfg)))
+    return from_dict(_merge(to_dict(cfg), _overrides_to_dict(overrides)))
 
 
 def mesh_error(e: Exception) -> ConfigError:

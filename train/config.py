@@ -672,7 +672,7 @@ def _gin_text(path: str, chain: tuple = ()) -> tuple[str, dict]:
         statements = list(config_parser.ConfigParser(text, config.ParserDelegate(skip_unknown=True)))
     except Exception as e:  # noqa: BLE001 - gin's syntax errors (SyntaxError, ValueError...)
         raise ConfigError(f"{path}: {_gin_error(e)}") from None
-    lines, bound, included = text.splitlines(keepends=True), {}, set()
+    lines, bound = text.splitlines(keepends=True), {}
     for st in statements:
         line = st.location.line_num
         where = f"{path}: line {line}"
@@ -690,7 +690,6 @@ def _gin_text(path: str, chain: tuple = ()) -> tuple[str, dict]:
                                       f"({there[0]}, line {there[1]}) after {bound[key][0]}, line {bound[key][1]}: the "
                                       "include would win; bind it once, after the includes")
             bound.update(inc_bound)
-            included |= set(inc_bound)
             lines[line - 1] = inc_text.rstrip("\n") + "\n"
         elif isinstance(st, config_parser.BindingStatement):
             name = f"{st.selector}.{st.arg_name}" if st.arg_name else st.selector
@@ -702,11 +701,10 @@ def _gin_text(path: str, chain: tuple = ()) -> tuple[str, dict]:
                 raise ConfigError(f"{where}: {name} is bound to a configurable (@...), which no section takes; give "
                                   "a value")
             key = (st.selector.rsplit(".", 1)[-1], st.arg_name)  # "train.config.ModelConfig" is "ModelConfig"
-            if key in bound and key not in included:
+            if key in bound and bound[key][0] == path:  # not from an include: this file binds it twice
                 raise ConfigError(f"{path}: {name} is bound twice, on line {bound[key][1]} and line {line}; keep one "
                                   "(gin would silently use the last)")
             bound[key] = (path, line)
-            included.discard(key)
     return "".join(lines), bound
 
 
@@ -715,19 +713,13 @@ def _read_gin(path: str) -> dict[str, Any]:
     like its class (``ModelConfig``, module ``train.config``), returning its ``**kwargs``, so unknown keys get the
     checks of YAML's."""
     import gin
-    for name in _GIN_SECTIONS:
-        if name not in _GIN_COLLECTORS:
-            def collect(**kwargs):
-                return kwargs
-            collect.__name__ = name
-            _GIN_COLLECTORS[name] = gin.external_configurable(collect, name=name, module="train.config")
+    for name in _GIN_SECTIONS.keys() - _GIN_COLLECTORS.keys():
+        _GIN_COLLECTORS[name] = gin.external_configurable(lambda **kwargs: kwargs, name=name, module="train.config")
     text = _gin_text(path)[0]
     gin.clear_config()  # bindings are global gin state: start clean and leave clean so loads do not leak
     try:
         gin.parse_config(text)
         return {section: dict(_GIN_COLLECTORS[name]()) for name, section in _GIN_SECTIONS.items()}
-    except ConfigError:
-        raise
     except Exception as e:  # gin raises ValueError / SyntaxError with multi-line messages
         raise ConfigError(f"{path}: {_gin_error(e)}") from None
     finally:

@@ -115,7 +115,7 @@ def _rope_scaling(value):
     if not isinstance(value, Mapping):
         raise ConfigError(f"model.rope_scaling: expected a mapping (rope_type: llama3, factor, low_freq_factor, "
                           f"high_freq_factor, original_max_position_embeddings) or null, got {short(value)}")
-    return RopeScaling(**value)
+    return _validated(value, RopeScaling)
 
 
 @_section
@@ -782,7 +782,7 @@ def _read(path: str | os.PathLike | None, overrides: Sequence[str]) -> dict:
 
 def from_dict(raw: Mapping[str, Any] | None) -> Config:
     """A validated :class:`Config` from ``{section: {key: value}}``; missing keys take defaults."""
-    return _validated(raw)
+    return _validated(raw, Config)
 
 
 def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
@@ -803,20 +803,20 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
 def load_section(path: str | os.PathLike | None, overrides: Sequence[str], section: str) -> Any:
     """``section`` of the config from defaults, ``path`` and ``overrides``, validated alone: what a tool that reads
     one section needs (no other section's rules, no checkpoint read)."""
-    return _validated(_read(path, overrides).get(section), section)
+    return _validated(_read(path, overrides).get(section), SECTIONS[section])
 
 
-def _validated(raw: Any, section: str = "") -> Any:
-    """``raw`` (``None``: empty) validated as the whole config, or as ``section`` alone."""
+def _validated(raw: Any, cls: type) -> Any:
+    """``raw`` (``None``: empty) validated as ``cls``: :class:`Config`, a section, or a mapping key's class."""
     if not isinstance(raw := {} if raw is None else raw, Mapping):
-        what = f"{section}: expected a mapping of keys" if section else "config: expected a mapping of sections"
+        what = f"{cls.section}: expected a mapping of keys" if cls.section else "config: expected a mapping of sections"
         raise ConfigError(f"{what}, got {type(raw).__name__}")
-    if not section:  # an empty section (``model:``) takes the defaults
+    if not cls.section:  # an empty section (``model:``) takes the defaults
         raw = {k: {} if v is None else v for k, v in raw.items()}
     try:
-        return (SECTIONS[section] if section else Config).__pydantic_validator__.validate_python(dict(raw))
+        return cls.__pydantic_validator__.validate_python(dict(raw))
     except pydantic.ValidationError as e:
-        raise one_line(e, SECTIONS, section) from None
+        raise one_line(e, {cls.section: cls} if cls.section else SECTIONS, cls.section) from None
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (), *,
@@ -831,7 +831,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         raw = _merge(raw, {"train": {"init_from": init_from}})
     folder = raw.get("train", {}).get("init_from") if isinstance(raw.get("train"), Mapping) else None
     if checkpoint_model is not None and isinstance(folder, str) and folder:
-        _validated(raw.get("model"), "model")  # the file's own model keys hold their types and rules
+        _validated(raw.get("model"), SECTIONS["model"])  # the file's own model keys hold their types and rules
         raw = _merge(raw, {"model": checkpoint_model(folder, _overrides_to_dict(overrides).get("model") or {})})
     return from_dict(raw)
 

@@ -21,6 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional, Sequenc
 import pydantic
 import yaml
 from pydantic import Field, Strict
+from pydantic_core import to_jsonable_python
 
 from train.config_errors import ConfigError, one_line, short, suggest
 
@@ -492,9 +493,7 @@ def trajectory_keys(config_cls: Optional[type] = None) -> tuple[str, ...]:
 
 def _flow(value: Any) -> str:
     """``value`` as one line of YAML: ``256``, ``null``, ``[embed, head, norm]``, ``{a: 1}``."""
-    if isinstance(value, tuple) or dataclasses.is_dataclass(value):
-        value = pydantic.TypeAdapter(type(value)).dump_python(value, mode="json")
-    text = yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=sys.maxsize)
+    text = yaml.safe_dump(to_jsonable_python(value), default_flow_style=True, sort_keys=False, width=sys.maxsize)
     return text.removesuffix("\n...\n").strip()
 
 
@@ -528,13 +527,12 @@ def default_yaml(width: int = 100) -> str:
 
 def default_gin() -> str:
     """``configs/default.gin``: every key of :class:`Config` bound to its default."""
-    values, classes = to_dict(Config()), {f.name: f.type.__name__ for f in dataclasses.fields(Config)}
     lines = ["# The default experiment as gin bindings: every key, bound to its default. Each section is a",
              "# configurable named like its class in train/config.py; unbound keys keep their defaults.",
              "# Load with: python -m train --config train/configs/default.gin. What each key means:",
              f"# default.yaml, or python -m train --help. Written by {_GENERATED}."]
-    for section, keys in itertools.groupby(config_keys(), key=lambda k: k.section):
-        lines += [""] + [f"{classes[section]}.{k.name} = {values[section][k.name]!r}" for k in keys]
+    for section, values in to_dict(Config()).items():
+        lines += [""] + [f"{SECTIONS[section].__name__}.{name} = {value!r}" for name, value in values.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -553,11 +551,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     stale = False
     for name, text in (("default.yaml", default_yaml()), ("default.gin", default_gin())):
-        path = os.path.join(CONFIGS_DIR, name)
-        if pathlib.Path(path).read_text() == text:
+        path = pathlib.Path(CONFIGS_DIR, name)
+        if path.read_text() == text:
             continue
         if args.write_defaults:
-            pathlib.Path(path).write_text(text)
+            path.write_text(text)
             print(f"wrote {path}")
         else:
             stale = True

@@ -585,7 +585,7 @@ class _Loader(yaml.SafeLoader):
 
     def construct_yaml_int(self, node):
         text = self.construct_scalar(node)
-        sign, digits = (-1 if text[0] == "-" else 1), text.lstrip("+-")
+        sign, digits = (-1 if text[:1] == "-" else 1), text.lstrip("+-")
         base = {"0o": 8, "0x": 16}.get(digits[:2], 10)
         return sign * int(digits[2:] if base != 10 else digits, base)
 
@@ -607,14 +607,12 @@ _Loader.add_constructor(_YAML + "int", _Loader.construct_yaml_int)
 
 
 def _yaml_load(text: str, where: str) -> Any:
-    loader = _Loader(text)
-    loader.name = where
     try:
+        loader = _Loader(text)  # its reader refuses control characters (a NUL byte) at once
+        loader.name = where
         return loader.get_single_data()
     except (yaml.YAMLError, ValueError) as e:  # ValueError: an explicit tag's constructor (!!int 0b11)
         raise ConfigError(f"{where}: invalid YAML: {' '.join(str(e).split())}") from None
-    finally:
-        loader.dispose()
 
 
 def _merge(base: Mapping[str, Any], top: Mapping[str, Any], depth: int = 3) -> dict[str, Any]:

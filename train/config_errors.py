@@ -63,13 +63,13 @@ def one_line(err: pydantic.ValidationError, sections: Mapping[str, type], sectio
     if not rest:
         return ConfigError(f"{section}: expected a mapping of keys, got {type(value).__name__} {short(value)}")
     name, *index = rest
-    hints = typing.get_type_hints(sections[section], include_extras=True)
-    if name not in hints or kind in _UNKNOWN:
-        options = [f"{section}.{k}" for k in hints if k != "section"]
+    fields = sections[section].__pydantic_fields__
+    if name not in fields or kind in _UNKNOWN:
+        options = [f"{section}.{k}" for k in fields]
         return ConfigError(f"unknown key {section}.{name}{suggest(f'{section}.{name}', options)}")
-    key, hint = f"{section}.{name}" + "".join(f"[{i}]" for i in index), hints[name]
+    key, hint = f"{section}.{name}" + "".join(f"[{i}]" for i in index), fields[name].annotation
     if index:
-        hint = typing.get_args(typing.get_args(hint)[0])[0]  # Tuple[Str, ...] -> Str
+        hint = typing.get_args(hint)[0]  # Tuple[Str, ...] -> Str
     base = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
     if base is float and type(value) is int:
         try:

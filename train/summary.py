@@ -30,16 +30,14 @@ def _finite_or_none(x):
 def plot_losses(runs, path: str, floor: Optional[float]):
     """``loss.png``: each run's training (and validation) loss against the step on a log axis with
     plain tick labels; with two runs a second panel shows their difference per step (first - second).
-    Returns the (closed) figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Returns the figure."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure list
     from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
     two = len(runs) == 2
-    fig, axes = plt.subplots(2 if two else 1, 1, figsize=(7, 6.5 if two else 4), sharex=True, squeeze=False,
-                             gridspec_kw={"height_ratios": [2, 1]} if two else None)
+    fig = Figure(figsize=(7, 6.5 if two else 4))
+    axes = fig.subplots(2 if two else 1, 1, sharex=True, squeeze=False,
+                        gridspec_kw={"height_ratios": [2, 1]} if two else None)
     ax = axes[0, 0]
     for i, r in enumerate(runs):
         st = dict(color=("tab:blue", "tab:orange", "tab:purple", "tab:red")[i % 4], lw=1.4,
@@ -77,7 +75,6 @@ def plot_losses(runs, path: str, floor: Optional[float]):
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return fig
 
 

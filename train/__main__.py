@@ -29,12 +29,22 @@ import argparse
 import atexit
 import contextlib
 import dataclasses
+import itertools
 import json
+import logging
 import math
 import os
+import socket
 import sys
 import tempfile
+import textwrap
 import threading
+
+from train import hf_import
+from train.config import AFFECTS, ConfigError, config_keys, save_config, to_dict, validate_for_devices
+from train.lock import FolderLock, LockError
+from train.peers import coordination_client, differences, preemption_sync_available, watch_peers
+from train.preemption import Preemption, Stopped, exit_code
 
 
 class _Once(argparse.Action):
@@ -103,10 +113,6 @@ def parse_args(argv=None):
 
 def config_keys_help(width: int = 100) -> str:
     """Every config key with its default, meaning and what a change of it affects, by section (for --help)."""
-    import textwrap
-
-    from train.config import AFFECTS, config_keys
-
     def shown(v):
         if isinstance(v, (list, tuple)):
             return "[" + ",".join(map(str, v)) + "]"
@@ -114,19 +120,18 @@ def config_keys_help(width: int = 100) -> str:
     legend = "; ".join(f"{name} = {what}" for name, what in AFFECTS.items())
     lines = textwrap.wrap(f"config keys: KEY=DEFAULT, what it means and [what a change of it affects: {legend}]. "
                           "train/configs/default.yaml lists the same.", width)
-    column, section = 32, None
-    for k in config_keys():
-        if k.section != section:
-            section = k.section
-            lines += ["", f"  {section}"]
-        head = f"    {k.key}={shown(k.default)}"
-        text = textwrap.wrap(f"{k.explained()} [{k.affects}]", width, initial_indent=" " * column,
-                             subsequent_indent=" " * column, break_on_hyphens=False)
-        if len(head) < column - 1:
-            text[0] = head.ljust(column) + text[0][column:]
-        else:
-            lines.append(head)
-        lines += text
+    column = 32
+    for section, keys in itertools.groupby(config_keys(), key=lambda k: k.section):
+        lines += ["", f"  {section}"]
+        for k in keys:
+            head = f"    {k.key}={shown(k.default)}"
+            text = textwrap.wrap(f"{k.explained()} [{k.affects}]", width, initial_indent=" " * column,
+                                 subsequent_indent=" " * column, break_on_hyphens=False)
+            if len(head) < column - 1:
+                text[0] = head.ljust(column) + text[0][column:]
+            else:
+                lines.append(head)
+            lines += text
     return "\n".join(lines)
 
 
@@ -137,16 +142,11 @@ def _fail(code: int, line: str) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import logging
-
     # orbax reports a failed save with pages of tracebacks from its threads; the CLI says it in one line.
     logging.getLogger("absl").setLevel(logging.CRITICAL)
-    from train.config import ConfigError
-    from train.hf_import import check_tokens, load_config
-
     try:  # config first: it needs no JAX, so a bad config fails before anything is written
-        cfg = load_config(args.config, args.overrides, args.init_from)
-        check_tokens(cfg)
+        cfg = hf_import.load_config(args.config, args.overrides, args.init_from)
+        hf_import.check_tokens(cfg)
     except ConfigError as e:
         return _fail(2, f"config error: {e}")
     if args.calibrate and not cfg.data.held_out:
@@ -185,13 +185,10 @@ def distributed_args(env) -> tuple:
         text = env.get(name, default)
         if text is None:
             raise ValueError(f"{name} is not set (JAX_NUM_PROCESSES and JAX_PROCESS_ID go together)")
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low:
-            raise ValueError(f"{name}={text!r}: expected a whole number >= {low}")
-        return value
+        with contextlib.suppress(ValueError):
+            if int(text) >= low:
+                return int(text)
+        raise ValueError(f"{name}={text!r}: expected a whole number >= {low}")
     slurm = not env.get("JAX_COORDINATOR_ADDRESS") and env.get("SLURM_JOB_ID") and number("SLURM_NTASKS", "1") > 1
     if not env.get("JAX_COORDINATOR_ADDRESS") and not slurm:
         return None, 30  # one process: no peers to watch, the variables unread
@@ -212,8 +209,6 @@ def distributed_args(env) -> tuple:
 def _port_free(address: str) -> None:
     """ValueError if another socket listens on ``address``'s port here, where process 0 serves the coordination
     service (a free port in TIME_WAIT is not refused: the service reuses it)."""
-    import socket
-
     port = address.rpartition(":")[2]
     with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -229,12 +224,11 @@ def _port_free(address: str) -> None:
 def _run(args, cfg, out_dir, fault) -> int:
     """:func:`main` once its config and output locations are known good."""
     from jax_nvfp4 import xla_flags
-    from train.config import ConfigError, save_config, validate_for_devices
 
     gpu_flags = xla_flags.configure(cfg.train.gpu_xla_flags)  # before JAX starts: XLA reads its flags once
     import jax
 
-    from jax_nvfp4 import mesh as nv_mesh
+    import jax_nvfp4 as nv
     from train import mesh as mesh_lib
 
     mesh_lib.configure_host_devices(cfg.mesh)  # simulated CPU devices: before the backend starts too
@@ -248,17 +242,13 @@ def _run(args, cfg, out_dir, fault) -> int:
             jax.distributed.initialize(**launch)
     except ValueError as e:  # a malformed launch environment (jax.distributed's own checks included)
         return _fail(2, f"error: cannot start the multi-process run: {e}")
-    from train.peers import preemption_sync_available, watch_peers
-
     # A dead or frozen peer ends this process in one line (exit 4) before the runtime's heartbeat
     # check aborts it with a C++ stack dump.
     peers = watch_peers(float(heartbeat))
     if peers is not None:  # registered after jax.distributed's shutdown hook, so it runs before it
         atexit.register(peers.done)
-    if jax.process_count() > 1:  # one command everywhere: else a mixed run trains silently, or hangs at a save
-        from train.config import to_dict
-        from train.peers import differences
-
+    is_main, multi = jax.process_index() == 0, jax.process_count() > 1
+    if multi:  # one command everywhere: else a mixed run trains silently, or hangs at a save
         run = {"--out": out_dir, "--compare": args.compare, "--export": args.export, "--export-hf": args.export_hf,
                "--hf-format": args.hf_format, "--calibrate": args.calibrate}
         run.update({f"{s}.{k}": v for s, keys in to_dict(cfg).items() for k, v in keys.items()})
@@ -274,7 +264,7 @@ def _run(args, cfg, out_dir, fault) -> int:
             source = data_lib.make_source(cfg.data, cfg.model, split=split)
             read = cfg.data.batch_size * (cfg.train.eval_batches if split == "val" else 1)  # rows a step/evaluation
             if isinstance(source, data_lib.TokenFileSource) and (split == "train" or cfg.train.eval_every) and \
-                    (n := source.num_windows(cfg.model.seq_len + 1)) < read and jax.process_index() == 0:
+                    (n := source.num_windows(cfg.model.seq_len + 1)) < read and is_main:
                 print(f"notice: the {split} tokens hold {n} window(s) of model.seq_len + 1 tokens; "
                       f"{'a step' if split == 'train' else 'an evaluation'} reads {read} rows, so they repeat",
                       file=sys.stderr, flush=True)
@@ -284,25 +274,21 @@ def _run(args, cfg, out_dir, fault) -> int:
         return _fail(2, f"config error: {e}")
     from train import loop, summary as summary_lib
     from train.checkpoint import CheckpointError, CheckpointWriteError
-    from train.lock import LockError
-    from train.preemption import Preemption, Stopped, exit_code
 
-    is_main, multi = jax.process_index() == 0, jax.process_count() > 1
     try:
         locks = lock_folders(out_dir, checkpoint_dirs(cfg, args.compare), is_main, multi)
     except LockError as e:
         return _fail(2, f"error: {e}")
 
     def start():  # once the state is built or restored: a refused checkpoint writes nothing
-        if is_main:
-            os.makedirs(out_dir, exist_ok=True)
+        if is_main:  # save_config makes the folder
             save_config(cfg, os.path.join(out_dir, "config.yaml"))
 
     hooks = fault.hooks() if fault is not None else None
     preemption, progress = None, not args.no_progress
     try:
         if is_main:
-            print(nv_mesh.describe(mesh, cfg.mesh.nvl_domain))
+            print(nv.mesh.describe(mesh, cfg.mesh.nvl_domain))
             if gpu_flags:
                 print(f"XLA flags for overlap on GPU (jax_nvfp4/xla_flags.py; XLA_FLAGS overrides): "
                       f"{', '.join(gpu_flags)}")
@@ -320,7 +306,6 @@ def _run(args, cfg, out_dir, fault) -> int:
             runs.append(loop.run(base, mesh, os.path.join(out_dir, "bf16"), progress=progress, label="bf16 weights",
                                  preemption=preemption))
         if args.export:
-            import jax_nvfp4 as nv
             nv.export.export_nvfp4(runs[0]["params"], args.export, overwrite=True)  # replaces only an export
         if args.export_hf:
             export_hf(cfg, runs[0]["params"], args.export_hf, layout=args.hf_format, calibrate=args.calibrate or 0,
@@ -334,7 +319,6 @@ def _run(args, cfg, out_dir, fault) -> int:
         summary = summary_lib.summarize(runs, out_dir)
     except Stopped as e:
         if multi:  # every process has saved: leave together (a launcher may stop the others once one exits)
-            from train.peers import coordination_client
             with contextlib.suppress(Exception):  # a peer gone meanwhile: its checkpoint is written
                 coordination_client().wait_at_barrier(f"train_stopped_{e.step}", 300_000)
         if is_main:
@@ -377,8 +361,6 @@ def lock_folders(out_dir: str, ckpt_dirs, is_main: bool, multi: bool) -> list:
     """Lock ``--out`` and the checkpoint folders (:mod:`train.lock`) in process 0, the others learning
     the outcome from the coordination service; returns the locks held here. LockError: a folder is
     another run's, or cannot be created or written."""
-    from train.lock import FolderLock, LockError
-
     locks, why, seen = [], "", set()
     if is_main:
         try:
@@ -391,7 +373,6 @@ def lock_folders(out_dir: str, ckpt_dirs, is_main: bool, multi: bool) -> list:
                 lock.release()
             locks, why = [], str(e)
     if multi:
-        from train.peers import coordination_client
         client = coordination_client()
         if is_main:
             client.key_value_set("train_lock/outcome", why or "ok")
@@ -409,8 +390,6 @@ def hf_check(cfg, mesh) -> None:
     import jax
 
     import jax_nvfp4 as nv
-    from jax_nvfp4 import export as export_lib
-    from train.config import ConfigError
     from train.model import HF_NAMES
     from train.programs import build
 
@@ -418,8 +397,8 @@ def hf_check(cfg, mesh) -> None:
     hf_metadata(cfg)  # the config.json and tokenizer files, resolved now rather than after training
     for fmt in ("bf16", "nvfp4"):
         try:
-            export_lib.check_hf(params, HF_NAMES, fmt=fmt)
-        except export_lib.ExportError as e:
+            nv.export.check_hf(params, HF_NAMES, fmt=fmt)
+        except nv.export.ExportError as e:
             raise ConfigError(f"--export-hf ({fmt}): {e}; set model sizes it can hold, or drop --export-hf") from None
     if cfg.nvfp4.weights == "nvfp4" and not cfg.nvfp4.fused_amax and jax.process_index() == 0:
         print("notice: nvfp4.fused_amax=false: the --export-hf NVFP4 checkpoint gives q/k/v and gate/up a global "
@@ -432,16 +411,15 @@ def hf_metadata(cfg) -> tuple:
     """``(config.json, tokenizer files)`` of ``cfg``'s Hugging Face export. The tokenizer is the
     imported checkpoint's where it has one, else the token file's, and the BOS/EOS ids are that
     tokenizer's: the ones the model was trained with."""
-    from train import data as data_lib, hf_import
+    from train import data as data_lib
 
-    tokenizer = eos = bos = None
+    tokenizer = eos = bos = generation = None
     max_positions = cfg.model.seq_len
     if cfg.data.source == "tokens":
         meta = data_lib.read_token_header(cfg.data.path)
         path = os.path.join(os.path.dirname(os.path.abspath(cfg.data.path)), meta.get("tokenizer") or "")
         if os.path.isfile(path):
             tokenizer, eos, bos = path, meta.get("eos_id"), meta.get("bos_id")
-    generation = None
     if cfg.train.init_from:
         source = hf_import.read_hf_config(cfg.train.init_from)
         max_positions = max(max_positions, int(source.get("max_position_embeddings") or 0))

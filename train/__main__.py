@@ -493,24 +493,22 @@ def output_refusal(args, cfg, out_dir: str) -> str:
     """Why the outputs of this command cannot all be written (empty if they can), checked before anything runs:
     exports overlap no run, checkpoint or other export and replace only a previous export; --out is new or resumed."""
     from jax_nvfp4.export import is_export
-    from train.lock import LOCK_NAME
 
     real = os.path.realpath
     out = real(out_dir)
     if os.path.exists(out) and not os.path.isdir(out):
         return f"--out {out_dir}: exists and is not a folder"
-    if args.export_hf:
-        if os.path.exists(args.export_hf) and not os.path.isdir(args.export_hf):
+    if args.export_hf and os.path.exists(args.export_hf):
+        if not os.path.isdir(args.export_hf):
             return f"--export-hf {args.export_hf}: exists and is not a folder"
-        if os.path.isdir(args.export_hf) and os.listdir(args.export_hf):
+        if os.listdir(args.export_hf):
             return f"--export-hf {args.export_hf}: exists and is not empty"
+    # The run's files (RUN_FILES, the lock) are inside --out: an export that would replace one overlaps --out.
     runs = [("the run's output directory (--out)", out)]
     if args.compare:
         runs.append(("the bf16 run's output directory (--out/bf16)", os.path.join(out, "bf16")))
-    own = [os.path.join(out, name) for name in (*RUN_FILES, LOCK_NAME)]
-    exports = [(f"--export {args.export}", real(args.export))] if args.export else []
-    if args.export_hf:
-        exports.append((f"--export-hf {args.export_hf}", real(args.export_hf)))
+    exports = [(f"{option} {given}", real(given))
+               for option, given in (("--export", args.export), ("--export-hf", args.export_hf)) if given]
     for name, target in exports:
         if why := _uncreatable(target):
             return f"{name}: {why}"
@@ -523,26 +521,21 @@ def output_refusal(args, cfg, out_dir: str) -> str:
         for d in ckpts:
             if _within(target, d) or _within(d, target):
                 return f"{name}: would replace or sit in checkpoint.dir {d}; choose another directory"
-        hit = [p for p in own if _within(target, p)]
-        if hit:
-            return f"{name}: is {hit[0]}, a file the run writes; choose another directory"
     if len(exports) == 2 and (_within(exports[0][1], exports[1][1]) or _within(exports[1][1], exports[0][1])):
         return f"{exports[0][0]} and {exports[1][0]}: one would hold the other; choose separate directories"
-    if args.export:
-        target = real(args.export)
-        if os.path.exists(target) and not os.path.isdir(target):
+    if args.export and os.path.exists(args.export):
+        if not os.path.isdir(args.export):
             return f"--export {args.export}: exists and is not a directory"
-        if os.path.isdir(target) and os.listdir(target) and not is_export(target):
+        if os.listdir(args.export) and not is_export(args.export):
             return f"--export {args.export}: is not empty and is not a previous NVFP4 export; refusing to replace it"
-    for i, (what, d) in enumerate(runs):
+    for (what, d), ck in itertools.zip_longest(runs, ckpts):  # ckpts: none, or one per run
         earlier = [f for f in RUN_FILES if os.path.isfile(os.path.join(d, f))]
         # A run stopped before its first step (a data error) leaves its config and no metrics: nothing to keep.
         metrics = os.path.join(d, "metrics.jsonl")
         if set(earlier) <= {"config.yaml", "metrics.jsonl"} and not (os.path.isfile(metrics)
                                                                      and os.path.getsize(metrics)):
             earlier = []
-        # Resuming: the run's (i 0) or the compare run's (i 1) checkpoint folder holds a step.
-        ck = ckpts[min(i, len(ckpts) - 1)] if ckpts else None
+        # Resuming: the run's checkpoint folder holds a step.
         if earlier and not (ck and os.path.isdir(ck) and any(name.isdigit() for name in os.listdir(ck))):
             return (f"--out {out_dir}: {what} holds an earlier run's files ({', '.join(earlier)}) and this run "
                     "does not resume it (no checkpoint in checkpoint.dir); choose a new folder or remove them")

@@ -16,7 +16,8 @@ import numpy as np
 import jax_nvfp4 as nv
 from jax_nvfp4 import calibrate as w4a4
 from jax_nvfp4.tensor_parallel import TensorParallel
-from train.model import cross_entropy
+from train import data as data_lib
+from train.model import cross_entropy, from_config
 from train.step import validation_loss
 
 __all__ = ["calibrate", "calibration_batches", "for_run", "validation_losses"]
@@ -52,24 +53,20 @@ def validation_losses(model, params, input_amax: Dict[str, Any], batches: Sequen
         return validation_loss(functools.partial(row_losses, quantized), variables, [jnp.asarray(b) for b in batches])
 
     weights = w4a4.float_weights(params)
-    out = {"bf16": None, "w4a16": mean(False, {"params": weights}),
-           "w4a4": mean(True, w4a4.with_input_amax({"params": weights}, input_amax))}
-    if master is not None:
-        out["bf16"] = mean(False, {"params": w4a4.float_weights(master)})
-    return out
+    return {"bf16": None if master is None else mean(False, {"params": w4a4.float_weights(master)}),
+            "w4a16": mean(False, {"params": weights}),
+            "w4a4": mean(True, w4a4.with_input_amax({"params": weights}, input_amax))}
 
 
 def calibration_batches(cfg, n: int) -> List[np.ndarray]:
     """The first ``n`` of the run's evaluation batches (``data.batch_size`` rows each, every process all of them);
     ``n`` < 1 raises ``train.eval_batches``' ConfigError."""
-    from train import data as data_lib
     source = data_lib.make_source(cfg.data, cfg.model, split="val")
     return data_lib.eval_batches(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_batches=n)), source)
 
 
 def for_run(cfg, run: Dict[str, Any], n: int) -> Tuple[Dict[str, np.ndarray], Dict[str, Optional[float]]]:
     """``(input_amax, losses)`` of a finished ``train.loop.run`` of ``cfg``, on ``n`` validation batches."""
-    from train.model import from_config
     model = from_config(cfg.model, cfg.nvfp4)
     batches = calibration_batches(cfg, n)
     amax = calibrate(model, run["params"], batches)

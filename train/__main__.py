@@ -159,8 +159,7 @@ def main(argv=None) -> int:
         return _fail(2, "config error: --compare bf16 trains a bf16 run beside the NVFP4 one, but nvfp4.weights=bf16: "
                         "both would be bf16; set nvfp4.weights=nvfp4 or drop --compare")
     out_dir = args.out or cfg.train.out_dir
-    why = output_refusal(args, cfg, out_dir)
-    if why:
+    if why := output_refusal(args, cfg, out_dir):
         return _fail(2, f"error: {why}; nothing written")
     fault = None
     if any(name.startswith("TRAIN_FAULT_") for name in os.environ):  # train.faults is loaded only then

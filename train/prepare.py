@@ -1,10 +1,10 @@
 """``python -m train.prepare``: corpora -> one flat token file for ``data.source=tokens``.
 
 Text files (a document each), ``.jsonl``/``.ndjson``/``.parquet`` (a document per line or row), each
-gzipped too when named ``.gz`` (not Parquet) -> OUT (raw little-endian uint16/uint32 ids, every document ended by EOS), OUT.json (the sidecar) and
-OUT.tokenizer.json, the same bytes for any ``--workers``, renamed into place only at the end. Exit
-status: 0 done; 2 a bad argument, input or output (one line on stderr, nothing written); 130
-interrupted. See docs/TRAINING.md.
+gzipped too when named ``.gz`` (not Parquet) -> OUT (raw little-endian uint16/uint32 ids, every
+document ended by EOS), OUT.json (the sidecar) and OUT.tokenizer.json, the same bytes for any
+``--workers``, renamed into place only at the end. Exit status: 0 done; 2 a bad argument, input or
+output (one line on stderr, nothing written); 130 interrupted. See docs/TRAINING.md.
 """
 
 from __future__ import annotations
@@ -134,28 +134,26 @@ def _text_blocks(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
                 dec.errors = "replace"  # the decoder kept its state: decode the block again
                 text = dec.decode(block, not block)
             if first and text:  # a byte order mark, not text (as in JSON Lines), however small the blocks
-                text, first = text[1:] if text.startswith("\ufeff") else text, False
+                text, first = text.removeprefix("\ufeff"), False
             pos += len(block)
             yield text, raw.tell() if gz else pos
             if not block:
                 return
 
 
-def _jsonl_segments(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
-    """A JSON Lines file (gzip when named ``.gz``): a document per object, under the text key."""
-    key = rd.text_key
+def _jsonl_documents(path: str, rd: _Reading) -> Iterator[list]:
+    """A JSON Lines file (gzip when named ``.gz``): a document per object, under the text key, as one block."""
+    key, offset, lineno = rd.text_key, 0, 0
     with _opened(path) as (raw, f, gz):
-        offset = lineno = 0
         try:
-            for line in f:
-                lineno += 1
+            for lineno, line in enumerate(f, 1):
                 start, offset = offset, offset + len(line)
                 if not line.strip():
                     continue
                 where = f"{path}:{lineno}"
                 s = rd.decode(line, path, f"{where}: {'uncompressed ' if gz else ''}", start)
-                if lineno == 1 and s.startswith("\ufeff"):  # a byte order mark
-                    s = s[1:]
+                if lineno == 1:  # a byte order mark is not JSON
+                    s = s.removeprefix("\ufeff")
                 try:
                     obj = json.loads(s)
                 except ValueError as e:
@@ -174,14 +172,14 @@ def _jsonl_segments(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
                     rd.bad(path, f"{where}: {key!r}", f"a lone surrogate U+{ord(m.group()):04X} (an escape that "
                                                       "is not text)")
                     text = _SURROGATE.sub("\ufffd", text)
-                yield from _pieces([(text, raw.tell())], chunk, rd.cut_ok)
+                yield [(text, raw.tell())]
         except _READ_ERRORS as e:
             raise PrepareError(f"{path}: cannot read{' (gzip)' if gz else ''} after line {lineno}: "
                                f"{_first_line(e)}") from None
 
 
-def _parquet_segments(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
-    """A Parquet file: a document per row of the string column under the text key, 256 rows at a time."""
+def _parquet_documents(path: str, rd: _Reading) -> Iterator[list]:
+    """A Parquet file: a document per row of the string column under the text key, as one block."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -197,21 +195,19 @@ def _parquet_segments(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
         cols = ", ".join(repr(c) for c in schema.names[:8]) or "none"
         raise PrepareError(f"{path}: no column {key!r} (its columns: {cols}); choose one with --text-key")
     typ = schema.field(key).type
-    coded = pa.types.is_dictionary(typ)  # a categorical column: its values are the dictionary's
-    typ = typ.value_type if coded else typ
-    # Strings are viewed as bytes, decoded here: an undecodable one is named by its byte offset.
-    views = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary(), pa.string_view(): pa.binary_view()}
-    if typ not in views and typ not in views.values():
-        raise PrepareError(f"{path}: column {key!r} is {schema.field(key).type}, not a string column")
+    value = typ.value_type if pa.types.is_dictionary(typ) else typ  # a categorical column: its dictionary's values
+    if value not in (pa.string(), pa.large_string(), pa.string_view(), pa.binary(), pa.large_binary(),
+                     pa.binary_view()):
+        raise PrepareError(f"{path}: column {key!r} is {typ}, not a string column")
     rows, size, row = max(1, pf.metadata.num_rows), os.path.getsize(path), 0
     try:
         for batch in pf.iter_batches(batch_size=256, columns=[key], use_threads=False):
-            col = batch.column(0).dictionary_decode() if coded else batch.column(0)
-            for v in (col.view(views[typ]) if typ in views else col).to_pylist():
+            # As bytes, decoded here: an undecodable string is named by its byte offset.
+            for v in batch.column(0).cast(pa.large_binary()).to_pylist():
                 row += 1
                 if v is None:
                     raise PrepareError(f"{path}: row {row}: {key!r} is null")
-                yield from _pieces([(rd.decode(v, path, f"{path}: row {row}: "), size * row // rows)], chunk, rd.cut_ok)
+                yield [(rd.decode(v, path, f"{path}: row {row}: "), size * row // rows)]
     except PrepareError:
         raise
     except Exception as e:  # noqa: BLE001 - a corrupt file, pyarrow's own types
@@ -221,13 +217,15 @@ def _parquet_segments(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
 def _documents(path: str, chunk: int, rd: _Reading) -> Iterator[tuple]:
     """``(text, START|END marks, bytes of the file read so far)``: ``path``'s documents in pieces, in order."""
     low = path.lower()
+    if low.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")):
+        documents = _jsonl_documents(path, rd)
+    elif low.endswith(".parquet"):
+        documents = _parquet_documents(path, rd)
+    else:
+        documents = [_text_blocks(path, chunk, rd)]
     try:
-        if low.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")):
-            yield from _jsonl_segments(path, chunk, rd)
-        elif low.endswith(".parquet"):
-            yield from _parquet_segments(path, chunk, rd)
-        else:
-            yield from _pieces(_text_blocks(path, chunk, rd), chunk, rd.cut_ok)
+        for blocks in documents:
+            yield from _pieces(blocks, chunk, rd.cut_ok)
     except OSError as e:
         raise PrepareError(f"{path}: cannot read: {e.strerror or _first_line(e)}") from None
 

@@ -352,29 +352,27 @@ def _encode_all(paths, chunk, rd, state, workers, f, bar) -> tuple[int, int]:
             f.write(data)
             n += len(data) // itemsize
             docs += d
-            if bar is not None:
-                el = max(time.monotonic() - t0, 1e-9)
-                bar.set_postfix_str(f"{docs:,} docs, {docs / el:,.0f} docs/s, {n / el:,.0f} tok/s", refresh=False)
-                bar.update(pos - bar.n)  # redraws at most every 0.1 s
+            el = max(time.monotonic() - t0, 1e-9)
+            bar.set_postfix_str(f"{docs:,} docs, {docs / el:,.0f} docs/s, {n / el:,.0f} tok/s", refresh=False)
+            bar.update(pos - bar.n)  # redraws at most every 0.1 s
 
     tasks = _tasks(paths, chunk, rd)
-    if workers == 1:
-        for task in tasks:
-            write([task], _encode_tasks([task[0]], state))
+    groups = iter(lambda: list(itertools.islice(tasks, workers)), [])
+    if workers == 1:  # one by one in this thread
+        for group in groups:
+            write(group, _encode_tasks([task for task, _, _ in group], state))
         return n, docs
-    pending = None  # (the group being encoded, its future)
-    with ThreadPoolExecutor(1) as pool:
-        try:
-            while group := list(itertools.islice(tasks, workers)):
-                future = pool.submit(_encode_tasks, [task for task, _, _ in group], state)
-                if pending is not None:
-                    write(pending[0], pending[1].result())
-                pending = group, future
-            if pending is not None:
+    pool, pending = ThreadPoolExecutor(1), None  # the group being encoded and its future
+    try:
+        for group in groups:
+            future = pool.submit(_encode_tasks, [task for task, _, _ in group], state)
+            if pending:
                 write(pending[0], pending[1].result())
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)  # the group being encoded finishes, none starts
-            raise
+            pending = group, future
+        if pending:
+            write(pending[0], pending[1].result())
+    finally:
+        pool.shutdown(cancel_futures=True)  # after a failure the group being encoded finishes, none starts
     return n, docs
 
 
@@ -389,10 +387,7 @@ def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, voc
     if not isinstance(chunk_mb, (int, float)) or not math.isfinite(chunk_mb) or not 0 < chunk_mb <= MAX_CHUNK_MB:
         raise PrepareError(f"--chunk-mb {chunk_mb}: must be a positive number of MiB, at most {MAX_CHUNK_MB}")
     if workers is None:  # the CPUs this process may use
-        try:
-            workers = max(1, len(os.sched_getaffinity(0)))
-        except (AttributeError, OSError):
-            workers = max(1, os.cpu_count() or 1)
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if not isinstance(workers, int) or workers < 1:
         raise PrepareError(f"--workers {workers}: must be >= 1")
     if not text_key:
@@ -436,12 +431,6 @@ def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, voc
             written.insert(0, tmp)
             temps.append(tmp)
             os.chmod(tmp, 0o644)
-        f = open(temps[0], "wb")
-    except OSError as e:
-        _remove(written)
-        raise PrepareError(f"--out {out!r}: cannot write in {parent}: {e.strerror or e}; nothing written") from None
-    bar = None
-    try:
         if not tokenizer:  # byte-level BPE, every byte in its alphabet (any text encodes); no downloads
             from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
             tok = Tokenizer(models.BPE())
@@ -460,15 +449,12 @@ def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, voc
         dtype = np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
         state = {"tok": tok, "bos": bos_id, "eos": eos_id, "dtype": dtype}
         rd.cut_ok = functools.partial(_encodes_apart, _untrimmed(tok))
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=sum(os.path.getsize(p) for p in paths), unit="B", unit_scale=True, unit_divisor=1024,
-                       desc="tokenizing", file=sys.stderr, leave=False, dynamic_ncols=True,
-                       disable=None)  # None: only on a terminal
-        with f:
+        from tqdm import tqdm
+        bar = tqdm(total=sum(os.path.getsize(p) for p in paths), unit="B", unit_scale=True, unit_divisor=1024,
+                   desc="tokenizing", file=sys.stderr, leave=False, dynamic_ncols=True,
+                   disable=None if progress else True)  # None: only on a terminal
+        with open(temps[0], "wb") as f, bar:
             n, docs = _encode_all(paths, chunk, rd, state, workers, f, bar)
-        if bar is not None:
-            bar.close()
         if n < 2:
             raise PrepareError(f"the inputs hold {n} token(s); need at least 2")
         tok_bytes = saved.encode()
@@ -486,15 +472,12 @@ def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, voc
             written.insert(0, finals[i])
         _remove(temps)
     except BaseException as e:
-        f.close()
-        if bar is not None:
-            bar.close()
         _remove(written)
         if isinstance(e, FileExistsError):
             raise PrepareError(f"--out {out!r}: {e.filename} appeared while preparing; nothing of it replaced, "
                                "nothing written") from None
         if isinstance(e, OSError):
-            raise PrepareError(f"--out {out!r}: cannot write: {e.strerror or e}; nothing written") from None
+            raise PrepareError(f"--out {out!r}: cannot write in {parent}: {e.strerror or e}; nothing written") from None
         raise
     return meta
 

@@ -116,17 +116,20 @@ class _FileSource:
 
     def __init__(self, path: str | os.PathLike, min_tokens: int = 2, *, key: str = "data.path",
                  part: tuple[float, float] = (0.0, 1.0)):
-        self.path = os.fspath(path)
+        self.path, self.key = os.fspath(path), key
         dtype, n = self._layout(key)
         start, stop = int(round(n * part[0])), int(round(n * part[1]))
-        if stop - start < min_tokens:
-            where = "" if part == (0.0, 1.0) else f" ({self.unit} {start}..{stop} of this split)"
-            raise ConfigError(f"{key}={self.path!r}: {stop - start} {self.unit}{where}, too short for one window of "
-                              f"{min_tokens} tokens (model.seq_len + 1)")
         try:
             self.tokens = np.memmap(self.path, dtype=dtype, mode="r")[start:stop]
         except OSError as e:
             raise ConfigError(f"{key}={self.path!r}: cannot read: {e}") from None
+        self._check_window(min_tokens, "" if part == (0.0, 1.0) else f" ({self.unit} {start}..{stop} of this split)")
+
+    def _check_window(self, length: int, where: str = "") -> None:
+        """A ConfigError unless the tokens hold one window of ``length`` (``model.seq_len + 1``)."""
+        if len(self) < length:
+            raise ConfigError(f"{self.key}={self.path!r}: {len(self)} {self.unit}{where}, too short for one window "
+                              f"of {length} tokens (model.seq_len + 1)")
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -144,13 +147,10 @@ class TextFileSource(_FileSource):
         return np.uint8, _check_file(self.path, key)
 
     def windows(self, rngs: Sequence[np.random.Generator], length: int) -> np.ndarray:
-        n = len(self)
-        if length > n:
-            raise ConfigError(f"data.path={self.path!r}: {n} bytes, too short for one window "
-                              f"of {length} tokens (model.seq_len + 1)")
+        self._check_window(length)
         out = np.empty((len(rngs), length), np.int32)
         for i, r in enumerate(rngs):
-            start = int(r.integers(0, n - length + 1))
+            start = int(r.integers(0, len(self) - length + 1))
             out[i] = self.tokens[start:start + length]
         return out
 
@@ -213,12 +213,10 @@ class TokenFileSource(_FileSource):
         if key not in self._order:
             import grain
 
-            n = self.num_windows(length)
-            if n < 1:
-                raise ConfigError(f"data.path={self.path!r}: {len(self)} tokens, too short for one "
-                                  f"window of {length} tokens (model.seq_len + 1)")
+            self._check_window(length)
             # One Grain seed per (seed, stream): train and validation orders are independent.
-            self._order[key] = grain.MapDataset.range(n).shuffle(seed=(seed * 7919 + stream) % 2**31)
+            self._order[key] = grain.MapDataset.range(self.num_windows(length)).shuffle(
+                seed=(seed * 7919 + stream) % 2**31)
         return self._order[key]
 
     def windows_at(self, indices: Sequence[int], seed: int, stream: int, length: int) -> np.ndarray:

@@ -439,9 +439,8 @@ def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, voc
             tok.post_processor = processors.ByteLevel(trim_offsets=False)
             trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos or EOS], show_progress=False,
                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-            rd_bpe = _Reading(errors, text_key)  # replaced files are counted by the encoding pass alone
-            rd_bpe.cut_ok = functools.partial(_splits_words, tok.pre_tokenizer)
-            _interruptible(tok.train_from_iterator, (t for p in paths for t, _, _ in _documents(p, chunk, rd_bpe)),
+            rd.cut_ok = functools.partial(_splits_words, tok.pre_tokenizer)  # rd.replaced (a set) names a file once
+            _interruptible(tok.train_from_iterator, (t for p in paths for t, _, _ in _documents(p, chunk, rd)),
                            trainer=trainer)
             saved, bos_id, eos_id = _for_encoding(tok, {}, eos)
         # The largest id + 1, not the token count: ids may have gaps, and the embedding needs a row for the largest.

@@ -285,8 +285,7 @@ class DataIterator:
         return {"step": self.step, "seed": self.seed}
 
     def set_state(self, state: Mapping[str, Any]) -> None:
-        missing = {"step", "seed"} - set(state)
-        if missing:
+        if missing := {"step", "seed"} - set(state):
             raise ValueError(f"data iterator state lacks {sorted(missing)}")
         step, seed = int(state["step"]), int(state["seed"])
         if step < 0 or seed < 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -91,23 +92,23 @@ def run(cfg: Config, mesh, out_dir: str, *, progress: bool = True, label: str = 
     hooks = hooks or StepHooks()
     run_step = hooks.run_step or (lambda trainer, step, *state: trainer.step_fn(*state))
     name, is_main = label or cfg.nvfp4.weights, jax.process_index() == 0
-    ckpt = None
-    if cfg.checkpoint.dir:
-        ckpt = checkpoint_lib.Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep,
-                                           async_save=cfg.checkpoint.async_save)
-    host = None
-    try:
+    say = functools.partial(print, flush=True) if is_main else lambda *args, **kwargs: None  # process 0 speaks
+    with contextlib.ExitStack() as cleanup:  # closed last to first: progress bar, metrics.jsonl, checkpointer
+        ckpt = None
+        if cfg.checkpoint.dir:
+            ckpt = checkpoint_lib.Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep,
+                                               async_save=cfg.checkpoint.async_save)
+            cleanup.callback(ckpt.close)  # waits for an asynchronous save of the last good step
         start = _resume_point(ckpt, cfg)
         t_compile = time.perf_counter()
-        if is_main:
-            print(f"{name}: compiling the train step...", flush=True)
+        say(f"{name}: compiling the train step...")
         imported = start is None and bool(cfg.train.init_from)
         trainer, params, opt_state, base_key, it, source, in_a_row = _initial_state(cfg, mesh, ckpt, start, imported,
-                                                                                    is_main)
+                                                                                    say)
         stored = jax.tree.leaves(trainer.abstract_params, is_leaf=nv.layout.is_tiled)
-        if cfg.nvfp4.weights == "nvfp4" and is_main and not any(isinstance(x, nv.TiledNVFP4) for x in stored):
-            print(f"notice: {name}: no weight of this run is NVFP4 (nvfp4.keep_bf16, keep_first_blocks and "
-                  "keep_last_blocks keep the rest in bf16, or a matrix axis is under 16)", file=sys.stderr, flush=True)
+        if cfg.nvfp4.weights == "nvfp4" and not any(isinstance(x, nv.TiledNVFP4) for x in stored):
+            say(f"notice: {name}: no weight of this run is NVFP4 (nvfp4.keep_bf16, keep_first_blocks and "
+                "keep_last_blocks keep the rest in bf16, or a matrix axis is under 16)", file=sys.stderr)
         val_batches = []
         if cfg.train.eval_every:  # the same batches at every evaluation
             val_source = data_lib.make_source(cfg.data, cfg.model, split="val")
@@ -118,18 +119,17 @@ def run(cfg: Config, mesh, out_dir: str, *, progress: bool = True, label: str = 
         if on_start is not None:
             on_start()
         acct = gather_accounting(trainer)
-        if is_main:
-            print(f"{name}: compiled in {time.perf_counter() - t_compile:.1f} s", flush=True)
+        say(f"{name}: compiled in {time.perf_counter() - t_compile:.1f} s")
         host = _Host(cfg, out_dir, start, is_main, acct, skipped=int(nv.find_state(opt_state).skipped),
                      in_a_row=in_a_row)
+        cleanup.callback(host.close)
         if imported and cfg.train.eval_every:  # the imported model's quality first, before any update
             rec = host.write({"step": 0, "val_loss": evaluate()})
-            if is_main:
-                print(f"{name}: step 0 (imported from {cfg.train.init_from}): validation loss {rec['val_loss']:.4f}",
-                      flush=True)
+            say(f"{name}: step 0 (imported from {cfg.train.init_from}): validation loss {rec['val_loss']:.4f}")
         if progress and is_main:
             from tqdm.auto import tqdm
-            host.bar = tqdm(total=cfg.train.steps, initial=min(start, cfg.train.steps), desc=name, dynamic_ncols=True)
+            host.bar = cleanup.enter_context(tqdm(total=cfg.train.steps, initial=min(start, cfg.train.steps),
+                                                  desc=name, dynamic_ncols=True))
         run_id = checkpoint_lib.run_identity(cfg)
         host.t_mark = time.perf_counter()
         pending = []  # the steps dispatched and not read yet: [(step, metrics on the device)]
@@ -149,22 +149,10 @@ def run(cfg: Config, mesh, out_dir: str, *, progress: bool = True, label: str = 
                 hooks.after_step(n, params, opt_state, it)
             if stop:
                 preemption.arm_second()  # this step is saved: a second signal now ends the process at once
-                if ckpt is not None:
-                    ckpt.close()  # every pending save written and its hashes recorded
-                    ckpt = None
+                cleanup.close()  # every pending save written and its hashes recorded
                 raise Stopped(n, preemption.signum, cfg.checkpoint.dir)
-    finally:
-        if host is not None and host.bar is not None:
-            host.bar.close()
-        try:
-            if ckpt is not None:
-                ckpt.close()  # waits for an asynchronous save of the last good step
-        finally:
-            if host is not None:
-                host.close()
-    history = host.history
-    losses = [h["loss"] for h in history if "loss" in h]
-    val = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
+    losses = [h["loss"] for h in host.history if "loss" in h]
+    val = [(h["step"], h["val_loss"]) for h in host.history if "val_loss" in h]
     tail = losses[-max(1, min(20, len(losses) // 5)):]
     return {"label": name, "steps": cfg.train.steps, "start_step": start,
             "final_loss": float(np.mean(tail)) if tail else float("nan"),  # mean of the last final_loss_steps
@@ -204,9 +192,9 @@ def _resume_point(ckpt, cfg: Config) -> Optional[int]:
     return start
 
 
-def _initial_state(cfg: Config, mesh, ckpt, start: Optional[int], imported: bool, is_main: bool) -> tuple:
+def _initial_state(cfg: Config, mesh, ckpt, start: Optional[int], imported: bool, say: Callable) -> tuple:
     """``(trainer, params, opt_state, base_key, data_iterator, data_source, non-finite steps in a row)`` where the
-    run starts: the random init, ``train.init_from`` (``imported``) or checkpoint ``start``."""
+    run starts: the random init, ``train.init_from`` (``imported``) or checkpoint ``start``; ``say`` prints."""
     trainer, params, opt_state = build(cfg, mesh, init=start is None and not imported)
     if imported:
         from train import hf_import
@@ -221,11 +209,11 @@ def _initial_state(cfg: Config, mesh, ckpt, start: Optional[int], imported: bool
         params, opt_state, base_key, in_a_row = r.params, r.opt_state, r.base_key, r.nonfinite_in_a_row
         # The stream's position; its seed is the config's (a changed data.seed that checkpoint.allow_change names).
         it.set_state(dict(r.data_state, seed=cfg.data.seed))
-        if is_main and start < cfg.train.steps:
-            print(f"resuming from step {start} of {cfg.train.steps} ({ckpt.directory})", flush=True)
-        elif is_main:
-            print(f"checkpoint {ckpt.directory} is at step {start} = train.steps: the run is already finished, "
-                  f"nothing to train (raise train.steps to continue it; see docs/TRAINING.md, Checkpoints)", flush=True)
+        if start < cfg.train.steps:
+            say(f"resuming from step {start} of {cfg.train.steps} ({ckpt.directory})")
+        else:
+            say(f"checkpoint {ckpt.directory} is at step {start} = train.steps: the run is already finished, "
+                f"nothing to train (raise train.steps to continue it; see docs/TRAINING.md, Checkpoints)")
     return trainer, params, opt_state, base_key, it, source, in_a_row
 
 
@@ -255,10 +243,12 @@ class _Host:
         if is_main:
             os.makedirs(out_dir, exist_ok=True)
             self.history = _resume_metrics(self.path, start) if start else []
-            self.fh = open(self.path, "a" if start else "w")
+            self.fh = open(self.path, "a" if start else "w", buffering=1)  # each record on disk once written
+        self.val_loss = next((h["val_loss"] for h in reversed(self.history) if "val_loss" in h), None)  # the last
 
     def write(self, rec: dict) -> dict:
         self.history.append(rec)
+        self.val_loss = rec.get("val_loss", self.val_loss)
         if self.fh:
             with _naming(self.path):
                 self.fh.write(json_record(rec) + "\n")
@@ -296,9 +286,9 @@ class _Host:
                 rec["val_loss"] = val_loss()
             self.write(rec)
             if self.bar is not None:
-                shown = [h["val_loss"] for h in self.history if "val_loss" in h]
                 self.bar.update(1)
-                self.bar.set_postfix(loss=f"{loss:.3f}", **({"val": f"{shown[-1]:.3f}"} if shown else {}),
+                shown = {} if self.val_loss is None else {"val": f"{self.val_loss:.3f}"}
+                self.bar.set_postfix(loss=f"{loss:.3f}", **shown,
                                      tok_s=f"{rec['tokens_per_s']:.0f}", gather=f"{gathered / 1e6:.2f}MB",
                                      skipped=skipped, refresh=False)
             # Diverged (raised before the step is checkpointed): every step thrown away
@@ -309,6 +299,3 @@ class _Host:
                     f"step {n}: {self.in_a_row} steps in a row non-finite (gradients skipped or loss {loss}); "
                     f"the run has diverged (nvfp4.max_skipped_in_a_row={limit}; 0 = no limit)")
         pending.clear()
-        if self.fh:
-            with _naming(self.path):
-                self.fh.flush()

@@ -5,6 +5,7 @@ whole-file POSIX lock."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -66,11 +67,9 @@ class FolderLock:
                     raise LockError(f"{where}: cannot lock {LOCK_NAME}: {e.strerror or e}") from None
                 raise LockError(f"{where} is in use by another run ({holder}); refusing to share it "
                                 "(nothing written)") from None
-            try:
-                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.samestat(os.fstat(fd), os.stat(self.path)):
                     break
-            except FileNotFoundError:
-                pass
             os.close(fd)  # the holder removed it between our open and our lock: try the new one
         self._fd = fd
         started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
@@ -87,10 +86,8 @@ class FolderLock:
         """Remove the lock file, then release the lock and the folders it created if empty. Idempotent."""
         if self._fd is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             os.remove(self.path)
-        except OSError:
-            pass
         os.close(self._fd)
         self._fd = None
         self._remove_created()

@@ -10,7 +10,6 @@ import re
 import signal
 import sys
 import time
-import weakref
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
@@ -48,22 +47,19 @@ class Faults:
                          after_step=after if actions else None)
 
 
-_SCALED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # the run's step -> its scaled variant
-
-
 def scaled_step(trainer):
     """``step(params, opt_state, batch, key, scale)``: ``trainer``'s step on its loss times the float32
     ``scale``, jitted like it; built once per plan (the run's own step has no multiplier)."""
-    if trainer.step_fn not in _SCALED:
+    if "scaled_step" not in trainer.derived:
         from train import programs
         from train import step as step_lib
         cfg, mesh, rules = trainer.cfg, trainer.mesh, trainer.rules
         loss = step_lib.loss_fn_for(cfg, trainer.model, mesh, rules)
         step = step_lib.make_step(cfg, trainer.model, trainer.tx, rules, mesh,
                                   loss_fn=lambda params, rows, key, scale: loss(params, rows, key) * scale)
-        _SCALED[trainer.step_fn] = programs.jit_step(step, trainer.param_shardings, trainer.state_shardings,
-                                                     trainer.batch_sharding, extra_args=1)
-    return _SCALED[trainer.step_fn]
+        trainer.derived["scaled_step"] = programs.jit_step(step, trainer.param_shardings, trainer.state_shardings,
+                                                           trainer.batch_sharding, extra_args=1)
+    return trainer.derived["scaled_step"]
 
 
 def from_env(checkpoint_dir: Optional[str] = None) -> Optional[Faults]:

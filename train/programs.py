@@ -41,7 +41,7 @@ class Trainer:
     abstract_state: Any = None
     init_fn: Any = None
     eval_fn: Any = None
-    # What is read once from the compiled programs (train.accounting.compiled_step), shared by the plan's trainers.
+    # Derived once from the programs (accounting.compiled_step, faults.scaled_step), shared by the plan's trainers.
     derived: Dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
 

@@ -26,14 +26,10 @@ class Stopped(Exception):
         self.step, self.signum, self.saved = int(step), int(signum), saved
         super().__init__(self.line())
 
-    @property
-    def name(self) -> str:
-        return signal.Signals(self.signum).name
-
     def line(self) -> str:
         what = ("checkpoint saved; rerun the same command to resume" if self.saved
                 else "no checkpoint.dir, nothing saved (metrics.jsonl holds the steps trained)")
-        return f"stopped at step {self.step} by {self.name}; {what}"
+        return f"stopped at step {self.step} by {signal.Signals(self.signum).name}; {what}"
 
 
 class Preemption:

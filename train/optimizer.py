@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 import optax
 
@@ -23,18 +21,17 @@ def schedule_for(cfg: Config):
     return decay if warm == 0 else optax.join_schedules([optax.linear_schedule(0.0, o.lr, warm), decay], [warm])
 
 
-def inner_optimizer(cfg: Config, mesh=None, rules: Optional[nv.Rules] = None) -> optax.GradientTransformation:
-    """The optax optimizer applied to the masters; with ``mesh``, clipping sums the global norm in a fixed order."""
+def make_optimizer(cfg: Config, rules: nv.Rules, policy: nv.Policy, mesh) -> optax.GradientTransformation:
+    """``optim``'s optax optimizer (clipping sums the global norm in a fixed order over ``mesh``), applied to the
+    masters of :func:`jax_nvfp4.master_weights`."""
     o = cfg.optim
     make, kw = {"adamw": (optax.adamw, dict(b1=o.b1, b2=o.b2, weight_decay=o.weight_decay)),
                 "adam": (optax.adam, dict(b1=o.b1, b2=o.b2)),
                 "lion": (optax.lion, dict(b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))}.get(
         o.name, (optax.sgd, dict(momentum=o.b1)))
     opt = optax.inject_hyperparams(make)(learning_rate=schedule_for(cfg), **kw)
-    return optax.chain(nv.optim.clip_by_global_norm(o.clip_norm, mesh, rules), opt) if o.clip_norm > 0 else opt
-
-
-def make_optimizer(cfg: Config, rules: nv.Rules, policy: nv.Policy, mesh) -> optax.GradientTransformation:
-    return nv.master_weights(inner_optimizer(cfg, mesh, rules), policy=policy, mesh=mesh, rules=rules,
+    if o.clip_norm > 0:
+        opt = optax.chain(nv.optim.clip_by_global_norm(o.clip_norm, mesh, rules), opt)
+    return nv.master_weights(opt, policy=policy, mesh=mesh, rules=rules,
                              stochastic_rounding=cfg.nvfp4.stochastic_rounding, key=jax.random.key(cfg.train.seed + 1),
                              cast_master_bf16=cfg.nvfp4.cast_master_bf16)

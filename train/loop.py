@@ -94,12 +94,16 @@ def run(cfg: Config, mesh, out_dir: str, *, progress: bool = True, label: str = 
     name, is_main = label or cfg.nvfp4.weights, jax.process_index() == 0
     say = functools.partial(print, flush=True) if is_main else lambda *args, **kwargs: None  # process 0 speaks
     with contextlib.ExitStack() as cleanup:  # closed last to first: progress bar, metrics.jsonl, checkpointer
-        ckpt = None
+        ckpt = start = None  # start: the step resumed from (None: a new run)
         if cfg.checkpoint.dir:
             ckpt = checkpoint_lib.Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep,
                                                async_save=cfg.checkpoint.async_save)
             cleanup.callback(ckpt.close)  # waits for an asynchronous save of the last good step
-        start = _resume_point(ckpt, cfg)
+            start, corrupt = ckpt.restorable_step(cfg.checkpoint.fallback)
+            if start is not None:
+                checkpoint_lib.check_resume(os.path.join(ckpt.directory, str(start)), ckpt.read_meta(start), cfg)
+            if corrupt:  # newer corrupt ones (checkpoint.fallback) set aside only once the resume is accepted
+                ckpt.set_aside(corrupt, start)
         t_compile = time.perf_counter()
         say(f"{name}: compiling the train step...")
         imported = start is None and bool(cfg.train.init_from)
@@ -177,19 +181,6 @@ def _due(cfg: Config, n: int, start: int, stop: bool, checkpointing: bool, watch
     read = (last or save or evaluate or stop or n == start + 1 or watched or cfg.nvfp4.nonfinite == "error"
             or n % cfg.train.log_every == 0)
     return save, evaluate, read
-
-
-def _resume_point(ckpt, cfg: Config) -> Optional[int]:
-    """The step the run resumes from (None: a new run), verified and accepted; only then are corrupt
-    newer ones (``checkpoint.fallback``) set aside, so that a refused run leaves the folder as it was."""
-    if ckpt is None:
-        return None
-    start, corrupt = ckpt.restorable_step(cfg.checkpoint.fallback)
-    if start is not None:
-        checkpoint_lib.check_resume(os.path.join(ckpt.directory, str(start)), ckpt.read_meta(start), cfg)
-    if corrupt:
-        ckpt.set_aside(corrupt, start)
-    return start
 
 
 def _initial_state(cfg: Config, mesh, ckpt, start: Optional[int], imported: bool, say: Callable) -> tuple:

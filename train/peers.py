@@ -47,18 +47,15 @@ class PeerWatch:
             try:
                 self._beat += 1
                 self.client.key_value_set(f"{_PREFIX}/alive/{self.me}", str(self._beat), allow_overwrite=True)
-                alive = dict(self.client.key_value_dir_get(f"{_PREFIX}/alive/"))
-                done = dict(self.client.key_value_dir_get(f"{_PREFIX}/done/"))
+                alive, done = (_by_process(self.client.key_value_dir_get(f"{_PREFIX}/{d}/")) for d in ("alive", "done"))
             except Exception:  # noqa: BLE001 - the service is gone: the judge decides
                 time.sleep(self.period)
                 continue
             now = self._last_answer = time.monotonic()
+            self._finished.update(p for p in self._seen if str(p) in done)
             for p, (value, _) in list(self._seen.items()):
-                if _value(done, p) is not None:
-                    self._finished.add(p)
-                v = _value(alive, p)
-                if v is not None and v != value:
-                    self._seen[p] = (v, now)
+                if alive.get(str(p), value) != value:
+                    self._seen[p] = (alive[str(p)], now)
             time.sleep(self.period)
 
     def _judge(self) -> None:
@@ -79,8 +76,9 @@ class PeerWatch:
         os._exit(EXIT_LOST_PEER)
 
 
-def _value(items: Dict[str, str], p: int) -> Optional[str]:
-    return next((v for k, v in items.items() if k.rstrip("/").rsplit("/", 1)[-1] == str(p)), None)
+def _by_process(items) -> Dict[str, str]:
+    """``{process: value}`` of a key-value directory's ``[(".../<process>", value)]``."""
+    return {k.rstrip("/").rsplit("/", 1)[-1]: v for k, v in items}
 
 
 def coordination_client():

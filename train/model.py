@@ -156,7 +156,6 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x):
         d, tp = self.dims, self.dims.tensor
-        x = tp.gather_sequence(x)
         b, t, _ = x.shape
         hd = d.d_model // d.heads
         heads = tp.split(d.heads, "model.heads")
@@ -170,7 +169,7 @@ class Attention(nn.Module):
             k, v = (jax.lax.dynamic_slice_in_dim(a, mine, 1, axis=2) for a in (k, v))
         q, k = rotary(q, d.rope_theta, d.rope_scaling), rotary(k, d.rope_theta, d.rope_scaling)
         out = attention(q.astype(d.dtype), k.astype(d.dtype), v.astype(d.dtype), d.attention)
-        return tp.scatter_sequence(d.dense("out", d.d_model)(out.reshape(b, t, heads * hd)))
+        return d.dense("out", d.d_model)(out.reshape(b, t, heads * hd))
 
 
 class MLP(nn.Module):
@@ -180,23 +179,24 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        d, tp = self.dims, self.dims.tensor
-        x = tp.gather_sequence(x)
-        hidden = tp.split(d.hidden, "model.mlp_hidden")
+        d = self.dims
+        hidden = d.tensor.split(d.hidden, "model.mlp_hidden")
         h = jax.nn.silu(d.dense("gate", hidden)(x)) * d.dense("up", hidden)(x)
-        return tp.scatter_sequence(d.dense("down", d.d_model)(h))
+        return d.dense("down", d.d_model)(h)
 
 
 class Block(nn.Module):
+    """Pre-norm attention and MLP; tensor parallel, each sees the whole sequence (the residual is split along it)."""
+
     dims: Dims
 
     @nn.compact
     def __call__(self, x, _):
-        d = self.dims
-        h = RMSNorm(d.norm_eps, d.dtype, name="norm1")(x)
-        x = x + Attention(d, name="attn")(h)
-        h = RMSNorm(d.norm_eps, d.dtype, name="norm2")(x)
-        return x + MLP(d, name="mlp")(h), None
+        d, tp = self.dims, self.dims.tensor
+        h = tp.gather_sequence(RMSNorm(d.norm_eps, d.dtype, name="norm1")(x))
+        x = x + tp.scatter_sequence(Attention(d, name="attn")(h))
+        h = tp.gather_sequence(RMSNorm(d.norm_eps, d.dtype, name="norm2")(x))
+        return x + tp.scatter_sequence(MLP(d, name="mlp")(h)), None
 
 
 # Remat policies of the scanned blocks (None keeps every residual): "nothing" saves only the carries,

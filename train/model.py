@@ -124,7 +124,8 @@ def rotary(x, theta: float, scaling=None):
 
 @dataclasses.dataclass(frozen=True)
 class Dims:
-    """The hyperparameters a block's layers read (frozen, hashable: a Flax attribute)."""
+    """The hyperparameters a block's layers read, :class:`Llama`'s of these names (frozen, hashable: a Flax
+    attribute)."""
 
     d_model: int
     heads: int
@@ -237,27 +238,24 @@ class Llama(nn.Module):
         vocab = tp.split(self.vocab, "model.vocab")
         embed = self.param("embed", nn.initializers.normal(self.init_std), (vocab, self.d_model), jnp.float32)
         x = vocab_embed(embed.astype(self.dtype), tokens, tp)
+        dims = Dims(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Dims) if f.name != "kv_heads"},
+                    kv_heads=self.kv_heads or self.heads)
+        kept = dataclasses.replace(dims, compute="dequant")
+        block = Block
+        if self.remat is not None:
+            if self.remat not in REMAT_POLICIES:
+                raise ValueError(f"remat policy must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
+            block = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         counts = (self.keep_first, self.layers - self.keep_first - self.keep_last, self.keep_last)
         for name, n in zip(SEGMENTS, counts):
-            if n == 0:
-                continue
-            dims = Dims(self.d_model, self.heads, self.kv_heads or self.heads, self.hidden, self.rope_theta,
-                        self.norm_eps, "dequant" if name in KEPT_SEGMENTS else self.compute, self.init_std,
-                        self.dtype, self.attention, tp, self.recipe, rope_scaling=self.rope_scaling)
-            block = Block
-            if self.remat is not None:
-                if self.remat not in REMAT_POLICIES:
-                    raise ValueError(f"remat policy must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
-                block = nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-            stack = nn.scan(block, variable_axes={"params": 0, NVFP4_COLLECTION: 0},
-                            split_rngs={"params": True, ROUNDING_RNG: True}, length=n)
-            x, _ = stack(dims, name=name)(x, None)
+            if n:
+                stack = nn.scan(block, variable_axes={"params": 0, NVFP4_COLLECTION: 0},
+                                split_rngs={"params": True, ROUNDING_RNG: True}, length=n)
+                x, _ = stack(kept if name in KEPT_SEGMENTS else dims, name=name)(x, None)
         x = tp.gather_sequence(RMSNorm(self.norm_eps, self.dtype, name="norm_f")(x))
         if self.tie_embeddings:  # logits in the activation dtype, like the untied head (and HF's lm_head)
             return jnp.einsum("btd,vd->btv", x, embed.astype(self.dtype)).astype(jnp.float32)
-        head = NVFP4Dense(vocab, compute="dequant" if self.keep_head else self.compute, dtype=self.dtype, name="head",
-                          kernel_init=nn.initializers.normal(self.init_std), recipe=self.recipe)
-        return head(x).astype(jnp.float32)
+        return (kept if self.keep_head else dims).dense("head", vocab)(x).astype(jnp.float32)
 
 
 def from_config(model_cfg, nvfp4_cfg) -> Llama:

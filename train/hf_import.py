@@ -254,10 +254,8 @@ def _tokenizer_sha256(path: str, what: str) -> str:
 def hf_config(cfg: Config, **kw) -> Dict[str, Any]:
     """The ``config.json`` of ``cfg.model`` that :func:`model_values` reads back (``kw``: ``llama_config``'s)."""
     from train.model import llama_config
-    m, kw = cfg.model, {"max_position_embeddings": cfg.model.seq_len, **kw}
-    return llama_config(vocab=m.vocab, d_model=m.d_model, layers=m.layers, heads=m.heads, kv_heads=m.n_kv_heads,
-                        mlp_hidden=m.mlp_hidden, rope_theta=m.rope_theta, rope_scaling=m.rope_scaling,
-                        norm_eps=m.norm_eps, tie_embeddings=m.tie_embeddings, **kw)
+    model = {k: getattr(cfg.model, k) for k in (*_HF_KEYS, "rope_scaling")}  # kv_heads 0: llama_config's heads
+    return llama_config(**model, **{"max_position_embeddings": cfg.model.seq_len, **kw})
 
 
 def tokenizer_files(tokenizer: Optional[str], max_positions: int, *, eos_id: Optional[int] = None,

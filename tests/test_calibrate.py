@@ -459,6 +459,29 @@ def test_calibrate_needs_held_out_batches(tmp_path, capfd):
     assert not (tmp_path / "run").exists() and not (tmp_path / "hf").exists()
 
 
+def test_calibrate_past_the_held_out_tokens_is_refused(tmp_path, capfd):
+    """``--calibrate N`` on token files: more batches than the held-out windows hold would calibrate on the same
+    windows again (the split's order repeats); refused before training, naming the most it holds."""
+    from train.config import load_config
+    from train.data import make_source
+    from train.prepare import prepare
+
+    text = tmp_path / "text.txt"
+    text.write_text("".join(f"line {i} of a small corpus, with words to tokenize\n" for i in range(400)))
+    prepare([str(text)], str(tmp_path / "tok.bin"), vocab_size=300, progress=False)
+    sets = ["data.source=tokens", f"data.path={tmp_path / 'tok.bin'}", "data.val_fraction=0.1", "model.vocab=512"]
+    cfg = load_config(None, sets)
+    n = make_source(cfg.data, cfg.model, split="val").num_windows(cfg.model.seq_len + 1)
+    most = max(1, n // cfg.data.batch_size)
+    assert n > 1
+    args = ["--out", str(tmp_path / "run"), "--export-hf", str(tmp_path / "hf"), *sets]
+    rc, _, err = main_here([*args, "--calibrate", str(most + 1)], capfd)
+    assert rc == 2 and len(err) == 1, err
+    assert f"--calibrate {most + 1}: the held-out tokens hold {n} window(s)" in err[0], err
+    assert f"give --calibrate {most} or less" in err[0], err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "hf").exists()
+
+
 @pytest.mark.slow
 @tiny_worker
 def test_cli_calibrate_writes_w4a4_exports(tmp_path, capfd):

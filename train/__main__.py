@@ -267,6 +267,12 @@ def _run(args, cfg, out_dir, fault) -> int:
                 print(f"notice: the {split} tokens hold {n} window(s) of model.seq_len + 1 tokens; "
                       f"{'a step' if split == 'train' else 'an evaluation'} reads {read} rows, so they repeat",
                       file=sys.stderr, flush=True)
+        if args.calibrate and isinstance(source, data_lib.TokenFileSource):  # past them, the same windows again
+            n, rows = source.num_windows(cfg.model.seq_len + 1), cfg.data.batch_size
+            if args.calibrate > (most := max(1, n // rows)):
+                raise ConfigError(f"--calibrate {args.calibrate}: the held-out tokens hold {n} window(s) of "
+                                  f"model.seq_len + 1 tokens, {most} batch(es) of data.batch_size={rows}; give "
+                                  f"--calibrate {most} or less")
         if args.export_hf:
             hf_check(cfg, mesh)
     except ConfigError as e:

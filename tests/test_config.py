@@ -300,7 +300,13 @@ def test_gin_includes_are_files_beside_the_includer_checked_like_it(tmp_path):
     assert ": line 1: import this: a config file imports nothing" in _error(path=_write(tmp_path, "i.gin", "import this\n"))
     assert ": line 1: ModelConfig.layers is bound to a configurable" in _error(
         path=_write(tmp_path, "r.gin", "ModelConfig.layers = @ModelConfig()\n"))
+    for text in ('NVFP4Config.keep_bf16 = ["embed", @ModelConfig]\n', 'ModelConfig.rope_scaling = {"factor": @X}\n'):
+        assert ": line 1: " in (e := _error(path=_write(tmp_path, "n.gin", text))) and "bound to a configurable" in e
+    assert ": line 1: ModelConfig.layers is bound to %gin.REQUIRED, which no section takes" in _error(
+        path=_write(tmp_path, "q.gin", "ModelConfig.layers = %gin.REQUIRED\n"))
     assert "a macro (%NAME) that is not defined" in _error(path=_write(tmp_path, "m.gin", "ModelConfig.layers = %X\n"))
+    assert "a macro (%NAME) that refers to itself" in _error(
+        path=_write(tmp_path, "c.gin", "A = %B\nB = %A\nModelConfig.layers = %A\n"))
     # gin's own parse errors in words (they had been Python's: "<ast.Name object at 0x...>", "('EOF in ...', (2, 0))").
     assert _error(path=_write(tmp_path, "f.gin", 'OptimConfig.lr = float("nan")\n')).endswith(
         "a value that is not a Python literal (a number, 'string', True/False/None or a list of them), line 1")

@@ -656,8 +656,8 @@ _GIN_COLLECTORS: dict[str, Any] = {}  # registered once per process: gin's regis
 def _gin_text(path: str, chain: tuple = ()) -> tuple[str, dict]:
     """``(text, bound)``: the gin file ``path``'s text with each ``include`` replaced by the included file's (a name
     relative to ``path``'s folder, as YAML's ``base:``), and ``{key: (file, line)}`` of what it binds. Checked: a
-    syntax error named in its own file, no imports (a config runs no code), no scoped bindings or references to
-    configurables (no section reads them), no key bound twice (gin would keep the last silently) but a file's own
+    syntax error named in its own file, no imports (a config runs no code), no scoped bindings, configurables or
+    ``%gin.REQUIRED`` (no section reads them), no key bound twice (gin would keep the last silently) but a file's own
     binding after the include it overrides, as a YAML file overrides its base."""
     from gin import config, config_parser
     real = os.path.realpath(path)
@@ -692,16 +692,27 @@ def _gin_text(path: str, chain: tuple = ()) -> tuple[str, dict]:
             if st.scope:
                 raise ConfigError(f"{where}: {st.scope}/{name} is a scoped binding, which no section reads; bind "
                                   f"{name}")
-            values = st.value if isinstance(st.value, (list, tuple)) else [st.value]
-            if any(type(v).__name__.endswith("ConfigurableReference") and not repr(v).startswith("%") for v in values):
-                raise ConfigError(f"{where}: {name} is bound to a configurable (@...), which no section takes; give "
-                                  "a value")
+            if refused := _references(st.value):
+                raise ConfigError(f"{where}: {name} is bound to {refused}, which no section takes; give a value")
             key = (st.selector.rsplit(".", 1)[-1], st.arg_name)  # "train.config.ModelConfig" is "ModelConfig"
             if key in bound and bound[key][0] == path:  # not from an include: this file binds it twice
                 raise ConfigError(f"{path}: {name} is bound twice, on line {bound[key][1]} and line {line}; keep one "
                                   "(gin would silently use the last)")
             bound[key] = (path, line)
     return "".join(lines), bound
+
+
+def _references(value: Any) -> str:
+    """What of a gin binding's ``value`` is no value (empty if nothing): a configurable (``@NAME``, in a list or dict
+    too) or ``%gin.REQUIRED``; a macro (``%NAME``) is resolved by gin."""
+    if isinstance(value, (list, tuple, dict)):
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        return next(filter(None, map(_references, items)), "")
+    if not type(value).__name__.endswith("ConfigurableReference"):
+        return ""
+    if repr(value).startswith("%"):
+        return "%gin.REQUIRED" if repr(value) == "%gin.REQUIRED" else ""
+    return "a configurable (@...)"
 
 
 def _read_gin(path: str) -> dict[str, Any]:
@@ -716,6 +727,8 @@ def _read_gin(path: str) -> dict[str, Any]:
     try:
         gin.parse_config(text)
         return {section: dict(_GIN_COLLECTORS[name]()) for name, section in _GIN_SECTIONS.items()}
+    except RecursionError:
+        raise ConfigError(f"{path}: a macro (%NAME) that refers to itself, directly or through others") from None
     except Exception as e:  # gin raises ValueError / SyntaxError with multi-line messages
         raise ConfigError(f"{path}: {_gin_error(e)}") from None
     finally:

@@ -441,6 +441,10 @@ def test_duplicate_yaml_keys_are_errors(tmp_path):
     assert "duplicate key 'layers' on line 4 (first on line 2)" in err and "dup.yaml" in err and "\n" not in err
     assert "duplicate key 'model'" in _error(path=_write(tmp_path, "dup2.yaml", "model: {}\nmodel: {layers: 2}\n"))
     assert "duplicate key" in _error(["model.layers={a: 1, a: 2}"])
+    assert "invalid YAML" not in _error(path=_write(tmp_path, "dup3.yaml", "model: {}\nmodel: {}\n"))
+    # An explicit tag whose constructor fails on the value: one line (they were IndexError, KeyError... tracebacks).
+    for value in ("!!float", "!!bool x", "!!timestamp x", "!!set [1]", "!!int 0b11"):
+        assert "invalid YAML: a value its explicit tag (!!...) cannot construct" in _error([f"optim.lr={value}"])
     assert load_config(_write(tmp_path, "ok.yaml", "model:\n  layers: 2\ntrain:\n  steps: 3\n")).model.layers == 2
 
 

@@ -611,8 +611,13 @@ def _yaml_load(text: str, where: str) -> Any:
         loader = _Loader(text)  # its reader refuses control characters (a NUL byte) at once
         loader.name = where
         return loader.get_single_data()
-    except (yaml.YAMLError, ValueError) as e:  # ValueError: an explicit tag's constructor (!!int 0b11)
+    except ConfigError:  # a key given twice, named as such
+        raise
+    except yaml.YAMLError as e:
         raise ConfigError(f"{where}: invalid YAML: {' '.join(str(e).split())}") from None
+    except Exception as e:  # noqa: BLE001 - an explicit tag's constructor (!!int 0b11, !!bool x, !!float '')
+        raise ConfigError(f"{where}: invalid YAML: a value its explicit tag (!!...) cannot construct "
+                          f"({type(e).__name__}: {' '.join(str(e).split())})") from None
 
 
 def _merge(base: Mapping[str, Any], top: Mapping[str, Any], depth: int = 3) -> dict[str, Any]:

@@ -90,26 +90,30 @@ def _scores(qi, kj, i, j, scale):
 
 def _forward(qb, kb, vb, scale):
     """``(out [n, B, K, G, bq, D] float32, lse [n, B, K, G, bq])``; blocks above the diagonal skipped."""
+    n = qb.shape[0]
 
     def query_block(i):
         qi = qb[i]
         shape = qi.shape[:-1]
 
-        def key_block(j, carry):  # the key blocks 0..i
-            acc, top, total = carry
-            s = _scores(qi, kb[j], i, j, scale)
-            new_top = jnp.maximum(top, jnp.max(s, axis=-1))
-            p = jnp.exp(s - new_top[..., None])
-            keep = jnp.exp(top - new_top)
-            pv = jnp.einsum("bkgqc,bkcd->bkgqd", p.astype(vb.dtype), vb[j], preferred_element_type=jnp.float32)
-            return acc * keep[..., None] + pv, new_top, total * keep + jnp.sum(p, axis=-1)
+        def key_block(j, carry):
+            def update(carry):
+                acc, top, total = carry
+                s = _scores(qi, kb[j], i, j, scale)
+                new_top = jnp.maximum(top, jnp.max(s, axis=-1))
+                p = jnp.exp(s - new_top[..., None])
+                keep = jnp.exp(top - new_top)
+                pv = jnp.einsum("bkgqc,bkcd->bkgqd", p.astype(vb.dtype), vb[j], preferred_element_type=jnp.float32)
+                return acc * keep[..., None] + pv, new_top, total * keep + jnp.sum(p, axis=-1)
+
+            return jax.lax.cond(j <= i, update, lambda c: c, carry)
 
         init = (jnp.zeros((*shape, qb.shape[-1]), jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32),
                 jnp.zeros(shape, jnp.float32))
-        acc, top, total = jax.lax.fori_loop(0, i + 1, key_block, init)
+        acc, top, total = jax.lax.fori_loop(0, n, key_block, init)
         return acc / total[..., None], top + jnp.log(total)
 
-    return jax.lax.map(query_block, jnp.arange(qb.shape[0]))
+    return jax.lax.map(query_block, jnp.arange(n))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -132,19 +136,22 @@ def _flash_bwd(scale, res, d_out):
     def key_block(dq, j):
         kj, vj = kb[j], vb[j]
 
-        def query_block(i, carry):  # the query blocks j..n-1
-            dq, dk, dv = carry
-            qi = qb[i]
-            p = jnp.exp(_scores(qi, kj, i, j, scale) - lse[i][..., None])
-            dv = dv + jnp.einsum("bkgqc,bkgqd->bkcd", p, d_out[i])
-            dp = jnp.einsum("bkgqd,bkcd->bkgqc", d_out[i], vj, preferred_element_type=jnp.float32)
-            ds = p * (dp - delta[i][..., None]) * scale
-            dk = dk + jnp.einsum("bkgqc,bkgqd->bkcd", ds, qi, preferred_element_type=jnp.float32)
-            dq = dq.at[i].add(jnp.einsum("bkgqc,bkcd->bkgqd", ds, kj, preferred_element_type=jnp.float32))
-            return dq, dk, dv
+        def query_block(i, carry):
+            def update(carry):
+                dq, dk, dv = carry
+                qi = qb[i]
+                p = jnp.exp(_scores(qi, kj, i, j, scale) - lse[i][..., None])
+                dv = dv + jnp.einsum("bkgqc,bkgqd->bkcd", p, d_out[i])
+                dp = jnp.einsum("bkgqd,bkcd->bkgqc", d_out[i], vj, preferred_element_type=jnp.float32)
+                ds = p * (dp - delta[i][..., None]) * scale
+                dk = dk + jnp.einsum("bkgqc,bkgqd->bkcd", ds, qi, preferred_element_type=jnp.float32)
+                dq = dq.at[i].add(jnp.einsum("bkgqc,bkcd->bkgqd", ds, kj, preferred_element_type=jnp.float32))
+                return dq, dk, dv
+
+            return jax.lax.cond(i >= j, update, lambda c: c, carry)
 
         zero = jnp.zeros(kj.shape, jnp.float32)
-        dq, dk, dv = jax.lax.fori_loop(j, n, query_block, (dq, zero, zero))
+        dq, dk, dv = jax.lax.fori_loop(0, n, query_block, (dq, zero, zero))
         return dq, (dk, dv)
 
     dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qb.shape, jnp.float32), jnp.arange(n))

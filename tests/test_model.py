@@ -183,6 +183,12 @@ def test_tied_head_has_no_head_kernel():
     assert not np.allclose(np.asarray(jax.jit(Llama(**kw).apply)({"params": other}, tokens)), tied, atol=1e-3)
 
 
+def test_an_unknown_remat_policy_is_named():
+    with pytest.raises(ValueError, match=r"remat policy must be one of \['dots', 'nothing'\], got 'full'"):
+        Llama(vocab=48, d_model=32, layers=1, heads=2, hidden=32, remat="full").init(
+            jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
+
 def test_kv_heads_config_checks():
     assert load_config(None, ["model.heads=4", "model.kv_heads=2"]).model.n_kv_heads == 2
     assert load_config(None, ["model.heads=4"]).model.n_kv_heads == 4  # 0 = as many as the query heads

@@ -229,7 +229,7 @@ class Llama(nn.Module):
     compute: str = "dequant"
     recipe: Recipe = Recipe()  # with compute="nvfp4": the recipe's elements
     dtype: Any = jnp.bfloat16
-    remat: Optional[str] = None  # None, or a key of REMAT_POLICIES (train.remat, checked by the config)
+    remat: Optional[str] = None  # None, or a key of REMAT_POLICIES (train.remat)
     tensor: TensorParallel = TensorParallel()
 
     @nn.compact
@@ -241,6 +241,8 @@ class Llama(nn.Module):
         dims = Dims(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Dims) if f.name != "kv_heads"},
                     kv_heads=self.kv_heads or self.heads)
         kept = dataclasses.replace(dims, compute="dequant")
+        if self.remat is not None and self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat policy must be one of {sorted(REMAT_POLICIES)}, got {self.remat!r}")
         block = Block if self.remat is None else nn.remat(Block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
         counts = (self.keep_first, self.layers - self.keep_first - self.keep_last, self.keep_last)
         for name, n in zip(SEGMENTS, counts):

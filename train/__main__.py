@@ -422,13 +422,12 @@ def hf_metadata(cfg) -> tuple:
     max_positions = cfg.model.seq_len
     if cfg.data.source == "tokens":
         meta = data_lib.read_token_header(cfg.data.path)
-        path = os.path.join(os.path.dirname(os.path.abspath(cfg.data.path)), meta.get("tokenizer") or "")
-        if os.path.isfile(path):
+        if path := data_lib.tokenizer_file(cfg.data.path, meta):
             tokenizer, eos, bos = path, meta.get("eos_id"), meta.get("bos_id")
     if cfg.train.init_from:
         source = hf_import.read_hf_config(cfg.train.init_from)
         max_positions = max(max_positions, int(source.get("max_position_embeddings") or 0))
-        if any(os.path.isfile(os.path.join(cfg.train.init_from, n)) for n in ("tokenizer.json", "tokenizer.model")):
+        if hf_import.has_tokenizer(cfg.train.init_from):
             tokenizer = cfg.train.init_from
         if tokenizer in (None, cfg.train.init_from):  # the source's tokens: its ids and generation settings
             eos, bos = source.get("eos_token_id"), source.get("bos_token_id")

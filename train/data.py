@@ -18,7 +18,7 @@ from train.config import Config, ConfigError, DataConfig, ModelConfig
 from train.prepare import FORMAT as TOKENS_FORMAT, VERSION as TOKENS_VERSION
 
 __all__ = ["DataIterator", "MarkovSource", "Source", "TextFileSource", "TokenFileSource", "read_token_header",
-           "file_fingerprint", "make_data_iterator", "make_source"]
+           "file_fingerprint", "make_data_iterator", "make_source", "tokenizer_file"]
 
 
 class Source(Protocol):
@@ -187,6 +187,13 @@ def read_token_header(path: str | os.PathLike, key: str = "data.path") -> dict[s
         ids, step = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r"), 1 << 26
         meta["vocab"] = max(meta["vocab"], max(int(ids[i:i + step].max()) for i in range(0, len(ids), step)) + 1)
     return meta
+
+
+def tokenizer_file(path: str | os.PathLike, meta: Mapping[str, Any]) -> str | None:
+    """The tokenizer file ``python -m train.prepare`` wrote beside the token file ``path``, as its sidecar ``meta``
+    names it; None where there is none."""
+    beside = os.path.join(os.path.dirname(os.path.abspath(path)), meta.get("tokenizer") or "")
+    return beside if os.path.isfile(beside) else None
 
 
 class TokenFileSource(_FileSource):

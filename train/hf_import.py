@@ -8,7 +8,6 @@ compiles): docs/TRAINING.md, ``--init-from``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -17,8 +16,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 from train import config as config_lib
 from train.config import ROPE_SCALING_KEYS, Config, ConfigError, RopeScaling
 
-__all__ = ["check_tokens", "hf_config", "load", "load_config", "model_values", "notice", "plan", "read_hf_config",
-           "resolve_config"]
+__all__ = ["check_tokens", "has_tokenizer", "hf_config", "load", "load_config", "model_values", "notice", "plan",
+           "read_hf_config", "resolve_config"]
 
 # The weights of jax_nvfp4.export's NVFP4A16_QUANTIZATION_CONFIG (resolving a config imports no JAX).
 _NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group"}
@@ -219,7 +218,7 @@ def check_tokens(cfg: Config) -> None:
         return
     from train import data as data_lib
     where, fix = cfg.train.init_from, f"python -m train.prepare --tokenizer {cfg.train.init_from}"
-    if not any(os.path.isfile(os.path.join(where, n)) for n in ("tokenizer.json", "tokenizer.model")):
+    if not has_tokenizer(where):
         return  # the export ships the token file's tokenizer
     path = os.path.join(where, "tokenizer.json")
     if not os.path.isfile(path):
@@ -228,8 +227,7 @@ def check_tokens(cfg: Config) -> None:
                           "data.path was prepared with into it")
     meta = data_lib.read_token_header(cfg.data.path)
     recorded = meta.get("tokenizer_sha256")
-    beside = os.path.join(os.path.dirname(os.path.abspath(cfg.data.path)), meta.get("tokenizer") or "")
-    if recorded is None and os.path.isfile(beside):  # an older sidecar: the tokenizer file prepare wrote beside it
+    if recorded is None and (beside := data_lib.tokenizer_file(cfg.data.path, meta)):  # an older sidecar
         recorded = _tokenizer_sha256(beside, "data.path's tokenizer")
     if recorded is None:
         raise ConfigError(f"data.path={cfg.data.path!r}: its sidecar names no tokenizer, so its ids cannot be checked "
@@ -241,11 +239,18 @@ def check_tokens(cfg: Config) -> None:
                           f"the checkpoint's embedding would read other ids; prepare the data with {fix}")
 
 
+def has_tokenizer(folder: str) -> bool:
+    """Whether the checkpoint ``folder`` holds a tokenizer (``tokenizer.json`` or ``tokenizer.model``)."""
+    return any(os.path.isfile(os.path.join(folder, n)) for n in ("tokenizer.json", "tokenizer.model"))
+
+
 def _tokenizer_sha256(path: str, what: str) -> str:
-    """The sha256 train.prepare records of the tokenizer file ``path`` (as the tokenizers package writes it)."""
+    """The sha256 train.prepare records of the tokenizer file ``path`` (:func:`train.prepare.tokenizer_sha256`)."""
     from tokenizers import Tokenizer
+
+    from train.prepare import tokenizer_sha256
     try:
-        return hashlib.sha256(Tokenizer.from_file(path).to_str(pretty=True).encode()).hexdigest()
+        return tokenizer_sha256(Tokenizer.from_file(path).to_str(pretty=True))
     except Exception as e:  # noqa: BLE001 - the tokenizers package's parse errors
         raise ConfigError(f"{what}: cannot read {os.path.basename(path)}: "
                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None

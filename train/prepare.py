@@ -459,7 +459,7 @@ def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, voc
         tok_bytes = saved.encode()
         meta = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "vocab": int(vocab), "tokens": n,
                 "documents": docs, "bos_id": bos_id, "eos_id": eos_id, "tokenizer": os.path.basename(finals[2]),
-                "tokenizer_sha256": hashlib.sha256(tok_bytes).hexdigest(),
+                "tokenizer_sha256": tokenizer_sha256(saved),
                 "inputs": [os.path.abspath(p) for p in paths], "errors": errors, "files_replaced": len(rd.replaced)}
         for tmp, data in ((temps[2], tok_bytes), (temps[1], json.dumps(meta, indent=1).encode())):
             with open(tmp, "wb") as g:
@@ -479,6 +479,12 @@ def prepare(paths: Sequence[str], out: str, *, tokenizer: str | None = None, voc
             raise PrepareError(f"--out {out!r}: cannot write in {parent}: {e.strerror or e}; nothing written") from None
         raise
     return meta
+
+
+def tokenizer_sha256(text: str) -> str:
+    """A sidecar's ``tokenizer_sha256``: the sha256 of a tokenizer's JSON as ``Tokenizer.to_str(pretty=True)`` writes
+    it (``OUT.tokenizer.json``'s bytes)."""
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _for_encoding(tok, config: dict, eos: str | None) -> tuple[str, int | None, int]:

@@ -28,7 +28,7 @@ from train.config_errors import ConfigError, one_line, short, suggest
 __all__ = ["AFFECTS", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "Key", "MeshConfig", "ModelConfig",
            "NVFP4Config", "OptimConfig", "ROPE_SCALING_KEYS", "RopeScaling", "SECTIONS", "TrainConfig",
            "apply_overrides", "config_keys", "default_gin", "default_yaml", "from_dict", "load_config", "load_section",
-           "mesh_error", "override_keys", "resolve_mesh_axes", "save_config", "setting", "to_dict", "to_yaml",
+           "mesh_error", "resolve_mesh_axes", "save_config", "setting", "to_dict", "to_yaml",
            "trajectory_keys", "validate_for_devices"]
 
 # Strict types (`layers: true` is not 1, `1` is not true); an int widens to a float (past float's range: not finite).
@@ -774,12 +774,6 @@ def _overrides_to_dict(overrides: Sequence[str]) -> dict[str, dict[str, Any]]:
             mapping = section.get(parts[1])
             section[parts[1]] = {**(mapping if isinstance(mapping, Mapping) else {}), parts[2]: value}
     return out
-
-
-def override_keys(overrides: Sequence[str]) -> set[str]:
-    """The ``section.key`` names ``overrides`` set (on the command line: what a checkpoint's own config must agree
-    with, ``train.init_from``)."""
-    return {f"{section}.{key}" for section, values in _overrides_to_dict(overrides).items() for key in values}
 
 
 def _read(path: str | os.PathLike | None, overrides: Sequence[str]) -> dict:
